@@ -1,0 +1,19 @@
+/*
+ * fe.h - internal helpers shared by the frontend files (not installed).
+ */
+#ifndef GJ_FE_H
+#define GJ_FE_H
+
+#include "../autograd/ag.h"
+
+/* Hands a new reference t to the innermost open scope (if any) and returns
+ * t; NULL passes through. Every public function returning a tensor ends
+ * with it. */
+gj_tensor *gj_fe_own(gj_tensor *t);
+
+/* The compiled-autograd flag as seen by gj_backward/gj_grad (reads
+ * GRADJIT_COMPILED_AUTOGRAD once). */
+bool gj_fe_compiled_enabled(void);
+void gj_fe_count_backward(void);
+
+#endif /* GJ_FE_H */

@@ -1,0 +1,283 @@
+/*
+ * gradjit.h - the one public header of gradjit, a C11 library for training
+ * neural networks from C with an eager, define-by-run autograd engine whose
+ * backward pass can be compiled (see docs/architecture.md).
+ *
+ * Ownership, for every function that returns a tensor:
+ *   - "new reference": the caller owns one reference. If a scope is open
+ *     (gj_scope_push), the innermost scope owns it instead and releases it at
+ *     gj_scope_pop; gj_scope_keep(t) moves it out of the scope to the caller.
+ *     gj_release(t) is always legal on a reference you own, scoped or not.
+ *   - "borrowed": valid while the tensor it came from lives; do not release.
+ * Functions taking tensors borrow them unless they say "stolen".
+ *
+ * Errors: a function that fails returns NULL (tensors) or a non-zero status
+ * (int) and sets a thread-local message, gj_last_error(), naming the op, the
+ * shapes and the dtypes involved. No public function aborts on bad input.
+ */
+#ifndef GRADJIT_H
+#define GRADJIT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GJ_VERSION_MAJOR 0
+#define GJ_VERSION_MINOR 1
+#define GJ_VERSION_PATCH 0
+#define GJ_VERSION_STRING "0.1.0"
+
+#define GJ_MAX_DIMS 8
+
+typedef enum gj_dtype {
+    GJ_F32 = 0,
+    GJ_F64 = 1,
+    GJ_BF16 = 2, /* storage only: math runs in f32, results round to bf16 */
+    GJ_I64 = 3,  /* labels and indices; not differentiable */
+} gj_dtype;
+
+typedef struct gj_tensor gj_tensor;
+
+/* ---------------------------------------------------------------- errors */
+
+/* The message of the last failed call on this thread ("" if none). */
+const char *gj_last_error(void);
+void gj_clear_error(void);
+
+/* ------------------------------------------------------- library / info */
+
+/* Library version, BLAS core in use (e.g. "SkylakeX"), thread count. */
+typedef struct gj_info {
+    const char *version;
+    const char *blas_core;    /* openblas_get_corename() */
+    const char *blas_config;  /* openblas_get_config() */
+    int num_threads;
+} gj_info;
+void gj_get_info(gj_info *out);
+
+/* Threads used by gradjit kernels and BLAS. n <= 0: one per core. */
+void gj_set_num_threads(int n);
+int gj_get_num_threads(void);
+
+/* --------------------------------------------------- memory accounting */
+
+typedef struct gj_mem {
+    int64_t live_bytes;  /* tensor storage bytes alive now */
+    int64_t peak_bytes;  /* maximum of live_bytes since the last reset */
+    int64_t n_allocs;    /* storage allocations since start */
+} gj_mem;
+void gj_mem_stats(gj_mem *out);
+void gj_mem_reset_peak(void);
+
+/* ------------------------------------------------------------- tensors */
+
+/* New reference. data is copied; shape has ndim entries (0 <= ndim <= 8). */
+gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const void *data);
+gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape);
+gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape);
+gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value);
+/* Standard normal * std, from the counter-based generator (gj_manual_seed). */
+gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std);
+/* Uniform in [lo, hi). */
+gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi);
+gj_tensor *gj_scalar(gj_dtype dtype, double value); /* 0-d tensor */
+
+/* Seeds every random draw (randn, rand, dropout) of this process. */
+void gj_manual_seed(uint64_t seed);
+
+/* Drop one reference (NULL is ignored). */
+void gj_release(gj_tensor *t);
+/* Add one reference; returns t. The extra reference is the caller's, never a scope's. */
+gj_tensor *gj_retain(gj_tensor *t);
+
+/* Scopes: every new reference returned while a scope is open belongs to
+ * it; gj_scope_pop releases them all. gj_scope_keep moves t out of its scope
+ * (the caller now owns that reference); returns t. */
+void gj_scope_push(void);
+void gj_scope_pop(void);
+gj_tensor *gj_scope_keep(gj_tensor *t);
+
+/* Accessors (borrowed views of metadata; never fail on a valid tensor). */
+gj_dtype gj_tensor_dtype(const gj_tensor *t);
+int gj_tensor_ndim(const gj_tensor *t);
+const int64_t *gj_tensor_shape(const gj_tensor *t);
+const int64_t *gj_tensor_strides(const gj_tensor *t); /* in elements */
+int64_t gj_tensor_numel(const gj_tensor *t);
+bool gj_tensor_is_contiguous(const gj_tensor *t);
+/* Pointer to the first element (of the view), or NULL on error. */
+void *gj_tensor_data(gj_tensor *t);
+/* Copy the tensor's values, converted to f64/f32, into out (numel entries,
+ * row-major order of the view). 0 on success. */
+int gj_tensor_to_f64(const gj_tensor *t, double *out);
+int gj_tensor_to_f32(const gj_tensor *t, float *out);
+/* Element at a flat row-major index, as double (NaN and an error if out of range). */
+double gj_tensor_item_at(const gj_tensor *t, int64_t index);
+double gj_tensor_item(const gj_tensor *t); /* the single element */
+/* Version counter: bumped by every in-place op on the storage. */
+int64_t gj_tensor_version(const gj_tensor *t);
+
+/* ------------------------------------------------------------ autograd */
+
+int gj_set_requires_grad(gj_tensor *t, bool requires_grad); /* leaves only */
+bool gj_requires_grad(const gj_tensor *t);
+bool gj_is_leaf(const gj_tensor *t);
+/* The accumulated .grad of t: borrowed, NULL if none yet. */
+gj_tensor *gj_tensor_grad(const gj_tensor *t);
+/* Replace .grad (g borrowed, may be NULL to clear). */
+int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g);
+/* New reference sharing t's storage, cut from the graph. */
+gj_tensor *gj_detach(gj_tensor *t);
+
+/* Backward from root. seed: gradient of root (NULL: ones, root must then
+ * have one element). Accumulates into .grad of every leaf that requires
+ * grad, in that .grad's dtype. Frees the graph unless retain_graph. */
+int gj_backward(gj_tensor *root, gj_tensor *seed);
+int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
+
+/* torch.autograd.grad: gradients of outputs w.r.t. inputs, without touching
+ * any .grad. seeds may be NULL (ones for each scalar output) or hold NULLs.
+ * grads_out[i] receives a new reference (zeros if input i is unreachable
+ * and allow_unused, else an error). */
+int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds,
+            int n_inputs, gj_tensor *const *inputs, gj_tensor **grads_out,
+            bool retain_graph, bool allow_unused);
+
+/* No-grad mode, nestable (like torch.no_grad). */
+void gj_no_grad_push(void);
+void gj_no_grad_pop(void);
+bool gj_is_grad_enabled(void);
+
+/* ------------------------------------------------------------------ ops */
+/* All return a new reference, or NULL with gj_last_error() set.
+ * Binary ops broadcast (numpy rules) and require equal dtypes. */
+
+gj_tensor *gj_add(gj_tensor *a, gj_tensor *b);
+gj_tensor *gj_sub(gj_tensor *a, gj_tensor *b);
+gj_tensor *gj_mul(gj_tensor *a, gj_tensor *b);
+gj_tensor *gj_div(gj_tensor *a, gj_tensor *b);
+gj_tensor *gj_neg(gj_tensor *x);
+gj_tensor *gj_exp(gj_tensor *x);
+gj_tensor *gj_log(gj_tensor *x);
+gj_tensor *gj_tanh(gj_tensor *x);
+gj_tensor *gj_sigmoid(gj_tensor *x);
+gj_tensor *gj_relu(gj_tensor *x);
+gj_tensor *gj_gelu(gj_tensor *x); /* tanh approximation */
+gj_tensor *gj_sqrt(gj_tensor *x);
+gj_tensor *gj_pow_scalar(gj_tensor *x, double p);
+gj_tensor *gj_add_scalar(gj_tensor *x, double c);
+gj_tensor *gj_mul_scalar(gj_tensor *x, double c);
+
+/* Reductions over the axes in axes[0..n_axes) (negative counts from the end;
+ * n_axes == 0 means all axes). */
+gj_tensor *gj_sum(gj_tensor *x, int n_axes, const int *axes, bool keepdim);
+gj_tensor *gj_mean(gj_tensor *x, int n_axes, const int *axes, bool keepdim);
+gj_tensor *gj_max(gj_tensor *x, int axis, bool keepdim); /* values only */
+
+/* matmul: 2-D x 2-D, or batched (leading dims broadcast), like torch.matmul
+ * for ndim >= 2. linear: x[..., in] @ w[out, in]^T + b[out] (b may be NULL). */
+gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b);
+gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b);
+
+/* Views and shape ops (views share storage where possible). */
+gj_tensor *gj_transpose(gj_tensor *x, int dim0, int dim1);
+gj_tensor *gj_permute(gj_tensor *x, const int *perm);
+gj_tensor *gj_reshape(gj_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
+gj_tensor *gj_view(gj_tensor *x, int ndim, const int64_t *shape);    /* error if not viewable */
+gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape);
+gj_tensor *gj_narrow(gj_tensor *x, int axis, int64_t start, int64_t length);
+gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis);
+gj_tensor *gj_contiguous(gj_tensor *x);
+
+/* NN ops. */
+gj_tensor *gj_softmax(gj_tensor *x, int axis);
+gj_tensor *gj_log_softmax(gj_tensor *x, int axis);
+/* Normalises over the last dimension; w, b of shape [C] or NULL. */
+gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps);
+/* logits [N, K] (float), labels [N] (i64, 0 <= label < K): mean NLL. */
+gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels);
+/* table [V, D], idx i64 of any shape: out [..., D]. */
+gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx);
+/* Inverted dropout with probability p; identity when !train or p == 0. */
+gj_tensor *gj_dropout(gj_tensor *x, double p, bool train);
+/* cond (any dtype, nonzero = true) broadcast with a and b. */
+gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b);
+/* x with value where mask is nonzero. */
+gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value);
+gj_tensor *gj_cast(gj_tensor *x, gj_dtype dtype);
+
+/* In-place ops: bump the version counter; return 0 or an error status.
+ * Not allowed on a leaf that requires grad while grad mode is on. */
+int gj_add_(gj_tensor *x, gj_tensor *y);  /* x += y (y broadcast to x) */
+int gj_mul_(gj_tensor *x, gj_tensor *y);
+int gj_add_scaled_(gj_tensor *x, gj_tensor *y, double alpha); /* x += alpha*y */
+int gj_mul_scalar_(gj_tensor *x, double c);
+int gj_zero_(gj_tensor *x);
+int gj_copy_(gj_tensor *dst, gj_tensor *src); /* src broadcast to dst, cast */
+
+/* ------------------------------------------------------------------- nn */
+
+typedef struct gj_linear_layer {
+    gj_tensor *weight; /* [out, in], owned */
+    gj_tensor *bias;   /* [out] or NULL, owned */
+    int64_t in_features, out_features;
+} gj_linear_layer;
+/* Kaiming-uniform like torch.nn.Linear. 0 on success. */
+int gj_linear_init(gj_linear_layer *l, int64_t in, int64_t out, bool bias, gj_dtype dtype);
+gj_tensor *gj_linear_forward(gj_linear_layer *l, gj_tensor *x);
+void gj_linear_free(gj_linear_layer *l);
+
+typedef struct gj_layer_norm_layer {
+    gj_tensor *weight, *bias; /* [C], owned */
+    int64_t features;
+    double eps;
+} gj_layer_norm_layer;
+int gj_layer_norm_init(gj_layer_norm_layer *l, int64_t features, double eps, gj_dtype dtype);
+gj_tensor *gj_layer_norm_forward(gj_layer_norm_layer *l, gj_tensor *x);
+void gj_layer_norm_free(gj_layer_norm_layer *l);
+
+typedef struct gj_embedding_layer {
+    gj_tensor *weight; /* [V, D], owned */
+    int64_t num, dim;
+} gj_embedding_layer;
+int gj_embedding_init(gj_embedding_layer *l, int64_t num, int64_t dim, gj_dtype dtype);
+gj_tensor *gj_embedding_forward(gj_embedding_layer *l, gj_tensor *idx);
+void gj_embedding_free(gj_embedding_layer *l);
+
+/* ------------------------------------------------------------ optimizers */
+
+typedef struct gj_optim gj_optim;
+/* params borrowed (retained by the optimizer). */
+gj_optim *gj_sgd_new(int n_params, gj_tensor *const *params, double lr, double momentum,
+                     double weight_decay);
+gj_optim *gj_adamw_new(int n_params, gj_tensor *const *params, double lr, double beta1,
+                       double beta2, double eps, double weight_decay);
+int gj_optim_step(gj_optim *o);
+void gj_optim_zero_grad(gj_optim *o); /* sets every .grad to NULL */
+void gj_optim_set_lr(gj_optim *o, double lr);
+void gj_optim_free(gj_optim *o);
+
+/* ------------------------------------------------- compiled autograd */
+
+void gj_set_compiled_autograd(bool on); /* also GRADJIT_COMPILED_AUTOGRAD=1 */
+bool gj_compiled_autograd_enabled(void);
+
+typedef struct gj_ca_stats {
+    int64_t backwards;    /* backward calls while the flag was on */
+    int64_t compiles;
+    int64_t mem_hits;
+    int64_t disk_hits;
+    int64_t fallbacks;    /* backwards that ran eagerly */
+    double compile_ms;
+    double run_ms;
+} gj_ca_stats;
+void gj_compiled_autograd_stats(gj_ca_stats *out);
+void gj_compiled_autograd_reset_stats(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GRADJIT_H */

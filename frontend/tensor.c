@@ -1,0 +1,496 @@
+/*
+ * tensor.c - the public tensor API: creation, references and scopes,
+ * accessors, requires_grad/.grad, backward and gj_grad, no-grad mode.
+ *
+ * Scope invariants: each thread has a stack of scopes. A scope holds exactly
+ * one reference to each tensor registered in it (t->scope == that scope,
+ * t->scope_slot == its index in the scope's array). gj_release and
+ * gj_scope_keep unregister a tensor (the slot becomes NULL) before it can
+ * die, so a scope never drops a reference it no longer holds.
+ */
+#include "fe.h"
+#include "../jit/jit.h"
+
+/* DEV-ONLY weak refs until jit/ lands */
+__attribute__((weak)) int gj_jit_backward(int, gj_tensor *const *, gj_tensor *const *, bool, bool *);
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+/* -------------------------------------------------------------- scopes */
+
+typedef struct fe_scope {
+    gj_tensor **items;
+    int64_t n, cap;
+} fe_scope;
+
+/* Scopes live in a fixed per-thread stack so that gj_scope_push never
+ * allocates and so cannot fail: a trainer's push/pop pairs always match.
+ * Pushes deeper than GJ_FE_MAX_SCOPES are counted in g_overflow and share
+ * the innermost real scope (an error is set). */
+#define GJ_FE_MAX_SCOPES 256
+static _Thread_local fe_scope g_scopes[GJ_FE_MAX_SCOPES];
+static _Thread_local int g_depth, g_overflow;
+static pthread_key_t g_scope_key;
+static pthread_once_t g_scope_once = PTHREAD_ONCE_INIT;
+
+/* At thread exit: release what the thread's scopes still hold and free
+ * their arrays (a thread that never popped would leak otherwise). */
+static void scopes_thread_exit(void *unused) {
+    (void)unused;
+    while (g_overflow > 0 || g_depth > 0) gj_scope_pop();
+    for (int i = 0; i < GJ_FE_MAX_SCOPES; i++) {
+        gj_rt_free(g_scopes[i].items);
+        g_scopes[i].items = NULL;
+        g_scopes[i].cap = 0;
+    }
+}
+
+static void scope_key_init(void) { pthread_key_create(&g_scope_key, scopes_thread_exit); }
+
+gj_tensor *gj_fe_own(gj_tensor *t) {
+    if (!t || g_depth == 0) return t;
+    fe_scope *s = &g_scopes[g_depth - 1];
+    if (s->n == s->cap) {
+        int64_t cap = s->cap ? s->cap * 2 : 64;
+        gj_tensor **items = gj_rt_realloc(s->items, (size_t)cap * sizeof *items);
+        if (!items) { /* cannot register: do not leak it, fail the call */
+            gj_rt_tensor_release(t);
+            return NULL;
+        }
+        if (!s->items) { /* first array of this thread: arrange its freeing */
+            pthread_once(&g_scope_once, scope_key_init);
+            pthread_setspecific(g_scope_key, g_scopes);
+        }
+        s->items = items;
+        s->cap = cap;
+    }
+    t->scope = s;
+    t->scope_slot = s->n;
+    s->items[s->n++] = t;
+    return t;
+}
+
+static void scope_unregister(gj_tensor *t) {
+    fe_scope *s = t->scope;
+    if (!s) return;
+    s->items[t->scope_slot] = NULL;
+    t->scope = NULL;
+    t->scope_slot = 0;
+}
+
+void gj_scope_push(void) {
+    if (g_depth == GJ_FE_MAX_SCOPES) {
+        g_overflow++;
+        gj_rt_set_error("gj_scope_push: more than %d nested scopes; the inner ones share "
+                        "scope %d",
+                        GJ_FE_MAX_SCOPES, GJ_FE_MAX_SCOPES);
+        return;
+    }
+    g_depth++;
+}
+
+void gj_scope_pop(void) {
+    if (g_overflow > 0) {
+        g_overflow--;
+        return;
+    }
+    if (g_depth == 0) {
+        gj_rt_set_error("gj_scope_pop: no scope is open");
+        return;
+    }
+    fe_scope *s = &g_scopes[g_depth - 1];
+    for (int64_t i = s->n - 1; i >= 0; i--) {
+        gj_tensor *t = s->items[i];
+        if (!t) continue;
+        t->scope = NULL;
+        gj_rt_tensor_release(t);
+    }
+    s->n = 0;
+    if (s->cap > 65536) { /* keep the usual per-step array, not a rare huge one */
+        gj_rt_free(s->items);
+        s->items = NULL;
+        s->cap = 0;
+    }
+    g_depth--;
+}
+
+gj_tensor *gj_scope_keep(gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_scope_keep", "t")) return NULL;
+    scope_unregister(t);
+    return t;
+}
+
+void gj_release(gj_tensor *t) {
+    if (!t) return;
+    if (!gj_rt_check_tensor(t, "gj_release", "t")) return;
+    scope_unregister(t);
+    gj_rt_tensor_release(t);
+}
+
+gj_tensor *gj_retain(gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_retain", "t")) return NULL;
+    gj_rt_tensor_retain(t);
+    return t;
+}
+
+/* ------------------------------------------------------------ creation */
+
+static gj_tensor *new_checked(gj_dtype dt, int ndim, const int64_t *shape, const char *op) {
+    if (!gj_rt_dtype_valid((int)dt)) {
+        gj_rt_set_error("%s: invalid dtype %d", op, (int)dt);
+        return NULL;
+    }
+    if (ndim > 0 && !shape) {
+        gj_rt_set_error("%s: shape is NULL for ndim %d", op, ndim);
+        return NULL;
+    }
+    if (!gj_rt_check_shape(ndim, shape, dt, op)) return NULL;
+    return gj_rt_tensor_new(dt, ndim, shape);
+}
+
+gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const void *data) {
+    gj_tensor *t = new_checked(dtype, ndim, shape, "gj_from_data");
+    if (!t) return NULL;
+    if (t->numel > 0) {
+        if (!data) {
+            gj_rt_set_error("gj_from_data: data is NULL for %lld elements", (long long)t->numel);
+            gj_rt_tensor_release(t);
+            return NULL;
+        }
+        memcpy(t->storage->data, data, (size_t)t->numel * gj_rt_dtype_size(dtype));
+    }
+    return gj_fe_own(t);
+}
+
+/* Writes value v (given as double) to element i of contiguous t. */
+static void set_elem(gj_tensor *t, int64_t i, double v) {
+    void *p = t->storage->data;
+    switch (t->dtype) {
+    case GJ_F32: ((float *)p)[i] = (float)v; break;
+    case GJ_F64: ((double *)p)[i] = v; break;
+    case GJ_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case GJ_BF16: {
+        float f = (float)v;
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+        } else {
+            u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+            ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+        }
+        break;
+    }
+    }
+}
+
+gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value) {
+    gj_tensor *t = new_checked(dtype, ndim, shape, "gj_full");
+    if (!t) return NULL;
+    if (value != 0.0)
+        for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, value);
+    return gj_fe_own(t);
+}
+
+gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape) {
+    gj_tensor *t = new_checked(dtype, ndim, shape, "gj_zeros");
+    return gj_fe_own(t);
+}
+
+gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape) {
+    gj_tensor *t = new_checked(dtype, ndim, shape, "gj_ones");
+    if (!t) return NULL;
+    for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, 1.0);
+    return gj_fe_own(t);
+}
+
+gj_tensor *gj_scalar(gj_dtype dtype, double value) {
+    gj_tensor *t = new_checked(dtype, 0, NULL, "gj_scalar");
+    if (!t) return NULL;
+    set_elem(t, 0, value);
+    return gj_fe_own(t);
+}
+
+
+gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) {
+    gj_tensor *t = new_checked(dtype, ndim, shape, "gj_randn");
+    if (!t) return NULL;
+    if (!gj_rt_dtype_is_float(dtype)) {
+        gj_rt_set_error("gj_randn: dtype %s is not a float dtype", gj_rt_dtype_name(dtype));
+        gj_rt_tensor_release(t);
+        return NULL;
+    }
+    uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
+    for (int64_t i = 0; i < t->numel; i++)
+        set_elem(t, i, std * gj_rt_rng_normal(seed, c0 + (uint64_t)i));
+    return gj_fe_own(t);
+}
+
+gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi) {
+    gj_tensor *t = new_checked(dtype, ndim, shape, "gj_rand");
+    if (!t) return NULL;
+    if (!gj_rt_dtype_is_float(dtype) || !(hi >= lo)) {
+        gj_rt_set_error("gj_rand: needs a float dtype and lo <= hi (got %s, [%g, %g))",
+                        gj_rt_dtype_name(dtype), lo, hi);
+        gj_rt_tensor_release(t);
+        return NULL;
+    }
+    uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
+    for (int64_t i = 0; i < t->numel; i++)
+        set_elem(t, i, lo + (hi - lo) * gj_rt_rng_uniform(seed, c0 + (uint64_t)i));
+    return gj_fe_own(t);
+}
+
+/* ----------------------------------------------------------- accessors */
+
+gj_dtype gj_tensor_dtype(const gj_tensor *t) { return t ? t->dtype : GJ_F32; }
+int gj_tensor_ndim(const gj_tensor *t) { return t ? t->ndim : -1; }
+const int64_t *gj_tensor_shape(const gj_tensor *t) { return t ? t->shape : NULL; }
+const int64_t *gj_tensor_strides(const gj_tensor *t) { return t ? t->strides : NULL; }
+int64_t gj_tensor_numel(const gj_tensor *t) { return t ? t->numel : -1; }
+bool gj_tensor_is_contiguous(const gj_tensor *t) { return t && gj_rt_is_contiguous(t); }
+
+void *gj_tensor_data(gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_data", "t")) return NULL;
+    return gj_rt_data_ptr(t);
+}
+
+int gj_tensor_to_f64(const gj_tensor *t, double *out) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_to_f64", "t")) return -1;
+    if (!out && t->numel) {
+        gj_rt_set_error("gj_tensor_to_f64: out is NULL");
+        return -1;
+    }
+    for (int64_t i = 0; i < t->numel; i++) out[i] = gj_rt_get(t, i);
+    return 0;
+}
+
+int gj_tensor_to_f32(const gj_tensor *t, float *out) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_to_f32", "t")) return -1;
+    if (!out && t->numel) {
+        gj_rt_set_error("gj_tensor_to_f32: out is NULL");
+        return -1;
+    }
+    for (int64_t i = 0; i < t->numel; i++) out[i] = (float)gj_rt_get(t, i);
+    return 0;
+}
+
+double gj_tensor_item_at(const gj_tensor *t, int64_t index) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_item_at", "t")) return NAN;
+    if (index < 0 || index >= t->numel) {
+        char sh[96];
+        gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
+        gj_rt_set_error("gj_tensor_item_at: index %lld out of range for %s tensor of shape %s",
+                        (long long)index, gj_rt_dtype_name(t->dtype), sh);
+        return NAN;
+    }
+    return gj_rt_get(t, index);
+}
+
+double gj_tensor_item(const gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_item", "t")) return NAN;
+    if (t->numel != 1) {
+        char sh[96];
+        gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
+        gj_rt_set_error("gj_tensor_item: tensor of shape %s has %lld elements, not 1", sh,
+                        (long long)t->numel);
+        return NAN;
+    }
+    return gj_rt_get(t, 0);
+}
+
+int64_t gj_tensor_version(const gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_version", "t")) return -1;
+    return atomic_load(&t->storage->version);
+}
+
+/* ------------------------------------------------------------ autograd */
+
+int gj_set_requires_grad(gj_tensor *t, bool requires_grad) {
+    if (!gj_rt_check_tensor(t, "gj_set_requires_grad", "t")) return -1;
+    gj_ag_tensor_meta *m = t->ag;
+    if (m && m->node) {
+        gj_rt_set_error("gj_set_requires_grad: only leaf tensors can change requires_grad "
+                        "(this one was computed by op %s); use gj_detach",
+                        m->node->op->name);
+        return -1;
+    }
+    if (requires_grad && !gj_rt_dtype_is_float(t->dtype)) {
+        gj_rt_set_error("gj_set_requires_grad: only float tensors can require grad (got %s)",
+                        gj_rt_dtype_name(t->dtype));
+        return -1;
+    }
+    if (!requires_grad && !m) return 0;
+    m = gj_ag_meta_get(t, true);
+    if (!m) return -1;
+    m->requires_grad = requires_grad;
+    return 0;
+}
+
+bool gj_requires_grad(const gj_tensor *t) {
+    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return false;
+    gj_ag_tensor_meta *m = t->ag;
+    return m && m->requires_grad;
+}
+
+bool gj_is_leaf(const gj_tensor *t) {
+    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return false;
+    gj_ag_tensor_meta *m = t->ag;
+    return !(m && m->node);
+}
+
+gj_tensor *gj_tensor_grad(const gj_tensor *t) {
+    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return NULL;
+    gj_ag_tensor_meta *m = t->ag;
+    return m ? m->grad : NULL;
+}
+
+int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_set_grad", "t")) return -1;
+    if (g) {
+        if (!gj_rt_check_tensor(g, "gj_tensor_set_grad", "g")) return -1;
+        if (g->ndim != t->ndim || memcmp(g->shape, t->shape, (size_t)t->ndim * 8) != 0 ||
+            !gj_rt_dtype_is_float(g->dtype)) {
+            char a[96], b[96];
+            gj_rt_fmt_shape(a, sizeof a, t->ndim, t->shape);
+            gj_rt_fmt_shape(b, sizeof b, g->ndim, g->shape);
+            gj_rt_set_error("gj_tensor_set_grad: grad %s %s does not fit tensor %s %s",
+                            gj_rt_dtype_name(g->dtype), b, gj_rt_dtype_name(t->dtype), a);
+            return -1;
+        }
+    }
+    gj_ag_tensor_meta *m = gj_ag_meta_get(t, g != NULL);
+    if (!m) return g ? -1 : 0;
+    if (g) gj_rt_tensor_retain(g);
+    if (m->grad) gj_rt_tensor_release(m->grad);
+    m->grad = g;
+    return 0;
+}
+
+gj_tensor *gj_detach(gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_detach", "t")) return NULL;
+    return gj_fe_own(gj_rt_tensor_alias(t));
+}
+
+void gj_no_grad_push(void) { gj_ag_no_grad_enter(); }
+void gj_no_grad_pop(void) { gj_ag_no_grad_exit(); }
+bool gj_is_grad_enabled(void) { return gj_ag_grad_enabled(); }
+
+/* ------------------------------------------------------------ backward */
+
+/* The seed of root: a borrowed seed after checks, or a new ones tensor
+ * (*made = true). */
+static gj_tensor *make_seed(gj_tensor *root, gj_tensor *seed, const char *op, int idx,
+                            bool *made) {
+    char a[96], b[96];
+    *made = false;
+    gj_rt_fmt_shape(a, sizeof a, root->ndim, root->shape);
+    if (seed) {
+        if (!gj_rt_check_tensor(seed, op, "seed")) return NULL;
+        gj_rt_fmt_shape(b, sizeof b, seed->ndim, seed->shape);
+        if (seed->ndim != root->ndim ||
+            memcmp(seed->shape, root->shape, (size_t)root->ndim * 8) != 0 ||
+            seed->dtype != root->dtype) {
+            gj_rt_set_error("%s: seed %d is %s %s but the output is %s %s", op, idx,
+                            gj_rt_dtype_name(seed->dtype), b, gj_rt_dtype_name(root->dtype), a);
+            return NULL;
+        }
+        return seed;
+    }
+    if (root->numel != 1) {
+        gj_rt_set_error("%s: a seed gradient is needed for output %d of shape %s (only "
+                        "one-element outputs get an implicit seed of 1)",
+                        op, idx, a);
+        return NULL;
+    }
+    gj_tensor *s = gj_rt_tensor_new(root->dtype, root->ndim, root->shape);
+    if (!s) return NULL;
+    set_elem(s, 0, 1.0);
+    *made = true;
+    return s;
+}
+
+int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
+    if (!gj_rt_check_tensor(root, "gj_backward", "root")) return -1;
+    bool made;
+    gj_tensor *s = make_seed(root, seed, "gj_backward", 0, &made);
+    if (!s) return -1;
+    int rc = -1;
+    bool handled = false;
+    if (gj_fe_compiled_enabled() && gj_jit_backward) {
+        gj_fe_count_backward();
+        rc = gj_jit_backward(1, &root, &s, retain_graph, &handled);
+    }
+    if (!handled) {
+        gj_ag_builder *b = gj_ag_eager_builder();
+        gj_val *sv = gj_ag_tensor_val(s);
+        rc = gj_ag_run_backward(b, 1, &root, &sv, 0, NULL, NULL, retain_graph, true);
+    }
+    if (made) gj_rt_tensor_release(s);
+    return rc;
+}
+
+int gj_backward(gj_tensor *root, gj_tensor *seed) { return gj_backward_ex(root, seed, false); }
+
+int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, int n_inputs,
+            gj_tensor *const *inputs, gj_tensor **grads_out, bool retain_graph,
+            bool allow_unused) {
+    int rc = -1;
+    if (n_outputs <= 0 || n_inputs <= 0 || !outputs || !inputs || !grads_out) {
+        gj_rt_set_error("gj_grad: needs n_outputs > 0, n_inputs > 0 and non-NULL outputs, "
+                        "inputs and grads_out (got %d, %d)",
+                        n_outputs, n_inputs);
+        return -1;
+    }
+    for (int i = 0; i < n_inputs; i++) grads_out[i] = NULL;
+    gj_tensor **sd = gj_rt_calloc((size_t)n_outputs, sizeof *sd);
+    bool *made = gj_rt_calloc((size_t)n_outputs, sizeof *made);
+    gj_val **sv = gj_rt_calloc((size_t)n_outputs, sizeof *sv);
+    gj_val **gv = gj_rt_calloc((size_t)n_inputs, sizeof *gv);
+    if (!sd || !made || !sv || !gv) goto done;
+    for (int i = 0; i < n_outputs; i++)
+        if (!gj_rt_check_tensor(outputs[i], "gj_grad", "outputs[i]")) goto done;
+    for (int i = 0; i < n_inputs; i++)
+        if (!gj_rt_check_tensor(inputs[i], "gj_grad", "inputs[i]")) goto done;
+    for (int i = 0; i < n_outputs; i++) {
+        sd[i] = make_seed(outputs[i], seeds ? seeds[i] : NULL, "gj_grad", i, &made[i]);
+        if (!sd[i]) goto done;
+        sv[i] = gj_ag_tensor_val(sd[i]);
+    }
+    gj_ag_builder *b = gj_ag_eager_builder();
+    if (gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
+                           false) != 0)
+        goto done;
+    rc = 0;
+    for (int i = 0; i < n_inputs; i++) {
+        gj_tensor *g = gj_ag_val_tensor(gv[i]); /* a reference kept for us */
+        if (!g) {
+            if (allow_unused) {
+                g = gj_rt_tensor_new(inputs[i]->dtype, inputs[i]->ndim, inputs[i]->shape);
+            } else {
+                gj_rt_set_error("gj_grad: input %d is not reachable from the outputs "
+                                "(pass allow_unused to get zeros)",
+                                i);
+            }
+            if (!g) rc = -1;
+        }
+        grads_out[i] = g;
+    }
+    if (rc != 0) {
+        for (int i = 0; i < n_inputs; i++) {
+            if (grads_out[i]) gj_rt_tensor_release(grads_out[i]);
+            grads_out[i] = NULL;
+        }
+    } else {
+        for (int i = 0; i < n_inputs; i++) gj_fe_own(grads_out[i]);
+    }
+done:
+    for (int i = 0; sd && made && i < n_outputs; i++)
+        if (made[i]) gj_rt_tensor_release(sd[i]);
+    gj_rt_free(sd);
+    gj_rt_free(made);
+    gj_rt_free(sv);
+    gj_rt_free(gv);
+    return rc;
+}

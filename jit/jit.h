@@ -1,0 +1,31 @@
+/*
+ * jit.h - the one narrow entry into the compiler. frontend/ (gj_backward,
+ * gj_grad) calls it when the compiled-autograd flag is on; autograd/ and
+ * runtime/ never call into jit/.
+ */
+#ifndef GJ_JIT_H
+#define GJ_JIT_H
+
+#include "../autograd/ag.h"
+
+/* Try to run this backward compiled. Sets *handled = true if it ran (the
+ * return value is then the backward's status); false means "run eager"
+ * (a fallback, already counted with its reason). */
+int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                    bool retain_graph, bool *handled);
+
+/* Counters of gj_ca_stats (frontend/ adds `backwards`). */
+void gj_jit_stats(gj_ca_stats *out);
+void gj_jit_reset_stats(void);
+
+/* Appended by helper "jit". The reason of this thread's last fallback
+ * ("" if none since the last reset): a borrowed string. */
+const char *gj_jit_last_fallback_reason(void);
+/* Frees every cached program and eager-only mark, and the LLJIT itself
+ * (recreated on demand). Must not run concurrently with a backward. */
+void gj_jit_clear_cache(void);
+/* quiet = true: no stderr line for a graph that falls back for good (the
+ * default prints one line per such key; GRADJIT_LOG=fallback prints all). */
+void gj_jit_set_quiet(bool quiet);
+
+#endif /* GJ_JIT_H */

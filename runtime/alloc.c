@@ -1,0 +1,147 @@
+/*
+ * alloc.c - the library's two allocation paths and their accounting.
+ *
+ * Invariants:
+ *   - Metadata (headers, nodes, lists) goes through gj_rt_malloc/calloc/
+ *     realloc/free; tensor bytes go through gj_rt_alloc_data/free_data, which
+ *     return 64-byte aligned blocks whose size is rounded up to 64 bytes.
+ *   - live_bytes is the sum of the `nbytes` requested by every data block not
+ *     yet freed (exact: gj_rt_free_data is told the same nbytes);
+ *     peak_bytes >= live_bytes at all times and only a reset lowers it (to
+ *     live_bytes). n_data counts successful data allocations.
+ *   - alloc_count counts every allocation attempt on both paths; the failure
+ *     injection makes attempt number `fail_target` fail (once). A failed
+ *     allocation changes no byte counter and sets the thread's error.
+ *   - All counters are atomics: any thread may allocate and free.
+ */
+#include "runtime/rt.h"
+
+#include <stdlib.h>
+
+#define GJ_RT_DATA_ALIGN 64
+
+static atomic_llong g_live_bytes;
+static atomic_llong g_peak_bytes;
+static atomic_llong g_n_data;
+static atomic_llong g_alloc_count; /* attempts, both paths */
+static atomic_llong g_fail_target; /* 0: off; else attempt number that fails */
+static atomic_llong g_count_mark;  /* g_alloc_count at the last fail_at call */
+
+/* Counts one allocation attempt; true if this attempt must fail. */
+static bool gj_rt_alloc_attempt(void) {
+    long long c = atomic_fetch_add(&g_alloc_count, 1) + 1;
+    long long target = atomic_load(&g_fail_target);
+    if (target != 0 && c == target) {
+        atomic_compare_exchange_strong(&g_fail_target, &target, 0);
+        return true;
+    }
+    return false;
+}
+
+static void gj_rt_oom(size_t n) {
+    gj_rt_set_error("out of memory allocating %zu bytes", n);
+}
+
+void *gj_rt_malloc(size_t n) {
+    if (gj_rt_alloc_attempt()) {
+        gj_rt_oom(n);
+        return NULL;
+    }
+    void *p = malloc(n ? n : 1);
+    if (!p)
+        gj_rt_oom(n);
+    return p;
+}
+
+void *gj_rt_calloc(size_t count, size_t n) {
+    if (gj_rt_alloc_attempt()) {
+        gj_rt_oom(count * n);
+        return NULL;
+    }
+    if (n && count > SIZE_MAX / n) {
+        gj_rt_set_error("out of memory allocating %zu x %zu bytes (size overflows)", count, n);
+        return NULL;
+    }
+    void *p = calloc(count ? count : 1, n ? n : 1);
+    if (!p)
+        gj_rt_oom(count * n);
+    return p;
+}
+
+/* Like realloc, but a failure leaves p valid and untouched, and n == 0
+ * keeps a (minimal) block instead of freeing p. */
+void *gj_rt_realloc(void *p, size_t n) {
+    if (gj_rt_alloc_attempt()) {
+        gj_rt_oom(n);
+        return NULL;
+    }
+    void *q = realloc(p, n ? n : 1);
+    if (!q)
+        gj_rt_oom(n);
+    return q;
+}
+
+void gj_rt_free(void *p) { free(p); }
+
+/* Raises the peak to at least `live` (lock-free max). */
+static void gj_rt_bump_peak(long long live) {
+    long long peak = atomic_load(&g_peak_bytes);
+    while (live > peak && !atomic_compare_exchange_weak(&g_peak_bytes, &peak, live)) {
+    }
+}
+
+/* 64-byte aligned block of at least nbytes (contents undefined); NULL with
+ * an error on failure. nbytes 0 returns a valid minimal block. */
+void *gj_rt_alloc_data(size_t nbytes) {
+    if (gj_rt_alloc_attempt()) {
+        gj_rt_oom(nbytes);
+        return NULL;
+    }
+    if (nbytes > (size_t)INT64_MAX - GJ_RT_DATA_ALIGN) {
+        gj_rt_oom(nbytes);
+        return NULL;
+    }
+    size_t rounded = (nbytes + GJ_RT_DATA_ALIGN - 1) & ~(size_t)(GJ_RT_DATA_ALIGN - 1);
+    if (rounded == 0)
+        rounded = GJ_RT_DATA_ALIGN;
+    void *p = aligned_alloc(GJ_RT_DATA_ALIGN, rounded);
+    if (!p) {
+        gj_rt_oom(nbytes);
+        return NULL;
+    }
+    long long live = atomic_fetch_add(&g_live_bytes, (long long)nbytes) + (long long)nbytes;
+    gj_rt_bump_peak(live);
+    atomic_fetch_add(&g_n_data, 1);
+    return p;
+}
+
+/* nbytes must be the size passed to gj_rt_alloc_data. NULL is ignored. */
+void gj_rt_free_data(void *p, size_t nbytes) {
+    if (!p)
+        return;
+    free(p);
+    atomic_fetch_sub(&g_live_bytes, (long long)nbytes);
+}
+
+int64_t gj_rt_alloc_fail_at(int64_t n) {
+    long long now = atomic_load(&g_alloc_count);
+    long long since = now - atomic_exchange(&g_count_mark, now);
+    atomic_store(&g_fail_target, n > 0 ? now + n : 0);
+    return since;
+}
+
+int64_t gj_rt_alloc_count(void) { return atomic_load(&g_alloc_count); }
+
+void gj_mem_stats(gj_mem *out) {
+    if (!out)
+        return;
+    out->live_bytes = atomic_load(&g_live_bytes);
+    out->peak_bytes = atomic_load(&g_peak_bytes);
+    out->n_allocs = atomic_load(&g_n_data);
+}
+
+/* Peak := live now (a concurrent allocation may raise it again at once). */
+void gj_mem_reset_peak(void) {
+    atomic_store(&g_peak_bytes, atomic_load(&g_live_bytes));
+    gj_rt_bump_peak(atomic_load(&g_live_bytes));
+}

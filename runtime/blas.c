@@ -1,0 +1,182 @@
+/*
+ * blas.c - OpenBLAS, loaded at run time, and row-major GEMM wrappers.
+ *
+ * Invariants:
+ *   - The library is loaded at most once (pthread_once), by the first
+ *     gj_rt_blas_init (every wrapper calls it). Before loading, if the user
+ *     did not set OPENBLAS_CORETYPE, it is set from cpuid
+ *     (gj_rt_blas_pick_coretype): OpenBLAS reads it only while loading, and
+ *     Debian's 0.3.21 does not recognise recent Xeons (it falls back to
+ *     Prescott kernels, several times slower).
+ *   - g_loaded becomes true (release) only after every function pointer is
+ *     set, so any thread that sees it may call them.
+ *   - If OpenBLAS cannot be loaded, gj_rt_blas_init returns -1 and sets the
+ *     error on every call; the GEMM wrappers then compute with a plain loop
+ *     (slow but correct) rather than leave C unwritten.
+ *   - OpenBLAS threads follow gj_rt_num_threads().
+ */
+#include "runtime/rt.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { GJ_CBLAS_ROW_MAJOR = 101, GJ_CBLAS_NO_TRANS = 111, GJ_CBLAS_TRANS = 112 };
+
+typedef void (*gj_sgemm_fn)(int order, int ta, int tb, int m, int n, int k, float alpha,
+                            const float *a, int lda, const float *b, int ldb, float beta,
+                            float *c, int ldc);
+typedef void (*gj_dgemm_fn)(int order, int ta, int tb, int m, int n, int k, double alpha,
+                            const double *a, int lda, const double *b, int ldb, double beta,
+                            double *c, int ldc);
+typedef char *(*gj_str_fn)(void);
+typedef void (*gj_set_threads_fn)(int n);
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static atomic_bool g_loaded;
+static char g_load_error[768];
+static gj_sgemm_fn g_sgemm;
+static gj_dgemm_fn g_dgemm;
+static gj_str_fn g_corename, g_config;
+static gj_set_threads_fn g_set_threads;
+
+/* Core type for OPENBLAS_CORETYPE from the CPU's features (with OS
+ * support), or NULL when OpenBLAS's own detection should decide. */
+const char *gj_rt_blas_pick_coretype(void) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512cd"))
+        return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return "Haswell";
+#endif
+    return NULL;
+}
+
+static void gj_rt_blas_load(void) {
+    if (!getenv("OPENBLAS_CORETYPE")) {
+        const char *core = gj_rt_blas_pick_coretype();
+        if (core)
+            setenv("OPENBLAS_CORETYPE", core, 0);
+    }
+    char err0[320] = "";
+    void *h = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *e = dlerror();
+        snprintf(err0, sizeof err0, "%s", e ? e : "unknown dlopen error");
+        h = dlopen("libopenblas.so", RTLD_NOW | RTLD_LOCAL);
+    }
+    if (!h) {
+        const char *e = dlerror();
+        snprintf(g_load_error, sizeof g_load_error,
+                 "blas_init: cannot load OpenBLAS: dlopen(\"libopenblas.so.0\"): %s; "
+                 "dlopen(\"libopenblas.so\"): %s",
+                 err0, e ? e : "unknown dlopen error");
+        return;
+    }
+    g_sgemm = (gj_sgemm_fn)dlsym(h, "cblas_sgemm");
+    g_dgemm = (gj_dgemm_fn)dlsym(h, "cblas_dgemm");
+    if (!g_sgemm || !g_dgemm) {
+        snprintf(g_load_error, sizeof g_load_error,
+                 "blas_init: OpenBLAS loaded but cblas_sgemm/cblas_dgemm not found: %s",
+                 dlerror());
+        g_sgemm = NULL;
+        g_dgemm = NULL;
+        dlclose(h);
+        return;
+    }
+    g_corename = (gj_str_fn)dlsym(h, "openblas_get_corename");
+    g_config = (gj_str_fn)dlsym(h, "openblas_get_config");
+    g_set_threads = (gj_set_threads_fn)dlsym(h, "openblas_set_num_threads");
+    atomic_store(&g_loaded, true);
+    gj_rt_blas_set_num_threads(gj_rt_num_threads());
+}
+
+int gj_rt_blas_init(void) {
+    pthread_once(&g_once, gj_rt_blas_load);
+    if (atomic_load(&g_loaded))
+        return 0;
+    gj_rt_set_error("%s", g_load_error);
+    return -1;
+}
+
+void gj_rt_blas_set_num_threads(int n) {
+    if (atomic_load(&g_loaded) && g_set_threads && n > 0)
+        g_set_threads(n);
+}
+
+const char *gj_rt_blas_corename(void) {
+    if (gj_rt_blas_init() != 0)
+        return "unavailable";
+    return g_corename ? g_corename() : "unknown";
+}
+
+const char *gj_rt_blas_config(void) {
+    if (gj_rt_blas_init() != 0)
+        return "unavailable";
+    return g_config ? g_config() : "unknown";
+}
+
+/* Checks sizes and leading dimensions (row-major: op(A) is M x K, op(B) is
+ * K x N, C is M x N) and that all fit OpenBLAS's 32-bit integers. */
+static bool gj_rt_gemm_args_ok(const char *op, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                               int64_t lda, int64_t ldb, int64_t ldc) {
+    int64_t acols = ta ? M : K, bcols = tb ? K : N;
+    if (M < 0 || N < 0 || K < 0 || lda < (acols > 1 ? acols : 1) ||
+        ldb < (bcols > 1 ? bcols : 1) || ldc < (N > 1 ? N : 1)) {
+        gj_rt_set_error("%s: invalid arguments M=%lld N=%lld K=%lld ta=%d tb=%d lda=%lld ldb=%lld "
+                        "ldc=%lld", op, (long long)M, (long long)N, (long long)K, ta, tb,
+                        (long long)lda, (long long)ldb, (long long)ldc);
+        return false;
+    }
+    if (M > INT_MAX || N > INT_MAX || K > INT_MAX || lda > INT_MAX || ldb > INT_MAX ||
+        ldc > INT_MAX) {
+        gj_rt_set_error("%s: M=%lld N=%lld K=%lld (lda=%lld ldb=%lld ldc=%lld) exceed the 32-bit "
+                        "BLAS interface", op, (long long)M, (long long)N, (long long)K,
+                        (long long)lda, (long long)ldb, (long long)ldc);
+        return false;
+    }
+    return true;
+}
+
+/* One body for both precisions: the K == 0 case, and the plain loop used
+ * when OpenBLAS is unavailable. */
+#define GJ_RT_GEMM_BODY(T, BLASFN)                                                          \
+    if (!gj_rt_gemm_args_ok(#BLASFN, ta, tb, M, N, K, lda, ldb, ldc) || M == 0 || N == 0)     \
+        return;                                                                             \
+    if (K == 0) {                                                                           \
+        for (int64_t i = 0; i < M; i++)                                                     \
+            for (int64_t j = 0; j < N; j++)                                                 \
+                C[i * ldc + j] = beta == 0 ? (T)0 : beta * C[i * ldc + j];                  \
+        return;                                                                             \
+    }                                                                                       \
+    if (gj_rt_blas_init() == 0) {                                                           \
+        BLASFN(GJ_CBLAS_ROW_MAJOR, ta ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS,                 \
+               tb ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS, (int)M, (int)N, (int)K, alpha, A,   \
+               (int)lda, B, (int)ldb, beta, C, (int)ldc);                                   \
+        return;                                                                             \
+    }                                                                                       \
+    for (int64_t i = 0; i < M; i++)                                                         \
+        for (int64_t j = 0; j < N; j++) {                                                   \
+            T acc = 0;                                                                      \
+            for (int64_t k = 0; k < K; k++)                                                 \
+                acc += (ta ? A[k * lda + i] : A[i * lda + k]) *                             \
+                       (tb ? B[j * ldb + k] : B[k * ldb + j]);                              \
+            C[i * ldc + j] = alpha * acc + (beta == 0 ? (T)0 : beta * C[i * ldc + j]);      \
+        }
+
+void gj_rt_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
+                 float *C, int64_t ldc) {
+    GJ_RT_GEMM_BODY(float, g_sgemm)
+}
+
+void gj_rt_dgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
+                 const double *A, int64_t lda, const double *B, int64_t ldb, double beta,
+                 double *C, int64_t ldc) {
+    GJ_RT_GEMM_BODY(double, g_dgemm)
+}

@@ -1,0 +1,21 @@
+/*
+ * info.c - library information and the public thread-count switches.
+ *
+ * Invariants: gj_get_info always fills every field with a valid string
+ * (BLAS fields read "unavailable" if OpenBLAS cannot be loaded); asking for
+ * the info loads OpenBLAS.
+ */
+#include "runtime/rt.h"
+
+void gj_get_info(gj_info *out) {
+    if (!out)
+        return;
+    out->version = GJ_VERSION_STRING;
+    out->blas_core = gj_rt_blas_corename();
+    out->blas_config = gj_rt_blas_config();
+    out->num_threads = gj_rt_num_threads();
+}
+
+void gj_set_num_threads(int n) { gj_rt_set_num_threads(n); }
+
+int gj_get_num_threads(void) { return gj_rt_num_threads(); }

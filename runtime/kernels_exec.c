@@ -1,0 +1,129 @@
+/*
+ * kernels_exec.c - gj_rt_exec: run one primitive eagerly on real tensors.
+ *
+ * Invariants:
+ *   - The order is always: validate the input pointers, gj_rt_infer (the
+ *     one shape rule), allocate the outputs with the inferred metas, run the
+ *     kernel. Inputs are borrowed and never modified.
+ *   - Outputs are new references: fresh contiguous tensors, except the view
+ *     primitives (RESHAPE of a contiguous input, PERMUTE, EXPAND, SLICE),
+ *     which share the input's storage.
+ *   - Outputs are allocated uninitialised (gj_rt_tensor_empty) when the
+ *     kernel writes every element, zero-filled (gj_rt_tensor_new) for PAD
+ *     and SCATTER_ADD_ROWS.
+ *   - On any failure every output allocated so far is released, outs[] is
+ *     all NULL, the error is set, and -1 is returned.
+ */
+#include "runtime/kernels.h"
+
+static bool gj_k_needs_zero(gj_rt_prim p) {
+    return p == GJ_P_PAD || p == GJ_P_SCATTER_ADD_ROWS;
+}
+
+int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
+    if (!inst || !outs) {
+        gj_rt_set_error("exec: NULL %s", inst ? "outputs array" : "instruction");
+        return -1;
+    }
+    for (int k = 0; k < GJ_RT_MAX_OUTPUTS; k++)
+        outs[k] = NULL;
+    if ((unsigned)inst->prim >= (unsigned)GJ_P_COUNT) {
+        gj_rt_set_error("exec: invalid primitive %d", (int)inst->prim);
+        return -1;
+    }
+    const char *name = gj_rt_prim_name(inst->prim);
+    int n_in = inst->n_in;
+    if (n_in < 0 || n_in > GJ_RT_MAX_INPUTS) {
+        gj_rt_set_error("%s: invalid input count %d", name, n_in);
+        return -1;
+    }
+    if (n_in > 0 && !in) {
+        gj_rt_set_error("%s: NULL inputs array", name);
+        return -1;
+    }
+    gj_rt_meta im[GJ_RT_MAX_INPUTS], om[GJ_RT_MAX_OUTPUTS];
+    for (int i = 0; i < n_in; i++) {
+        if (!gj_rt_check_tensor(in[i], name, "input"))
+            return -1;
+        gj_rt_meta_of(in[i], &im[i]);
+    }
+    int nout = gj_rt_infer(inst, im, om);
+    if (nout < 0)
+        return -1;
+
+    gj_rt_prim p = inst->prim;
+    if (p == GJ_P_RESHAPE || p == GJ_P_PERMUTE || p == GJ_P_EXPAND || p == GJ_P_SLICE) {
+        outs[0] = gj_rt_k_view_op(inst, in[0], &om[0]);
+        return outs[0] ? 1 : -1;
+    }
+
+    for (int k = 0; k < nout; k++) {
+        outs[k] = gj_k_needs_zero(p) ? gj_rt_tensor_new(om[k].dtype, om[k].ndim, om[k].shape)
+                                     : gj_rt_tensor_empty(om[k].dtype, om[k].ndim, om[k].shape);
+        if (!outs[k])
+            goto fail;
+    }
+
+    int rc;
+    switch (p) {
+    case GJ_P_FILL:
+        rc = gj_rt_k_fill(inst, outs[0]);
+        break;
+    case GJ_P_DROPOUT_MASK:
+        rc = gj_rt_k_dropout_mask(inst, outs[0]);
+        break;
+    case GJ_P_CAST: case GJ_P_COPY:
+        rc = gj_rt_copy_into(outs[0], in[0]);
+        break;
+    case GJ_P_SUM:
+        rc = gj_rt_k_sum(inst, in[0], outs[0]);
+        break;
+    case GJ_P_MAX:
+        rc = gj_rt_k_max(inst, in[0], outs[0]);
+        break;
+    case GJ_P_PAD:
+        rc = gj_rt_k_pad(inst, in[0], outs[0]);
+        break;
+    case GJ_P_CAT:
+        rc = gj_rt_k_cat(inst, in, outs[0]);
+        break;
+    case GJ_P_MATMUL:
+        rc = gj_rt_k_matmul(inst, in[0], in[1], outs[0]);
+        break;
+    case GJ_P_GATHER_ROWS:
+        rc = gj_rt_k_gather_rows(in[0], in[1], outs[0]);
+        break;
+    case GJ_P_SCATTER_ADD_ROWS:
+        rc = gj_rt_k_scatter_add_rows(inst, in[0], in[1], outs[0]);
+        break;
+    case GJ_P_SOFTMAX: case GJ_P_LOG_SOFTMAX: case GJ_P_SOFTMAX_BWD:
+    case GJ_P_LOG_SOFTMAX_BWD: case GJ_P_LN_FWD: case GJ_P_LN_BWD: case GJ_P_CE_FWD:
+    case GJ_P_CE_BWD:
+        rc = gj_rt_k_composite(inst, in, outs);
+        break;
+    case GJ_P_IOTA:
+        rc = gj_rt_k_iota(inst, outs[0]);
+        break;
+    case GJ_P_NEG: case GJ_P_EXP: case GJ_P_LOG: case GJ_P_TANH: case GJ_P_SIGMOID:
+    case GJ_P_RELU: case GJ_P_GELU: case GJ_P_SQRT: case GJ_P_RSQRT: case GJ_P_RECIP:
+    case GJ_P_GELU_GRAD: case GJ_P_STEP: case GJ_P_ADD_SCALAR: case GJ_P_MUL_SCALAR:
+    case GJ_P_POW_SCALAR: case GJ_P_ADD: case GJ_P_SUB: case GJ_P_MUL: case GJ_P_DIV:
+    case GJ_P_EQ: case GJ_P_WHERE:
+        rc = gj_rt_k_pointwise(inst, in, outs[0]);
+        break;
+    default:
+        gj_rt_set_error("%s: no eager kernel", name);
+        rc = -1;
+        break;
+    }
+    if (rc != 0)
+        goto fail;
+    return nout;
+
+fail:
+    for (int k = 0; k < GJ_RT_MAX_OUTPUTS; k++) {
+        gj_rt_tensor_release(outs[k]);
+        outs[k] = NULL;
+    }
+    return -1;
+}

@@ -1,0 +1,191 @@
+/*
+ * rt.h - the runtime layer: storage, tensors, the allocator, errors, the
+ * thread pool, BLAS, and the eager kernels of every primitive.
+ *
+ * Invariants:
+ *   - A tensor is a strided view of a reference-counted storage: element
+ *     (i0..in) lives at storage->data + (offset + sum ik*strides[k]) * elsize.
+ *     Strides are in elements and may be 0 (broadcast) but never negative.
+ *   - Every storage byte comes from gj_rt_alloc_data (64-byte aligned), which
+ *     keeps the live/peak counters exact; every other allocation of the
+ *     library goes through gj_rt_malloc/gj_rt_calloc/gj_rt_free. Both paths
+ *     count towards the test-only failure injection (gj_rt_alloc_fail_at).
+ *   - The version counter lives on the storage: an in-place op on any view
+ *     bumps it for every view of the same memory.
+ *   - Nothing here knows about autograd: a tensor carries an opaque `ag`
+ *     pointer that the autograd layer owns and frees through the callback
+ *     registered with gj_rt_set_ag_free.
+ */
+#ifndef GJ_RT_H
+#define GJ_RT_H
+
+#include "gradjit.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+
+/* ------------------------------------------------------------ errors */
+
+/* Set the thread-local message of gj_last_error() (printf format). */
+void gj_rt_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Formats "[d0, d1, ...]" into buf (always NUL-terminated). Returns buf. */
+char *gj_rt_fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape);
+const char *gj_rt_dtype_name(gj_dtype dt);
+
+/* ----------------------------------------------------------- allocator */
+
+/* Metadata allocations (tensor structs, nodes, lists): NULL on failure
+ * (and an error is set), counted by the failure injection only. */
+void *gj_rt_malloc(size_t n);
+void *gj_rt_calloc(size_t count, size_t n);
+void *gj_rt_realloc(void *p, size_t n);
+void gj_rt_free(void *p);
+/* Tensor data: 64-byte aligned, counted in live/peak bytes. */
+void *gj_rt_alloc_data(size_t nbytes);
+void gj_rt_free_data(void *p, size_t nbytes);
+/* Test switch: the n-th allocation from now on (1 = the next) fails;
+ * 0 disables. Returns how many allocations happened since the last call. */
+int64_t gj_rt_alloc_fail_at(int64_t n);
+int64_t gj_rt_alloc_count(void); /* every allocation made, both paths */
+
+/* ------------------------------------------------------------ storage */
+
+typedef struct gj_rt_storage {
+    atomic_long refcount;
+    void *data;
+    size_t nbytes;
+    atomic_long version;
+    bool external; /* data not owned (never freed) */
+} gj_rt_storage;
+
+gj_rt_storage *gj_rt_storage_new(size_t nbytes); /* zero-filled; NULL on OOM */
+void gj_rt_storage_retain(gj_rt_storage *s);
+void gj_rt_storage_release(gj_rt_storage *s);
+
+/* ------------------------------------------------------------- tensor */
+
+#define GJ_RT_TENSOR_MAGIC 0x676a5445u /* "gjTE" */
+#define GJ_RT_TENSOR_DEAD 0xdeadbeefu
+
+struct gj_tensor {
+    uint32_t magic; /* GJ_RT_TENSOR_MAGIC while alive */
+    atomic_long refcount;
+    gj_dtype dtype;
+    int ndim;
+    int64_t shape[GJ_MAX_DIMS];
+    int64_t strides[GJ_MAX_DIMS]; /* elements */
+    int64_t offset;               /* elements */
+    int64_t numel;
+    gj_rt_storage *storage;
+    void *ag;     /* autograd metadata, owned by autograd/ */
+    void *scope;  /* the scope owning one reference, or NULL */
+    int64_t scope_slot;
+};
+
+size_t gj_rt_dtype_size(gj_dtype dt);
+bool gj_rt_dtype_is_float(gj_dtype dt);
+bool gj_rt_dtype_valid(int dt);
+
+/* Validate a user tensor pointer: non-NULL and alive. Sets an error naming
+ * op and returns false otherwise. */
+bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg);
+/* Validate a shape: 0 <= ndim <= GJ_MAX_DIMS, dims >= 0, numel*elsize no
+ * overflow. Sets an error naming op. */
+bool gj_rt_check_shape(int ndim, const int64_t *shape, gj_dtype dt, const char *op);
+
+/* New contiguous tensor (refcount 1, data zeroed); NULL with error set. */
+gj_tensor *gj_rt_tensor_new(gj_dtype dt, int ndim, const int64_t *shape);
+/* New tensor header viewing `s` (retained). */
+gj_tensor *gj_rt_tensor_view(gj_rt_storage *s, gj_dtype dt, int ndim, const int64_t *shape,
+                             const int64_t *strides, int64_t offset);
+/* Header-only alias of t (same storage/shape/strides), no autograd meta. */
+gj_tensor *gj_rt_tensor_alias(const gj_tensor *t);
+void gj_rt_tensor_retain(gj_tensor *t);
+/* Drops one reference; on zero frees autograd meta (via the callback),
+ * storage reference, header. Does not touch scopes (frontend does). */
+void gj_rt_tensor_release(gj_tensor *t);
+void gj_rt_set_ag_free(void (*fn)(gj_tensor *t));
+
+void gj_rt_contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+bool gj_rt_is_contiguous(const gj_tensor *t);
+int64_t gj_rt_numel(int ndim, const int64_t *shape);
+static inline void *gj_rt_data_ptr(const gj_tensor *t) {
+    return (char *)t->storage->data + t->offset * (int64_t)gj_rt_dtype_size(t->dtype);
+}
+/* Contiguous copy in the same dtype (new reference; retains t itself if it
+ * is already contiguous). */
+gj_tensor *gj_rt_contiguous(gj_tensor *t);
+/* Element i (row-major order of the view) as double. */
+double gj_rt_get(const gj_tensor *t, int64_t i);
+void gj_rt_bump_version(gj_tensor *t);
+
+/* Broadcast two shapes (numpy rules); false if incompatible. */
+bool gj_rt_broadcast_shape(int na, const int64_t *a, int nb, const int64_t *b, int *nout,
+                           int64_t *out);
+
+/* Counter-based RNG (Philox-like hash): value k of stream (seed, offset). */
+uint64_t gj_rt_rng_seed(void);
+void gj_rt_rng_set_seed(uint64_t seed);
+/* Reserve n consecutive counters of the global stream; returns the first. */
+uint64_t gj_rt_rng_reserve(uint64_t n);
+
+/* -------------------------------------------------------- thread pool */
+
+/* Calls fn(ctx, begin, end) over [0, n) split in chunks of at least grain,
+ * on the pool threads and the caller. Runs inline when n < 2*grain or one
+ * thread is configured. Not reentrant from within fn (runs inline there). */
+typedef void (*gj_rt_range_fn)(void *ctx, int64_t begin, int64_t end);
+void gj_rt_parallel_for(int64_t n, int64_t grain, gj_rt_range_fn fn, void *ctx);
+void gj_rt_set_num_threads(int n);
+int gj_rt_num_threads(void);
+
+/* --------------------------------------------------------------- BLAS */
+
+/* Loads OpenBLAS (choosing a core type from cpuid first if the user did
+ * not set OPENBLAS_CORETYPE), once. 0 on success. */
+int gj_rt_blas_init(void);
+const char *gj_rt_blas_corename(void);
+const char *gj_rt_blas_config(void);
+/* Row-major C[M,N] = alpha * op(A) op(B) + beta * C with leading dims. */
+void gj_rt_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
+                 float *C, int64_t ldc);
+void gj_rt_dgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
+                 const double *A, int64_t lda, const double *B, int64_t ldb, double beta,
+                 double *C, int64_t ldc);
+
+#include "rt_prim.h"
+
+/* ---------------------------------------- runtime core additions (rtcore) */
+
+/* As gj_rt_storage_new / gj_rt_tensor_new but the bytes are left undefined:
+ * for outputs that a kernel overwrites entirely (saves the zero-fill pass). */
+gj_rt_storage *gj_rt_storage_new_uninit(size_t nbytes);
+gj_tensor *gj_rt_tensor_empty(gj_dtype dt, int ndim, const int64_t *shape);
+/* Copies src, broadcast to dst's shape (numpy rules), into dst, converting
+ * between any of f32/f64/bf16/i64 (to bf16: round to nearest even, NaN kept;
+ * float to i64: truncation, NaN -> 0, saturating). Both borrowed; does not
+ * bump dst's version. 0, or -1 with an error. */
+int gj_rt_copy_into(gj_tensor *dst, const gj_tensor *src);
+/* Stateless counter-based generator: 64 random bits, a uniform double in
+ * [0, 1) and a standard normal (Box-Muller), each a pure function of
+ * (seed, counter). */
+uint64_t gj_rt_rng_bits(uint64_t seed, uint64_t counter);
+double gj_rt_rng_uniform(uint64_t seed, uint64_t counter);
+double gj_rt_rng_normal(uint64_t seed, uint64_t counter);
+/* The OPENBLAS_CORETYPE that gj_rt_blas_init sets from cpuid ("Cooperlake",
+ * "SkylakeX", "Haswell") or NULL to let OpenBLAS decide. */
+const char *gj_rt_blas_pick_coretype(void);
+/* Sets OpenBLAS's thread count if it is loaded (gj_rt_set_num_threads calls
+ * it; gj_rt_blas_init applies gj_rt_num_threads() after loading). */
+void gj_rt_blas_set_num_threads(int n);
+
+/* ------------------------------------------------------- math bitcode */
+
+/* runtime/math_bc.c (the scalar math of gj_math.h as gj_bc_* functions)
+ * compiled to LLVM bitcode by clang-19 at build time and embedded here;
+ * the JIT parses it and links it into every kernel module. */
+extern const unsigned char gj_rt_math_bc[];
+extern const size_t gj_rt_math_bc_size;
+
+#endif /* GJ_RT_H */

@@ -1,0 +1,112 @@
+/*
+ * rt_prim.h - the primitive vocabulary shared by the eager kernels and the
+ * compiler. Every forward and backward formula of autograd/ is written as a
+ * sequence of these instructions (through a builder); the eager builder runs
+ * each one at once with gj_rt_exec, the recording builder of jit/ records it
+ * as an IR node. gj_rt_infer is the single shape/dtype rule for both.
+ *
+ * Conventions:
+ *   - Elementwise unary/binary/ternary ops broadcast their inputs (numpy
+ *     rules) and require equal float dtypes (WHERE: cond may be any dtype).
+ *     bf16 inputs are computed in f32 and rounded once on store.
+ *   - Reductions take a bitmask of input axes (bit k = axis k).
+ *   - Composites (SOFTMAX .. CE_BWD) act on the LAST axis; the eager kernel
+ *     is hand-fused, the compiler decomposes them into primitives
+ *     (autograd/ag_decompose.c).
+ */
+#ifndef GJ_RT_PRIM_H
+#define GJ_RT_PRIM_H
+
+#define GJ_RT_PRIM_LIST(X)                                                            \
+    /* unary elementwise: 1 input */                                                  \
+    X(NEG) X(EXP) X(LOG) X(TANH) X(SIGMOID) X(RELU) X(GELU) X(SQRT) X(RSQRT) X(RECIP) \
+    X(GELU_GRAD)  /* d gelu(x) / dx */                                                \
+    X(STEP)       /* x > 0 ? 1 : 0 */                                                 \
+    X(ADD_SCALAR) /* x + scalar */                                                    \
+    X(MUL_SCALAR) /* x * scalar */                                                    \
+    X(POW_SCALAR) /* x ^ scalar */                                                    \
+    X(CAST)       /* to inst.dtype */                                                 \
+    /* binary elementwise: 2 inputs */                                                \
+    X(ADD) X(SUB) X(MUL) X(DIV)                                                       \
+    X(EQ)         /* x == y ? 1 : 0, in x's dtype */                                  \
+    /* ternary: cond, a, b */                                                         \
+    X(WHERE)                                                                          \
+    /* nullary */                                                                     \
+    X(FILL)         /* inst.shape/dtype filled with scalar */                         \
+    X(DROPOUT_MASK) /* inst.shape/dtype: 0 or 1/(1-p), p = scalar, from seed/offset */ \
+    /* reductions: 1 input, axes mask, keepdim */                                     \
+    X(SUM) X(MAX)                                                                     \
+    /* movement */                                                                    \
+    X(RESHAPE)  /* to inst.shape (same numel) */                                      \
+    X(PERMUTE)  /* inst.shape[k] = source axis of output axis k */                    \
+    X(EXPAND)   /* to inst.shape (broadcast of size-1 / leading dims) */              \
+    X(SLICE)    /* axis, start, len */                                                \
+    X(PAD)      /* axis, start, len: zeros of size len on axis, x placed at start */  \
+    X(CAT)      /* n_in inputs, along axis */                                         \
+    X(COPY)     /* contiguous copy */                                                 \
+    /* linear algebra */                                                              \
+    X(MATMUL)   /* [..,M,K]x[..,K,N], batch dims broadcast; ta/tb transpose last 2 */ \
+    /* indexing (indices are i64) */                                                  \
+    X(GATHER_ROWS)      /* table[V,D], idx[...] -> [..., D] */                        \
+    X(SCATTER_ADD_ROWS) /* src[..., D], idx[...] -> [V=len, D] zeros + src rows */    \
+    /* composites over the last axis */                                               \
+    X(SOFTMAX) X(LOG_SOFTMAX)                                                         \
+    X(SOFTMAX_BWD)      /* (y, gy) -> y * (gy - sum(gy*y)) */                         \
+    X(LOG_SOFTMAX_BWD)  /* (y, gy) -> gy - exp(y) * sum(gy) */                        \
+    X(LN_FWD)           /* x, eps=scalar -> xhat, mean[...,1], rstd[...,1] */         \
+    X(LN_BWD)           /* (x, mean, rstd, gxhat) -> gx */                            \
+    X(CE_FWD)           /* (logits[N,K], labels[N]) -> loss[], lse[N] */              \
+    X(CE_BWD)           /* (logits, lse, labels, g[]) -> glogits[N,K] */           \
+    /* nullary, appended (used by the CE decompositions for the one-hot) */           \
+    X(IOTA)             /* inst.shape/dtype: value = index along inst.axis */
+
+typedef enum gj_rt_prim {
+#define GJ_RT_PRIM_ENUM(name) GJ_P_##name,
+    GJ_RT_PRIM_LIST(GJ_RT_PRIM_ENUM)
+#undef GJ_RT_PRIM_ENUM
+    GJ_P_COUNT
+} gj_rt_prim;
+
+const char *gj_rt_prim_name(gj_rt_prim p);
+
+#define GJ_RT_MAX_INPUTS 16 /* CAT takes at most this many */
+#define GJ_RT_MAX_OUTPUTS 3
+
+/* One instruction: the primitive and its attributes (unused fields zero). */
+typedef struct gj_rt_inst {
+    gj_rt_prim prim;
+    int n_in;
+    double scalar;   /* ADD/MUL/POW_SCALAR c, FILL value, dropout p, LN eps */
+    gj_dtype dtype;  /* CAST target; FILL/DROPOUT_MASK dtype */
+    uint32_t axes;   /* SUM/MAX: bitmask of reduced input axes */
+    bool keepdim;    /* SUM/MAX */
+    bool ta, tb;     /* MATMUL */
+    int axis;        /* SLICE/PAD/CAT */
+    int64_t start;   /* SLICE/PAD */
+    int64_t len;     /* SLICE: length taken; PAD: output length; SCATTER_ADD_ROWS: V */
+    uint64_t seed, rng_offset; /* DROPOUT_MASK */
+    int ndim;        /* RESHAPE/EXPAND/FILL/DROPOUT_MASK target, PERMUTE rank */
+    int64_t shape[GJ_MAX_DIMS];
+} gj_rt_inst;
+
+/* Shape and dtype of a value. */
+typedef struct gj_rt_meta {
+    gj_dtype dtype;
+    int ndim;
+    int64_t shape[GJ_MAX_DIMS];
+} gj_rt_meta;
+
+void gj_rt_meta_of(const gj_tensor *t, gj_rt_meta *out);
+
+/* Output metas of inst applied to inputs of metas in[0..n_in). Returns the
+ * number of outputs (1..3) or -1 with an error naming the primitive, the
+ * shapes and dtypes. The one shape rule of eager and compiled modes. */
+int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
+
+/* Runs inst on real tensors. outs must have room for GJ_RT_MAX_OUTPUTS
+ * entries (all are cleared first); outs[k] receive new references (movement
+ * primitives return views sharing storage when the layout allows). Returns
+ * the number of outputs, or -1 with an error set (nothing leaked). */
+int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
+
+#endif /* GJ_RT_PRIM_H */

@@ -1,0 +1,52 @@
+/*
+ * storage.c - reference-counted blocks of tensor bytes.
+ *
+ * Invariants: a storage is created with refcount 1 and zero-filled data of
+ * exactly `nbytes` usable bytes (data is never NULL, even for 0 bytes); the
+ * last gj_rt_storage_release frees the data through gj_rt_free_data (unless
+ * `external`, whose data the storage does not own) and then the header.
+ * The version counter starts at 0 and only grows.
+ */
+#include "runtime/rt.h"
+
+#include <string.h>
+
+/* New storage, refcount 1, zeroed (new reference). NULL with error on OOM. */
+gj_rt_storage *gj_rt_storage_new(size_t nbytes) {
+    gj_rt_storage *s = gj_rt_storage_new_uninit(nbytes);
+    if (s)
+        memset(s->data, 0, nbytes);
+    return s;
+}
+
+/* As gj_rt_storage_new, but the bytes are left undefined (for outputs that
+ * a kernel overwrites entirely). */
+gj_rt_storage *gj_rt_storage_new_uninit(size_t nbytes) {
+    gj_rt_storage *s = gj_rt_malloc(sizeof *s);
+    if (!s)
+        return NULL;
+    s->data = gj_rt_alloc_data(nbytes);
+    if (!s->data)
+        goto fail;
+    atomic_init(&s->refcount, 1);
+    atomic_init(&s->version, 0);
+    s->nbytes = nbytes;
+    s->external = false;
+    return s;
+fail:
+    gj_rt_free(s);
+    return NULL;
+}
+
+void gj_rt_storage_retain(gj_rt_storage *s) {
+    if (s)
+        atomic_fetch_add(&s->refcount, 1);
+}
+
+void gj_rt_storage_release(gj_rt_storage *s) {
+    if (!s || atomic_fetch_sub(&s->refcount, 1) != 1)
+        return;
+    if (!s->external)
+        gj_rt_free_data(s->data, s->nbytes);
+    gj_rt_free(s);
+}

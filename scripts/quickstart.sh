@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets everything up on a fresh Debian 12 machine and runs the main job:
+# trains the Fashion-MNIST MLP for one epoch eagerly and with compiled
+# autograd from the same seed, and prints both side by side.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/deps.sh
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$(nproc)" --target train_fashion_mnist
+./build/train_fashion_mnist --both --epochs 1 "$@"

@@ -1,0 +1,143 @@
+/*
+ * gjtest.h - helpers shared by every cmocka suite of gradjit.
+ *
+ * Everything here goes through the public API (gradjit.h) only. Random test
+ * data comes from a local splitmix64 generator (gjt_rng) seeded by each test,
+ * never from the library's generator, so that test inputs do not change when
+ * the library's RNG does.
+ *
+ * The finite-difference harness (gjt_gradcheck) builds f64 leaves from an
+ * input specification, maps each leaf to the input f sees (the leaf itself,
+ * or a non-contiguous/broadcast view of it), evaluates
+ *     L = sum(f(inputs) * R)
+ * with a fixed random R, runs gj_backward(L) for the analytic gradients (in
+ * the leaves' .grad), and compares them with central differences computed by
+ * perturbing the leaves' data in place and rebuilding the graph under
+ * gj_no_grad_push. On failure it prints the check's name, the input shapes
+ * and the worst element.
+ *
+ * Ownership: helpers returning gj_tensor* return a new reference; helpers
+ * returning double* return malloc'd memory the caller frees.
+ */
+#ifndef GJTEST_H
+#define GJTEST_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "gradjit.h"
+
+/* ------------------------------------------------------------------ RNG */
+
+typedef struct gjt_rng {
+    uint64_t s;
+} gjt_rng;
+
+void gjt_rng_seed(gjt_rng *r, uint64_t seed);
+uint64_t gjt_rng_u64(gjt_rng *r);
+double gjt_rng_uniform(gjt_rng *r, double lo, double hi); /* [lo, hi) */
+double gjt_rng_normal(gjt_rng *r);
+int64_t gjt_rng_int(gjt_rng *r, int64_t n); /* [0, n) */
+
+/* -------------------------------------------------------------- tensors */
+
+int64_t gjt_numel(int ndim, const int64_t *shape);
+/* New f64-valued tensor of dtype dt (values converted) from a double array. */
+gj_tensor *gjt_tensor(gj_dtype dt, int ndim, const int64_t *shape, const double *data);
+/* New tensor of uniform values in [lo, hi). */
+gj_tensor *gjt_uniform(gjt_rng *r, gj_dtype dt, int ndim, const int64_t *shape, double lo,
+                       double hi);
+/* New i64 tensor of integers in [0, n). */
+gj_tensor *gjt_labels(gjt_rng *r, int ndim, const int64_t *shape, int64_t n);
+/* New i64 tensor from an int64 array. */
+gj_tensor *gjt_i64(int ndim, const int64_t *shape, const int64_t *data);
+/* The tensor's values in row-major order of its view (malloc'd, NULL on error). */
+double *gjt_values(const gj_tensor *t);
+/* Whether t has exactly this shape. */
+bool gjt_shape_is(const gj_tensor *t, int ndim, const int64_t *shape);
+/* Formats a shape "[2, 3]" into buf. */
+const char *gjt_fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape);
+
+/* ---------------------------------------------------------- comparisons */
+
+/* Largest |a[i] - b[i]|; *worst (may be NULL) receives its index. */
+double gjt_max_abs_diff(const double *a, const double *b, int64_t n, int64_t *worst);
+/* true if |got - want| <= atol + rtol*|want| for every element; otherwise
+ * prints what (a label), the count of bad elements and the worst one. */
+bool gjt_allclose(const char *what, const double *got, const double *want, int64_t n,
+                  double atol, double rtol);
+/* Same for a tensor against expected values (shape is the caller's business). */
+bool gjt_tensor_close(const char *what, const gj_tensor *t, const double *want, double atol,
+                      double rtol);
+
+/* ---------------------------------------------------------------- errors */
+
+/* Case-insensitive substring test on gj_last_error(). */
+bool gjt_error_has(const char *needle);
+/* Asserts that the last error is non-empty and mentions op. */
+#define GJT_ASSERT_ERROR(op)                                                              \
+    do {                                                                                  \
+        if (!gjt_error_has(op) || gj_last_error()[0] == '\0') {                           \
+            print_error("expected an error naming '%s', got '%s'\n", (op), gj_last_error()); \
+            fail();                                                                       \
+        }                                                                                 \
+    } while (0)
+
+/* ---------------------------------------------------------------- memory */
+
+int64_t gjt_live_bytes(void);
+
+/* ------------------------------------------------ finite differences */
+
+#define GJT_MAX_IN 8
+
+/* f: builds the output from inputs (borrowed); returns a new reference or
+ * NULL (error set). Called inside a scope, so temporaries need no release. */
+typedef gj_tensor *(*gjt_fn)(gj_tensor **inputs, void *ctx);
+
+typedef enum gjt_view {
+    GJT_PLAIN = 0,   /* the input is the contiguous leaf itself */
+    GJT_TRANSPOSED,  /* leaf has the last two dims swapped; input = transpose */
+    GJT_NARROWED,    /* leaf's last dim is 3 larger; input = narrow(last, 1, n) */
+    GJT_EXPANDED,    /* leaf's dim 0 is 1; input = expand(leaf, shape) */
+} gjt_view;
+
+typedef struct gjt_input {
+    int ndim;
+    int64_t shape[GJ_MAX_DIMS]; /* shape of the input f sees */
+    double lo, hi;              /* uniform range; lo == hi: [-1, 1) */
+    double min_abs;             /* values resampled until |x| >= min_abs */
+    bool distinct;              /* values a shuffled grid over [lo, hi) */
+    gjt_view view;
+    bool constant;              /* no requires_grad, not checked */
+} gjt_input;
+
+typedef struct gjt_check {
+    const char *name;
+    gjt_fn fn;
+    void *ctx;
+    int n_in;
+    gjt_input in[GJT_MAX_IN];
+    double eps, atol, rtol;     /* 0: 1e-6, 1e-6, 1e-6 */
+    bool reseed;                /* gj_manual_seed(rng_seed) before each evaluation */
+    uint64_t rng_seed;
+    uint64_t data_seed;         /* seeds the leaves' values and R */
+    int64_t sample;             /* > 0: check only this many random elements per leaf */
+} gjt_check;
+
+/* Runs the check; 0 if every analytic gradient matches. Also verifies that
+ * the no-grad forward equals the grad-mode forward, that each leaf's .grad
+ * has the leaf's shape and dtype, and that no tensor bytes leak. */
+int gjt_gradcheck(const gjt_check *c);
+
+/* The same check's analytic pass in dtype dt (f32 or bf16 leaves, values
+ * drawn as for gjt_gradcheck and rounded to dt) against f64 leaves holding
+ * the same rounded values: forward values and every .grad must agree within
+ * atol + rtol*|f64|, and each .grad must have dtype dt. 0 if they do. */
+int gjt_gradcompare(const gjt_check *c, gj_dtype dt, double atol, double rtol);
+
+#endif /* GJTEST_H */
