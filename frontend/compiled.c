@@ -8,8 +8,6 @@
 #include "fe.h"
 #include "../jit/jit.h"
 
-__attribute__((weak)) void gj_jit_stats(gj_ca_stats *);
-__attribute__((weak)) void gj_jit_reset_stats(void);
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,11 +37,11 @@ bool gj_compiled_autograd_enabled(void) { return gj_fe_compiled_enabled(); }
 void gj_compiled_autograd_stats(gj_ca_stats *out) {
     if (!out) return;
     memset(out, 0, sizeof *out);
-    if (gj_jit_stats) gj_jit_stats(out);
+    gj_jit_stats(out);
     out->backwards = atomic_load(&g_backwards);
 }
 
 void gj_compiled_autograd_reset_stats(void) {
     atomic_store(&g_backwards, 0);
-    if (gj_jit_reset_stats) gj_jit_reset_stats();
+    gj_jit_reset_stats();
 }

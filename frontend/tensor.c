@@ -11,8 +11,6 @@
 #include "fe.h"
 #include "../jit/jit.h"
 
-/* DEV-ONLY weak refs until jit/ lands */
-__attribute__((weak)) int gj_jit_backward(int, gj_tensor *const *, gj_tensor *const *, bool, bool *);
 #include <math.h>
 #include <pthread.h>
 #include <string.h>
@@ -418,7 +416,7 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
     if (!s) return -1;
     int rc = -1;
     bool handled = false;
-    if (gj_fe_compiled_enabled() && gj_jit_backward) {
+    if (gj_fe_compiled_enabled()) {
         gj_fe_count_backward();
         rc = gj_jit_backward(1, &root, &s, retain_graph, &handled);
     }

@@ -27,5 +27,8 @@ void gj_jit_clear_cache(void);
 /* quiet = true: no stderr line for a graph that falls back for good (the
  * default prints one line per such key; GRADJIT_LOG=fallback prints all). */
 void gj_jit_set_quiet(bool quiet);
+/* The on-disk cache directory (overrides GRADJIT_CACHE_DIR); NULL or ""
+ * turns the disk cache off. Not thread-safe against running backwards. */
+void gj_jit_set_disk_cache(const char *dir);
 
 #endif /* GJ_JIT_H */

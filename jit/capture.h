@@ -1,0 +1,79 @@
+/*
+ * capture.h - the structural key of a backward (key.c) and the recording
+ * builder that captures it as a gj_jit_graph (record.c). Internal to jit/.
+ *
+ * The walk visits the autograd graph reachable from the roots breadth first
+ * (roots in order, then each node's edges in input order) and numbers nodes
+ * in discovery order: the "canonical index". The key is a text
+ * serialization of everything the backward's computation depends on, in
+ * canonical order, and never an address; its 128-bit hash indexes the cache.
+ * The walk also keeps, for this process only, the maps from node pointers
+ * and saved-tensor pointers back to canonical positions, so a cached program
+ * can find its run-time inputs without a new capture.
+ */
+#ifndef GJ_JIT_CAPTURE_H
+#define GJ_JIT_CAPTURE_H
+
+#include "ir.h"
+
+typedef struct gj_jit_walk {
+    gj_ag_node **nodes; /* canonical order; borrowed (kept alive by the roots) */
+    bool *needed;       /* the engine runs this node (an accumulate is reachable) */
+    int n, cap;
+    int64_t *slots; /* open addressing: node pointer -> index + 1 */
+    int64_t nslots;
+    struct gj_jit_saved_slot {
+        const gj_tensor *t; /* NULL: empty */
+        int node, slot;     /* node -1: ambiguous (the same tensor saved twice) */
+    } *saved;
+    int64_t nsaved_slots;
+    gj_ag_node **root_refs; /* references taken by gj_ag_edge_of (released by free) */
+    int n_roots;
+    char *key; /* canonical serialization, NUL-terminated */
+    size_t key_len, key_cap;
+    uint64_t hash[2];
+    bool invalid;     /* eager would refuse this backward (freed graph, stale saved tensor) */
+    char reason[256]; /* why, when invalid */
+} gj_jit_walk;
+
+/* Walks the graph of roots (borrowed) with seeds (borrowed, entries may be
+ * NULL: ones). Fills w (caller frees with gj_jit_walk_free even on failure).
+ * Returns 0, or -1 on OOM (error set). A graph eager would reject sets
+ * w->invalid instead of failing. */
+int gj_jit_walk_build(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
+                      gj_tensor *const *seeds);
+void gj_jit_walk_free(gj_jit_walk *w);
+/* Canonical index of node, or -1. */
+int gj_jit_walk_find(const gj_jit_walk *w, const gj_ag_node *node);
+/* Canonical origin of a saved tensor pointer: 0 and (node, slot), or -1. */
+int gj_jit_walk_saved_origin(const gj_jit_walk *w, const gj_tensor *t, int *node, int *slot);
+
+/* Mask of the integer attributes of op that are run-time values (left out
+ * of the key and fed to the compiled program at each run). */
+uint32_t gj_jit_runtime_attrs(const gj_ag_opdef *op);
+/* Canonical index of the dropout node with this seed and offset, or -1. */
+int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset);
+
+/* 128-bit hash of bytes (two independent 64-bit lanes). */
+void gj_jit_hash128(const void *data, size_t n, uint64_t out[2]);
+
+/* ------------------------------------------------------------ capture */
+
+typedef struct gj_jit_capture {
+    gj_jit_graph g;
+    gj_tensor **tensors; /* per graph input: the real tensor of this run (borrowed) */
+    int cap_tensors;
+    bool unknown_origin; /* some input is GJ_JIT_IN_OTHER */
+    bool permanent;      /* the failure depends on the key only: remember eager-only */
+    char reason[256];    /* why the capture failed */
+} gj_jit_capture;
+
+/* Runs the engine's traversal with the recording builder (retain_graph, so
+ * nothing is freed) and fills cap. Returns 0, or -1 with cap->reason set
+ * (and the error message of the failing call). Caller frees with
+ * gj_jit_capture_free in every case. */
+int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
+                       gj_tensor *const *roots, gj_tensor *const *seeds);
+void gj_jit_capture_free(gj_jit_capture *cap);
+
+#endif /* GJ_JIT_CAPTURE_H */

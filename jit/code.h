@@ -1,0 +1,43 @@
+/*
+ * code.h - compiled machine code for a plan, without LLVM types (the LLVM
+ * side is llvmjit.c). Internal to jit/.
+ *
+ * A gj_jit_code owns the JIT resources (one LLVM module, tracked by its own
+ * resource tracker in the process-wide LLJIT) of one plan; the kernel
+ * function pointers it writes into the plan stay valid until it is freed.
+ */
+#ifndef GJ_JIT_CODE_H
+#define GJ_JIT_CODE_H
+
+#include "plan.h"
+
+typedef struct gj_jit_code gj_jit_code;
+
+/* Compiles every kernel of p (one module, optimised with default<O3> for
+ * the host CPU, compiled to an object file) under symbol prefix `prefix`
+ * and stores each kernel's entry in p->steps[s].k.fn. If obj_out is not
+ * NULL it receives a gj_rt_malloc'd copy of the object file (or NULL if
+ * that copy could not be made) and *obj_size its size. Returns the code,
+ * or NULL with why[] set and the error set (every LLVM error is converted,
+ * never fatal). */
+gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
+                                 size_t *obj_size, char *why, size_t why_cap);
+/* Loads object code made by gj_jit_code_compile for the same plan and
+ * prefix (e.g. from the disk cache). NULL with why[] set on failure. */
+gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
+                              char *why, size_t why_cap);
+/* "llvm <version> | <triple> | <cpu> | <features> | math <hash>": what
+ * object code depends on besides the plan ("" if LLVM cannot start). */
+const char *gj_jit_host_id(void);
+void gj_jit_code_free(gj_jit_code *c);
+
+/* Disposes the process-wide LLJIT and target machine (they are created
+ * again on demand). Every gj_jit_code must have been freed. */
+void gj_jit_llvm_shutdown(void);
+
+/* Test switch: while on, compilation fails with an LLVM error (a lookup of a
+ * symbol that does not exist), as if LLVM had failed. Also turned on by the
+ * environment variable GRADJIT_TEST_FAIL_LLVM=1. */
+void gj_jit_test_fail_llvm(bool on);
+
+#endif /* GJ_JIT_CODE_H */

@@ -1,0 +1,122 @@
+/*
+ * ir.h - the graph IR of the compiled path (internal to jit/).
+ *
+ * A gj_jit_graph is a captured backward: a list of nodes in emission order
+ * (which is a topological order), each one primitive instruction (a
+ * gj_rt_inst, never a composite) reading values and producing values. A
+ * value is either an output of a node or a graph input (a real tensor at run
+ * time: a saved tensor, a seed, an existing .grad). Graph outputs are leaf
+ * gradients: each names the accumulate node (by canonical index, see key.c)
+ * whose leaf receives it and whether it is added in place into an existing
+ * .grad (which is then also a graph input) or becomes a new .grad.
+ *
+ * Invariants:
+ *   - Value ids are dense 0..n_values-1; node ids dense 0..n_nodes-1.
+ *   - Every input id of node i is a value defined by a graph input or by a
+ *     node j < i (emission order is topological).
+ *   - values[v].meta is what gj_rt_infer gave for the producing instruction
+ *     (or the tensor's meta for a graph input).
+ *   - Nothing here holds a tensor or a pointer that differs between runs:
+ *     the graph of a cached program is reused for every later backward.
+ */
+#ifndef GJ_JIT_IR_H
+#define GJ_JIT_IR_H
+
+#include "../autograd/ag.h"
+
+#include <stdio.h>
+
+/* What a graph input is at run time. */
+typedef enum gj_jit_role {
+    GJ_JIT_IN_SAVED = 0, /* saved tensor #slot of canonical node #node */
+    GJ_JIT_IN_SEED = 1,  /* seed of root #slot */
+    GJ_JIT_IN_GRAD = 2,  /* existing .grad of the leaf of accumulate node #node */
+    GJ_JIT_IN_OTHER = 3, /* a constant of unknown origin (needs a re-capture per run) */
+} gj_jit_role;
+
+typedef struct gj_jit_input {
+    gj_jit_role role;
+    int value; /* the value it defines */
+    int node;  /* canonical node index (SAVED, GRAD), -1 otherwise */
+    int slot;  /* saved slot (SAVED) or root index (SEED) */
+} gj_jit_input;
+
+typedef struct gj_jit_output {
+    int value;      /* gradient value (in the leaf's dtype, or .grad's for in place) */
+    int acc_node;   /* canonical index of the accumulate node */
+    int grad_input; /* in place into this graph input's tensor (.grad), or -1: new .grad */
+} gj_jit_output;
+
+typedef struct gj_jit_node {
+    gj_rt_inst inst; /* inst.n_in inputs */
+    int rt_node;     /* DROPOUT_MASK: canonical node whose attrs hold seed and
+                        offset at run time (-1: the constants of inst) */
+    int in[GJ_RT_MAX_INPUTS];
+    int n_out;
+    int out[GJ_RT_MAX_OUTPUTS];
+} gj_jit_node;
+
+typedef struct gj_jit_value {
+    gj_rt_meta meta;
+    int node;  /* producing node, or -1 for a graph input */
+    int index; /* output number of the node, or graph input index */
+} gj_jit_value;
+
+typedef struct gj_jit_graph {
+    gj_jit_node *nodes;
+    int n_nodes, cap_nodes;
+    gj_jit_value *values;
+    int n_values, cap_values;
+    gj_jit_input *inputs;
+    int n_inputs, cap_inputs;
+    gj_jit_output *outputs;
+    int n_outputs, cap_outputs;
+} gj_jit_graph;
+
+void gj_jit_graph_init(gj_jit_graph *g);
+void gj_jit_graph_free(gj_jit_graph *g);
+
+/* Adds a graph input of meta m; returns its value id or -1 (OOM, error set). */
+int gj_jit_graph_add_input(gj_jit_graph *g, const gj_rt_meta *m, gj_jit_role role, int node,
+                           int slot);
+/* Adds a node for inst on inputs in[0..inst->n_in) (value ids); output metas
+ * come from gj_rt_infer. Writes the output value ids to outs (may be NULL).
+ * Returns the number of outputs or -1 with the error set. */
+int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in, int *outs);
+/* Adds a graph output. 0 or -1 (OOM). */
+int gj_jit_graph_add_output(gj_jit_graph *g, int value, int acc_node, int grad_input);
+
+/* Prints the graph, one op a line with shapes and dtypes. */
+void gj_jit_graph_print(const gj_jit_graph *g, FILE *f);
+/* "f32[2, 3]" into buf. Returns buf. */
+char *gj_jit_fmt_meta(char *buf, size_t cap, const gj_rt_meta *m);
+/* Whether two instructions are the same operation (every attribute). */
+bool gj_jit_inst_equal(const gj_rt_inst *a, const gj_rt_inst *b);
+bool gj_jit_meta_equal(const gj_rt_meta *a, const gj_rt_meta *b);
+
+/* Primitive classes. */
+bool gj_jit_prim_is_elementwise(gj_rt_prim p); /* unary, binary, WHERE, COPY */
+bool gj_jit_prim_is_composite(gj_rt_prim p);   /* SOFTMAX .. CE_BWD */
+bool gj_jit_prim_is_movement(gj_rt_prim p);    /* RESHAPE, PERMUTE, EXPAND, SLICE */
+
+/* ------------------------------------------------------------- passes */
+
+/* Common-subexpression elimination then dead-code elimination: rewrites g in
+ * place into an equivalent graph with no duplicate and no unused node
+ * (inputs are kept, in order, even when unused). 0 or -1 (OOM). */
+int gj_jit_pass_cse_dce(gj_jit_graph *g);
+
+/* ------------------------------------------------------------- logging */
+
+enum {
+    GJ_JIT_LOG_GRAPH = 1,
+    GJ_JIT_LOG_IR = 2,
+    GJ_JIT_LOG_CACHE = 4,
+    GJ_JIT_LOG_FALLBACK = 8,
+    GJ_JIT_LOG_PLAN = 16,
+    GJ_JIT_LOG_PROF = 32, /* time of every step of every compiled run */
+};
+/* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
+unsigned gj_jit_log_flags(void);
+
+#endif /* GJ_JIT_IR_H */

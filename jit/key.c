@@ -1,0 +1,417 @@
+/*
+ * key.c - the structural key of a backward: a canonical walk of the autograd
+ * graph from the roots, its text serialization and its 128-bit hash.
+ *
+ * Invariants:
+ *   - Canonical indices are breadth-first discovery order from the roots'
+ *     edges (roots in order, edges of a node in input order): a function of
+ *     the graph's shape only, never of addresses, so two processes building
+ *     the same model get the same key.
+ *   - The serialization contains everything the captured computation
+ *     depends on: per node its kind (opdef name), attributes (floats in
+ *     exact hex), input and output metas, saved tensors' metas, edges as
+ *     (canonical index, input_nr), the node's rank in creation order (the
+ *     engine runs ready nodes newest first, which fixes the order gradients
+ *     are summed in); per accumulate node the leaf's meta and its .grad's
+ *     presence, meta and contiguity; per root its meta, edge and seed meta.
+ *   - Pointer maps (node -> index, saved tensor -> (node, slot)) are
+ *     process-local helpers and never enter the key.
+ *   - Run-time attributes (dropout's RNG seed and offset, new at every
+ *     step) are written as '*': the compiled program reads them from the
+ *     node at run time instead of baking them in.
+ */
+#include "capture.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------- hashing */
+
+static uint64_t mix64(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xbf58476d1ce4e5b9ull;
+    z ^= z >> 27;
+    z *= 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return z;
+}
+
+void gj_jit_hash128(const void *data, size_t n, uint64_t out[2]) {
+    const unsigned char *p = data;
+    uint64_t a = 0xcbf29ce484222325ull; /* FNV-1a 64 */
+    uint64_t b = 0x9e3779b97f4a7c15ull ^ (uint64_t)n;
+    for (size_t i = 0; i < n; i++) {
+        a = (a ^ p[i]) * 0x100000001b3ull;
+        b = (b + p[i] + 1) * 0xff51afd7ed558ccdull;
+        b ^= b >> 29;
+    }
+    out[0] = mix64(a ^ (uint64_t)n);
+    out[1] = mix64(b + 0x632be59bd9b4e019ull);
+}
+
+static uint64_t ptr_hash(const void *p) { return mix64((uint64_t)(uintptr_t)p); }
+
+/* ---------------------------------------------------- runtime attrs */
+
+uint32_t gj_jit_runtime_attrs(const gj_ag_opdef *op) {
+    return op == &gj_ag_op_dropout ? 0x3u : 0u; /* i[0] = seed bits, i[1] = offset */
+}
+
+int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset) {
+    for (int i = 0; i < w->n; i++) {
+        const gj_ag_node *n = w->nodes[i];
+        if (n->kind != GJ_AG_OP || n->op != &gj_ag_op_dropout || n->attrs.ni < 2) continue;
+        uint64_t s;
+        memcpy(&s, &n->attrs.i[0], sizeof s);
+        if (s == seed && (uint64_t)n->attrs.i[1] == offset) return i;
+    }
+    return -1;
+}
+
+/* --------------------------------------------------------- pointer maps */
+
+int gj_jit_walk_find(const gj_jit_walk *w, const gj_ag_node *node) {
+    if (!w->nslots || !node) return -1;
+    uint64_t mask = (uint64_t)w->nslots - 1;
+    for (uint64_t h = ptr_hash(node) & mask;; h = (h + 1) & mask) {
+        int64_t s = w->slots[h];
+        if (s == 0) return -1;
+        if (w->nodes[s - 1] == node) return (int)(s - 1);
+    }
+}
+
+static int slots_rehash(gj_jit_walk *w, int64_t nslots) {
+    int64_t *slots = gj_rt_calloc((size_t)nslots, sizeof *slots);
+    if (!slots) return -1;
+    uint64_t mask = (uint64_t)nslots - 1;
+    for (int i = 0; i < w->n; i++) {
+        uint64_t h = ptr_hash(w->nodes[i]) & mask;
+        while (slots[h]) h = (h + 1) & mask;
+        slots[h] = i + 1;
+    }
+    gj_rt_free(w->slots);
+    w->slots = slots;
+    w->nslots = nslots;
+    return 0;
+}
+
+/* Appends node (not yet present). Returns its index or -1 (OOM). */
+static int walk_add(gj_jit_walk *w, gj_ag_node *node) {
+    if (w->n == w->cap) {
+        int cap = w->cap ? w->cap * 2 : 32;
+        gj_ag_node **nn = gj_rt_realloc(w->nodes, (size_t)cap * sizeof *nn);
+        if (!nn) return -1;
+        w->nodes = nn;
+        w->cap = cap;
+    }
+    w->nodes[w->n++] = node;
+    if ((int64_t)w->n * 2 > w->nslots) {
+        if (slots_rehash(w, w->nslots ? w->nslots * 2 : 64) != 0) {
+            w->n--;
+            return -1;
+        }
+    } else {
+        uint64_t mask = (uint64_t)w->nslots - 1;
+        uint64_t h = ptr_hash(node) & mask;
+        while (w->slots[h]) h = (h + 1) & mask;
+        w->slots[h] = w->n;
+    }
+    return w->n - 1;
+}
+
+int gj_jit_walk_saved_origin(const gj_jit_walk *w, const gj_tensor *t, int *node, int *slot) {
+    if (!w->nsaved_slots || !t) return -1;
+    uint64_t mask = (uint64_t)w->nsaved_slots - 1;
+    for (uint64_t h = ptr_hash(t) & mask;; h = (h + 1) & mask) {
+        const struct gj_jit_saved_slot *s = &w->saved[h];
+        if (!s->t) return -1;
+        if (s->t == t) {
+            if (s->node < 0) return -1;
+            *node = s->node;
+            *slot = s->slot;
+            return 0;
+        }
+    }
+}
+
+/* Builds the saved-tensor map of every needed op node. 0 or -1 (OOM). */
+static int build_saved_map(gj_jit_walk *w) {
+    int64_t count = 0;
+    for (int i = 0; i < w->n; i++)
+        if (w->nodes[i]->kind == GJ_AG_OP) count += w->nodes[i]->n_saved;
+    int64_t ns = 16;
+    while (ns < count * 2 + 2) ns *= 2;
+    w->saved = gj_rt_calloc((size_t)ns, sizeof *w->saved);
+    if (!w->saved) return -1;
+    w->nsaved_slots = ns;
+    uint64_t mask = (uint64_t)ns - 1;
+    for (int i = 0; i < w->n; i++) {
+        const gj_ag_node *nd = w->nodes[i];
+        if (nd->kind != GJ_AG_OP) continue;
+        for (int k = 0; k < nd->n_saved; k++) {
+            const gj_tensor *t = nd->saved[k].t;
+            if (!t) continue;
+            uint64_t h = ptr_hash(t) & mask;
+            while (w->saved[h].t && w->saved[h].t != t) h = (h + 1) & mask;
+            if (w->saved[h].t == t) {
+                w->saved[h].node = -1; /* ambiguous */
+                continue;
+            }
+            w->saved[h].t = t;
+            w->saved[h].node = i;
+            w->saved[h].slot = k;
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------- serialization */
+
+static int key_put(gj_jit_walk *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int key_put(gj_jit_walk *w, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        size_t room = w->key_cap - w->key_len;
+        int n = vsnprintf(w->key ? w->key + w->key_len : NULL, w->key ? room : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) return -1;
+        if (w->key && (size_t)n < room) {
+            w->key_len += (size_t)n;
+            return 0;
+        }
+        size_t cap = w->key_cap ? w->key_cap * 2 : 4096;
+        while (cap < w->key_len + (size_t)n + 1) cap *= 2;
+        char *k = gj_rt_realloc(w->key, cap);
+        if (!k) return -1;
+        w->key = k;
+        w->key_cap = cap;
+    }
+}
+
+static int put_meta(gj_jit_walk *w, const gj_rt_meta *m) {
+    if (key_put(w, "%d[", (int)m->dtype) != 0) return -1;
+    for (int k = 0; k < m->ndim; k++)
+        if (key_put(w, k ? ",%lld" : "%lld", (long long)m->shape[k]) != 0) return -1;
+    return key_put(w, "]");
+}
+
+static int put_tensor(gj_jit_walk *w, const gj_tensor *t) {
+    gj_rt_meta m;
+    gj_rt_meta_of(t, &m);
+    if (put_meta(w, &m) != 0) return -1;
+    return key_put(w, gj_rt_is_contiguous(t) ? "c" : "s");
+}
+
+typedef struct seq_rank {
+    uint64_t seq;
+    int idx;
+} seq_rank;
+
+static int cmp_seq(const void *a, const void *b) {
+    const seq_rank *x = a, *y = b;
+    return x->seq < y->seq ? -1 : x->seq > y->seq ? 1 : 0;
+}
+
+static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
+                     gj_tensor *const *seeds, const int *root_node, const int *root_nr) {
+    int rc = -1;
+    int *rank = gj_rt_malloc((size_t)(w->n + 1) * sizeof *rank);
+    seq_rank *sr = gj_rt_malloc((size_t)(w->n + 1) * sizeof *sr);
+    if (!rank || !sr) goto done;
+    for (int i = 0; i < w->n; i++) {
+        sr[i].seq = w->nodes[i]->seq;
+        sr[i].idx = i;
+    }
+    qsort(sr, (size_t)w->n, sizeof *sr, cmp_seq);
+    for (int i = 0; i < w->n; i++) rank[sr[i].idx] = i;
+
+    if (key_put(w, "gradjit-key v1 roots=%d nodes=%d\n", n_roots, w->n) != 0) goto done;
+    for (int r = 0; r < n_roots; r++) {
+        gj_rt_meta m;
+        gj_rt_meta_of(roots[r], &m);
+        if (key_put(w, "R%d e%d:%d m", r, root_node[r], root_nr[r]) != 0) goto done;
+        if (put_meta(w, &m) != 0 || key_put(w, " seed") != 0) goto done;
+        if (seeds && seeds[r]) {
+            if (put_tensor(w, seeds[r]) != 0) goto done;
+        } else if (key_put(w, "-") != 0) {
+            goto done;
+        }
+        if (key_put(w, "\n") != 0) goto done;
+    }
+    for (int i = 0; i < w->n; i++) {
+        const gj_ag_node *n = w->nodes[i];
+        if (n->kind == GJ_AG_ACCUMULATE) {
+            gj_tensor *leaf = n->leaf;
+            gj_ag_tensor_meta *lm = leaf ? leaf->ag : NULL;
+            if (key_put(w, "N%d acc r%d leaf", i, rank[i]) != 0) goto done;
+            if (leaf && put_tensor(w, leaf) != 0) goto done;
+            if (key_put(w, " grad") != 0) goto done;
+            if (lm && lm->grad) {
+                if (put_tensor(w, lm->grad) != 0) goto done;
+            } else if (key_put(w, "-") != 0) {
+                goto done;
+            }
+            if (key_put(w, "\n") != 0) goto done;
+            continue;
+        }
+        if (key_put(w, "N%d %s r%d a", i, n->op ? n->op->name : "?", rank[i]) != 0) goto done;
+        uint32_t rt = gj_jit_runtime_attrs(n->op);
+        for (int k = 0; k < n->attrs.nf && k < 4; k++)
+            if (key_put(w, "%s%a", k ? "," : "f", n->attrs.f[k]) != 0) goto done;
+        for (int k = 0; k < n->attrs.ni && k < GJ_MAX_DIMS + 4; k++) {
+            if ((rt >> k) & 1u) {
+                if (key_put(w, "%s*", k ? "," : "i") != 0) goto done;
+            } else if (key_put(w, "%s%lld", k ? "," : "i", (long long)n->attrs.i[k]) != 0) {
+                goto done;
+            }
+        }
+        if (key_put(w, " in") != 0) goto done;
+        for (int k = 0; k < n->n_in; k++) {
+            int e = n->next[k].node ? gj_jit_walk_find(w, n->next[k].node) : -1;
+            if (key_put(w, " e%d:%d:", e, e >= 0 ? n->next[k].input_nr : 0) != 0) goto done;
+            if (put_meta(w, &n->in_meta[k]) != 0) goto done;
+        }
+        if (key_put(w, " out") != 0) goto done;
+        for (int k = 0; k < n->n_out; k++) {
+            if (key_put(w, " ") != 0 || put_meta(w, &n->out_meta[k]) != 0) goto done;
+        }
+        if (key_put(w, " saved%d", n->n_saved) != 0) goto done;
+        for (int k = 0; k < n->n_saved; k++) {
+            if (key_put(w, " ") != 0) goto done;
+            if (n->saved[k].t) {
+                if (put_tensor(w, n->saved[k].t) != 0) goto done;
+            } else if (key_put(w, "-") != 0) {
+                goto done;
+            }
+        }
+        if (key_put(w, "%s\n", n->released ? " released" : "") != 0) goto done;
+    }
+    rc = 0;
+done:
+    gj_rt_free(rank);
+    gj_rt_free(sr);
+    return rc;
+}
+
+/* ------------------------------------------------------------- the walk */
+
+/* needed[i]: an accumulate node is reachable from node i (what the engine
+ * runs in backward mode). Kahn order, then children before parents. */
+static int compute_needed(gj_jit_walk *w) {
+    int rc = -1;
+    int *deps = gj_rt_calloc((size_t)w->n + 1, sizeof *deps);
+    int *order = gj_rt_malloc((size_t)(w->n + 1) * sizeof *order);
+    w->needed = gj_rt_calloc((size_t)w->n + 1, sizeof *w->needed);
+    if (!deps || !order || !w->needed) goto done;
+    for (int i = 0; i < w->n; i++)
+        for (int k = 0; k < w->nodes[i]->n_in; k++) {
+            int j = gj_jit_walk_find(w, w->nodes[i]->next[k].node);
+            if (j >= 0) deps[j]++;
+        }
+    int head = 0, tail = 0;
+    for (int i = 0; i < w->n; i++)
+        if (deps[i] == 0) order[tail++] = i;
+    while (head < tail) {
+        const gj_ag_node *cur = w->nodes[order[head++]];
+        for (int k = 0; k < cur->n_in; k++) {
+            int j = gj_jit_walk_find(w, cur->next[k].node);
+            if (j >= 0 && --deps[j] == 0) order[tail++] = j;
+        }
+    }
+    for (int t = tail - 1; t >= 0; t--) {
+        int i = order[t];
+        const gj_ag_node *nd = w->nodes[i];
+        bool need = nd->kind == GJ_AG_ACCUMULATE;
+        for (int k = 0; k < nd->n_in && !need; k++) {
+            int j = gj_jit_walk_find(w, nd->next[k].node);
+            if (j >= 0 && w->needed[j]) need = true;
+        }
+        w->needed[i] = need;
+    }
+    rc = 0;
+done:
+    gj_rt_free(deps);
+    gj_rt_free(order);
+    return rc;
+}
+
+/* What the engine's validation would refuse, as a reason (w->invalid). */
+static void validate(gj_jit_walk *w) {
+    for (int i = 0; i < w->n && !w->invalid; i++) {
+        const gj_ag_node *n = w->nodes[i];
+        if (!w->needed[i] || n->kind != GJ_AG_OP) continue;
+        if (n->released) {
+            w->invalid = true;
+            snprintf(w->reason, sizeof w->reason, "graph already freed (op %s)", n->op->name);
+            return;
+        }
+        for (int k = 0; k < n->n_saved; k++) {
+            if (!n->saved[k].t ||
+                atomic_load(&n->saved[k].t->storage->version) != n->saved[k].version) {
+                w->invalid = true;
+                snprintf(w->reason, sizeof w->reason,
+                         "saved tensor #%d of op %s was modified in place", k, n->op->name);
+                return;
+            }
+        }
+    }
+}
+
+int gj_jit_walk_build(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
+                      gj_tensor *const *seeds) {
+    memset(w, 0, sizeof *w);
+    int rc = -1;
+    int *root_node = gj_rt_calloc((size_t)n_roots + 1, sizeof *root_node);
+    int *root_nr = gj_rt_calloc((size_t)n_roots + 1, sizeof *root_nr);
+    w->root_refs = gj_rt_calloc((size_t)n_roots + 1, sizeof *w->root_refs);
+    if (!root_node || !root_nr || !w->root_refs) goto done;
+    w->n_roots = n_roots;
+    for (int r = 0; r < n_roots; r++) {
+        gj_ag_edge e = gj_ag_edge_of(roots[r]);
+        w->root_refs[r] = e.node;
+        root_node[r] = -1;
+        if (!e.node) {
+            w->invalid = true;
+            snprintf(w->reason, sizeof w->reason, "root %d has no gradient edge", r);
+            continue;
+        }
+        int j = gj_jit_walk_find(w, e.node);
+        if (j < 0) j = walk_add(w, e.node);
+        if (j < 0) goto done;
+        root_node[r] = j;
+        root_nr[r] = e.input_nr;
+    }
+    /* breadth first: w->nodes doubles as the queue */
+    for (int head = 0; head < w->n; head++) {
+        gj_ag_node *cur = w->nodes[head];
+        for (int k = 0; k < cur->n_in; k++) {
+            gj_ag_node *nx = cur->next[k].node;
+            if (!nx || gj_jit_walk_find(w, nx) >= 0) continue;
+            if (walk_add(w, nx) < 0) goto done;
+        }
+    }
+    if (compute_needed(w) != 0) goto done;
+    if (build_saved_map(w) != 0) goto done;
+    validate(w);
+    if (serialize(w, n_roots, roots, seeds, root_node, root_nr) != 0) goto done;
+    gj_jit_hash128(w->key, w->key_len, w->hash);
+    rc = 0;
+done:
+    gj_rt_free(root_node);
+    gj_rt_free(root_nr);
+    return rc;
+}
+
+void gj_jit_walk_free(gj_jit_walk *w) {
+    if (!w) return;
+    for (int r = 0; r < w->n_roots && w->root_refs; r++)
+        if (w->root_refs[r]) gj_ag_node_release(w->root_refs[r]);
+    gj_rt_free(w->root_refs);
+    gj_rt_free(w->nodes);
+    gj_rt_free(w->needed);
+    gj_rt_free(w->slots);
+    gj_rt_free(w->saved);
+    gj_rt_free(w->key);
+    memset(w, 0, sizeof *w);
+}

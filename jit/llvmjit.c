@@ -1,0 +1,377 @@
+/*
+ * llvmjit.c - LLVM target setup, the process-wide ORC LLJIT, bitcode math
+ * linking, the optimisation pipeline and symbol lookup.
+ *
+ * Invariants:
+ *   - The native target is initialised once; the LLJIT and the pass target
+ *     machine (host CPU name and features) are created on first use and
+ *     live until gj_jit_llvm_shutdown. A global mutex serialises every use
+ *     of them (compiling is rare; running compiled code takes no lock).
+ *   - One module per plan, optimised, compiled to an object file by the
+ *     pass target machine and added to the LLJIT's object layer under its
+ *     own resource tracker (freeing a program frees its machine code). The
+ *     same object bytes are what the disk cache stores and loads.
+ *   - Every LLVMErrorRef is consumed: turned into text in why[] (and the
+ *     caller falls back to eager). LLVM never aborts the process on our
+ *     behalf: the module is verified before optimisation, and JIT session
+ *     errors go to our reporter instead of stderr.
+ *   - Process symbols (libm's powf/pow from the math bitcode) resolve through
+ *     a dynamic-library search generator on the main JITDylib.
+ */
+#include "capture.h"
+#include "code.h"
+#include "llvm_int.h"
+
+#include <llvm-c/Analysis.h>
+#include <llvm-c/BitReader.h>
+#include <llvm-c/Error.h>
+#include <llvm-c/LLJIT.h>
+#include <llvm-c/Linker.h>
+#include <llvm-c/Orc.h>
+#include <llvm-c/Target.h>
+#include <llvm-c/TargetMachine.h>
+#include <llvm-c/Transforms/PassBuilder.h>
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern const unsigned char gj_rt_math_bc[];
+extern const size_t gj_rt_math_bc_size;
+
+struct gj_jit_code {
+    LLVMOrcResourceTrackerRef rt;
+};
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    bool target_ready;
+    LLVMOrcLLJITRef jit;
+    LLVMTargetMachineRef tm; /* for the pass pipeline */
+    char *cpu, *features;    /* LLVMDisposeMessage */
+    char *triple, *layout;   /* gj_rt_malloc'd copies */
+    uint64_t next_id;
+    char session_error[512]; /* last message of the session error reporter */
+} g;
+static atomic_int g_fail_llvm = -1; /* -1: read GRADJIT_TEST_FAIL_LLVM once */
+
+void gj_jit_test_fail_llvm(bool on) { atomic_store(&g_fail_llvm, on ? 1 : 0); }
+
+static bool fail_llvm_requested(void) {
+    int v = atomic_load(&g_fail_llvm);
+    if (v < 0) {
+        const char *e = getenv("GRADJIT_TEST_FAIL_LLVM");
+        v = (e && *e && strcmp(e, "0") != 0) ? 1 : 0;
+        atomic_store(&g_fail_llvm, v);
+    }
+    return v == 1;
+}
+
+/* Consumes err into why ("LLVM error (what): message"). */
+static void take_error(LLVMErrorRef err, const char *what, char *why, size_t cap) {
+    char *msg = LLVMGetErrorMessage(err);
+    snprintf(why, cap, "LLVM error (%s): %s", what, msg ? msg : "?");
+    LLVMDisposeErrorMessage(msg);
+}
+
+static void session_reporter(void *ctx, LLVMErrorRef err) {
+    (void)ctx;
+    take_error(err, "session", g.session_error, sizeof g.session_error);
+}
+
+static char *dup_str(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = gj_rt_malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+/* Creates the LLJIT and target machine if needed (lock held). */
+static int ensure_jit(char *why, size_t cap) {
+    if (g.jit) return 0;
+    if (!g.target_ready) {
+        if (LLVMInitializeNativeTarget() != 0 || LLVMInitializeNativeAsmPrinter() != 0) {
+            snprintf(why, cap, "LLVM error: no native target");
+            return -1;
+        }
+        g.target_ready = true;
+    }
+    char *triple = LLVMGetDefaultTargetTriple();
+    char *err_msg = NULL;
+    LLVMTargetRef target;
+    LLVMTargetMachineRef tm_jit = NULL;
+    LLVMOrcLLJITBuilderRef builder = NULL;
+    LLVMOrcLLJITRef jit = NULL;
+    if (LLVMGetTargetFromTriple(triple, &target, &err_msg) != 0) {
+        snprintf(why, cap, "LLVM error (target %s): %s", triple, err_msg ? err_msg : "?");
+        LLVMDisposeMessage(err_msg);
+        goto fail;
+    }
+    if (!g.cpu) g.cpu = LLVMGetHostCPUName();
+    if (!g.features) g.features = LLVMGetHostCPUFeatures();
+    g.tm = LLVMCreateTargetMachine(target, triple, g.cpu, g.features, LLVMCodeGenLevelAggressive,
+                                   LLVMRelocPIC, LLVMCodeModelJITDefault);
+    tm_jit = LLVMCreateTargetMachine(target, triple, g.cpu, g.features,
+                                     LLVMCodeGenLevelAggressive, LLVMRelocPIC,
+                                     LLVMCodeModelJITDefault);
+    if (!g.tm || !tm_jit) {
+        snprintf(why, cap, "LLVM error: cannot create a target machine for %s (%s)", triple,
+                 g.cpu);
+        goto fail;
+    }
+    builder = LLVMOrcCreateLLJITBuilder();
+    LLVMOrcLLJITBuilderSetJITTargetMachineBuilder(
+        builder, LLVMOrcJITTargetMachineBuilderCreateFromTargetMachine(tm_jit));
+    tm_jit = NULL; /* owned by the builder */
+    LLVMErrorRef err = LLVMOrcCreateLLJIT(&jit, builder);
+    builder = NULL; /* consumed */
+    if (err) {
+        take_error(err, "create LLJIT", why, cap);
+        goto fail;
+    }
+    LLVMOrcDefinitionGeneratorRef gen;
+    err = LLVMOrcCreateDynamicLibrarySearchGeneratorForProcess(
+        &gen, LLVMOrcLLJITGetGlobalPrefix(jit), NULL, NULL);
+    if (err) {
+        take_error(err, "process symbols", why, cap);
+        goto fail;
+    }
+    LLVMOrcJITDylibAddGenerator(LLVMOrcLLJITGetMainJITDylib(jit), gen);
+    LLVMOrcExecutionSessionSetErrorReporter(LLVMOrcLLJITGetExecutionSession(jit),
+                                            session_reporter, NULL);
+    gj_rt_free(g.triple);
+    gj_rt_free(g.layout);
+    g.triple = dup_str(LLVMOrcLLJITGetTripleString(jit));
+    g.layout = dup_str(LLVMOrcLLJITGetDataLayoutStr(jit));
+    if (!g.triple || !g.layout) {
+        snprintf(why, cap, "out of memory");
+        goto fail;
+    }
+    g.jit = jit;
+    LLVMDisposeMessage(triple);
+    return 0;
+fail:
+    if (jit) {
+        LLVMErrorRef e2 = LLVMOrcDisposeLLJIT(jit);
+        if (e2) LLVMConsumeError(e2);
+    }
+    if (builder) LLVMOrcDisposeLLJITBuilder(builder);
+    if (tm_jit) LLVMDisposeTargetMachine(tm_jit);
+    if (g.tm) LLVMDisposeTargetMachine(g.tm);
+    g.tm = NULL;
+    LLVMDisposeMessage(triple);
+    return -1;
+}
+
+/* Parses the embedded math bitcode into M's context and links it into M,
+ * making every gj_bc_* function internal so it inlines. */
+static int link_math(LLVMModuleRef M, char *why, size_t cap) {
+    LLVMContextRef C = LLVMGetModuleContext(M);
+    LLVMMemoryBufferRef buf = LLVMCreateMemoryBufferWithMemoryRange(
+        (const char *)gj_rt_math_bc, gj_rt_math_bc_size, "gj_math.bc", 0);
+    LLVMModuleRef bc = NULL;
+    LLVMBool bad = LLVMParseBitcodeInContext2(C, buf, &bc);
+    LLVMDisposeMemoryBuffer(buf);
+    if (bad || !bc) {
+        snprintf(why, cap, "LLVM error: the embedded math bitcode does not parse");
+        return -1;
+    }
+    LLVMSetTarget(bc, g.triple);
+    LLVMSetDataLayout(bc, g.layout);
+    if (LLVMLinkModules2(M, bc) != 0) { /* bc is destroyed either way */
+        snprintf(why, cap, "LLVM error: linking the math bitcode failed");
+        return -1;
+    }
+    for (LLVMValueRef f = LLVMGetFirstFunction(M); f; f = LLVMGetNextFunction(f)) {
+        size_t n;
+        const char *name = LLVMGetValueName2(f, &n);
+        if (n < 6 || strncmp(name, "gj_bc_", 6) != 0 || LLVMIsDeclaration(f)) continue;
+        LLVMSetLinkage(f, LLVMInternalLinkage);
+        LLVMRemoveStringAttributeAtIndex(f, LLVMAttributeFunctionIndex, "target-cpu", 10);
+        LLVMRemoveStringAttributeAtIndex(f, LLVMAttributeFunctionIndex, "target-features", 15);
+        LLVMRemoveStringAttributeAtIndex(f, LLVMAttributeFunctionIndex, "tune-cpu", 8);
+    }
+    return 0;
+}
+
+/* Adds object code obj (copied) to the JIT under a new resource tracker and
+ * looks up every kernel of p (`<prefix>_<name>`). Lock held. Returns the
+ * code or NULL with why[] set. */
+static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
+                               char *why, size_t why_cap) {
+    gj_jit_code *code = gj_rt_calloc(1, sizeof *code);
+    if (!code) {
+        snprintf(why, why_cap, "out of memory");
+        return NULL;
+    }
+    LLVMMemoryBufferRef mb =
+        LLVMCreateMemoryBufferWithMemoryRangeCopy((const char *)obj, n, prefix);
+    LLVMOrcResourceTrackerRef rt =
+        LLVMOrcJITDylibCreateResourceTracker(LLVMOrcLLJITGetMainJITDylib(g.jit));
+    LLVMErrorRef err = LLVMOrcLLJITAddObjectFileWithRT(g.jit, rt, mb); /* consumes mb */
+    if (err) {
+        take_error(err, "add object", why, why_cap);
+        goto fail;
+    }
+    g.session_error[0] = '\0';
+    for (int s = 0; s < p->n_steps; s++) {
+        gj_jit_kernel *k = &p->steps[s].k;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        char name[128];
+        snprintf(name, sizeof name, "%s_%s", prefix, k->name);
+        LLVMOrcExecutorAddress addr = 0;
+        err = LLVMOrcLLJITLookup(g.jit, &addr, name);
+        if (err) {
+            take_error(err, "lookup", why, why_cap);
+            goto fail;
+        }
+        k->fn = (gj_rt_range_fn)(uintptr_t)addr;
+    }
+    if (fail_llvm_requested()) {
+        LLVMOrcExecutorAddress addr = 0;
+        err = LLVMOrcLLJITLookup(g.jit, &addr, "gradjit_test_forced_llvm_failure");
+        if (err) {
+            take_error(err, "lookup", why, why_cap);
+            goto fail;
+        }
+        snprintf(why, why_cap, "LLVM error: forced failure did not fail");
+        goto fail;
+    }
+    code->rt = rt;
+    return code;
+fail: {
+    LLVMErrorRef e2 = LLVMOrcResourceTrackerRemove(rt);
+    if (e2) LLVMConsumeError(e2);
+    LLVMOrcReleaseResourceTracker(rt);
+    gj_rt_free(code);
+    for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
+    return NULL;
+}
+}
+
+gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
+                                 size_t *obj_size, char *why, size_t why_cap) {
+    gj_jit_code *code = NULL;
+    LLVMContextRef C = NULL;
+    LLVMModuleRef M = NULL;
+    LLVMPassBuilderOptionsRef opts = NULL;
+    LLVMMemoryBufferRef objbuf = NULL;
+    why[0] = '\0';
+    if (obj_out) *obj_out = NULL;
+    if (obj_size) *obj_size = 0;
+    pthread_mutex_lock(&g_lock);
+    if (ensure_jit(why, why_cap) != 0) goto done;
+    C = LLVMContextCreate();
+    M = LLVMModuleCreateWithNameInContext(prefix, C);
+    LLVMSetTarget(M, g.triple);
+    LLVMSetDataLayout(M, g.layout);
+    if (link_math(M, why, why_cap) != 0) goto done;
+    if (gj_jit_lower_plan(M, p, prefix, g.cpu, g.features, why, why_cap) != 0) goto done;
+    char *vmsg = NULL;
+    if (LLVMVerifyModule(M, LLVMReturnStatusAction, &vmsg) != 0) {
+        snprintf(why, why_cap, "LLVM error (verifier): %.400s", vmsg ? vmsg : "?");
+        LLVMDisposeMessage(vmsg);
+        goto done;
+    }
+    LLVMDisposeMessage(vmsg);
+    opts = LLVMCreatePassBuilderOptions();
+    LLVMPassBuilderOptionsSetLoopVectorization(opts, 1);
+    LLVMPassBuilderOptionsSetSLPVectorization(opts, 1);
+    LLVMPassBuilderOptionsSetLoopUnrolling(opts, 1);
+    LLVMPassBuilderOptionsSetLoopInterleaving(opts, 1);
+    LLVMErrorRef err = LLVMRunPasses(M, "default<O3>", g.tm, opts);
+    if (err) {
+        take_error(err, "optimisation", why, why_cap);
+        goto done;
+    }
+    if (gj_jit_log_flags() & GJ_JIT_LOG_IR) {
+        char *s = LLVMPrintModuleToString(M);
+        fprintf(stderr, "[gradjit ir] module %s\n%s\n", prefix, s);
+        LLVMDisposeMessage(s);
+    }
+    char *emsg = NULL;
+    if (LLVMTargetMachineEmitToMemoryBuffer(g.tm, M, LLVMObjectFile, &emsg, &objbuf) != 0) {
+        snprintf(why, why_cap, "LLVM error (code generation): %.400s", emsg ? emsg : "?");
+        LLVMDisposeMessage(emsg);
+        objbuf = NULL;
+        goto done;
+    }
+    const char *bytes = LLVMGetBufferStart(objbuf);
+    size_t n = LLVMGetBufferSize(objbuf);
+    code = add_object(p, prefix, bytes, n, why, why_cap);
+    if (code && obj_out) { /* a copy for the disk cache (optional: no error) */
+        *obj_out = gj_rt_malloc(n);
+        if (*obj_out) {
+            memcpy(*obj_out, bytes, n);
+            *obj_size = n;
+        }
+    }
+done:
+    if (objbuf) LLVMDisposeMemoryBuffer(objbuf);
+    if (opts) LLVMDisposePassBuilderOptions(opts);
+    if (M) LLVMDisposeModule(M);
+    if (C) LLVMContextDispose(C);
+    pthread_mutex_unlock(&g_lock);
+    if (!code) {
+        for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
+        if (!why[0]) snprintf(why, why_cap, "LLVM error: compilation failed");
+        gj_rt_set_error("jit: %s", why);
+    }
+    return code;
+}
+
+gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
+                              char *why, size_t why_cap) {
+    gj_jit_code *code = NULL;
+    why[0] = '\0';
+    pthread_mutex_lock(&g_lock);
+    if (ensure_jit(why, why_cap) == 0) code = add_object(p, prefix, obj, n, why, why_cap);
+    pthread_mutex_unlock(&g_lock);
+    if (!code && !why[0]) snprintf(why, why_cap, "LLVM error: loading object code failed");
+    return code;
+}
+
+const char *gj_jit_host_id(void) {
+    static char id[1024];
+    char why[256];
+    pthread_mutex_lock(&g_lock);
+    if (!id[0] && ensure_jit(why, sizeof why) == 0) {
+        uint64_t h[2]; /* the math the kernels inline */
+        gj_jit_hash128(gj_rt_math_bc, gj_rt_math_bc_size, h);
+        snprintf(id, sizeof id, "llvm %s | %s | %s | %s | math %016llx%016llx",
+                 LLVM_VERSION_STRING, g.triple, g.cpu, g.features, (unsigned long long)h[0],
+                 (unsigned long long)h[1]);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return id;
+}
+
+void gj_jit_code_free(gj_jit_code *c) {
+    if (!c) return;
+    pthread_mutex_lock(&g_lock);
+    if (c->rt) {
+        LLVMErrorRef err = LLVMOrcResourceTrackerRemove(c->rt);
+        if (err) LLVMConsumeError(err);
+        LLVMOrcReleaseResourceTracker(c->rt);
+    }
+    pthread_mutex_unlock(&g_lock);
+    gj_rt_free(c);
+}
+
+void gj_jit_llvm_shutdown(void) {
+    pthread_mutex_lock(&g_lock);
+    if (g.jit) {
+        LLVMErrorRef err = LLVMOrcDisposeLLJIT(g.jit);
+        if (err) LLVMConsumeError(err);
+        g.jit = NULL;
+    }
+    if (g.tm) LLVMDisposeTargetMachine(g.tm);
+    g.tm = NULL;
+    if (g.cpu) LLVMDisposeMessage(g.cpu);
+    if (g.features) LLVMDisposeMessage(g.features);
+    g.cpu = g.features = NULL;
+    gj_rt_free(g.triple);
+    gj_rt_free(g.layout);
+    g.triple = g.layout = NULL;
+    pthread_mutex_unlock(&g_lock);
+}

@@ -1,0 +1,158 @@
+/*
+ * plan.h - the execution plan of a captured graph (internal to jit/): fused
+ * kernels, BLAS calls, the buffers they read and write, and the memory plan.
+ * Built by plan.c from a gj_jit_graph, compiled by lower.c/llvmjit.c, run by
+ * program.c.
+ *
+ * Vocabulary (dimension legend: S = a kernel's iteration space):
+ *   - A buffer is a contiguous array of one dtype: a graph input's tensor
+ *     data, a new .grad (a graph output), or a temporary.
+ *     A "virtual" buffer has no memory: its elements are computed from their
+ *     index (IOTA, DROPOUT_MASK), so views of it compose like real ones.
+ *   - An access is a strided view of a buffer over a kernel's S:
+ *     element (i0..i{nd-1}) is buffer[offset + sum ik*strides[k]]; stride 0
+ *     broadcasts. Stores always have an injective map (no stride 0 except on
+ *     reduced dims of a reduction output, where it accumulates).
+ *   - A kernel is one fused group: expressions over S, evaluated once per
+ *     element, stores of materialised values, and sums over the dims in
+ *     `red` (all of its reductions share them). Its LLVM function is
+ *     void fn(void *const *bufs, int64_t row_begin, int64_t row_end), where
+ *     bufs[p] is the base pointer of buffer param_buf[p].
+ *
+ * Invariants:
+ *   - Steps are in execution order; a step reads only buffers written by
+ *     earlier steps or graph inputs.
+ *   - Memory plan: a temporary is allocated (gj_rt_alloc_data) just before
+ *     the first step that uses it and freed right after the last one; a new
+ *     .grad just before the step that writes it. by_first / by_last list
+ *     them in that order.
+ *   - A value summed by a kernel is added in S's row-major order of the
+ *     reduced indices, starting from 0, in the accumulation dtype (f32 for
+ *     f32/bf16, f64 for f64) -- the eager SUM kernel's order.
+ */
+#ifndef GJ_JIT_PLAN_H
+#define GJ_JIT_PLAN_H
+
+#include "ir.h"
+
+typedef enum gj_jit_buf_kind {
+    GJ_JIT_BUF_INPUT = 0,  /* data of graph input #index */
+    GJ_JIT_BUF_OUTPUT = 1, /* new .grad of graph output #index */
+    GJ_JIT_BUF_TEMP = 2,   /* a temporary of the run */
+    GJ_JIT_BUF_IOTA = 3,   /* virtual: element e = (e / gen_inner) % gen_len */
+    GJ_JIT_BUF_DROPOUT = 4, /* virtual: element e = dropout_scale(seed, offset + e, p) */
+    GJ_JIT_BUF_PARAMS = 5   /* the run's u64 parameters (seed, offset of each dropout) */
+} gj_jit_buf_kind;
+
+typedef struct gj_jit_buffer {
+    gj_jit_buf_kind kind;
+    int index;
+    gj_dtype dtype;
+    int64_t numel;
+    size_t nbytes;
+    int first_step, last_step; /* -1 until used */
+    int writer;                /* while planning: the step producing it, -1 */
+    /* virtual buffers */
+    int64_t gen_inner, gen_len;
+    uint64_t gen_seed, gen_offset; /* constants, when gen_param < 0 */
+    int gen_param;                 /* run-time seed/offset: params[2k], params[2k+1] */
+    double gen_p;
+} gj_jit_buffer;
+
+typedef struct gj_jit_access {
+    int buf;
+    gj_dtype dtype;
+    int64_t offset;
+    int64_t strides[GJ_MAX_DIMS];
+} gj_jit_access;
+
+typedef enum gj_jit_expr_kind {
+    GJ_JIT_E_LOAD = 0,  /* access #access */
+    GJ_JIT_E_CONST = 1, /* cval in dtype */
+    GJ_JIT_E_OP = 2,    /* inst on args */
+} gj_jit_expr_kind;
+
+typedef struct gj_jit_expr {
+    gj_jit_expr_kind kind;
+    gj_dtype dtype; /* dtype of the value (bf16 values are rounded) */
+    int access;
+    double cval;
+    gj_rt_inst inst;
+    int args[3];
+} gj_jit_expr;
+
+typedef struct gj_jit_store {
+    int access;
+    int expr;
+    bool reduce; /* += over the reduced dims (a SUM) instead of = */
+} gj_jit_store;
+
+typedef struct gj_jit_kernel {
+    int nd;
+    int64_t dims[GJ_MAX_DIMS];
+    uint32_t red; /* reduced dims (bit k = dim k) */
+    gj_jit_access *acc;
+    int n_acc, cap_acc;
+    gj_jit_expr *ex;
+    int n_ex, cap_ex;
+    gj_jit_store *st;
+    int n_st, cap_st;
+    /* schedule (plan.c) */
+    int64_t block;     /* inner-dim block per row (outer mode) */
+    int64_t nblk;      /* blocks per inner dim */
+    int64_t rows;      /* parallel rows */
+    int64_t grain;     /* rows per task, at least */
+    int *param_buf;    /* kernel param p -> buffer id */
+    int n_params;
+    char name[48];
+    gj_rt_range_fn fn; /* after compilation: fn(bufs, row_begin, row_end) */
+} gj_jit_kernel;
+
+typedef struct gj_jit_matmul {
+    gj_dtype dtype;
+    bool accumulate; /* C += op(A) op(B) (beta 1): C is an existing .grad */
+    int a_buf, b_buf, c_buf;
+    bool ta, tb; /* BLAS flags after folding storage transposition */
+    int64_t M, N, K, lda, ldb;
+    int64_t a_off, b_off;
+    int nb;                       /* batch dims of the output */
+    int64_t bshape[GJ_MAX_DIMS];  /* batch shape */
+    int64_t a_bstr[GJ_MAX_DIMS];  /* batch strides (0: broadcast) */
+    int64_t b_bstr[GJ_MAX_DIMS];
+} gj_jit_matmul;
+
+typedef enum gj_jit_step_kind { GJ_JIT_STEP_KERNEL = 0, GJ_JIT_STEP_MATMUL = 1 } gj_jit_step_kind;
+
+typedef struct gj_jit_step {
+    gj_jit_step_kind kind;
+    int64_t pos; /* ordering key while planning */
+    gj_jit_kernel k;
+    gj_jit_matmul mm;
+} gj_jit_step;
+
+typedef struct gj_jit_plan {
+    gj_jit_buffer *bufs;
+    int n_bufs, cap_bufs;
+    gj_jit_step *steps;
+    int n_steps, cap_steps;
+    size_t peak_temp_bytes; /* most temporary bytes alive at once */
+    int *by_first;          /* temporaries and outputs by first step */
+    int n_by_first;
+    int *by_last;           /* temporaries by last step */
+    int n_by_last;
+    int n_inputs, n_outputs;
+    gj_rt_meta *in_meta;  /* per graph input */
+    gj_rt_meta *out_meta; /* per graph output: the new .grad's meta */
+    int *out_buf;         /* per graph output: buffer holding it (input buffer if in place) */
+    int n_rt_params;      /* run-time (seed, offset) pairs */
+    int *rt_param_node;   /* pair k comes from this canonical (dropout) node's attrs */
+    int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
+} gj_jit_plan;
+
+/* Builds the plan of g (after gj_jit_pass_cse_dce). Returns 0; or -1 with
+ * why[] set ("no lowering for X", or an OOM message) and the error set. */
+int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap);
+void gj_jit_plan_free(gj_jit_plan *p);
+void gj_jit_plan_print(const gj_jit_plan *p, FILE *f);
+
+#endif /* GJ_JIT_PLAN_H */

@@ -1,0 +1,52 @@
+/*
+ * program.h - a compiled backward: the plan, its machine code, and what its
+ * inputs and outputs are at run time. Internal to jit/ (and the jit tests).
+ *
+ * Invariants:
+ *   - inputs[i] / outputs[o] describe graph input i / output o of the plan
+ *     in the order the plan expects them (canonical origins, see ir.h).
+ *   - recapture: some input has no canonical origin, so every run captures
+ *     again (cheap: no kernel runs) to collect the input tensors.
+ */
+#ifndef GJ_JIT_PROGRAM_H
+#define GJ_JIT_PROGRAM_H
+
+#include "code.h"
+#include "plan.h"
+
+typedef struct gj_jit_program {
+    gj_jit_plan plan;
+    gj_jit_code *code;
+    gj_jit_input *inputs;
+    int n_inputs;
+    gj_jit_output *outputs;
+    int n_outputs;
+    bool recapture;
+} gj_jit_program;
+
+/* Optimises g in place (CSE, DCE), plans and compiles it with kernel
+ * symbols `<prefix>_k<step>` (prefix NULL: a fresh one). obj_out/obj_size
+ * as gj_jit_code_compile. Returns the program, or NULL with why[] set;
+ * *permanent tells whether the failure depends only on the graph (no
+ * lowering, LLVM error) rather than on this run (out of memory). */
+gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void **obj_out,
+                                     size_t *obj_size, char *why, size_t why_cap,
+                                     bool *permanent);
+void gj_jit_program_free(gj_jit_program *pr);
+
+/* Allocates the data of a new .grad for graph output o (ctx: the
+ * caller's); NULL on OOM (error set). */
+typedef void *(*gj_jit_out_alloc)(void *ctx, int o);
+
+/* Runs plan p: in[i] is the data of graph input i (contiguous, of
+ * p->in_meta[i]); params the run-time values (seed, offset of dropout pair
+ * k at [2k], [2k+1]; NULL if p->n_rt_params is 0); out[o] the data of a new .grad for output o, or NULL to
+ * have alloc(actx, o) called just before the step that writes it (ignored
+ * for in-place outputs, whose data is the .grad input's). Temporaries live
+ * from their first to their last step. Returns 0, or -1 on OOM (error set;
+ * steps before the failure have run: in-place outputs may be updated, as
+ * with an eager backward that runs out of memory). */
+int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
+                     gj_jit_out_alloc alloc, void *actx);
+
+#endif /* GJ_JIT_PROGRAM_H */

@@ -1,0 +1,208 @@
+/*
+ * record.c - the recording builder: the engine's own traversal, run with a
+ * builder that appends IR nodes instead of computing, captures a backward
+ * as a gj_jit_graph.
+ *
+ * Invariants:
+ *   - A gj_val of this builder is (value id + 1) cast to a pointer; values
+ *     live as long as the graph, so keep/drop/end_step do nothing.
+ *   - Composite instructions are never recorded: they are decomposed into
+ *     primitives (gj_ag_decompose) on this same builder.
+ *   - constant(t) makes a new graph input for every call (no merging by
+ *     address: two inputs that alias today may not alias in a later run
+ *     with the same key). Its canonical origin is looked up in the walk.
+ *   - accumulate(leaf, g) makes a graph output. With an existing .grad the
+ *     .grad becomes an input and the output is ADD(.grad, CAST(g)), written
+ *     in place: the same arithmetic as the eager accumulate.
+ */
+#include "capture.h"
+
+#include <string.h>
+
+typedef struct recorder {
+    gj_ag_builder b; /* first: the builder pointer is the recorder pointer */
+    gj_jit_capture *cap;
+    const gj_jit_walk *w;
+} recorder;
+
+static gj_val *id_val(int id) { return (gj_val *)(uintptr_t)((uintptr_t)id + 1); }
+static int val_id(gj_val *v) { return (int)((uintptr_t)v - 1); }
+
+/* Records the real tensor of graph input index i. 0 or -1 (OOM). */
+static int note_tensor(gj_jit_capture *cap, int i, gj_tensor *t) {
+    if (i >= cap->cap_tensors) {
+        int nc = cap->cap_tensors ? cap->cap_tensors * 2 : 16;
+        while (nc <= i) nc *= 2;
+        gj_tensor **p = gj_rt_realloc(cap->tensors, (size_t)nc * sizeof *p);
+        if (!p) return -1;
+        cap->tensors = p;
+        cap->cap_tensors = nc;
+    }
+    cap->tensors[i] = t;
+    return 0;
+}
+
+static int add_tensor_input(recorder *r, gj_tensor *t, gj_jit_role role, int node, int slot) {
+    gj_rt_meta m;
+    gj_rt_meta_of(t, &m);
+    int v = gj_jit_graph_add_input(&r->cap->g, &m, role, node, slot);
+    if (v < 0) return -1;
+    if (note_tensor(r->cap, r->cap->g.n_inputs - 1, t) != 0) return -1;
+    return v;
+}
+
+static void fail_reason(recorder *r, bool permanent, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void fail_reason(recorder *r, bool permanent, const char *fmt, ...) {
+    if (r->cap->reason[0]) return; /* keep the first */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->cap->reason, sizeof r->cap->reason, fmt, ap);
+    va_end(ap);
+    r->cap->permanent = permanent;
+}
+
+static int rec_emit(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
+                    gj_val **outs) {
+    recorder *r = (recorder *)b;
+    if (gj_jit_prim_is_composite(inst->prim)) return gj_ag_decompose(b, inst, in, outs);
+    int ids[GJ_RT_MAX_INPUTS], out_ids[GJ_RT_MAX_OUTPUTS];
+    if (inst->n_in < 0 || inst->n_in > GJ_RT_MAX_INPUTS) {
+        gj_rt_set_error("jit capture: %s with %d inputs", gj_rt_prim_name(inst->prim),
+                        inst->n_in);
+        return -1;
+    }
+    for (int i = 0; i < inst->n_in; i++) {
+        if (!in[i]) {
+            gj_rt_set_error("jit capture: %s: input %d is missing", gj_rt_prim_name(inst->prim),
+                            i);
+            return -1;
+        }
+        ids[i] = val_id(in[i]);
+    }
+    int n = gj_jit_graph_add_node(&r->cap->g, inst, ids, out_ids);
+    if (n < 0) return -1;
+    if (inst->prim == GJ_P_DROPOUT_MASK) /* its seed/offset come from the node at run time */
+        r->cap->g.nodes[r->cap->g.n_nodes - 1].rt_node =
+            gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset);
+    for (int k = 0; k < n; k++) outs[k] = id_val(out_ids[k]);
+    return n;
+}
+
+static void rec_meta(gj_ag_builder *b, gj_val *v, gj_rt_meta *out) {
+    recorder *r = (recorder *)b;
+    *out = r->cap->g.values[val_id(v)].meta;
+}
+
+static gj_val *rec_constant(gj_ag_builder *b, gj_tensor *t) {
+    recorder *r = (recorder *)b;
+    int node = -1, slot = 0;
+    gj_jit_role role = GJ_JIT_IN_SAVED;
+    if (gj_jit_walk_saved_origin(r->w, t, &node, &slot) != 0) {
+        role = GJ_JIT_IN_OTHER;
+        node = -1;
+        r->cap->unknown_origin = true;
+    }
+    int v = add_tensor_input(r, t, role, node, slot);
+    return v < 0 ? NULL : id_val(v);
+}
+
+static void rec_keep(gj_ag_builder *b, gj_val *v) {
+    (void)b;
+    (void)v;
+}
+
+static void rec_drop(gj_ag_builder *b, gj_val *v) {
+    (void)b;
+    (void)v;
+}
+
+static void rec_end_step(gj_ag_builder *b) { (void)b; }
+
+static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
+    recorder *r = (recorder *)b;
+    gj_jit_graph *g = &r->cap->g;
+    gj_ag_tensor_meta *lm = leaf->ag;
+    int acc = lm ? gj_jit_walk_find(r->w, lm->acc) : -1;
+    if (acc < 0) {
+        fail_reason(r, false, "leaf gradient without an accumulate node in the walk");
+        gj_rt_set_error("jit capture: internal: leaf without accumulate node");
+        return -1;
+    }
+    int gid = val_id(gv);
+    gj_rt_meta gm = g->values[gid].meta;
+    gj_tensor *grad = lm->grad;
+    if (!grad) {
+        if (gm.dtype != leaf->dtype) {
+            gj_rt_inst cast = {.prim = GJ_P_CAST, .n_in = 1, .dtype = leaf->dtype};
+            if (gj_jit_graph_add_node(g, &cast, &gid, &gid) < 0) return -1;
+        }
+        return gj_jit_graph_add_output(g, gid, acc, -1);
+    }
+    if (grad->ndim != leaf->ndim || memcmp(grad->shape, leaf->shape,
+                                           (size_t)leaf->ndim * sizeof leaf->shape[0]) != 0 ||
+        !gj_rt_is_contiguous(grad) || !gj_rt_dtype_is_float(grad->dtype)) {
+        fail_reason(r, true, ".grad of a leaf has another shape or is not contiguous");
+        gj_rt_set_error("jit capture: unsupported .grad layout");
+        return -1;
+    }
+    int gin = add_tensor_input(r, grad, GJ_JIT_IN_GRAD, acc, 0);
+    if (gin < 0) return -1;
+    if (gm.dtype != grad->dtype) {
+        gj_rt_inst cast = {.prim = GJ_P_CAST, .n_in = 1, .dtype = grad->dtype};
+        if (gj_jit_graph_add_node(g, &cast, &gid, &gid) < 0) return -1;
+    }
+    gj_rt_inst add = {.prim = GJ_P_ADD, .n_in = 2};
+    int args[2] = {gin, gid}, sum;
+    if (gj_jit_graph_add_node(g, &add, args, &sum) < 0) return -1;
+    return gj_jit_graph_add_output(g, sum, acc, g->n_inputs - 1);
+}
+
+int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
+                       gj_tensor *const *roots, gj_tensor *const *seeds) {
+    memset(cap, 0, sizeof *cap);
+    gj_jit_graph_init(&cap->g);
+    recorder r = {
+        .b = {.emit = rec_emit,
+              .meta = rec_meta,
+              .constant = rec_constant,
+              .keep = rec_keep,
+              .drop = rec_drop,
+              .end_step = rec_end_step,
+              .accumulate = rec_accumulate,
+              .records = true},
+        .cap = cap,
+        .w = w,
+    };
+    int rc = -1;
+    gj_val **seed_vals = gj_rt_calloc((size_t)n_roots + 1, sizeof *seed_vals);
+    if (!seed_vals) goto done;
+    for (int i = 0; i < n_roots; i++) {
+        int v;
+        if (seeds && seeds[i]) {
+            v = add_tensor_input(&r, seeds[i], GJ_JIT_IN_SEED, -1, i);
+        } else {
+            gj_rt_inst fill = {.prim = GJ_P_FILL, .n_in = 0, .scalar = 1.0,
+                               .dtype = roots[i]->dtype, .ndim = roots[i]->ndim};
+            memcpy(fill.shape, roots[i]->shape, (size_t)roots[i]->ndim * sizeof fill.shape[0]);
+            if (gj_jit_graph_add_node(&cap->g, &fill, NULL, &v) < 0) v = -1;
+        }
+        if (v < 0) goto done;
+        seed_vals[i] = id_val(v);
+    }
+    if (gj_ag_run_backward(&r.b, n_roots, roots, seed_vals, 0, NULL, NULL, true, true) != 0)
+        goto done;
+    rc = 0;
+done:
+    if (rc != 0 && !cap->reason[0])
+        snprintf(cap->reason, sizeof cap->reason, "capture failed: %s", gj_last_error());
+    gj_rt_free(seed_vals);
+    return rc;
+}
+
+void gj_jit_capture_free(gj_jit_capture *cap) {
+    if (!cap) return;
+    gj_jit_graph_free(&cap->g);
+    gj_rt_free(cap->tensors);
+    memset(cap, 0, sizeof *cap);
+}
