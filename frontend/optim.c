@@ -20,6 +20,7 @@
  *     before updating anything, so a failed step changes nothing.
  */
 #include "fe.h"
+#include "../runtime/gj_math.h"
 
 #include <math.h>
 #include <string.h>
@@ -41,23 +42,6 @@ struct gj_optim {
 
 /* ------------------------------------------------------- conversions */
 
-static inline float opt_bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even; NaN stays a (quiet) NaN. */
-static inline uint16_t opt_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* Elements [i0, i0 + n) of a contiguous float buffer of dtype dt. */
 static void opt_load_f(const void *base, gj_dtype dt, int64_t i0, int n, float *out) {
     if (dt == GJ_F32) {
@@ -69,7 +53,7 @@ static void opt_load_f(const void *base, gj_dtype dt, int64_t i0, int n, float *
     } else {
         const uint16_t *s = (const uint16_t *)base + i0;
         for (int k = 0; k < n; k++)
-            out[k] = opt_bf16_to_f32(s[k]);
+            out[k] = gj_m_bf16_to_f32(s[k]);
     }
 }
 
@@ -83,7 +67,7 @@ static void opt_load_d(const void *base, gj_dtype dt, int64_t i0, int n, double 
     } else {
         const uint16_t *s = (const uint16_t *)base + i0;
         for (int k = 0; k < n; k++)
-            out[k] = opt_bf16_to_f32(s[k]);
+            out[k] = gj_m_bf16_to_f32(s[k]);
     }
 }
 
@@ -94,7 +78,7 @@ static void opt_store_f(void *base, gj_dtype dt, int64_t i0, int n, const float 
     } else {
         uint16_t *d = (uint16_t *)base + i0;
         for (int k = 0; k < n; k++)
-            d[k] = opt_f32_to_bf16(in[k]);
+            d[k] = gj_m_f32_to_bf16(in[k]);
     }
 }
 

@@ -10,6 +10,7 @@
  */
 #include "fe.h"
 #include "../jit/jit.h"
+#include "../runtime/gj_math.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -168,18 +169,7 @@ static void set_elem(gj_tensor *t, int64_t i, double v) {
     case GJ_F32: ((float *)p)[i] = (float)v; break;
     case GJ_F64: ((double *)p)[i] = v; break;
     case GJ_I64: ((int64_t *)p)[i] = (int64_t)v; break;
-    case GJ_BF16: {
-        float f = (float)v;
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-        } else {
-            u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-            ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-        }
-        break;
-    }
+    case GJ_BF16: ((uint16_t *)p)[i] = gj_m_f32_to_bf16((float)v); break;
     }
 }
 

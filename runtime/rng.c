@@ -11,6 +11,7 @@
  * (Dropout uses gj_m_rng_u01 of gj_math.h, shared with JIT code.)
  */
 #include "runtime/rt.h"
+#include "runtime/gj_math.h"
 
 #include <math.h>
 
@@ -19,18 +20,9 @@
 static atomic_ullong g_seed = GJ_RT_RNG_DEFAULT_SEED;
 static atomic_ullong g_counter;
 
-static inline uint64_t gj_rt_mix64(uint64_t z) {
-    z ^= z >> 30;
-    z *= 0xbf58476d1ce4e5b9ull;
-    z ^= z >> 27;
-    z *= 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return z;
-}
-
 uint64_t gj_rt_rng_bits(uint64_t seed, uint64_t counter) {
-    uint64_t key = gj_rt_mix64(seed ^ 0x6a09e667f3bcc909ull);
-    return gj_rt_mix64(key + (counter + 1) * 0x9e3779b97f4a7c15ull);
+    uint64_t key = gj_m_mix64(seed ^ 0x6a09e667f3bcc909ull);
+    return gj_m_mix64(key + (counter + 1) * 0x9e3779b97f4a7c15ull);
 }
 
 /* Uniform in [0, 1) with 53 random bits. */
@@ -42,7 +34,7 @@ double gj_rt_rng_uniform(uint64_t seed, uint64_t counter) {
  * from this one counter; u1 is in (0, 1] so the log is finite. */
 double gj_rt_rng_normal(uint64_t seed, uint64_t counter) {
     uint64_t b = gj_rt_rng_bits(seed, counter);
-    uint64_t c = gj_rt_mix64(b ^ 0xbb67ae8584caa73bull);
+    uint64_t c = gj_m_mix64(b ^ 0xbb67ae8584caa73bull);
     double u1 = (double)((b >> 11) + 1) * 0x1.0p-53;
     double u2 = (double)(c >> 11) * 0x1.0p-53;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);

@@ -17,6 +17,7 @@
  *     rounds to nearest even and keeps NaNs NaN (quiet).
  */
 #include "runtime/rt.h"
+#include "runtime/gj_math.h"
 
 #include <math.h>
 #include <string.h>
@@ -38,22 +39,6 @@ size_t gj_rt_dtype_size(gj_dtype dt) {
 bool gj_rt_dtype_is_float(gj_dtype dt) { return dt == GJ_F32 || dt == GJ_F64 || dt == GJ_BF16; }
 
 bool gj_rt_dtype_valid(int dt) { return dt >= GJ_F32 && dt <= GJ_I64; }
-
-static inline float gj_rt_bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t gj_rt_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x0040u); /* NaN: keep sign/payload, quiet */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* C's float -> integer conversion is undefined out of range: saturate,
  * NaN -> 0, otherwise truncate toward zero. */
@@ -314,7 +299,7 @@ double gj_rt_get(const gj_tensor *t, int64_t i) {
     switch (t->dtype) {
     case GJ_F32: return ((const float *)base)[off];
     case GJ_F64: return ((const double *)base)[off];
-    case GJ_BF16: return gj_rt_bf16_to_f32(((const uint16_t *)base)[off]);
+    case GJ_BF16: return gj_m_bf16_to_f32(((const uint16_t *)base)[off]);
     case GJ_I64: return (double)((const int64_t *)base)[off];
     }
     return NAN;
@@ -350,19 +335,19 @@ typedef void (*gj_rt_conv_fn)(void *dst, int64_t ds, const void *src, int64_t ss
 /* Indexed [dst dtype][src dtype] in gj_dtype order f32, f64, bf16, i64. */
 GJ_RT_CONV(conv_f32_f32, float, float, x)
 GJ_RT_CONV(conv_f32_f64, float, double, (float)x)
-GJ_RT_CONV(conv_f32_bf16, float, uint16_t, gj_rt_bf16_to_f32(x))
+GJ_RT_CONV(conv_f32_bf16, float, uint16_t, gj_m_bf16_to_f32(x))
 GJ_RT_CONV(conv_f32_i64, float, int64_t, (float)x)
 GJ_RT_CONV(conv_f64_f32, double, float, (double)x)
 GJ_RT_CONV(conv_f64_f64, double, double, x)
-GJ_RT_CONV(conv_f64_bf16, double, uint16_t, (double)gj_rt_bf16_to_f32(x))
+GJ_RT_CONV(conv_f64_bf16, double, uint16_t, (double)gj_m_bf16_to_f32(x))
 GJ_RT_CONV(conv_f64_i64, double, int64_t, (double)x)
-GJ_RT_CONV(conv_bf16_f32, uint16_t, float, gj_rt_f32_to_bf16(x))
-GJ_RT_CONV(conv_bf16_f64, uint16_t, double, gj_rt_f32_to_bf16((float)x))
+GJ_RT_CONV(conv_bf16_f32, uint16_t, float, gj_m_f32_to_bf16(x))
+GJ_RT_CONV(conv_bf16_f64, uint16_t, double, gj_m_f32_to_bf16((float)x))
 GJ_RT_CONV(conv_bf16_bf16, uint16_t, uint16_t, x)
-GJ_RT_CONV(conv_bf16_i64, uint16_t, int64_t, gj_rt_f32_to_bf16((float)x))
+GJ_RT_CONV(conv_bf16_i64, uint16_t, int64_t, gj_m_f32_to_bf16((float)x))
 GJ_RT_CONV(conv_i64_f32, int64_t, float, gj_rt_f_to_i64(x))
 GJ_RT_CONV(conv_i64_f64, int64_t, double, gj_rt_f_to_i64(x))
-GJ_RT_CONV(conv_i64_bf16, int64_t, uint16_t, gj_rt_f_to_i64(gj_rt_bf16_to_f32(x)))
+GJ_RT_CONV(conv_i64_bf16, int64_t, uint16_t, gj_rt_f_to_i64(gj_m_bf16_to_f32(x)))
 GJ_RT_CONV(conv_i64_i64, int64_t, int64_t, x)
 
 static const gj_rt_conv_fn gj_rt_conv_table[4][4] = {
