@@ -1,0 +1,622 @@
+/*
+ * bench.c - gradjit-bench: runs the reference workloads of BENCHMARKS.md
+ * (bench/workloads.c) eagerly and with compiled autograd and reports forward
+ * and backward time, peak tensor bytes and compiled-autograd statistics.
+ *
+ *   gradjit-bench [--workload W1|W2|W3|W4|W5|all[,..]] [--mode eager|compiled|both]
+ *                 [--steps N] [--warmup N] [--threads N] [--json FILE]
+ *
+ * Invariants: every step runs inside gj_scope_push/pop and leaves no tensor
+ * behind; .grad of every parameter is NULL when a step starts; the tensor
+ * bytes alive after every step equal those alive after the first one, and
+ * the bytes alive after a workload's teardown equal those before its setup,
+ * otherwise the bench reports a leak and exits non-zero. Weights and data of
+ * a workload come from gj_manual_seed(BENCH_SEED) in every mode, so eager and
+ * compiled losses are comparable. Timings use CLOCK_MONOTONIC; "backward" is
+ * the gj_backward call until it returns (every .grad written).
+ */
+#include "bench.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#define BENCH_SEED 20240611u
+#define BENCH_MAX_STEPS 100000
+
+typedef enum { MODE_EAGER = 1, MODE_COMPILED = 2, MODE_BOTH = 3 } bench_mode;
+
+typedef struct bench_opts {
+    unsigned workloads; /* bit i: bench_workloads[i] */
+    bench_mode mode;
+    int steps, warmup, threads;
+    const char *json_path;
+} bench_opts;
+
+/* Everything measured for one workload in one mode. */
+typedef struct bench_result {
+    const bench_workload *wl;
+    bool compiled;
+    bool ok;           /* ran every step without an error */
+    bool leak;         /* live bytes grew */
+    char error[512];   /* why !ok or leak */
+    int n;             /* timed steps */
+    double fwd_med, fwd_min, bwd_med, bwd_min; /* ms over the timed steps */
+    double first_fwd_ms, first_bwd_ms;         /* step 0 (includes compile) */
+    int64_t peak_bytes;      /* max over timed steps of the step's peak */
+    int64_t step_peak_bytes; /* max over timed steps of peak - live at step start */
+    int64_t live_setup;      /* live bytes right after setup */
+    int64_t live_first, live_last; /* after step 0 and after the last step */
+    int64_t live_before, live_after; /* before setup, after teardown */
+    int64_t param_elems;
+    double loss_first, loss_last;
+    double grad_norm_first; /* sqrt(sum over params of sum(grad^2)) after step 0 */
+    /* compiled autograd (whole run, and the timed steps alone) */
+    gj_ca_stats ca_first, ca_all, ca_timed;
+} bench_result;
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of v[0..n) (sorts v in place); n >= 1. */
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static double min_of(const double *v, int n) {
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] < m ? v[i] : m;
+    return m;
+}
+
+static int64_t live_bytes(void) {
+    gj_mem m;
+    gj_mem_stats(&m);
+    return m.live_bytes;
+}
+
+/* "model name" of the first CPU in /proc/cpuinfo, into buf. */
+static void cpu_model(char *buf, size_t cap) {
+    snprintf(buf, cap, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "model name", 10) != 0)
+            continue;
+        char *c = strchr(line, ':');
+        if (!c)
+            continue;
+        c++;
+        while (*c == ' ' || *c == '\t')
+            c++;
+        size_t n = strcspn(c, "\n");
+        snprintf(buf, cap, "%.*s", (int)n, c);
+        break;
+    }
+    fclose(f);
+}
+
+static void ca_diff(gj_ca_stats *out, const gj_ca_stats *a, const gj_ca_stats *b) {
+    out->backwards = a->backwards - b->backwards;
+    out->compiles = a->compiles - b->compiles;
+    out->mem_hits = a->mem_hits - b->mem_hits;
+    out->disk_hits = a->disk_hits - b->disk_hits;
+    out->fallbacks = a->fallbacks - b->fallbacks;
+    out->compile_ms = a->compile_ms - b->compile_ms;
+    out->run_ms = a->run_ms - b->run_ms;
+}
+
+/* Global L2 norm of the .grad of every parameter, computed in f64 outside the
+ * library's kernels (to compare eager and compiled gradients). NaN on error. */
+static double grad_norm(bench_state *s) {
+    double total = 0.0;
+    for (int i = 0; i < s->n_params; i++) {
+        gj_tensor *g = gj_tensor_grad(s->params[i]);
+        int64_t n = g ? gj_tensor_numel(g) : 0;
+        double *v = g ? malloc((size_t)n * sizeof *v) : NULL;
+        if (!v || gj_tensor_to_f64(g, v) != 0) {
+            free(v);
+            return NAN;
+        }
+        for (int64_t j = 0; j < n; j++)
+            total += v[j] * v[j];
+        free(v);
+    }
+    return sqrt(total);
+}
+
+/* One training step of workload wl: forward (timed), backward (timed), checks
+ * that every parameter received a .grad of its own dtype, the untimed
+ * after_backward hook, then clears the grads. All temporaries live in one
+ * scope. Writes the times, peak bytes, loss and (if gnorm) the gradient norm;
+ * 0 on success, else -1 with r->error set. */
+static int run_step(const bench_workload *wl, bench_state *s, bench_result *r, double *fwd_ms,
+                    double *bwd_ms, int64_t *peak, int64_t *step_peak, double *loss_out,
+                    double *gnorm) {
+    int rc = -1;
+    gj_scope_push();
+    gj_mem_reset_peak();
+    int64_t live0 = live_bytes();
+
+    double t0 = now_ms();
+    gj_tensor *loss = wl->forward(s);
+    double t1 = now_ms();
+    if (!loss) {
+        snprintf(r->error, sizeof r->error, "forward failed: %s", gj_last_error());
+        goto fail;
+    }
+    if (gj_backward(loss, NULL) != 0) {
+        snprintf(r->error, sizeof r->error, "backward failed: %s", gj_last_error());
+        goto fail;
+    }
+    double t2 = now_ms();
+    gj_mem m;
+    gj_mem_stats(&m);
+
+    *fwd_ms = t1 - t0;
+    *bwd_ms = t2 - t1;
+    *peak = m.peak_bytes;
+    *step_peak = m.peak_bytes - live0;
+    *loss_out = gj_tensor_item(loss);
+    for (int i = 0; i < s->n_params; i++) {
+        gj_tensor *g = gj_tensor_grad(s->params[i]);
+        if (!g || gj_tensor_dtype(g) != gj_tensor_dtype(s->params[i]) ||
+            gj_tensor_numel(g) != gj_tensor_numel(s->params[i])) {
+            snprintf(r->error, sizeof r->error,
+                     "backward left parameter %d without a .grad of its dtype and size", i);
+            goto fail;
+        }
+    }
+    if (gnorm)
+        *gnorm = grad_norm(s);
+    if (wl->after_backward && wl->after_backward(s) != 0) {
+        snprintf(r->error, sizeof r->error, "after-backward step failed: %s", gj_last_error());
+        goto fail;
+    }
+    rc = 0;
+fail:
+    for (int i = 0; i < s->n_params; i++)
+        gj_tensor_set_grad(s->params[i], NULL);
+    gj_scope_pop();
+    return rc;
+}
+
+/* Runs warmup + steps steps of wl in one mode and fills r. The compiled
+ * flag is restored to off on return. */
+static void run_workload(const bench_workload *wl, bool compiled, const bench_opts *o,
+                         bench_result *r) {
+    int total = o->warmup + o->steps;
+    double *fwd = calloc((size_t)o->steps, sizeof *fwd);
+    double *bwd = calloc((size_t)o->steps, sizeof *bwd);
+    bench_state s = {0};
+    gj_ca_stats before_timed = {0};
+    memset(r, 0, sizeof *r);
+    r->wl = wl;
+    r->compiled = compiled;
+    r->n = o->steps;
+    if (!fwd || !bwd) {
+        snprintf(r->error, sizeof r->error, "out of memory");
+        goto done;
+    }
+
+    gj_set_compiled_autograd(compiled);
+    gj_compiled_autograd_reset_stats();
+    gj_clear_error();
+    r->live_before = live_bytes();
+    gj_manual_seed(BENCH_SEED);
+    if (wl->setup(&s) != 0) {
+        snprintf(r->error, sizeof r->error, "setup failed: %s", gj_last_error());
+        goto done;
+    }
+    r->param_elems = s.param_elems;
+    r->live_setup = live_bytes();
+
+    for (int i = 0; i < total; i++) {
+        if (i == o->warmup)
+            gj_compiled_autograd_stats(&before_timed);
+        double f = 0.0, b = 0.0, loss = 0.0;
+        int64_t peak = 0, step_peak = 0;
+        if (run_step(wl, &s, r, &f, &b, &peak, &step_peak, &loss,
+                     i == 0 ? &r->grad_norm_first : NULL) != 0) {
+            char tmp[sizeof r->error];
+            snprintf(tmp, sizeof tmp, "step %d: %.480s", i, r->error);
+            memcpy(r->error, tmp, sizeof tmp);
+            goto done;
+        }
+        int64_t live = live_bytes();
+        if (i == 0) {
+            r->first_fwd_ms = f;
+            r->first_bwd_ms = b;
+            r->loss_first = loss;
+            r->live_first = live;
+            gj_compiled_autograd_stats(&r->ca_first);
+        }
+        r->loss_last = loss;
+        r->live_last = live;
+        if (i >= o->warmup) {
+            int k = i - o->warmup;
+            fwd[k] = f;
+            bwd[k] = b;
+            if (peak > r->peak_bytes)
+                r->peak_bytes = peak;
+            if (step_peak > r->step_peak_bytes)
+                r->step_peak_bytes = step_peak;
+        }
+    }
+    gj_compiled_autograd_stats(&r->ca_all);
+    if (o->warmup == 0)
+        memset(&before_timed, 0, sizeof before_timed);
+    ca_diff(&r->ca_timed, &r->ca_all, &before_timed);
+    r->fwd_min = min_of(fwd, o->steps);
+    r->bwd_min = min_of(bwd, o->steps);
+    r->fwd_med = median(fwd, o->steps);
+    r->bwd_med = median(bwd, o->steps);
+    r->ok = true;
+
+done:
+    bench_state_free(&s);
+    gj_set_compiled_autograd(false);
+    r->live_after = live_bytes();
+    if (r->ok && r->live_last != r->live_first) {
+        r->leak = true;
+        snprintf(r->error, sizeof r->error,
+                 "live tensor bytes grew across steps: %lld after step 0, %lld after step %d",
+                 (long long)r->live_first, (long long)r->live_last, total - 1);
+    } else if (r->ok && r->live_after != r->live_before) {
+        r->leak = true;
+        snprintf(r->error, sizeof r->error,
+                 "live tensor bytes %lld before setup, %lld after teardown",
+                 (long long)r->live_before, (long long)r->live_after);
+    }
+    free(fwd);
+    free(bwd);
+}
+
+/* ------------------------------------------------------------ output */
+
+static double mib(int64_t b) { return (double)b / (1024.0 * 1024.0); }
+
+static void print_header(const char *cpu, const gj_info *info, const bench_opts *o) {
+    printf("gradjit %s | CPU: %s | threads: %d | BLAS core: %s\n", info->version, cpu,
+           info->num_threads, info->blas_core ? info->blas_core : "?");
+    printf("BLAS config: %s\n", info->blas_config ? info->blas_config : "?");
+    printf("%d timed steps (median / min) after %d warm-up steps, seed %u, float32 unless "
+           "stated\n\n",
+           o->steps, o->warmup, BENCH_SEED);
+    printf("%-3s %-13s %-8s %9s %9s %9s %9s %9s %9s %10s %10s %7s %5s %12s  %s\n", "id", "name",
+           "mode", "fwd med", "fwd min", "bwd med", "bwd min", "peak MiB", "step MiB",
+           "1st bwd ms", "compile ms", "hits", "fb", "loss", "note");
+}
+
+static void print_row(const bench_result *r) {
+    const char *mode = r->compiled ? "compiled" : "eager";
+    if (!r->ok) {
+        printf("%-3s %-13s %-8s FAILED: %s\n", r->wl->id, r->wl->name, mode, r->error);
+        return;
+    }
+    char hits[32] = "-", fb[24] = "-", comp[24] = "-";
+    if (r->compiled) {
+        snprintf(hits, sizeof hits, "%lld/%d",
+                 (long long)(r->ca_timed.mem_hits + r->ca_timed.disk_hits), r->n);
+        snprintf(fb, sizeof fb, "%lld", (long long)r->ca_all.fallbacks);
+        if (r->ca_first.compiles == 0 && r->ca_first.disk_hits > 0)
+            snprintf(comp, sizeof comp, "disk hit");
+        else
+            snprintf(comp, sizeof comp, "%.1f", r->ca_first.compile_ms);
+    }
+    printf("%-3s %-13s %-8s %9.3f %9.3f %9.3f %9.3f %9.1f %9.1f %10.3f %10s %7s %5s %12.6g  %s\n",
+           r->wl->id, r->wl->name, mode, r->fwd_med, r->fwd_min, r->bwd_med, r->bwd_min,
+           mib(r->peak_bytes), mib(r->step_peak_bytes), r->first_bwd_ms, comp, hits, fb,
+           r->loss_first, r->wl->note ? r->wl->note : "");
+}
+
+/* Warnings below the table: fallbacks, a compiled path that never engaged,
+ * leaks, and the live-bytes check itself. */
+static void print_checks(const bench_result *r) {
+    const char *mode = r->compiled ? "compiled" : "eager";
+    if (!r->ok)
+        return;
+    printf("  %s %-8s live bytes: before setup %lld, after setup %lld, after step 0 %lld, "
+           "after last step %lld, after teardown %lld -> %s\n",
+           r->wl->id, mode, (long long)r->live_before, (long long)r->live_setup,
+           (long long)r->live_first, (long long)r->live_last, (long long)r->live_after,
+           r->leak ? "LEAK" : "flat");
+    if (r->leak)
+        printf("  %s %-8s LEAK: %s\n", r->wl->id, mode, r->error);
+    if (!r->compiled)
+        return;
+    const gj_ca_stats *a = &r->ca_all;
+    printf("  %s compiled: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, %lld disk "
+           "hits, %lld fallbacks, run %.1f ms\n",
+           r->wl->id, (long long)a->backwards, (long long)a->compiles, a->compile_ms,
+           (long long)a->mem_hits, (long long)a->disk_hits, (long long)a->fallbacks, a->run_ms);
+    if (a->backwards == 0)
+        printf("  %s WARNING: the compiled-autograd flag was on but no backward went through "
+               "the compiled path (stats.backwards == 0)\n",
+               r->wl->id);
+    if (a->fallbacks > 0)
+        printf("  %s WARNING: %lld of %lld backwards FELL BACK to the eager engine; its times "
+               "are eager times (GRADJIT_LOG=fallback prints the reason)\n",
+               r->wl->id, (long long)a->fallbacks, (long long)a->backwards);
+}
+
+static void json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; s && *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            fprintf(f, "\\%c", c);
+        else if (c < 0x20)
+            fprintf(f, "\\u%04x", c);
+        else
+            fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+static void json_num(FILE *f, double v) {
+    if (isfinite(v))
+        fprintf(f, "%.6g", v);
+    else
+        fputs("null", f);
+}
+
+static void json_ca(FILE *f, const char *key, const gj_ca_stats *s) {
+    fprintf(f, "      \"%s\": {\"backwards\": %lld, \"compiles\": %lld, \"mem_hits\": %lld, "
+               "\"disk_hits\": %lld, \"fallbacks\": %lld, \"compile_ms\": ",
+            key, (long long)s->backwards, (long long)s->compiles, (long long)s->mem_hits,
+            (long long)s->disk_hits, (long long)s->fallbacks);
+    json_num(f, s->compile_ms);
+    fputs(", \"run_ms\": ", f);
+    json_num(f, s->run_ms);
+    fputs("}", f);
+}
+
+/* Writes the whole run as JSON; 0 on success. */
+static int write_json(const char *path, const char *cpu, const gj_info *info,
+                      const bench_opts *o, const bench_result *res, int n) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "gradjit-bench: cannot write %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    fputs("{\n  \"gradjit_version\": ", f);
+    json_str(f, info->version);
+    fputs(",\n  \"cpu\": ", f);
+    json_str(f, cpu);
+    fprintf(f, ",\n  \"threads\": %d,\n  \"blas_core\": ", info->num_threads);
+    json_str(f, info->blas_core);
+    fputs(",\n  \"blas_config\": ", f);
+    json_str(f, info->blas_config);
+    fprintf(f, ",\n  \"steps\": %d,\n  \"warmup\": %d,\n  \"seed\": %u,\n  \"results\": [\n",
+            o->steps, o->warmup, BENCH_SEED);
+    for (int i = 0; i < n; i++) {
+        const bench_result *r = &res[i];
+        fputs("    {\"id\": ", f);
+        json_str(f, r->wl->id);
+        fputs(", \"name\": ", f);
+        json_str(f, r->wl->name);
+        fputs(", \"shape\": ", f);
+        json_str(f, r->wl->shape);
+        fprintf(f, ", \"mode\": \"%s\", \"ok\": %s, \"leak\": %s", r->compiled ? "compiled" : "eager",
+                r->ok ? "true" : "false", r->leak ? "true" : "false");
+        if (r->wl->note) {
+            fputs(", \"note\": ", f);
+            json_str(f, r->wl->note);
+        }
+        if (!r->ok || r->leak) {
+            fputs(", \"error\": ", f);
+            json_str(f, r->error);
+        }
+        if (r->ok) {
+            fprintf(f, ",\n      \"steps\": %d, \"param_elems\": %lld", r->n,
+                    (long long)r->param_elems);
+            const char *k[] = {"fwd_ms_median", "fwd_ms_min", "bwd_ms_median", "bwd_ms_min",
+                               "first_fwd_ms", "first_bwd_ms", "loss_first", "loss_last",
+                               "grad_norm_first"};
+            double v[] = {r->fwd_med, r->fwd_min, r->bwd_med, r->bwd_min,     r->first_fwd_ms,
+                          r->first_bwd_ms, r->loss_first, r->loss_last, r->grad_norm_first};
+            for (int j = 0; j < 9; j++) {
+                fprintf(f, ", \"%s\": ", k[j]);
+                json_num(f, v[j]);
+            }
+            fprintf(f, ",\n      \"peak_bytes\": %lld, \"step_peak_bytes\": %lld, "
+                       "\"live_bytes_before\": %lld, \"live_bytes_after\": %lld, "
+                       "\"live_bytes_step0\": %lld, \"live_bytes_last_step\": %lld",
+                    (long long)r->peak_bytes, (long long)r->step_peak_bytes,
+                    (long long)r->live_before, (long long)r->live_after,
+                    (long long)r->live_first, (long long)r->live_last);
+            if (r->compiled) {
+                fputs(",\n", f);
+                json_ca(f, "compiled_first_step", &r->ca_first);
+                fputs(",\n", f);
+                json_ca(f, "compiled_timed_steps", &r->ca_timed);
+                fputs(",\n", f);
+                json_ca(f, "compiled_all_steps", &r->ca_all);
+            }
+        }
+        fprintf(f, "}%s\n", i + 1 < n ? "," : "");
+    }
+    fputs("  ]\n}\n", f);
+    if (fclose(f) != 0) {
+        fprintf(stderr, "gradjit-bench: error writing %s\n", path);
+        return -1;
+    }
+    return 0;
+}
+
+/* ----------------------------------------------------------- options */
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: gradjit-bench [--workload W1|W2|W3|W4|W5|all[,W..]] "
+               "[--mode eager|compiled|both]\n"
+               "                     [--steps N] [--warmup N] [--threads N] [--json FILE]\n");
+}
+
+static int parse_int(const char *s, int lo, int hi, int *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+/* Comma-separated list of workload ids (case-insensitive) or "all". */
+static int parse_workloads(const char *arg, unsigned *out) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", arg);
+    *out = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        if (!strcasecmp(tok, "all")) {
+            *out |= (1u << bench_n_workloads) - 1;
+            continue;
+        }
+        int found = 0;
+        for (int i = 0; i < bench_n_workloads; i++)
+            if (!strcasecmp(tok, bench_workloads[i].id) ||
+                !strcasecmp(tok, bench_workloads[i].name)) {
+                *out |= 1u << i;
+                found = 1;
+            }
+        if (!found)
+            return -1;
+    }
+    return *out ? 0 : -1;
+}
+
+static int parse_opts(int argc, char **argv, bench_opts *o) {
+    *o = (bench_opts){.workloads = (1u << bench_n_workloads) - 1,
+                      .mode = MODE_BOTH,
+                      .steps = 10,
+                      .warmup = 3,
+                      .threads = 0};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (!v) {
+            fprintf(stderr, "gradjit-bench: %s needs a value (or is unknown)\n", a);
+            return -1;
+        }
+        i++;
+        if (!strcmp(a, "--workload")) {
+            if (parse_workloads(v, &o->workloads)) {
+                fprintf(stderr, "gradjit-bench: unknown workload '%s'\n", v);
+                return -1;
+            }
+        } else if (!strcmp(a, "--mode")) {
+            if (!strcmp(v, "eager"))
+                o->mode = MODE_EAGER;
+            else if (!strcmp(v, "compiled"))
+                o->mode = MODE_COMPILED;
+            else if (!strcmp(v, "both"))
+                o->mode = MODE_BOTH;
+            else {
+                fprintf(stderr, "gradjit-bench: --mode must be eager, compiled or both\n");
+                return -1;
+            }
+        } else if (!strcmp(a, "--steps")) {
+            if (parse_int(v, 1, BENCH_MAX_STEPS, &o->steps)) {
+                fprintf(stderr, "gradjit-bench: --steps must be 1..%d\n", BENCH_MAX_STEPS);
+                return -1;
+            }
+        } else if (!strcmp(a, "--warmup")) {
+            if (parse_int(v, 0, BENCH_MAX_STEPS, &o->warmup)) {
+                fprintf(stderr, "gradjit-bench: --warmup must be 0..%d\n", BENCH_MAX_STEPS);
+                return -1;
+            }
+        } else if (!strcmp(a, "--threads")) {
+            if (parse_int(v, 0, 4096, &o->threads)) {
+                fprintf(stderr, "gradjit-bench: --threads must be 0..4096 (0: all cores)\n");
+                return -1;
+            }
+        } else if (!strcmp(a, "--json")) {
+            o->json_path = v;
+        } else {
+            fprintf(stderr, "gradjit-bench: unknown option %s\n", a);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    bench_opts o;
+    if (parse_opts(argc, argv, &o) != 0) {
+        usage(stderr);
+        return 2;
+    }
+    gj_set_num_threads(o.threads);
+    gj_info info;
+    gj_get_info(&info);
+    char cpu[256];
+    cpu_model(cpu, sizeof cpu);
+    print_header(cpu, &info, &o);
+
+    bench_result res[2 * 8];
+    int n = 0, failed = 0;
+    for (int w = 0; w < bench_n_workloads; w++) {
+        if (!(o.workloads & (1u << w)))
+            continue;
+        const bench_workload *wl = &bench_workloads[w];
+        int first = n;
+        if (o.mode & MODE_EAGER) {
+            run_workload(wl, false, &o, &res[n]);
+            print_row(&res[n]);
+            fflush(stdout);
+            n++;
+        }
+        if (o.mode & MODE_COMPILED) {
+            run_workload(wl, true, &o, &res[n]);
+            print_row(&res[n]);
+            fflush(stdout);
+            n++;
+        }
+        for (int i = first; i < n; i++)
+            failed |= !res[i].ok || res[i].leak;
+        if (o.mode == MODE_BOTH && res[first].ok && res[first + 1].ok) {
+            const bench_result *e = &res[first], *c = &res[first + 1];
+            double rel = fabs(c->loss_first - e->loss_first) /
+                         fmax(fabs(e->loss_first), 1e-30);
+            double grel = fabs(c->grad_norm_first - e->grad_norm_first) /
+                          fmax(fabs(e->grad_norm_first), 1e-30);
+            printf("  %s compiled/eager backward speedup: %.2fx (eager %.3f ms / compiled %.3f "
+                   "ms median); step 0: loss rel. diff %.2e, grad-norm rel. diff %.2e%s\n",
+                   wl->id, e->bwd_med / c->bwd_med, e->bwd_med, c->bwd_med, rel, grel,
+                   c->ca_all.backwards == 0 ? " [compiled path NOT engaged: both rows are eager]"
+                   : c->ca_all.fallbacks   ? " [compiled run had fallbacks]"
+                                           : "");
+        }
+    }
+    printf("\nchecks:\n");
+    for (int i = 0; i < n; i++)
+        print_checks(&res[i]);
+
+    if (o.json_path && write_json(o.json_path, cpu, &info, &o, res, n) != 0)
+        failed = 1;
+    if (failed)
+        fprintf(stderr, "gradjit-bench: FAILED (see rows marked FAILED or LEAK)\n");
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,307 @@
+/*
+ * workloads.c - W1..W5 of /work/shared/BENCHMARKS.md with exactly those
+ * shapes, against the public API (gradjit.h) only.
+ *
+ * Invariants: setup draws every weight and input from the generator that the
+ * driver seeded (gj_manual_seed) just before, so eager and compiled runs of a
+ * workload see bit-identical parameters and data. Every tensor setup creates
+ * is appended to s->owned (the state's only owning list); s->params and
+ * s->in borrow from it. forward never keeps a reference past the driver's
+ * scope. Shape legend: B batch, T time, C channels, H heads, hd = C / H.
+ */
+#include "bench.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ------------------------------------------------------------- helpers */
+
+/* Takes ownership of t (a new reference) into s->owned. Returns t, or NULL
+ * if t is NULL or the list is full (t is then released). */
+static gj_tensor *own(bench_state *s, gj_tensor *t) {
+    if (!t)
+        return NULL;
+    if (s->n_owned >= BENCH_MAX_OWNED) {
+        fprintf(stderr, "bench: too many tensors in one workload\n");
+        gj_release(t);
+        return NULL;
+    }
+    s->owned[s->n_owned++] = t;
+    return t;
+}
+
+/* Registers an owned leaf as a parameter that requires grad. 0 on success. */
+static int add_param(bench_state *s, gj_tensor *p) {
+    if (!p || s->n_params >= BENCH_MAX_PARAMS)
+        return -1;
+    if (gj_set_requires_grad(p, true) != 0)
+        return -1;
+    s->params[s->n_params++] = p;
+    s->param_elems += gj_tensor_numel(p);
+    return 0;
+}
+
+/* A Linear(in, out) with bias, torch-style init; weight then bias become
+ * owned parameters. 0 on success. */
+static int add_linear(bench_state *s, int64_t in, int64_t out, gj_dtype dt) {
+    gj_linear_layer l;
+    if (gj_linear_init(&l, in, out, true, dt) != 0)
+        return -1;
+    /* The layer's two references move into s->owned (gj_linear_free not called). */
+    gj_tensor *w = own(s, l.weight);
+    gj_tensor *b = own(s, l.bias);
+    if (!w || !b)
+        return -1;
+    if (add_param(s, w) || add_param(s, b))
+        return -1;
+    return 0;
+}
+
+/* A LayerNorm(C) with affine weight and bias (eps 1e-5), both parameters. */
+static int add_layer_norm(bench_state *s, int64_t c) {
+    gj_layer_norm_layer l;
+    if (gj_layer_norm_init(&l, c, 1e-5, GJ_F32) != 0)
+        return -1;
+    gj_tensor *w = own(s, l.weight);
+    gj_tensor *b = own(s, l.bias);
+    if (!w || !b)
+        return -1;
+    if (add_param(s, w) || add_param(s, b))
+        return -1;
+    return 0;
+}
+
+/* i64 labels [n] uniform in [0, k), drawn from the seeded generator. */
+static gj_tensor *random_labels(int64_t n, int k) {
+    gj_tensor *u = gj_rand(GJ_F32, 1, &n, 0.0, (double)k);
+    if (!u)
+        return NULL;
+    float *f = malloc((size_t)n * sizeof *f);
+    int64_t *lab = malloc((size_t)n * sizeof *lab);
+    gj_tensor *out = NULL;
+    if (!f || !lab || gj_tensor_to_f32(u, f) != 0)
+        goto fail;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = (int64_t)floorf(f[i]);
+        lab[i] = v < 0 ? 0 : v >= k ? k - 1 : v;
+    }
+    out = gj_from_data(GJ_I64, 1, &n, lab);
+fail:
+    free(f);
+    free(lab);
+    gj_release(u);
+    return out;
+}
+
+void bench_state_free(bench_state *s) {
+    for (int i = 0; i < s->n_owned; i++)
+        gj_release(s->owned[i]);
+    *s = (bench_state){0};
+}
+
+/* ------------------------------------------------------------ W1 mlp */
+
+enum { W1_N = 256, W1_IN = 784, W1_H = 1024, W1_K = 10 };
+
+/* x[256,784] -> Linear(784,1024) -> GELU -> Linear(1024,1024) -> GELU ->
+ * Linear(1024,10) -> cross_entropy(labels[256] i64), mean over the batch.
+ * p holds w1,b1,w2,b2,w3,b3 (f32). Returns the loss (scope-owned). */
+static gj_tensor *mlp3_loss(gj_tensor *const *p, gj_tensor *x, gj_tensor *labels) {
+    gj_tensor *h = gj_gelu(gj_linear(x, p[0], p[1]));     /* [N, H] */
+    h = h ? gj_gelu(gj_linear(h, p[2], p[3])) : NULL;     /* [N, H] */
+    gj_tensor *logits = h ? gj_linear(h, p[4], p[5]) : NULL; /* [N, K] */
+    return logits ? gj_cross_entropy(logits, labels) : NULL;
+}
+
+static int w1_setup(bench_state *s) {
+    int64_t xs[2] = {W1_N, W1_IN};
+    if (add_linear(s, W1_IN, W1_H, GJ_F32) || add_linear(s, W1_H, W1_H, GJ_F32) ||
+        add_linear(s, W1_H, W1_K, GJ_F32))
+        return -1;
+    s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
+    s->in[1] = own(s, random_labels(W1_N, W1_K));
+    return s->in[0] && s->in[1] ? 0 : -1;
+}
+
+static gj_tensor *w1_forward(bench_state *s) { return mlp3_loss(s->params, s->in[0], s->in[1]); }
+
+/* -------------------------------------------------------- W2 pointwise */
+
+enum { W2_N = 4194304 };
+
+static int w2_setup(bench_state *s) {
+    int64_t n = W2_N;
+    for (int i = 0; i < 3; i++) {
+        gj_tensor *t = own(s, gj_randn(GJ_F32, 1, &n, 1.0));
+        if (add_param(s, t))
+            return -1;
+    }
+    return 0;
+}
+
+/* loss = sum(tanh(x*w + b) * sigmoid(x) + exp(-(x*x))); x, w, b [4194304]. */
+static gj_tensor *w2_forward(bench_state *s) {
+    gj_tensor *x = s->params[0], *w = s->params[1], *b = s->params[2];
+    gj_tensor *t = gj_tanh(gj_add(gj_mul(x, w), b));
+    gj_tensor *u = t ? gj_mul(t, gj_sigmoid(x)) : NULL;
+    gj_tensor *e = gj_exp(gj_neg(gj_mul(x, x)));
+    gj_tensor *v = u && e ? gj_add(u, e) : NULL;
+    return v ? gj_sum(v, 0, NULL, false) : NULL;
+}
+
+/* ------------------------------------------------------------ W3 block */
+
+enum { W3_B = 8, W3_T = 128, W3_C = 256, W3_H = 4, W3_HD = W3_C / W3_H };
+
+/* Parameter order: ln1 w,b | qkv w,b | proj w,b | ln2 w,b | fc w,b | fc2 w,b. */
+static int w3_setup(bench_state *s) {
+    int64_t xs[3] = {W3_B, W3_T, W3_C};
+    if (add_layer_norm(s, W3_C) || add_linear(s, W3_C, 3 * W3_C, GJ_F32) ||
+        add_linear(s, W3_C, W3_C, GJ_F32) || add_layer_norm(s, W3_C) ||
+        add_linear(s, W3_C, 4 * W3_C, GJ_F32) || add_linear(s, 4 * W3_C, W3_C, GJ_F32))
+        return -1;
+    s->in[0] = own(s, gj_randn(GJ_F32, 3, xs, 1.0)); /* x, no grad */
+    /* Causal mask [T, T]: 1 where key j > query i (masked out). */
+    static float mask[W3_T * W3_T];
+    for (int i = 0; i < W3_T; i++)
+        for (int j = 0; j < W3_T; j++)
+            mask[i * W3_T + j] = j > i ? 1.0f : 0.0f;
+    int64_t ms[2] = {W3_T, W3_T};
+    s->in[1] = own(s, gj_from_data(GJ_F32, 2, ms, mask));
+    return s->in[0] && s->in[1] ? 0 : -1;
+}
+
+/* One head group of qkv [B,T,3C]: columns [idx*C, (idx+1)*C) as [B,H,T,hd]. */
+static gj_tensor *w3_heads(gj_tensor *qkv, int idx) {
+    static const int perm[4] = {0, 2, 1, 3};
+    int64_t hs[4] = {W3_B, W3_T, W3_H, W3_HD};
+    gj_tensor *t = gj_narrow(qkv, 2, (int64_t)idx * W3_C, W3_C); /* [B,T,C] view */
+    t = t ? gj_reshape(t, 4, hs) : NULL;                          /* [B,T,H,hd] */
+    return t ? gj_permute(t, perm) : NULL;                        /* [B,H,T,hd] */
+}
+
+/* Pre-norm causal transformer block, loss = mean(y*y). */
+static gj_tensor *w3_forward(bench_state *s) {
+    gj_tensor *const *p = s->params;
+    gj_tensor *x = s->in[0], *mask = s->in[1];
+    static const int perm[4] = {0, 2, 1, 3};
+    int64_t cs[3] = {W3_B, W3_T, W3_C};
+
+    gj_tensor *a = gj_layer_norm(x, p[0], p[1], 1e-5);      /* [B,T,C] */
+    gj_tensor *qkv = a ? gj_linear(a, p[2], p[3]) : NULL;    /* [B,T,3C] */
+    if (!qkv)
+        return NULL;
+    gj_tensor *q = w3_heads(qkv, 0), *k = w3_heads(qkv, 1), *v = w3_heads(qkv, 2);
+    if (!q || !k || !v)
+        return NULL;
+    gj_tensor *kt = gj_transpose(k, 2, 3);                              /* [B,H,hd,T] */
+    gj_tensor *att = kt ? gj_matmul(q, kt) : NULL;                      /* [B,H,T,T] */
+    att = att ? gj_mul_scalar(att, 1.0 / sqrt((double)W3_HD)) : NULL;
+    att = att ? gj_masked_fill(att, mask, -1e9) : NULL;
+    att = att ? gj_softmax(att, -1) : NULL;
+    gj_tensor *y = att ? gj_matmul(att, v) : NULL;                      /* [B,H,T,hd] */
+    y = y ? gj_permute(y, perm) : NULL;                                 /* [B,T,H,hd] */
+    y = y ? gj_reshape(y, 3, cs) : NULL;                                /* [B,T,C] */
+    y = y ? gj_linear(y, p[4], p[5]) : NULL;
+    gj_tensor *h = y ? gj_add(x, y) : NULL;                             /* [B,T,C] */
+    gj_tensor *m = h ? gj_layer_norm(h, p[6], p[7], 1e-5) : NULL;
+    m = m ? gj_gelu(gj_linear(m, p[8], p[9])) : NULL;                   /* [B,T,4C] */
+    m = m ? gj_linear(m, p[10], p[11]) : NULL;                          /* [B,T,C] */
+    gj_tensor *out = m ? gj_add(h, m) : NULL;
+    gj_tensor *sq = out ? gj_mul(out, out) : NULL;
+    return sq ? gj_mean(sq, 0, NULL, false) : NULL;
+}
+
+/* ------------------------------------------------------ W4 deep mlp */
+
+enum { W4_N = 128, W4_C = 512, W4_H = 2048, W4_L = 8 };
+
+static int w4_setup(bench_state *s) {
+    int64_t xs[2] = {W4_N, W4_C};
+    for (int l = 0; l < W4_L; l++)
+        if (add_linear(s, W4_C, W4_H, GJ_F32) || add_linear(s, W4_H, W4_C, GJ_F32))
+            return -1;
+    s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
+    return s->in[0] ? 0 : -1;
+}
+
+/* y = x; 8 times y = y + Linear(2048,512)(GELU(Linear(512,2048)(y)));
+ * loss = mean(y*y). No activation checkpointing (not in the library yet). */
+static gj_tensor *w4_forward(bench_state *s) {
+    gj_tensor *y = s->in[0]; /* [N, C] */
+    for (int l = 0; l < W4_L && y; l++) {
+        gj_tensor *const *p = s->params + 4 * l;
+        gj_tensor *h = gj_gelu(gj_linear(y, p[0], p[1])); /* [N, H] */
+        h = h ? gj_linear(h, p[2], p[3]) : NULL;          /* [N, C] */
+        y = h ? gj_add(y, h) : NULL;
+    }
+    gj_tensor *sq = y ? gj_mul(y, y) : NULL;
+    return sq ? gj_mean(sq, 0, NULL, false) : NULL;
+}
+
+/* ------------------------------------------------------ W5 bf16 mlp */
+
+#define W5_LR 1e-3
+
+/* W1's parameters initialised in f32 (kept as the master copies, not
+ * requiring grad), cast to bf16 leaves that require grad. */
+static int w5_setup(bench_state *s) {
+    if (w1_setup(s) != 0)
+        return -1;
+    int n = s->n_params;
+    s->n_params = 0;
+    s->param_elems = 0;
+    gj_tensor *f32[BENCH_MAX_PARAMS];
+    for (int i = 0; i < n; i++)
+        f32[i] = s->params[i];
+    for (int i = 0; i < n; i++) {
+        if (gj_set_requires_grad(f32[i], false) != 0)
+            return -1;
+        gj_no_grad_push();
+        gj_tensor *b = own(s, gj_cast(f32[i], GJ_BF16));
+        gj_no_grad_pop();
+        if (add_param(s, b))
+            return -1;
+        s->masters[i] = f32[i];
+    }
+    return 0;
+}
+
+/* Each step casts the bf16 parameters to f32 (differentiable) and runs W1. */
+static gj_tensor *w5_forward(bench_state *s) {
+    gj_tensor *p[6];
+    for (int i = 0; i < 6; i++)
+        if (!(p[i] = gj_cast(s->params[i], GJ_F32)))
+            return NULL;
+    return mlp3_loss(p, s->in[0], s->in[1]);
+}
+
+/* Untimed SGD on the masters: m -= lr * f32(grad); param = bf16(m). */
+static int w5_after_backward(bench_state *s) {
+    int rc = 0;
+    gj_no_grad_push();
+    for (int i = 0; i < s->n_params && rc == 0; i++) {
+        gj_tensor *g = gj_tensor_grad(s->params[i]);
+        gj_tensor *g32 = g ? gj_cast(g, GJ_F32) : NULL;
+        if (!g32 || gj_add_scaled_(s->masters[i], g32, -W5_LR) != 0 ||
+            gj_copy_(s->params[i], s->masters[i]) != 0)
+            rc = -1;
+    }
+    gj_no_grad_pop();
+    return rc;
+}
+
+/* ----------------------------------------------------------- registry */
+
+const bench_workload bench_workloads[] = {
+    {"W1", "mlp", "x[256,784] 784-1024-1024-10 GELU, CE(i64)", NULL, w1_setup, w1_forward, NULL},
+    {"W2", "pointwise", "x,w,b[4194304] sum(tanh(xw+b)sig(x)+exp(-x^2))", NULL, w2_setup,
+     w2_forward, NULL},
+    {"W3", "block", "B8 T128 C256 H4 causal pre-norm block", NULL, w3_setup, w3_forward, NULL},
+    {"W4", "deep-mlp-ckpt", "x[128,512] 8x(512-2048-512 GELU)+res", "(no checkpointing yet)",
+     w4_setup, w4_forward, NULL},
+    {"W5", "bf16-mlp", "W1, bf16 params, f32 masters+math", "SGD step untimed", w5_setup,
+     w5_forward, w5_after_backward},
+};
+const int bench_n_workloads = (int)(sizeof bench_workloads / sizeof bench_workloads[0]);
