@@ -20,6 +20,7 @@
 #include "runtime/gj_math.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 static void (*g_ag_free)(gj_tensor *t);
@@ -56,7 +57,17 @@ static inline int64_t gj_rt_f_to_i64(double x) {
 
 bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
     if (!t) {
-        gj_rt_set_error("%s: %s is NULL", op, arg);
+        /* A NULL here is usually the result of an earlier failed call in a
+         * chain such as gj_gelu(gj_matmul(a, b)): keep that first message,
+         * which names the real problem. */
+        const char *prev = gj_last_error();
+        if (prev[0] && !strstr(prev, " is NULL")) {
+            char first[768];
+            snprintf(first, sizeof first, "%s", prev);
+            gj_rt_set_error("%s: %s is NULL (the error before it: %s)", op, arg, first);
+        } else {
+            gj_rt_set_error("%s: %s is NULL", op, arg);
+        }
         return false;
     }
     if (t->magic != GJ_RT_TENSOR_MAGIC) {

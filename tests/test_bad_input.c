@@ -153,6 +153,26 @@ static void test_shape_mismatch(void **s) {
     END();
 }
 
+/* In a chain such as gj_gelu(gj_matmul(a, b)), the NULL that reaches gelu
+ * keeps the first error, which names the real problem (matmul's shapes). */
+static void test_error_chain(void **s) {
+    (void)s;
+    gj_scope_push();
+    gj_tensor *a = gj_zeros(GJ_F32, 2, (int64_t[]){2, 3});
+    gj_tensor *b = gj_zeros(GJ_F32, 2, (int64_t[]){4, 5});
+    gj_clear_error();
+    assert_null(gj_gelu(gj_matmul(a, b)));
+    const char *e = gj_last_error();
+    assert_non_null(strstr(e, "gj_gelu"));
+    assert_non_null(strstr(e, "matmul"));
+    assert_non_null(strstr(e, "[2, 3]"));
+    /* a plain NULL with no earlier error says just that */
+    gj_clear_error();
+    assert_null(gj_exp(NULL));
+    assert_null(strstr(gj_last_error(), "before"));
+    gj_scope_pop();
+}
+
 static void test_dtype_mismatch(void **s) {
     BEGIN();
     gj_tensor *f = z32(SHP(2, 3)), *d = z64(SHP(2, 3)), *d32 = z64(SHP(3, 2));
@@ -481,6 +501,7 @@ static void test_misc(void **s) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shape_mismatch),
+        cmocka_unit_test(test_error_chain),
         cmocka_unit_test(test_dtype_mismatch),
         cmocka_unit_test(test_null_args),
         cmocka_unit_test(test_bad_sizes),
