@@ -27,6 +27,7 @@
 
 typedef struct gj_val gj_val; /* opaque value of a builder */
 typedef struct gj_ag_builder gj_ag_builder;
+typedef struct gj_ag_hook gj_ag_hook; /* a tensor or post-accumulate hook (below) */
 
 struct gj_ag_builder {
     /* Runs or records inst on inputs in[0..inst->n_in); writes inst's
@@ -50,6 +51,17 @@ struct gj_ag_builder {
      * a graph output accumulated into .grad. Returns 0 or -1. */
     int (*accumulate)(gj_ag_builder *b, gj_tensor *leaf, gj_val *g);
     bool records; /* true for the recording builder */
+    /* Appended by helper "hooks" (autograd/hooks.c). Runs tensor hook h on
+     * the gradient grad (a value of b): returns the value to use from now
+     * on -- grad itself if the hook kept it, else a replacement of grad's
+     * shape and dtype belonging to the current step -- or NULL with the
+     * error set. A builder that leaves call_hook (call_post_hook) NULL
+     * cannot run a graph with tensor (post-accumulate) hooks:
+     * gj_ag_run_backward refuses it before producing any gradient, with the
+     * error "hooks: this builder cannot run hooks". */
+    gj_val *(*call_hook)(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad);
+    /* Runs post-accumulate hook h on leaf once its .grad was written. 0/-1. */
+    int (*call_post_hook)(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf);
 };
 
 /* Emit helpers: one output each; NULL on error. */
@@ -157,6 +169,7 @@ struct gj_ag_node {
     int n_saved;
     gj_ag_saved_tensor saved[GJ_AG_MAX_SAVED];
     bool released;                  /* saved tensors freed by a backward */
+    gj_ag_hook *out_hooks[GJ_AG_MAX_OUT]; /* GJ_AG_OP: tensor hooks per output (owned) */
 };
 
 /* Autograd metadata of a tensor (tensor->ag). */
@@ -166,6 +179,8 @@ typedef struct gj_ag_tensor_meta {
     int output_nr;
     gj_ag_node *acc;    /* leaves: weak pointer to the accumulate node */
     gj_tensor *grad;    /* leaves: accumulated .grad (owned) */
+    gj_ag_hook *hooks;      /* leaves: tensor hooks (owned; non-leaves: in the node) */
+    gj_ag_hook *post_hooks; /* leaves: post-accumulate hooks (owned) */
 } gj_ag_tensor_meta;
 
 gj_ag_tensor_meta *gj_ag_meta_get(gj_tensor *t, bool create); /* NULL if none / OOM */
@@ -212,4 +227,186 @@ extern const gj_ag_opdef gj_ag_op_add, gj_ag_op_sub, gj_ag_op_mul, gj_ag_op_div,
  * with i[0] = has_bias (see autograd/ops_*.c for every op's attributes). */
 extern const gj_ag_opdef gj_ag_op_masked_fill, gj_ag_op_linear;
 
+/* ------------------------------------ checkpoint regions (helper ckpt) */
+/* Activation checkpointing (autograd/checkpoint.c, public gj_checkpoint).
+ * While a region is open on this thread, gj_ag_apply runs each op eagerly
+ * and appends it to the region's tape instead of recording a node; at the
+ * region's end the whole region becomes ONE node of gj_ag_op_checkpoint
+ * whose backward replays the tape (recomputing what the policy dropped,
+ * reading what it saved) and runs the tape's backward formulas, on
+ * whatever builder the engine passes: eager recomputation, or inlined
+ * recomputation in a captured graph. */
+
+/* An op's forward / backward formula on values of any builder, outside of
+ * a node (the tape's replay). forward_vals: outs as op->forward; when saved
+ * is non-NULL it receives the values the formula saved (at most
+ * GJ_AG_MAX_SAVED) and *n_saved their count. backward_vals: runs
+ * op->backward with the given input/output metas and saved values. Both
+ * return what the formula returns (-1 with the error set). */
+int gj_ag_forward_vals(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
+                       gj_val *const *in, gj_val **outs, int *n_saved, gj_val **saved);
+int gj_ag_backward_vals(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
+                        const gj_rt_meta *in_meta, int n_out, const gj_rt_meta *out_meta,
+                        int n_saved, gj_val *const *saved, const bool *needs,
+                        gj_val *const *gout, gj_val **gin);
+/* The node whose backward is running (borrowed). */
+gj_ag_node *gj_ag_ctx_node(gj_ag_bctx *ctx);
+
+/* The op of a region's node. attrs: i[0], i[1] = 128-bit hash of the
+ * tape's canonical serialization (literal dropout seeds/offsets), so the
+ * JIT key differs whenever the tape's structure or decisions differ. */
+extern const gj_ag_opdef gj_ag_op_checkpoint;
+
+typedef struct gj_ag_ckpt_region gj_ag_ckpt_region;
+/* The region open on this thread, or NULL. */
+gj_ag_ckpt_region *gj_ag_ckpt_active(void);
+/* Opens a region on this thread: in[0..n_in) (borrowed) are its inputs,
+ * policy (may be NULL: recompute everything) decides per op. NULL with the
+ * error set if a region is already open (nested regions are an error). */
+gj_ag_ckpt_region *gj_ag_ckpt_begin(int n_in, gj_tensor *const *in, gj_ckpt_policy_fn policy,
+                                    void *policy_data);
+/* Called by gj_ag_apply for every op run while region r is open: appends
+ * op (its inputs in, its outputs vout as the formula produced them and outs
+ * as handed to the caller, the formula's saved values) to the tape. 0 or -1
+ * (error set; the tape is unchanged). */
+int gj_ag_ckpt_note(gj_ag_ckpt_region *r, const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
+                    gj_tensor *const *in, gj_val *const *vout, int n_out, gj_tensor *const *outs,
+                    int n_saved, gj_val *const *saved);
+/* Closes r (always: r is freed) and makes fn_out[0..n_out) (borrowed, as
+ * fn returned them) the outputs of one checkpoint node: outs[k] receive new
+ * references (not scoped) carrying the node as grad_fn (or plain tensors if
+ * nothing in the region requires grad). 0 or -1 (error set, outs NULL). */
+int gj_ag_ckpt_end(gj_ag_ckpt_region *r, int n_out, gj_tensor *const *fn_out, gj_tensor **outs);
+/* Closes and frees r without making a node (fn failed). */
+void gj_ag_ckpt_abort(gj_ag_ckpt_region *r);
+/* gj_ag_node_release calls this for a dying checkpoint node: frees its tape. */
+void gj_ag_ckpt_node_free(gj_ag_node *n);
+
+/* What a checkpoint node holds for its backward (the "saved set"). */
+typedef struct gj_ag_ckpt_info {
+    int n_entries;        /* ops in the tape */
+    int n_saved_entries;  /* ops whose outputs the policy saved */
+    int n_stored;         /* tensors held: inputs read, saved outputs, their internals */
+    int n_node_saved;     /* of which the first n_node_saved are node->saved[] */
+    int64_t stored_bytes; /* bytes of those tensors (their views' extents) */
+    int n_in_node;        /* node inputs: region inputs + outside tensors requiring grad */
+} gj_ag_ckpt_info;
+/* 0 and *out if n is a live checkpoint node, -1 otherwise. */
+int gj_ag_ckpt_info_of(const gj_ag_node *n, gj_ag_ckpt_info *out);
+/* Stored tensor k of checkpoint node n (borrowed; NULL once released):
+ * k < n_node_saved is n->saved[k].t, the others are held by the tape.
+ * *version (may be NULL) receives the storage version at save time. */
+gj_tensor *gj_ag_ckpt_stored(const gj_ag_node *n, int k, int64_t *version);
+/* Canonical text of checkpoint node n's tape (for jit/key.c): per op its
+ * name, attributes, input slots (region input k / output m of op j /
+ * outside tensor c), metas, saved flag and policy; the stored tensors'
+ * metas. runtime_attrs(op) (may be NULL) gives a mask of integer attributes
+ * written as '*' (run-time values such as dropout seeds). Writes at most
+ * cap bytes (NUL-terminated when cap > 0) and returns the full length, as
+ * snprintf; -1 if n is not a checkpoint node. Never contains an address. */
+int64_t gj_ag_ckpt_serialize(const gj_ag_node *n, uint32_t (*runtime_attrs)(const gj_ag_opdef *),
+                             char *buf, size_t cap);
+/* The ops of checkpoint node n's tape: their count (-1 if n is not a live
+ * checkpoint node), and op j's definition with its attributes (*attrs,
+ * borrowed while n lives; NULL if j is out of range). For the JIT's
+ * run-time parameters (the seed and offset of a dropout inside a region). */
+int gj_ag_ckpt_n_ops(const gj_ag_node *n);
+const gj_ag_opdef *gj_ag_ckpt_op(const gj_ag_node *n, int j, const gj_ag_attrs **attrs);
+
+/* ------------------------- hooks, custom ops, anomaly (helper "hooks") */
+
+typedef enum gj_ag_hook_kind {
+    GJ_AG_HOOK_TENSOR = 0,          /* gj_grad_hook_fn: may replace the gradient */
+    GJ_AG_HOOK_POST_ACCUMULATE = 1, /* gj_post_accumulate_hook_fn: after .grad is written */
+} gj_ag_hook_kind;
+
+/* One registered hook. Lists are singly linked in registration order and
+ * owned by a node (tensor hooks of a non-leaf output: node->out_hooks[k])
+ * or by a leaf's meta (hooks, post_hooks). A removed hook stays in its list
+ * (flag `removed`, skipped by everyone) until the list is compacted at a
+ * later registration outside any hook call, or its owner dies. */
+struct gj_ag_hook {
+    int64_t handle;              /* > 0, unique in the process */
+    gj_ag_hook_kind kind;
+    gj_grad_hook_fn fn;          /* GJ_AG_HOOK_TENSOR */
+    gj_post_accumulate_hook_fn post_fn; /* GJ_AG_HOOK_POST_ACCUMULATE */
+    void *user;
+    bool removed;
+    gj_ag_hook *next;            /* next hook of the same list */
+    gj_ag_hook *all_prev, *all_next; /* hooks.c: every live hook, for removal */
+};
+
+/* Registers a hook on t (which must require grad; post-accumulate: a
+ * leaf): fn for GJ_AG_HOOK_TENSOR, post_fn for GJ_AG_HOOK_POST_ACCUMULATE.
+ * Returns the handle or -1 with an error naming op. */
+int64_t gj_ag_hook_register(gj_tensor *t, gj_ag_hook_kind kind, gj_grad_hook_fn fn,
+                            gj_post_accumulate_hook_fn post_fn, void *user, const char *op);
+int gj_ag_hook_remove(int64_t handle); /* 0, or -1 if unknown/removed (no error set) */
+/* Frees a list (node and meta destruction). */
+void gj_ag_hooks_free(gj_ag_hook **list);
+/* The live hooks the engine runs for output k of node n, in run order: an
+ * OP node's tensor hooks of output k; for an ACCUMULATE node (k = 0) the
+ * leaf's tensor hooks, then its post-accumulate hooks. Writes up to cap of
+ * them to out (out may be NULL) and returns how many there are: what a
+ * structural key records (kinds and counts, never the pointers). */
+int gj_ag_node_hooks(const gj_ag_node *n, int k, const gj_ag_hook **out, int cap);
+/* Engine side: runs the tensor hooks of output k of n on *buf (replacing
+ * it, keep/drop handled), or the post-accumulate hooks of leaf. 0 or -1. */
+int gj_ag_run_tensor_hooks(gj_ag_builder *b, gj_ag_node *n, int k, gj_val **buf);
+int gj_ag_run_post_hooks(gj_ag_builder *b, gj_tensor *leaf);
+/* The eager builder's call_hook / call_post_hook. */
+gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad);
+int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf);
+/* The frontend's scopes: user code called from the engine (hooks, custom
+ * op functions) runs inside a scope of its own. push opens one and returns
+ * its identity (what t->scope holds for a tensor registered in it; NULL
+ * when no frontend registered); pop closes it. */
+void gj_ag_set_user_scope(void *(*push)(void), void (*pop)(void));
+void *gj_ag_user_scope_push(void);
+void gj_ag_user_scope_pop(void);
+/* Takes the reference that user code returned for t (call while the user
+ * scope `scope` is open): if t is registered in that scope the reference
+ * is the scope's and a new one is taken, otherwise (gj_retain'ed, or kept
+ * out of any scope) it is stolen. Returns a new reference without autograd
+ * meta (an alias replaces t if needed), or NULL with an error naming what
+ * if t is not a live tensor. */
+gj_tensor *gj_ag_take_user_ref(gj_tensor *t, void *scope, const char *what);
+/* Drops a reference user code returned that will not be used (nothing if
+ * it is the scope's, or t is not a live tensor). */
+void gj_ag_drop_user_ref(gj_tensor *t, void *scope);
+/* Pushes one reference of t (transferred) on the eager builder's step;
+ * NULL on OOM (the reference is released). */
+gj_val *gj_ag_eager_adopt(gj_tensor *t);
+
+/* Anomaly mode: the engine checks every gradient an op produces with the
+ * eager builder for NaN/Inf and fails naming the op (process-wide flag). */
+void gj_ag_set_anomaly(bool on);
+bool gj_ag_anomaly(void);
+/* 0, or -1 with an error if value g (gradient for input i of n) holds a
+ * NaN or an Inf. Checks eager values only. */
+int gj_ag_anomaly_check(gj_ag_builder *b, const gj_ag_node *n, int i, gj_val *g);
+
+/* Custom ops (autograd/custom.c; public API in frontend/custom.c). The
+ * opdef of a custom op is named after its schema ("ns::name"); its backward
+ * runs the user's C function with the eager builder only: with a recording
+ * builder it fails ("custom op ...: cannot be captured"), so the JIT falls
+ * back. */
+gj_custom_op *gj_ag_custom_define(const char *schema, void *forward_fn, void *backward_fn);
+gj_custom_op *gj_ag_custom_find(const char *name);
+int gj_ag_custom_call(gj_custom_op *op, gj_tensor *const *tensor_args, const double *scalar_args,
+                      gj_tensor **outs);
+/* The custom op of an opdef, or NULL for a built-in op. */
+gj_custom_op *gj_ag_custom_of(const gj_ag_opdef *op);
+int gj_ag_custom_n_outputs(const gj_custom_op *op);
+int gj_ag_custom_n_tensor_args(const gj_custom_op *op);
+/* Runs op's backward C function on real tensors: gout[n outputs] (NULL:
+ * zeros of output k's meta out_meta[k]), inputs[n tensor args] and the
+ * scalars as stored in the node's attributes; gin[n tensor args] receive
+ * new references (unscoped) or NULL. The entry an opaque call node of a
+ * compiled program can use. 0 or -1 with an error. */
+int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
+                              const gj_rt_meta *out_meta, gj_tensor *const *gout,
+                              gj_tensor *const *inputs, gj_tensor **gin);
+
 #endif /* GJ_AG_H */
+

@@ -15,6 +15,16 @@
  * IOTA[K]) (IOTA: value = index, a nullary primitive appended for this).
  * Labels are compared in f32 (f64 when K > 2^24, where f32 stops being
  * exact), so the comparison is exact for every valid label.
+ *
+ * Numerics follow the eager kernels (runtime/kernels_composite.c) step by
+ * step: row reductions (sums, dot products, means) are taken in double --
+ * the f32 values are widened (exactly) to f64 before the product and the
+ * SUM, which then adds in the same lane order as the eager row kernels --
+ * divided by C in double and rounded once to the compute dtype; the
+ * elementwise parts run in the compute dtype in the eager kernels' order.
+ * So the decomposition gives the composite's values bit for bit (f32 and
+ * f64), except LOG_SOFTMAX and CE_FWD with more than 512 classes, whose
+ * eager kernels sum exp() in tiles of 512 (one rounding step apart).
  */
 #include "autograd/ops_common.h"
 
@@ -43,25 +53,24 @@ static gj_val *one_hot(gj_ag_builder *b, gj_val *labels, int64_t n, int64_t k, g
     return gj_ag_cast(b, oh, dt);
 }
 
-/* Row-wise max-shifted input and sum of exponentials of x[..., K]:
- * z = x - max(x) and s = sum(exp(z)), both reduced with keepdim. */
-static int shifted_exp_sum(gj_ag_builder *b, gj_val *x, uint32_t last, gj_val **z,
-                           gj_val **e, gj_val **s) {
-    gj_val *m = reduce(b, GJ_P_MAX, x, last, true);
-    *z = m ? gj_ag_binary(b, GJ_P_SUB, x, m) : NULL;
-    *e = *z ? gj_ag_unary(b, GJ_P_EXP, *z) : NULL;
-    *s = *e ? reduce(b, GJ_P_SUM, *e, last, true) : NULL;
-    return *s ? 0 : -1;
+/* The mean over the last axis of v (f64), as the eager kernels take it:
+ * the double sum divided by C (not multiplied by 1/C). */
+static gj_val *row_mean_d(gj_ag_builder *b, gj_val *v, uint32_t last, int64_t c) {
+    gj_val *s = reduce(b, GJ_P_SUM, v, last, true);
+    gj_val *n = s ? gj_ops_const0(b, GJ_F64, (double)c) : NULL;
+    return n ? gj_ag_binary(b, GJ_P_DIV, s, n) : NULL;
 }
 
-/* Log-sum-exp of logits[N, K] per row, as [N, 1]: log(sum(exp(x - m))) + m. */
-static gj_val *row_lse(gj_ag_builder *b, gj_val *x) {
-    gj_val *m = reduce(b, GJ_P_MAX, x, 2u, true);
-    gj_val *z = m ? gj_ag_binary(b, GJ_P_SUB, x, m) : NULL;
-    gj_val *e = z ? gj_ag_unary(b, GJ_P_EXP, z) : NULL;
-    gj_val *s = e ? reduce(b, GJ_P_SUM, e, 2u, true) : NULL;
-    gj_val *l = s ? gj_ag_unary(b, GJ_P_LOG, s) : NULL;
-    return l ? gj_ag_binary(b, GJ_P_ADD, l, m) : NULL;
+/* Row-wise max m of x (keepdim), z = x - m, e = exp(z) in x's dtype, and
+ * s = sum(e) accumulated in double (f64). */
+static int shifted_exp_sum(gj_ag_builder *b, gj_val *x, uint32_t last, gj_val **m,
+                           gj_val **z, gj_val **e, gj_val **s) {
+    *m = reduce(b, GJ_P_MAX, x, last, true);
+    *z = *m ? gj_ag_binary(b, GJ_P_SUB, x, *m) : NULL;
+    *e = *z ? gj_ag_unary(b, GJ_P_EXP, *z) : NULL;
+    gj_val *ed = *e ? gj_ag_cast(b, *e, GJ_F64) : NULL;
+    *s = ed ? reduce(b, GJ_P_SUM, ed, last, true) : NULL;
+    return *s ? 0 : -1;
 }
 
 int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
@@ -89,91 +98,116 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     GJ_OPS_TRY(x);
 
     switch (inst->prim) {
-    case GJ_P_SOFTMAX: { /* y = exp(z) / sum(exp(z)) */
-        gj_val *z, *e, *s;
-        if (shifted_exp_sum(b, x, last, &z, &e, &s) != 0)
+    case GJ_P_SOFTMAX: { /* y = e * (1 / sum(e)), e = exp(x - max), 1/sum in double */
+        gj_val *m, *z, *e, *s;
+        if (shifted_exp_sum(b, x, last, &m, &z, &e, &s) != 0)
             return -1;
-        r[0] = gj_ag_binary(b, GJ_P_DIV, e, s);
+        gj_val *inv = gj_ag_unary(b, GJ_P_RECIP, s);
+        inv = inv ? gj_ag_cast(b, inv, cdt) : NULL;
+        r[0] = inv ? gj_ag_binary(b, GJ_P_MUL, e, inv) : NULL;
         break;
     }
-    case GJ_P_LOG_SOFTMAX: { /* y = z - log(sum(exp(z))) */
-        gj_val *z, *e, *s;
-        if (shifted_exp_sum(b, x, last, &z, &e, &s) != 0)
+    case GJ_P_LOG_SOFTMAX: { /* y = (x - max) - log(sum(exp(x - max))), log in double */
+        gj_val *m, *z, *e, *s;
+        if (shifted_exp_sum(b, x, last, &m, &z, &e, &s) != 0)
             return -1;
         gj_val *l = gj_ag_unary(b, GJ_P_LOG, s);
+        l = l ? gj_ag_cast(b, l, cdt) : NULL;
         r[0] = l ? gj_ag_binary(b, GJ_P_SUB, z, l) : NULL;
         break;
     }
-    case GJ_P_SOFTMAX_BWD: { /* (y, gy) -> y * (gy - sum(gy * y)) */
+    case GJ_P_SOFTMAX_BWD: { /* (y, gy) -> y * (gy - d), d = sum(gy * y) in double */
         gj_val *gy = gj_ag_cast(b, in[1], cdt);
-        gj_val *p = gy ? gj_ag_binary(b, GJ_P_MUL, gy, x) : NULL;
+        gj_val *gyd = gy ? gj_ag_cast(b, gy, GJ_F64) : NULL;
+        gj_val *yd = gyd ? gj_ag_cast(b, x, GJ_F64) : NULL;
+        gj_val *p = yd ? gj_ag_binary(b, GJ_P_MUL, gyd, yd) : NULL;
         gj_val *s = p ? reduce(b, GJ_P_SUM, p, last, true) : NULL;
+        s = s ? gj_ag_cast(b, s, cdt) : NULL;
         gj_val *d = s ? gj_ag_binary(b, GJ_P_SUB, gy, s) : NULL;
         r[0] = d ? gj_ag_binary(b, GJ_P_MUL, x, d) : NULL;
         break;
     }
-    case GJ_P_LOG_SOFTMAX_BWD: { /* (y, gy) -> gy - exp(y) * sum(gy) */
+    case GJ_P_LOG_SOFTMAX_BWD: { /* (y, gy) -> gy - exp(y) * s, s = sum(gy) in double */
         gj_val *gy = gj_ag_cast(b, in[1], cdt);
-        gj_val *s = gy ? reduce(b, GJ_P_SUM, gy, last, true) : NULL;
+        gj_val *gyd = gy ? gj_ag_cast(b, gy, GJ_F64) : NULL;
+        gj_val *s = gyd ? reduce(b, GJ_P_SUM, gyd, last, true) : NULL;
+        s = s ? gj_ag_cast(b, s, cdt) : NULL;
         gj_val *e = s ? gj_ag_unary(b, GJ_P_EXP, x) : NULL;
         gj_val *t = e ? gj_ag_binary(b, GJ_P_MUL, e, s) : NULL;
         r[0] = t ? gj_ag_binary(b, GJ_P_SUB, gy, t) : NULL;
         break;
     }
-    case GJ_P_LN_FWD: { /* mean, var over L; rstd = 1/sqrt(var + eps); xhat */
-        gj_val *s = reduce(b, GJ_P_SUM, x, last, true);
-        gj_val *mean = s ? gj_ag_scalar_op(b, GJ_P_MUL_SCALAR, s, 1.0 / (double)c) : NULL;
-        gj_val *d = mean ? gj_ag_binary(b, GJ_P_SUB, x, mean) : NULL;
-        gj_val *dd = d ? gj_ag_binary(b, GJ_P_MUL, d, d) : NULL;
-        gj_val *vs = dd ? reduce(b, GJ_P_SUM, dd, last, true) : NULL;
-        gj_val *var = vs ? gj_ag_scalar_op(b, GJ_P_MUL_SCALAR, vs, 1.0 / (double)c) : NULL;
+    case GJ_P_LN_FWD: { /* two-pass mean and biased var in double; rstd = 1/sqrt(var + eps) */
+        gj_val *xd = gj_ag_cast(b, x, GJ_F64);
+        gj_val *mu = xd ? row_mean_d(b, xd, last, c) : NULL;
+        gj_val *dv = mu ? gj_ag_binary(b, GJ_P_SUB, xd, mu) : NULL;
+        gj_val *dd = dv ? gj_ag_binary(b, GJ_P_MUL, dv, dv) : NULL;
+        gj_val *var = dd ? row_mean_d(b, dd, last, c) : NULL;
         gj_val *ve = var ? gj_ag_scalar_op(b, GJ_P_ADD_SCALAR, var, inst->scalar) : NULL;
-        gj_val *rstd = ve ? gj_ag_unary(b, GJ_P_RSQRT, ve) : NULL;
-        r[0] = rstd ? gj_ag_binary(b, GJ_P_MUL, d, rstd) : NULL;
+        gj_val *rs = ve ? gj_ag_unary(b, GJ_P_RSQRT, ve) : NULL;
+        gj_val *mean = rs ? gj_ag_cast(b, mu, cdt) : NULL;
+        gj_val *rstd = mean ? gj_ag_cast(b, rs, cdt) : NULL;
+        gj_val *d = rstd ? gj_ag_binary(b, GJ_P_SUB, x, mean) : NULL;
+        r[0] = d ? gj_ag_binary(b, GJ_P_MUL, d, rstd) : NULL;
         r[1] = mean;
         r[2] = rstd;
         break;
     }
-    case GJ_P_LN_BWD: { /* rstd * (g - mean(g) - xhat * mean(g * xhat)) */
+    case GJ_P_LN_BWD: { /* rstd * ((g - a) - xhat * q), a = mean(g), q = mean(g * xhat) */
         gj_val *mean = gj_ag_cast(b, in[1], cdt);
         gj_val *rstd = gj_ag_cast(b, in[2], cdt);
         gj_val *g = gj_ag_cast(b, in[3], cdt);
         gj_val *d = (mean && rstd && g) ? gj_ag_binary(b, GJ_P_SUB, x, mean) : NULL;
         gj_val *xhat = d ? gj_ag_binary(b, GJ_P_MUL, d, rstd) : NULL;
-        gj_val *sg = xhat ? reduce(b, GJ_P_SUM, g, last, true) : NULL;
-        gj_val *mg = sg ? gj_ag_scalar_op(b, GJ_P_MUL_SCALAR, sg, 1.0 / (double)c) : NULL;
-        gj_val *gx = mg ? gj_ag_binary(b, GJ_P_MUL, g, xhat) : NULL;
-        gj_val *sgx = gx ? reduce(b, GJ_P_SUM, gx, last, true) : NULL;
-        gj_val *mgx = sgx ? gj_ag_scalar_op(b, GJ_P_MUL_SCALAR, sgx, 1.0 / (double)c) : NULL;
-        gj_val *t1 = mgx ? gj_ag_binary(b, GJ_P_SUB, g, mg) : NULL;
-        gj_val *t2 = t1 ? gj_ag_binary(b, GJ_P_MUL, xhat, mgx) : NULL;
+        gj_val *gd = xhat ? gj_ag_cast(b, g, GJ_F64) : NULL;
+        gj_val *a = gd ? row_mean_d(b, gd, last, c) : NULL;
+        a = a ? gj_ag_cast(b, a, cdt) : NULL;
+        gj_val *xd = a ? gj_ag_cast(b, xhat, GJ_F64) : NULL;
+        gj_val *gx = xd ? gj_ag_binary(b, GJ_P_MUL, gd, xd) : NULL;
+        gj_val *q = gx ? row_mean_d(b, gx, last, c) : NULL;
+        q = q ? gj_ag_cast(b, q, cdt) : NULL;
+        gj_val *t1 = q ? gj_ag_binary(b, GJ_P_SUB, g, a) : NULL;
+        gj_val *t2 = t1 ? gj_ag_binary(b, GJ_P_MUL, xhat, q) : NULL;
         gj_val *t3 = t2 ? gj_ag_binary(b, GJ_P_SUB, t1, t2) : NULL;
-        r[0] = t3 ? gj_ag_binary(b, GJ_P_MUL, t3, rstd) : NULL;
+        r[0] = t3 ? gj_ag_binary(b, GJ_P_MUL, rstd, t3) : NULL;
         break;
     }
-    case GJ_P_CE_FWD: { /* loss = mean_n(lse_n - x[n, label_n]); lse[N] */
+    case GJ_P_CE_FWD: { /* loss = sum_n(lse_n - x[n, label_n]) / N in double; lse[N] */
         int64_t n = im[0].shape[0], k = im[0].shape[1];
-        gj_val *lse = row_lse(b, x); /* [N, 1] */
+        gj_val *m, *z, *e, *s;
+        if (shifted_exp_sum(b, x, 2u, &m, &z, &e, &s) != 0)
+            return -1;
+        gj_val *l = gj_ag_unary(b, GJ_P_LOG, s);
+        gj_val *md = l ? gj_ag_cast(b, m, GJ_F64) : NULL;
+        gj_val *lse = md ? gj_ag_binary(b, GJ_P_ADD, md, l) : NULL; /* [N, 1] f64 */
         gj_val *oh = lse ? one_hot(b, in[1], n, k, cdt) : NULL;
-        gj_val *nll = oh ? gj_ag_binary(b, GJ_P_SUB, lse, x) : NULL; /* [N, K] */
-        gj_val *z = nll ? gj_ops_const0(b, cdt, 0.0) : NULL;
-        gj_val *pick = z ? gj_ag_where(b, oh, nll, z) : NULL;
+        gj_val *xd = oh ? gj_ag_cast(b, x, GJ_F64) : NULL;
+        gj_val *nll = xd ? gj_ag_binary(b, GJ_P_SUB, lse, xd) : NULL; /* [N, K] */
+        gj_val *zero = nll ? gj_ops_const0(b, GJ_F64, 0.0) : NULL;
+        gj_val *pick = zero ? gj_ag_where(b, oh, nll, zero) : NULL;
         gj_val *tot = pick ? reduce(b, GJ_P_SUM, pick, 3u, false) : NULL;
-        r[0] = tot ? gj_ag_scalar_op(b, GJ_P_MUL_SCALAR, tot, 1.0 / (double)n) : NULL;
-        r[1] = r[0] ? gj_ag_reshape(b, lse, 1, &n) : NULL;
+        gj_val *nn = tot ? gj_ops_const0(b, GJ_F64, (double)n) : NULL;
+        gj_val *loss = nn ? gj_ag_binary(b, GJ_P_DIV, tot, nn) : NULL;
+        r[0] = loss ? gj_ag_cast(b, loss, cdt) : NULL;
+        gj_val *lc = r[0] ? gj_ag_cast(b, lse, cdt) : NULL;
+        r[1] = lc ? gj_ag_reshape(b, lc, 1, &n) : NULL;
         break;
     }
-    case GJ_P_CE_BWD: { /* (softmax(x) - onehot) * g / N, softmax = exp(x - lse) */
+    case GJ_P_CE_BWD: { /* exp(x - lse) * s, minus s at the label; s = g / N in double */
         int64_t n = im[0].shape[0], k = im[0].shape[1], s2[2] = {n, 1};
         gj_val *lse = gj_ag_cast(b, in[1], cdt);
         lse = lse ? gj_ag_reshape(b, lse, 2, s2) : NULL;
         gj_val *z = lse ? gj_ag_binary(b, GJ_P_SUB, x, lse) : NULL;
         gj_val *p = z ? gj_ag_unary(b, GJ_P_EXP, z) : NULL;
-        gj_val *oh = p ? one_hot(b, in[2], n, k, cdt) : NULL;
-        gj_val *d = oh ? gj_ag_binary(b, GJ_P_SUB, p, oh) : NULL;
-        gj_val *g = d ? gj_ag_cast(b, in[3], cdt) : NULL;
-        gj_val *gs = g ? gj_ag_scalar_op(b, GJ_P_MUL_SCALAR, g, 1.0 / (double)n) : NULL;
-        r[0] = gs ? gj_ag_binary(b, GJ_P_MUL, d, gs) : NULL;
+        gj_val *g = p ? gj_ag_cast(b, in[3], cdt) : NULL;
+        gj_val *gd = g ? gj_ag_cast(b, g, GJ_F64) : NULL;
+        gj_val *nn = gd ? gj_ops_const0(b, GJ_F64, (double)n) : NULL;
+        gj_val *sc = nn ? gj_ag_binary(b, GJ_P_DIV, gd, nn) : NULL;
+        sc = sc ? gj_ag_cast(b, sc, cdt) : NULL;
+        gj_val *t = sc ? gj_ag_binary(b, GJ_P_MUL, p, sc) : NULL;
+        gj_val *oh = t ? one_hot(b, in[2], n, k, cdt) : NULL;
+        gj_val *tl = oh ? gj_ag_binary(b, GJ_P_SUB, t, sc) : NULL;
+        r[0] = tl ? gj_ag_where(b, oh, tl, t) : NULL;
         break;
     }
     default:

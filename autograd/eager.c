@@ -163,9 +163,18 @@ static gj_ag_builder g_eager = {
     .end_step = eager_end_step,
     .accumulate = eager_accumulate,
     .records = false,
+    .call_hook = gj_ag_eager_call_hook,
+    .call_post_hook = gj_ag_eager_call_post_hook,
 };
 
 gj_ag_builder *gj_ag_eager_builder(void) { return &g_eager; }
+
+/* One reference of t (transferred) joins the current step's temporaries:
+ * how tensors made by user code (hooks, custom ops) become eager values. */
+gj_val *gj_ag_eager_adopt(gj_tensor *t) {
+    if (!t) return NULL;
+    return temps_push(t) == 0 ? gj_ag_tensor_val(t) : NULL;
+}
 
 /* ------------------------------------------------------------ helpers */
 

@@ -255,11 +255,33 @@ static int graph_validate(const graph *g) {
     return 0;
 }
 
+/* A builder without call_hook/call_post_hook cannot run a graph with
+ * hooks (today: the JIT's recording builder, which then falls back): refuse
+ * before any gradient exists. Nodes that may run hooks: needed, captured,
+ * or a root's node (deps 0). */
+static int graph_check_hooks(const graph *g, gj_ag_builder *b) {
+    if (b->call_hook && b->call_post_hook) return 0;
+    for (int64_t i = 0; i < g->n; i++) {
+        const task *t = &g->tasks[i];
+        if (!t->needed && !t->capture && t->deps != 0) continue;
+        for (int k = 0; k < t->node->n_out; k++) {
+            int nh = gj_ag_node_hooks(t->node, k, NULL, 0);
+            if (nh == 0) continue;
+            gj_rt_set_error("hooks: this builder cannot run hooks (%d hook(s) on output %d of "
+                            "op %s)",
+                            nh, k, t->node->kind == GJ_AG_OP ? t->node->op->name : "AccumulateGrad");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int run_node(gj_ag_builder *b, graph *g, task *t, bool accumulate) {
     gj_ag_node *n = t->node;
     if (n->kind == GJ_AG_ACCUMULATE) {
         if (!accumulate || !t->buf[0]) return 0;
-        return b->accumulate(b, n->leaf, t->buf[0]);
+        if (b->accumulate(b, n->leaf, t->buf[0]) != 0) return -1;
+        return gj_ag_run_post_hooks(b, n->leaf); /* after .grad was written */
     }
     bool any = false, needs[GJ_AG_MAX_IN] = {0};
     for (int k = 0; k < n->n_out; k++) any |= t->buf[k] != NULL;
@@ -286,6 +308,7 @@ static int run_node(gj_ag_builder *b, graph *g, task *t, bool accumulate) {
                             gj_rt_dtype_name(n->in_meta[i].dtype), want_s);
             return -1;
         }
+        if (gj_ag_anomaly() && gj_ag_anomaly_check(b, n, i, gin[i]) != 0) return -1;
         task *c = &g->tasks[graph_find(g, n->next[i].node)];
         if (buf_add(b, &c->buf[n->next[i].input_nr], gin[i]) != 0) return -1;
     }
@@ -346,6 +369,7 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
         }
     }
     if (graph_validate(&g) != 0) goto done;
+    if (graph_check_hooks(&g, b) != 0) goto done;
 
     for (int r = 0; r < n_roots; r++) {
         task *t = &g.tasks[graph_find(&g, root_edges[r].node)];
@@ -357,6 +381,9 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
         int64_t i = heap_pop(&h);
         task *t = &g.tasks[i];
         gj_ag_node *n = t->node;
+        /* the gradients of n's outputs are complete: tensor hooks first */
+        for (int k = 0; k < n->n_out; k++)
+            if (t->buf[k] && gj_ag_run_tensor_hooks(b, n, k, &t->buf[k]) != 0) goto done;
         if (t->needed) {
             if (run_node(b, &g, t, accumulate) != 0) goto done;
             t->executed = true;

@@ -24,6 +24,8 @@ static void meta_free(gj_tensor *t) {
     if (!m) return;
     if (m->grad) gj_rt_tensor_release(m->grad);
     if (m->node) gj_ag_node_release(m->node);
+    gj_ag_hooks_free(&m->hooks); /* a leaf's hooks die with it (autograd/hooks.c) */
+    gj_ag_hooks_free(&m->post_hooks);
     /* m->acc is weak and cannot be alive here: it holds t strongly. */
     gj_rt_free(m);
 }
@@ -68,8 +70,11 @@ void gj_ag_node_release(gj_ag_node *n) {
             }
             stack[top++] = nx;
         }
+        if (cur->kind == GJ_AG_OP && cur->op == &gj_ag_op_checkpoint)
+            gj_ag_ckpt_node_free(cur); /* its tape (autograd/checkpoint.c) */
         for (int k = 0; k < cur->n_saved; k++)
             if (cur->saved[k].t) gj_rt_tensor_release(cur->saved[k].t);
+        for (int k = 0; k < GJ_AG_MAX_OUT; k++) gj_ag_hooks_free(&cur->out_hooks[k]);
         if (cur->kind == GJ_AG_ACCUMULATE && cur->leaf) {
             gj_ag_tensor_meta *lm = cur->leaf->ag;
             if (lm && lm->acc == cur) lm->acc = NULL;
@@ -178,7 +183,8 @@ static bool any_requires_grad(int n_in, gj_tensor *const *in) {
 int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor *const *in,
                 gj_tensor **outs) {
     gj_ag_builder *b = gj_ag_eager_builder();
-    bool record = gj_ag_grad_enabled() && any_requires_grad(n_in, in);
+    gj_ag_ckpt_region *ckpt = gj_ag_ckpt_active(); /* in a checkpoint region: tape, no node */
+    bool record = !ckpt && gj_ag_grad_enabled() && any_requires_grad(n_in, in);
     gj_ag_fctx fctx = {0};
     gj_val *vin[GJ_AG_MAX_IN];
     gj_val *vout[GJ_AG_MAX_OUT] = {0};
@@ -189,7 +195,7 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
         return -1;
     }
     for (int i = 0; i < n_in; i++) vin[i] = gj_ag_tensor_val(in[i]);
-    n_out = op->forward(b, record ? &fctx : NULL, a, n_in, vin, vout);
+    n_out = op->forward(b, (record || ckpt) ? &fctx : NULL, a, n_in, vin, vout);
     if (n_out < 0) goto fail;
     if (fctx.overflow) {
         gj_rt_set_error("%s: internal: more than %d saved tensors", op->name, GJ_AG_MAX_SAVED);
@@ -207,6 +213,9 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
             goto fail;
         }
     }
+    if (ckpt && gj_ag_ckpt_note(ckpt, op, a, n_in, in, vout, n_out, outs, fctx.n_saved,
+                                fctx.saved) != 0)
+        goto fail_outs;
     if (record) {
         node = node_new(GJ_AG_OP);
         if (!node) goto fail_outs;
@@ -260,3 +269,50 @@ fail:
     b->end_step(b);
     return -1;
 }
+
+/* ------------------------------------------- formulas outside of nodes */
+
+/* Runs op's forward formula on builder b; saved (optional) receives the
+ * values it saved. Used by checkpoint regions to replay their tape. */
+int gj_ag_forward_vals(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
+                       gj_val *const *in, gj_val **outs, int *n_saved, gj_val **saved) {
+    gj_ag_fctx ctx = {0};
+    int n = op->forward(b, saved ? &ctx : NULL, a, n_in, in, outs);
+    if (n < 0) return -1;
+    if (ctx.overflow) {
+        gj_rt_set_error("%s: internal: more than %d saved tensors", op->name, GJ_AG_MAX_SAVED);
+        return -1;
+    }
+    if (saved) {
+        for (int s = 0; s < ctx.n_saved; s++) saved[s] = ctx.saved[s];
+        *n_saved = ctx.n_saved;
+    }
+    return n;
+}
+
+/* Runs op's backward formula with explicit metas and saved values: the
+ * context's node is a shape-only stand-in (never linked nor counted). */
+int gj_ag_backward_vals(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
+                        const gj_rt_meta *in_meta, int n_out, const gj_rt_meta *out_meta,
+                        int n_saved, gj_val *const *saved, const bool *needs,
+                        gj_val *const *gout, gj_val **gin) {
+    if (n_in > GJ_AG_MAX_IN || n_out > GJ_AG_MAX_OUT || n_saved > GJ_AG_MAX_SAVED) {
+        gj_rt_set_error("%s: internal: formula arity out of range", op->name);
+        return -1;
+    }
+    gj_ag_node stand_in;
+    memset(&stand_in, 0, sizeof stand_in);
+    stand_in.kind = GJ_AG_OP;
+    stand_in.op = op;
+    if (a) stand_in.attrs = *a;
+    stand_in.n_in = n_in;
+    stand_in.n_out = n_out;
+    stand_in.n_saved = n_saved;
+    memcpy(stand_in.in_meta, in_meta, (size_t)n_in * sizeof *in_meta);
+    memcpy(stand_in.out_meta, out_meta, (size_t)n_out * sizeof *out_meta);
+    gj_ag_bctx ctx = {.node = &stand_in, .needs = needs};
+    for (int k = 0; k < n_saved; k++) ctx.saved[k] = saved[k];
+    return op->backward(b, &ctx, &stand_in.attrs, gout, gin);
+}
+
+gj_ag_node *gj_ag_ctx_node(gj_ag_bctx *ctx) { return ctx->node; }

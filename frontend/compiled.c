@@ -1,9 +1,12 @@
 /*
- * compiled.c - the compiled-autograd switch and its statistics.
+ * compiled.c - the compiled-autograd switch, its statistics and the public
+ * side of fallbacks (reason names, last message, quiet mode, recompile
+ * limit); the machinery lives in jit/compiled.c.
  *
  * The flag is process-wide (like torch's compiled_autograd context, but
  * sticky): gj_set_compiled_autograd wins over the environment variable
  * GRADJIT_COMPILED_AUTOGRAD, which is read once, at the first query.
+ * gj_grad (torch.autograd.grad) always runs eagerly and counts nothing.
  */
 #include "fe.h"
 #include "../jit/jit.h"
@@ -45,3 +48,24 @@ void gj_compiled_autograd_reset_stats(void) {
     atomic_store(&g_backwards, 0);
     gj_jit_reset_stats();
 }
+
+const char *gj_ca_reason_name(gj_ca_reason r) {
+    switch (r) {
+    case GJ_CA_NO_LOWERING: return "no_lowering";
+    case GJ_CA_LLVM_ERROR: return "llvm_error";
+    case GJ_CA_RECORD_STREAM: return "record_stream";
+    case GJ_CA_SET_MISMATCH: return "set_mismatch";
+    case GJ_CA_RECOMPILE_LIMIT: return "recompile_limit";
+    case GJ_CA_RETAIN_GRAPH: return "retain_graph";
+    case GJ_CA_HOOK_GUARD: return "hook_guard";
+    case GJ_CA_INCOMPATIBLE_MODE: return "incompatible_mode";
+    case GJ_CA_OTHER: return "other";
+    default: return "unknown";
+    }
+}
+
+const char *gj_compiled_autograd_last_fallback(void) { return gj_jit_last_fallback(); }
+
+void gj_compiled_autograd_set_quiet(bool quiet) { gj_jit_set_quiet(quiet); }
+
+void gj_compiled_autograd_set_recompile_limit(int n) { gj_jit_set_recompile_limit(n); }

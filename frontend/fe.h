@@ -16,4 +16,8 @@ gj_tensor *gj_fe_own(gj_tensor *t);
 bool gj_fe_compiled_enabled(void);
 void gj_fe_count_backward(void);
 
+/* Appended by helper "hooks": gj_scope_push that returns the identity of
+ * the scope it opened (see gj_ag_set_user_scope). */
+void *gj_fe_user_scope_push(void);
+
 #endif /* GJ_FE_H */

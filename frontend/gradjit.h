@@ -69,6 +69,7 @@ typedef struct gj_mem {
     int64_t live_bytes;  /* tensor storage bytes alive now */
     int64_t peak_bytes;  /* maximum of live_bytes since the last reset */
     int64_t n_allocs;    /* storage allocations since start */
+    int64_t cached_bytes; /* held by the caching allocator for reuse (not in live_bytes) */
 } gj_mem;
 void gj_mem_stats(gj_mem *out);
 void gj_mem_reset_peak(void);
@@ -265,6 +266,21 @@ void gj_optim_free(gj_optim *o);
 void gj_set_compiled_autograd(bool on); /* also GRADJIT_COMPILED_AUTOGRAD=1 */
 bool gj_compiled_autograd_enabled(void);
 
+/* Why a backward ran eagerly although the flag was on (docs/fallbacks.md). */
+typedef enum gj_ca_reason {
+    GJ_CA_NO_LOWERING = 0,     /* an op or primitive the compiler cannot lower */
+    GJ_CA_LLVM_ERROR,          /* LLVM failed (or the test switch forced it) */
+    GJ_CA_RECORD_STREAM,       /* record_stream on a tensor of the graph */
+    GJ_CA_SET_MISMATCH,        /* set_ with another dtype or shape than the graph's */
+    GJ_CA_RECOMPILE_LIMIT,     /* too many distinct keys from one call site */
+    GJ_CA_RETAIN_GRAPH,        /* retain_graph/create_graph not supported compiled */
+    GJ_CA_HOOK_GUARD,          /* a hook behaved differently than during capture */
+    GJ_CA_INCOMPATIBLE_MODE,   /* a setting incompatible with compiled mode (anomaly mode) */
+    GJ_CA_OTHER,
+    GJ_CA_N_REASONS
+} gj_ca_reason;
+const char *gj_ca_reason_name(gj_ca_reason r);
+
 typedef struct gj_ca_stats {
     int64_t backwards;    /* backward calls while the flag was on */
     int64_t compiles;
@@ -273,9 +289,158 @@ typedef struct gj_ca_stats {
     int64_t fallbacks;    /* backwards that ran eagerly */
     double compile_ms;
     double run_ms;
+    int64_t fallbacks_by_reason[GJ_CA_N_REASONS];
 } gj_ca_stats;
 void gj_compiled_autograd_stats(gj_ca_stats *out);
 void gj_compiled_autograd_reset_stats(void);
+/* The message of the last fallback ("" if none): reason and detail. */
+const char *gj_compiled_autograd_last_fallback(void);
+/* Quiet mode: no stderr line per fallback key (counters still count). */
+void gj_compiled_autograd_set_quiet(bool quiet);
+/* Recompile limit: once n distinct keys of one call site have compiled
+ * programs, every further new key of that site runs eagerly (reason
+ * GJ_CA_RECOMPILE_LIMIT; remembered per key). A call site is the backward's
+ * structure without shapes and attribute values: the same ops, edges,
+ * creation order, dtypes and ranks (so a model run at many batch sizes is
+ * one site). Default 8; n < 0: no limit; 0: nothing new compiles. */
+void gj_compiled_autograd_set_recompile_limit(int n);
+
+/* ------------------------------------- runtime effects (helper "hooks") */
+/* Hooks, streams, set_, custom ops and anomaly mode: the runtime effects
+ * that compiled autograd must respect (docs/fallbacks.md). */
+
+/* Tensor hook: called with the total gradient of the tensor it was
+ * registered on (borrowed) before that gradient flows on; returns NULL to
+ * keep it, or a new reference to a replacement of the same shape and dtype
+ * (as everywhere, a tensor created while a scope is open belongs to the
+ * scope: returning it is fine). Hooks run in registration order, under
+ * no_grad, inside a scope of their own (their temporaries die when they
+ * return). Non-leaf: when the gradient of that output of its grad_fn is
+ * complete, before the grad_fn runs; leaf: before accumulation into .grad
+ * (also for the inputs of gj_grad). The hook stays with the graph even if
+ * the tensor is released, as in PyTorch. */
+typedef gj_tensor *(*gj_grad_hook_fn)(gj_tensor *grad, void *user);
+/* t must require grad. Returns a handle > 0, or -1 with an error. */
+int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
+/* Post-accumulate hook: called after .grad of leaf was written by a
+ * backward (leaf borrowed; it may read or replace .grad, e.g. with
+ * gj_tensor_set_ on it). Leaves that require grad only. */
+typedef void (*gj_post_accumulate_hook_fn)(gj_tensor *leaf, void *user);
+int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
+                                              void *user);
+/* Removes a hook (0), or -1 if the handle is unknown or already removed. */
+int gj_remove_hook(int64_t handle);
+
+/* Streams: an ordered queue of work run by its own thread. Events mark a
+ * point of a stream (all work enqueued before the event was recorded). */
+typedef struct gj_stream gj_stream;
+typedef struct gj_event gj_event;
+gj_stream *gj_stream_new(void);                  /* NULL with an error */
+void gj_stream_free(gj_stream *s);               /* runs what is queued, then frees */
+int gj_stream_enqueue(gj_stream *s, void (*fn)(void *ctx), void *ctx);
+int gj_stream_synchronize(gj_stream *s);         /* waits for all work enqueued so far */
+gj_event *gj_stream_record_event(gj_stream *s);  /* NULL with an error */
+int gj_event_wait(gj_event *e);                  /* blocks until the point is passed */
+bool gj_event_query(gj_event *e);                /* true once the point is passed */
+void gj_event_free(gj_event *e);
+/* Work enqueued on s after this call waits for e's point first. */
+int gj_stream_wait_event(gj_stream *s, gj_event *e);
+/* t's storage is in use on s: when the storage dies, its memory is not
+ * reused until s has passed the work enqueued up to that moment (which
+ * includes everything enqueued before this call), as in PyTorch's caching
+ * allocator. */
+int gj_tensor_record_stream(gj_tensor *t, gj_stream *s);
+/* Frees every block the caching allocator keeps for reuse (gj_mem's
+ * cached_bytes; blocks still waiting for a stream stay). Freed tensor
+ * blocks are kept per size class (64-byte steps up to 1 MiB, four classes
+ * per power of two above) up to GRADJIT_ALLOC_CACHE_MB (default 2048; 0
+ * turns caching off); the cache is released when libc runs out of memory. */
+void gj_mem_release_cache(void);
+
+/* dst shares src's storage, shape, strides, offset and dtype (the `.data =`
+ * idiom); dst keeps its autograd identity (requires_grad, .grad, hooks).
+ * dst's version moves past both old versions (the shared storage's counter
+ * is raised, so src sees it too). Refused for a non-leaf that requires grad
+ * while grad mode is on, and for a dst that requires grad when src's dtype
+ * is not a float dtype. Not thread-safe against other uses of dst. */
+int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
+
+/* Custom ops from plain C functions, described by a schema such as
+ *   "mylib::scaled_gelu(Tensor x, float alpha) -> Tensor"
+ *   "mylib::two(Tensor a, Tensor b) -> (Tensor, Tensor)"
+ *   "mylib::shift(Tensor x, int k) -> Tensor"
+ * Argument types: Tensor (C gj_tensor *, borrowed), float (C double), int
+ * (C int64_t), bool (C bool). At least one Tensor argument (at most 8), at
+ * most 4 float and 12 int/bool arguments, and 1 or 2 Tensor results.
+ * Calling convention (through libffi):
+ *   forward:  int fwd(<arguments in schema order>, gj_tensor **out0 [, **out1])
+ *             writes a new reference to each output; returns 0, or non-zero
+ *             on failure. Runs under no_grad in a scope of its own.
+ *   backward: int bwd(gj_tensor *grad_out0 [, *grad_out1],
+ *                     <arguments in schema order>,
+ *                     gj_tensor **grad_in0, ..., one per Tensor argument)
+ *             grad_out are borrowed (zeros when an output got no gradient);
+ *             writes a new reference (or leaves NULL: no gradient) for each
+ *             Tensor argument, of that argument's shape and dtype; returns 0
+ *             or non-zero. Runs under no_grad in a scope of its own.
+ * backward_fn may be NULL (the op is then not differentiable: calling it on
+ * inputs that require grad is an error). A name can be defined once; the op
+ * lives until the process exits. NULL with an error on a bad schema. */
+typedef struct gj_custom_op gj_custom_op;
+gj_custom_op *gj_custom_op_define(const char *schema, void *forward_fn, void *backward_fn);
+/* The op defined under "ns::name", or NULL. */
+gj_custom_op *gj_custom_op_find(const char *name);
+/* tensor_args: the Tensor arguments in schema order; scalar_args: the
+ * other arguments in schema order, as doubles (int must be integral, bool
+ * 0 or 1). outs receive new references. Records an autograd node when grad
+ * mode is on and a tensor argument requires grad. 0 or -1 with an error. */
+int gj_custom_op_call(gj_custom_op *op, gj_tensor *const *tensor_args,
+                      const double *scalar_args, gj_tensor **outs);
+
+/* Anomaly mode: the eager engine checks every gradient an op produces for
+ * NaN/Inf and fails naming the op; a backward in anomaly mode never runs
+ * compiled (a warning is printed once). Process-wide. */
+void gj_set_anomaly_mode(bool on);
+bool gj_anomaly_mode_enabled(void);
+
+/* ------------------------------------------------ activation checkpointing */
+
+/* What to do with the outputs of one op inside a checkpoint region (as in
+ * PyTorch's selective checkpointing). Eager honours SAVE/RECOMPUTE as
+ * given; the compiled backward reads exactly what eager saved and
+ * recomputes what eager recomputed (it may recompute a PREFER_SAVE op
+ * when that lowers peak memory, never save more). */
+typedef enum gj_ckpt_policy {
+    GJ_CKPT_MUST_SAVE = 0,
+    GJ_CKPT_PREFER_SAVE = 1,
+    GJ_CKPT_MUST_RECOMPUTE = 2,
+    GJ_CKPT_PREFER_RECOMPUTE = 3,
+} gj_ckpt_policy;
+
+/* The region's body: computes out[0..n_out) from in[0..n_in) (borrowed)
+ * with gradjit ops. Store in out[k] a tensor computed here (as an op
+ * returned it) or one of in[]; do not release it. Returns 0, or non-zero
+ * on failure (set an error with the ops' own messages). */
+typedef int (*gj_ckpt_fn)(void *user, int n_in, gj_tensor *const *in, int n_out,
+                          gj_tensor **out);
+/* Decides for the op named op_name ("matmul", "linear", "gelu", ... the
+ * op definitions' names) at position (0, 1, ... in the region's op order). */
+typedef gj_ckpt_policy (*gj_ckpt_policy_fn)(const char *op_name, int position,
+                                            void *policy_data);
+
+/* Runs fn(user, n_in, in, n_out, out) as an activation-checkpoint region:
+ * only what policy saves is kept (policy NULL: nothing, everything is
+ * recomputed); backward recomputes the rest from the region's inputs, then
+ * runs the region's backward. Gradients flow to in[] and to every tensor
+ * from outside the region that requires grad and is read inside
+ * (parameters), exactly as without checkpointing. Dropout inside a region
+ * draws the same mask when recomputed. fn runs inside its own scope
+ * (gj_scope_push): its temporaries are freed when gj_checkpoint returns.
+ * out[k] receive new references; 1 <= n_out <= 2. Regions do not nest (a
+ * gj_checkpoint inside fn fails with an error). Under no-grad fn simply
+ * runs. Returns 0, or -1 with gj_last_error() set and out[] all NULL. */
+int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
+                  gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data);
 
 #ifdef __cplusplus
 }

@@ -14,6 +14,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 /* -------------------------------------------------------------- scopes */
@@ -112,6 +113,14 @@ void gj_scope_pop(void) {
         s->cap = 0;
     }
     g_depth--;
+}
+
+/* gj_scope_push for user code called by the engine (hooks, custom ops):
+ * returns the identity of the scope now innermost (what t->scope holds for
+ * tensors registered in it; past the depth limit, the shared innermost). */
+void *gj_fe_user_scope_push(void) {
+    gj_scope_push();
+    return g_depth > 0 ? (void *)&g_scopes[g_depth - 1] : NULL;
 }
 
 gj_tensor *gj_scope_keep(gj_tensor *t) {
@@ -399,6 +408,19 @@ static gj_tensor *make_seed(gj_tensor *root, gj_tensor *seed, const char *op, in
     return s;
 }
 
+/* Anomaly mode runs every backward eagerly (its NaN/Inf checks need real
+ * tensors): true then, counted as a GJ_CA_INCOMPATIBLE_MODE fallback, with
+ * a warning printed once per process. */
+static bool anomaly_blocks_compiled(void) {
+    static atomic_bool warned;
+    if (!gj_ag_anomaly()) return false;
+    if (!atomic_exchange(&warned, true))
+        fprintf(stderr, "gradjit: anomaly mode is on: compiled autograd is off for these "
+                        "backwards (they run eagerly)\n");
+    gj_jit_note_fallback(GJ_CA_INCOMPATIBLE_MODE, "anomaly mode is on");
+    return true;
+}
+
 int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
     if (!gj_rt_check_tensor(root, "gj_backward", "root")) return -1;
     bool made;
@@ -408,12 +430,17 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
     bool handled = false;
     if (gj_fe_compiled_enabled()) {
         gj_fe_count_backward();
-        rc = gj_jit_backward(1, &root, &s, retain_graph, &handled);
+        if (!anomaly_blocks_compiled())
+            rc = gj_jit_backward(1, &root, &s, retain_graph, &handled);
     }
     if (!handled) {
         gj_ag_builder *b = gj_ag_eager_builder();
         gj_val *sv = gj_ag_tensor_val(s);
         rc = gj_ag_run_backward(b, 1, &root, &sv, 0, NULL, NULL, retain_graph, true);
+        /* A fallback that ended well is not a failure of this call: the
+         * compiler's message stays readable through
+         * gj_compiled_autograd_last_fallback, not gj_last_error. */
+        if (rc == 0) gj_clear_error();
     }
     if (made) gj_rt_tensor_release(s);
     return rc;

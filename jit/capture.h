@@ -32,6 +32,10 @@ typedef struct gj_jit_walk {
     char *key; /* canonical serialization, NUL-terminated */
     size_t key_len, key_cap;
     uint64_t hash[2];
+    uint64_t site[2]; /* the "call site" (recompile limit): the key without shapes
+                         and attribute values -- op names, edges, creation ranks,
+                         dtypes and ranks of every meta -- hashed */
+    int n_hooks;      /* hooks on the graph's nodes and leaves (in the key) */
     bool invalid;     /* eager would refuse this backward (freed graph, stale saved tensor) */
     char reason[256]; /* why, when invalid */
 } gj_jit_walk;
@@ -65,6 +69,7 @@ typedef struct gj_jit_capture {
     int cap_tensors;
     bool unknown_origin; /* some input is GJ_JIT_IN_OTHER */
     bool permanent;      /* the failure depends on the key only: remember eager-only */
+    gj_ca_reason code;   /* the failure's class (GJ_CA_OTHER unless told) */
     char reason[256];    /* why the capture failed */
 } gj_jit_capture;
 

@@ -17,6 +17,16 @@
  *   - Inputs of a run come from the walk (canonical origins) unless the
  *     program needs a re-capture; saved tensors are checked exactly as the
  *     eager engine checks them (walk validation) before anything runs.
+ *     They are read in place, in the layout the key recorded; an existing
+ *     .grad is updated in place (through a contiguous copy if strided).
+ *   - Every fallback has a class (gj_ca_reason, counted per class) and a
+ *     message "<class>: <detail>" kept per thread. Classes decided here:
+ *     no lowering (also: hooks on the graph, which compiled programs do not
+ *     call), LLVM error, recompile limit, other (freed graph, modified
+ *     saved tensor, aliasing .grad, out of memory).
+ *   - Recompile limit: a new key whose call site (walk.site) already has
+ *     `limit` programs in the cache is marked eager-only instead of being
+ *     captured; keys compiled before keep running compiled.
  */
 #include "jit.h"
 
@@ -30,9 +40,11 @@
 
 typedef struct cache_entry {
     uint64_t hash[2];
+    uint64_t site[2]; /* call site (recompile limit) */
     char *key;
     size_t key_len;
     gj_jit_program *prog; /* NULL: eager-only */
+    gj_ca_reason code;    /* eager-only: why */
     char reason[256];
 } cache_entry;
 
@@ -41,7 +53,10 @@ static cache_entry *g_cache;
 static int g_n_cache, g_cap_cache;
 static gj_ca_stats g_stats;
 static atomic_bool g_quiet;
-static _Thread_local char g_last_reason[320];
+static atomic_int g_recompile_limit = 8;
+static _Thread_local char g_last_reason[400];
+
+static void fallback(gj_ca_reason code, const char *reason, bool first_for_key);
 
 static double now_ms(void) {
     struct timespec ts;
@@ -67,7 +82,32 @@ void gj_jit_reset_stats(void) {
 
 const char *gj_jit_last_fallback_reason(void) { return g_last_reason; }
 
+const char *gj_jit_last_fallback(void) { return g_last_reason; }
+
 void gj_jit_set_quiet(bool quiet) { atomic_store(&g_quiet, quiet); }
+
+void gj_jit_note_fallback(gj_ca_reason reason, const char *detail) {
+    fallback(reason, detail ? detail : "", false);
+}
+
+void gj_jit_set_recompile_limit(int n) { atomic_store(&g_recompile_limit, n < 0 ? -1 : n); }
+
+int gj_jit_recompile_limit(void) { return atomic_load(&g_recompile_limit); }
+
+/* Programs in the cache for the call site of w (lock held). */
+static int site_programs(const gj_jit_walk *w) {
+    int n = 0;
+    for (int i = 0; i < g_n_cache; i++)
+        n += g_cache[i].prog && g_cache[i].site[0] == w->site[0] && g_cache[i].site[1] == w->site[1];
+    return n;
+}
+
+/* The class of a program-build failure, from its message (program.c). */
+static gj_ca_reason build_reason(const char *why) {
+    if (strncmp(why, "no lowering", 11) == 0) return GJ_CA_NO_LOWERING;
+    if (strncmp(why, "LLVM", 4) == 0) return GJ_CA_LLVM_ERROR;
+    return GJ_CA_OTHER;
+}
 
 void gj_jit_clear_cache(void) {
     pthread_mutex_lock(&g_lock);
@@ -95,7 +135,8 @@ static cache_entry *cache_find(const gj_jit_walk *w) {
 
 /* Inserts a new entry (lock held); prog may be NULL (eager-only). Returns
  * the entry or NULL on OOM (prog is then freed). */
-static cache_entry *cache_insert(const gj_jit_walk *w, gj_jit_program *prog, const char *reason) {
+static cache_entry *cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_ca_reason code,
+                                 const char *reason) {
     if (g_n_cache == g_cap_cache) {
         int nc = g_cap_cache ? g_cap_cache * 2 : 16;
         cache_entry *c = gj_rt_realloc(g_cache, (size_t)nc * sizeof *c);
@@ -110,6 +151,9 @@ static cache_entry *cache_insert(const gj_jit_walk *w, gj_jit_program *prog, con
     memset(e, 0, sizeof *e);
     e->hash[0] = w->hash[0];
     e->hash[1] = w->hash[1];
+    e->site[0] = w->site[0];
+    e->site[1] = w->site[1];
+    e->code = code;
     e->key = key;
     e->key_len = w->key_len;
     e->prog = prog;
@@ -120,15 +164,19 @@ fail:
     return NULL;
 }
 
-/* Records a fallback (lock NOT held). */
-static void fallback(const char *reason, bool first_for_key) {
-    snprintf(g_last_reason, sizeof g_last_reason, "%s", reason);
+/* Records a fallback of class code (lock NOT held): counts it, keeps its
+ * message and prints it (once per key unless quiet; every time under
+ * GRADJIT_LOG=fallback). */
+static void fallback(gj_ca_reason code, const char *reason, bool first_for_key) {
+    if ((unsigned)code >= GJ_CA_N_REASONS) code = GJ_CA_OTHER;
+    snprintf(g_last_reason, sizeof g_last_reason, "%s: %s", gj_ca_reason_name(code), reason);
     pthread_mutex_lock(&g_lock);
     g_stats.fallbacks++;
+    g_stats.fallbacks_by_reason[code]++;
     pthread_mutex_unlock(&g_lock);
     unsigned fl = gj_jit_log_flags();
     if ((fl & GJ_JIT_LOG_FALLBACK) || (first_for_key && !atomic_load(&g_quiet)))
-        fprintf(stderr, "gradjit: compiled autograd fell back to eager: %s\n", reason);
+        fprintf(stderr, "gradjit: compiled autograd fell back to eager: %s\n", g_last_reason);
 }
 
 /* Byte range [lo, hi) of the storage of t that its view can touch. */
@@ -187,11 +235,6 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
             goto done;
         }
         if (pr->inputs[i].role == GJ_JIT_IN_GRAD) {
-            if (!gj_rt_is_contiguous(t)) {
-                snprintf(why, why_cap, ".grad is not contiguous");
-                rc = 1;
-                goto done;
-            }
             for (int j = 0; j < n_in; j++)
                 if (j != i && overlaps(tensors[j], t)) {
                     snprintf(why, why_cap, "a .grad shares memory with another input of the graph");
@@ -199,9 +242,20 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
                     goto done;
                 }
         }
-        contig[i] = gj_rt_contiguous(t);
-        if (!contig[i]) goto done;
-        in[i] = gj_rt_data_ptr(contig[i]);
+        if (pr->inputs[i].role == GJ_JIT_IN_GRAD) { /* written: contiguous (copy if strided) */
+            contig[i] = gj_rt_contiguous(t);
+            if (!contig[i]) goto done;
+            in[i] = gj_rt_data_ptr(contig[i]);
+            continue;
+        }
+        int64_t st[GJ_MAX_DIMS];
+        gj_jit_input_strides(t, st);
+        if (memcmp(st, pr->inputs[i].strides, (size_t)m.ndim * sizeof st[0]) != 0) {
+            snprintf(why, why_cap, "input #%d has another layout than when compiled", i);
+            rc = 1;
+            goto done;
+        }
+        in[i] = gj_rt_data_ptr(t); /* read in place */
     }
     if (p->n_rt_params > 0) { /* dropout seeds/offsets of this run */
         params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
@@ -225,7 +279,9 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         const gj_jit_output *oo = &pr->outputs[o];
         gj_tensor *leaf = w->nodes[oo->acc_node]->leaf;
         if (oo->grad_input >= 0) {
-            gj_rt_bump_version(tensors[oo->grad_input]);
+            gj_tensor *g = tensors[oo->grad_input], *c = contig[oo->grad_input];
+            if (c != g && gj_rt_copy_into(g, c) != 0) goto done; /* a strided .grad */
+            gj_rt_bump_version(g);
             continue;
         }
         gj_ag_tensor_meta *lm = gj_ag_meta_get(leaf, true);
@@ -288,11 +344,12 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     bool have_cap = false;
     gj_tensor **tensors = NULL;
     char why[300] = "";
+    gj_ca_reason code = GJ_CA_OTHER;
     int rc = 0;
     unsigned fl = gj_jit_log_flags();
     if (gj_jit_walk_build(&w, n_roots, roots, seeds) != 0) {
         gj_jit_walk_free(&w);
-        fallback("out of memory while computing the key", false);
+        fallback(GJ_CA_OTHER, "out of memory while computing the key", false);
         return 0;
     }
     if (w.invalid) {
@@ -304,6 +361,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     gj_jit_program *prog = NULL;
     if (e && !e->prog) {
         snprintf(why, sizeof why, "%s", e->reason);
+        code = e->code;
         pthread_mutex_unlock(&g_lock);
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] hit eager-only %016llx%016llx\n",
@@ -317,12 +375,33 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
             fprintf(stderr, "[gradjit cache] hit %016llx%016llx\n", (unsigned long long)w.hash[0],
                     (unsigned long long)w.hash[1]);
     } else {
+        if (w.n_hooks > 0) { /* hooks are not compiled (yet): eager for this key */
+            snprintf(why, sizeof why,
+                     "hooks on the graph (%d tensor/post-accumulate): hook calls have no "
+                     "lowering in compiled programs",
+                     w.n_hooks);
+            cache_insert(&w, NULL, GJ_CA_NO_LOWERING, why);
+            pthread_mutex_unlock(&g_lock);
+            fallback(GJ_CA_NO_LOWERING, why, true);
+            goto out;
+        }
+        int limit = atomic_load(&g_recompile_limit);
+        if (limit >= 0 && site_programs(&w) >= limit) {
+            snprintf(why, sizeof why,
+                     "%d programs already compiled for this call site (limit %d: "
+                     "gj_compiled_autograd_set_recompile_limit)",
+                     site_programs(&w), limit);
+            cache_insert(&w, NULL, GJ_CA_RECOMPILE_LIMIT, why);
+            pthread_mutex_unlock(&g_lock);
+            fallback(GJ_CA_RECOMPILE_LIMIT, why, true);
+            goto out;
+        }
         double t0 = now_ms();
         bool found = false;
         char dwhy[300];
         prog = gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
         if (prog) {
-            if (!cache_insert(&w, prog, NULL)) {
+            if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
                 pthread_mutex_unlock(&g_lock);
                 snprintf(why, sizeof why, "out of memory in the cache");
                 goto fall;
@@ -340,10 +419,11 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         have_cap = true;
         if (gj_jit_capture_run(&cap, &w, n_roots, roots, seeds) != 0) {
             snprintf(why, sizeof why, "%s", cap.reason);
-            if (cap.permanent) cache_insert(&w, NULL, why);
+            code = cap.code;
+            if (cap.permanent) cache_insert(&w, NULL, code, why);
             pthread_mutex_unlock(&g_lock);
             if (cap.permanent) {
-                fallback(why, true);
+                fallback(code, why, true);
                 goto out;
             }
             goto fall;
@@ -357,15 +437,16 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         prog = gj_jit_program_build(&cap.g, prefix, disk ? &obj : NULL, &obj_size, why, sizeof why,
                                     &permanent);
         if (!prog) {
-            if (permanent) cache_insert(&w, NULL, why);
+            code = build_reason(why);
+            if (permanent) cache_insert(&w, NULL, code, why);
             pthread_mutex_unlock(&g_lock);
             if (permanent) {
-                fallback(why, true);
+                fallback(code, why, true);
                 goto out;
             }
             goto fall;
         }
-        if (!cache_insert(&w, prog, NULL)) {
+        if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
             pthread_mutex_unlock(&g_lock);
             gj_rt_free(obj);
             snprintf(why, sizeof why, "out of memory in the cache");
@@ -395,6 +476,7 @@ run:
         if (gj_jit_capture_run(&cap, &w, n_roots, roots, seeds) != 0 ||
             cap.g.n_inputs != prog->n_inputs) {
             snprintf(why, sizeof why, "re-capture failed: %s", cap.reason);
+            code = cap.code;
             goto fall;
         }
         memcpy(tensors, cap.tensors, (size_t)prog->n_inputs * sizeof *tensors);
@@ -412,7 +494,7 @@ run:
     if (rc == 0 && !retain_graph) gj_ag_release_graph(n_roots, roots);
     goto out;
 fall:
-    fallback(why, false);
+    fallback(code, why, false);
 out:
     gj_rt_free(tensors);
     if (have_cap) gj_jit_capture_free(&cap);

@@ -3,7 +3,9 @@
  * the on-disk cache and back.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC01"                     magic and format version
+ *   "GJJITC02"                     magic and format version (bumped whenever
+ *                                  plan or lowering semantics change: 02 adds
+ *                                  MAX stores, index steps, f64 decompositions)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -24,7 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '1'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '2'};
 
 /* ------------------------------------------------------------ the dir */
 
@@ -166,7 +168,7 @@ static uint64_t layout_signature(void) {
     uint64_t s[] = {sizeof(gj_jit_buffer), sizeof(gj_jit_access), sizeof(gj_jit_expr),
                     sizeof(gj_jit_store),  sizeof(gj_jit_kernel), sizeof(gj_jit_matmul),
                     sizeof(gj_rt_meta),    sizeof(gj_jit_input),  sizeof(gj_jit_output),
-                    GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT};
+                    sizeof(gj_jit_index),  GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT};
     uint64_t h[2];
     gj_jit_hash128(s, sizeof s, h);
     return h[0];
@@ -192,6 +194,10 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         put_u64(b, st->kind);
         if (st->kind == GJ_JIT_STEP_MATMUL) {
             put(b, &st->mm, sizeof st->mm);
+            continue;
+        }
+        if (st->kind == GJ_JIT_STEP_INDEX) {
+            put(b, &st->ix, sizeof st->ix);
             continue;
         }
         const gj_jit_kernel *k = &st->k;
@@ -248,6 +254,17 @@ static bool plan_sane(const gj_jit_program *pr) {
                 return false;
             continue;
         }
+        if (st->kind == GJ_JIT_STEP_INDEX) {
+            const gj_jit_index *x = &st->ix;
+            if (!idx_ok(x->src_buf, p->n_bufs) || !idx_ok(x->idx_buf, p->n_bufs) ||
+                !idx_ok(x->out_buf, p->n_bufs) || x->n < 0 || x->D < 0 || x->V < 0 ||
+                x->dtype == GJ_I64 || !gj_rt_dtype_valid((int)x->dtype) ||
+                p->bufs[x->idx_buf].dtype != GJ_I64 || p->bufs[x->idx_buf].numel < x->n ||
+                p->bufs[x->out_buf].numel < (x->scatter ? x->V * x->D : x->n * x->D) ||
+                (x->scatter && p->bufs[x->src_buf].numel < x->n * x->D))
+                return false;
+            continue;
+        }
         const gj_jit_kernel *k = &st->k;
         if (k->nd < 1 || k->nd > GJ_MAX_DIMS || k->rows < 0 || k->grain < 1) return false;
         for (int a = 0; a < k->n_acc; a++)
@@ -301,6 +318,11 @@ static int get_plan(rbuf *b, gj_jit_program *pr, bool *oom) {
         if (kind == GJ_JIT_STEP_MATMUL) {
             st->kind = GJ_JIT_STEP_MATMUL;
             get(b, &st->mm, sizeof st->mm);
+            continue;
+        }
+        if (kind == GJ_JIT_STEP_INDEX) {
+            st->kind = GJ_JIT_STEP_INDEX;
+            get(b, &st->ix, sizeof st->ix);
             continue;
         }
         if (kind != GJ_JIT_STEP_KERNEL) return -1;

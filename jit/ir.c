@@ -50,11 +50,28 @@ int gj_jit_graph_add_input(gj_jit_graph *g, const gj_rt_meta *m, gj_jit_role rol
     int v = add_value(g, m, -1, g->n_inputs);
     if (v < 0) return -1;
     gj_jit_input *in = &g->inputs[g->n_inputs++];
+    memset(in, 0, sizeof *in);
     in->role = role;
     in->value = v;
     in->node = node;
     in->slot = slot;
+    gj_rt_contiguous_strides(m->ndim, m->shape, in->strides);
     return v;
+}
+
+void gj_jit_input_strides(const gj_tensor *t, int64_t *strides) {
+    int64_t cs[GJ_MAX_DIMS];
+    gj_rt_contiguous_strides(t->ndim, t->shape, cs);
+    memset(strides, 0, GJ_MAX_DIMS * sizeof *strides);
+    for (int k = 0; k < t->ndim; k++) strides[k] = t->shape[k] == 1 ? cs[k] : t->strides[k];
+}
+
+bool gj_jit_strides_contiguous(const gj_rt_meta *m, const int64_t *strides) {
+    int64_t cs[GJ_MAX_DIMS];
+    gj_rt_contiguous_strides(m->ndim, m->shape, cs);
+    for (int k = 0; k < m->ndim; k++)
+        if (m->shape[k] > 1 && strides[k] != cs[k]) return false;
+    return true;
 }
 
 int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in, int *outs) {

@@ -39,6 +39,11 @@ typedef struct gj_jit_input {
     int value; /* the value it defines */
     int node;  /* canonical node index (SAVED, GRAD), -1 otherwise */
     int slot;  /* saved slot (SAVED) or root index (SEED) */
+    /* The layout the program reads it in, in elements from the view's first
+     * element (gj_jit_input_strides): the tensor's own strides for SAVED,
+     * SEED and OTHER inputs, read in place; contiguous for GRAD (updated
+     * through a contiguous copy when the .grad is strided). */
+    int64_t strides[GJ_MAX_DIMS];
 } gj_jit_input;
 
 typedef struct gj_jit_output {
@@ -76,9 +81,16 @@ typedef struct gj_jit_graph {
 void gj_jit_graph_init(gj_jit_graph *g);
 void gj_jit_graph_free(gj_jit_graph *g);
 
-/* Adds a graph input of meta m; returns its value id or -1 (OOM, error set). */
+/* Adds a graph input of meta m (contiguous strides; see
+ * gj_jit_input_strides); returns its value id or -1 (OOM, error set). */
 int gj_jit_graph_add_input(gj_jit_graph *g, const gj_rt_meta *m, gj_jit_role role, int node,
                            int slot);
+/* The normalised strides of t as a graph input reads it: t's strides, with
+ * every size-1 dim given its contiguous stride (never used to address, so
+ * it must not make two equal layouts look different). */
+void gj_jit_input_strides(const gj_tensor *t, int64_t *strides);
+/* Whether strides (over m's shape) are m's contiguous ones. */
+bool gj_jit_strides_contiguous(const gj_rt_meta *m, const int64_t *strides);
 /* Adds a node for inst on inputs in[0..inst->n_in) (value ids); output metas
  * come from gj_rt_infer. Writes the output value ids to outs (may be NULL).
  * Returns the number of outputs or -1 with the error set. */
@@ -103,8 +115,19 @@ bool gj_jit_prim_is_movement(gj_rt_prim p);    /* RESHAPE, PERMUTE, EXPAND, SLIC
 
 /* Common-subexpression elimination then dead-code elimination: rewrites g in
  * place into an equivalent graph with no duplicate and no unused node
- * (inputs are kept, in order, even when unused). 0 or -1 (OOM). */
+ * (inputs are kept, in order, even when unused). Also legalises: a bf16
+ * MATMUL becomes CAST(f32) of both operands, an f32 MATMUL and a CAST back
+ * to bf16 (the eager kernel's numerics). 0 or -1 (OOM). */
 int gj_jit_pass_cse_dce(gj_jit_graph *g);
+
+/* Sums of PADs: ADD trees whose leaves are single-use PADs of pieces into
+ * disjoint ranges of one axis (the backward of several narrows of one
+ * tensor, e.g. the q, k, v heads of a fused qkv) become one CAT of the
+ * pieces (each + 0.0, as the sum of pads makes -0.0 into +0.0) and zero
+ * gaps: one buffer written in place instead of a zero-filled buffer per
+ * piece and a summing pass. Dead PADs stay for the next DCE. Sets
+ * *changed. 0 or -1 (OOM). */
+int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed);
 
 /* ------------------------------------------------------------- logging */
 

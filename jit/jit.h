@@ -31,4 +31,26 @@ void gj_jit_set_quiet(bool quiet);
  * turns the disk cache off. Not thread-safe against running backwards. */
 void gj_jit_set_disk_cache(const char *dir);
 
+/* Appended by helper "jit2". */
+
+/* The message of this thread's last fallback, "<reason name>: <detail>"
+ * (same string as gj_jit_last_fallback_reason). */
+const char *gj_jit_last_fallback(void);
+/* More than n distinct compiled keys from one call site: later new keys of
+ * that site run eagerly (GJ_CA_RECOMPILE_LIMIT). n < 0: no limit. Default 8.
+ * A call site is the key without shapes and attribute values: the same ops,
+ * edges, creation order, dtypes and ranks (see capture.h). */
+void gj_jit_set_recompile_limit(int n);
+int gj_jit_recompile_limit(void);
+/* The canonical key text of the backward of roots with seeds (entries may
+ * be NULL: ones), as the compiled path computes it: identical in every
+ * process that builds the same model. Returns a gj_rt_malloc'd string
+ * (free with gj_rt_free) or NULL with the error set. */
+char *gj_jit_key_string(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds);
+/* Counts a backward that frontend/ runs eagerly, although the flag is on,
+ * for a reason decided outside jit/ (anomaly mode: GJ_CA_INCOMPATIBLE_MODE):
+ * the fallback counters, gj_compiled_autograd_last_fallback() and, under
+ * GRADJIT_LOG=fallback, a stderr line. detail may be NULL. */
+void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
+
 #endif /* GJ_JIT_H */

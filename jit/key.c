@@ -13,7 +13,8 @@
  *     (canonical index, input_nr), the node's rank in creation order (the
  *     engine runs ready nodes newest first, which fixes the order gradients
  *     are summed in); per accumulate node the leaf's meta and its .grad's
- *     presence, meta and contiguity; per root its meta, edge and seed meta.
+ *     presence, meta and contiguity; per root its meta, edge and seed meta;
+ *     the kinds and counts of hooks on every node output and leaf.
  *   - Pointer maps (node -> index, saved tensor -> (node, slot)) are
  *     process-local helpers and never enter the key.
  *   - Run-time attributes (dropout's RNG seed and offset, new at every
@@ -21,6 +22,7 @@
  *     node at run time instead of baking them in.
  */
 #include "capture.h"
+#include "jit.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -189,6 +191,20 @@ static int key_put(gj_jit_walk *w, const char *fmt, ...) {
     }
 }
 
+/* " hooks:<kinds>" for the live hooks of output k of node n (T: tensor
+ * hook, P: post-accumulate), nothing if none; counts them in w->n_hooks.
+ * Kinds and counts only, never the functions. */
+static int put_hooks(gj_jit_walk *w, const gj_ag_node *n, int k) {
+    const gj_ag_hook *h[16];
+    int nh = gj_ag_node_hooks(n, k, h, 16);
+    if (nh <= 0) return 0;
+    w->n_hooks += nh;
+    if (key_put(w, " hooks%d:", nh) != 0) return -1;
+    for (int q = 0; q < nh && q < 16; q++)
+        if (key_put(w, "%c", h[q]->kind == GJ_AG_HOOK_POST_ACCUMULATE ? 'P' : 'T') != 0) return -1;
+    return 0;
+}
+
 static int put_meta(gj_jit_walk *w, const gj_rt_meta *m) {
     if (key_put(w, "%d[", (int)m->dtype) != 0) return -1;
     for (int k = 0; k < m->ndim; k++)
@@ -196,11 +212,40 @@ static int put_meta(gj_jit_walk *w, const gj_rt_meta *m) {
     return key_put(w, "]");
 }
 
+/* Meta, then "c" (contiguous) or "s(<strides>)": a compiled program reads
+ * saved tensors in place, so their layout is part of the key. */
 static int put_tensor(gj_jit_walk *w, const gj_tensor *t) {
     gj_rt_meta m;
     gj_rt_meta_of(t, &m);
     if (put_meta(w, &m) != 0) return -1;
-    return key_put(w, gj_rt_is_contiguous(t) ? "c" : "s");
+    int64_t st[GJ_MAX_DIMS];
+    gj_jit_input_strides(t, st);
+    if (gj_jit_strides_contiguous(&m, st)) return key_put(w, "c");
+    if (key_put(w, "s(") != 0) return -1;
+    for (int k = 0; k < m.ndim; k++)
+        if (key_put(w, k ? ",%lld" : "%lld", (long long)st[k]) != 0) return -1;
+    return key_put(w, ")");
+}
+
+/* The call-site hash: a running 128-bit hash of what the key holds minus
+ * shapes and attribute values (see capture.h). */
+typedef struct site_hash {
+    uint64_t a, b;
+} site_hash;
+
+static void site_u64(site_hash *h, uint64_t v) {
+    h->a = mix64(h->a ^ v) + 0x9e3779b97f4a7c15ull;
+    h->b = mix64(h->b + v * 0xff51afd7ed558ccdull) ^ (h->b >> 17);
+}
+
+static void site_str(site_hash *h, const char *s) {
+    uint64_t v = 0xcbf29ce484222325ull;
+    for (; s && *s; s++) v = (v ^ (unsigned char)*s) * 0x100000001b3ull;
+    site_u64(h, v);
+}
+
+static void site_meta(site_hash *h, const gj_rt_meta *m) {
+    site_u64(h, ((uint64_t)m->dtype << 8) | (uint64_t)m->ndim);
 }
 
 typedef struct seq_rank {
@@ -226,10 +271,14 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
     qsort(sr, (size_t)w->n, sizeof *sr, cmp_seq);
     for (int i = 0; i < w->n; i++) rank[sr[i].idx] = i;
 
+    site_hash sh = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull};
+    site_u64(&sh, ((uint64_t)n_roots << 32) | (uint64_t)w->n);
     if (key_put(w, "gradjit-key v1 roots=%d nodes=%d\n", n_roots, w->n) != 0) goto done;
     for (int r = 0; r < n_roots; r++) {
         gj_rt_meta m;
         gj_rt_meta_of(roots[r], &m);
+        site_u64(&sh, ((uint64_t)(uint32_t)root_node[r] << 32) | (uint64_t)(uint32_t)root_nr[r]);
+        site_meta(&sh, &m);
         if (key_put(w, "R%d e%d:%d m", r, root_node[r], root_nr[r]) != 0) goto done;
         if (put_meta(w, &m) != 0 || key_put(w, " seed") != 0) goto done;
         if (seeds && seeds[r]) {
@@ -244,6 +293,13 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
         if (n->kind == GJ_AG_ACCUMULATE) {
             gj_tensor *leaf = n->leaf;
             gj_ag_tensor_meta *lm = leaf ? leaf->ag : NULL;
+            site_u64(&sh, 0xacc0000000000000ull | (uint64_t)rank[i]);
+            if (leaf) {
+                gj_rt_meta lmeta;
+                gj_rt_meta_of(leaf, &lmeta);
+                site_meta(&sh, &lmeta);
+            }
+            site_u64(&sh, lm && lm->grad ? 1u + (uint64_t)lm->grad->dtype : 0u);
             if (key_put(w, "N%d acc r%d leaf", i, rank[i]) != 0) goto done;
             if (leaf && put_tensor(w, leaf) != 0) goto done;
             if (key_put(w, " grad") != 0) goto done;
@@ -252,9 +308,17 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
             } else if (key_put(w, "-") != 0) {
                 goto done;
             }
-            if (key_put(w, "\n") != 0) goto done;
+            if (put_hooks(w, n, 0) != 0 || key_put(w, "\n") != 0) goto done;
             continue;
         }
+        site_str(&sh, n->op ? n->op->name : "?");
+        site_u64(&sh, ((uint64_t)rank[i] << 16) | ((uint64_t)n->n_in << 8) | (uint64_t)n->n_out);
+        for (int k = 0; k < n->n_in; k++) {
+            int e = n->next[k].node ? gj_jit_walk_find(w, n->next[k].node) : -1;
+            site_u64(&sh, ((uint64_t)(uint32_t)e << 32) | (uint64_t)(uint32_t)n->next[k].input_nr);
+            site_meta(&sh, &n->in_meta[k]);
+        }
+        for (int k = 0; k < n->n_out; k++) site_meta(&sh, &n->out_meta[k]);
         if (key_put(w, "N%d %s r%d a", i, n->op ? n->op->name : "?", rank[i]) != 0) goto done;
         uint32_t rt = gj_jit_runtime_attrs(n->op);
         for (int k = 0; k < n->attrs.nf && k < 4; k++)
@@ -275,6 +339,7 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
         if (key_put(w, " out") != 0) goto done;
         for (int k = 0; k < n->n_out; k++) {
             if (key_put(w, " ") != 0 || put_meta(w, &n->out_meta[k]) != 0) goto done;
+            if (put_hooks(w, n, k) != 0) goto done;
         }
         if (key_put(w, " saved%d", n->n_saved) != 0) goto done;
         for (int k = 0; k < n->n_saved; k++) {
@@ -287,6 +352,9 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
         }
         if (key_put(w, "%s\n", n->released ? " released" : "") != 0) goto done;
     }
+    site_u64(&sh, (uint64_t)w->n_hooks);
+    w->site[0] = mix64(sh.a);
+    w->site[1] = mix64(sh.b);
     rc = 0;
 done:
     gj_rt_free(rank);
@@ -414,4 +482,25 @@ void gj_jit_walk_free(gj_jit_walk *w) {
     gj_rt_free(w->saved);
     gj_rt_free(w->key);
     memset(w, 0, sizeof *w);
+}
+
+/* ------------------------------------------------------ the key string */
+
+char *gj_jit_key_string(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds) {
+    if (n_roots <= 0 || !roots) {
+        gj_rt_set_error("gj_jit_key_string: needs n_roots > 0 and roots (got %d)", n_roots);
+        return NULL;
+    }
+    for (int r = 0; r < n_roots; r++)
+        if (!gj_rt_check_tensor(roots[r], "gj_jit_key_string", "roots[r]")) return NULL;
+    gj_jit_walk w;
+    char *out = NULL;
+    if (gj_jit_walk_build(&w, n_roots, roots, seeds) == 0) {
+        out = gj_rt_malloc(w.key_len + 1);
+        if (out) memcpy(out, w.key, w.key_len + 1);
+    } else {
+        gj_rt_set_error("gj_jit_key_string: out of memory");
+    }
+    gj_jit_walk_free(&w);
+    return out;
 }

@@ -35,6 +35,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 extern const unsigned char gj_rt_math_bc[];
 extern const size_t gj_rt_math_bc_size;
@@ -44,6 +45,18 @@ struct gj_jit_code {
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static double ms_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static double cpu_ms_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
 static struct {
     bool target_ready;
     LLVMOrcLLJITRef jit;
@@ -194,6 +207,23 @@ static int link_math(LLVMModuleRef M, char *why, size_t cap) {
     return 0;
 }
 
+/* Deletes the linked math functions no kernel calls (directly or through
+ * another math function), so the optimiser and code generator only see
+ * what is used. */
+static void drop_unused_math(LLVMModuleRef M) {
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (LLVMValueRef f = LLVMGetFirstFunction(M), next; f; f = next) {
+            next = LLVMGetNextFunction(f);
+            size_t n;
+            const char *name = LLVMGetValueName2(f, &n);
+            if (n < 6 || strncmp(name, "gj_bc_", 6) != 0 || LLVMGetFirstUse(f)) continue;
+            LLVMDeleteFunction(f);
+            changed = true;
+        }
+    }
+}
+
 /* Adds object code obj (copied) to the JIT under a new resource tracker and
  * looks up every kernel of p (`<prefix>_<name>`). Lock held. Returns the
  * code or NULL with why[] set. */
@@ -259,6 +289,9 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
     why[0] = '\0';
     if (obj_out) *obj_out = NULL;
     if (obj_size) *obj_size = 0;
+    bool prof = (gj_jit_log_flags() & GJ_JIT_LOG_PROF) != 0;
+    double t[6] = {0}, cpu0 = prof ? cpu_ms_now() : 0;
+    t[0] = prof ? ms_now() : 0;
     pthread_mutex_lock(&g_lock);
     if (ensure_jit(why, why_cap) != 0) goto done;
     C = LLVMContextCreate();
@@ -266,7 +299,10 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
     LLVMSetTarget(M, g.triple);
     LLVMSetDataLayout(M, g.layout);
     if (link_math(M, why, why_cap) != 0) goto done;
+    t[1] = prof ? ms_now() : 0;
     if (gj_jit_lower_plan(M, p, prefix, g.cpu, g.features, why, why_cap) != 0) goto done;
+    drop_unused_math(M);
+    t[2] = prof ? ms_now() : 0;
     char *vmsg = NULL;
     if (LLVMVerifyModule(M, LLVMReturnStatusAction, &vmsg) != 0) {
         snprintf(why, why_cap, "LLVM error (verifier): %.400s", vmsg ? vmsg : "?");
@@ -284,6 +320,7 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
         take_error(err, "optimisation", why, why_cap);
         goto done;
     }
+    t[3] = prof ? ms_now() : 0;
     if (gj_jit_log_flags() & GJ_JIT_LOG_IR) {
         char *s = LLVMPrintModuleToString(M);
         fprintf(stderr, "[gradjit ir] module %s\n%s\n", prefix, s);
@@ -298,7 +335,16 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
     }
     const char *bytes = LLVMGetBufferStart(objbuf);
     size_t n = LLVMGetBufferSize(objbuf);
+    t[4] = prof ? ms_now() : 0;
     code = add_object(p, prefix, bytes, n, why, why_cap);
+    if (prof) {
+        t[5] = ms_now();
+        fprintf(stderr,
+                "[gradjit prof] compile %s: math bitcode %.1f ms, IR %.1f ms, O3 %.1f ms, "
+                "codegen %.1f ms, load %.1f ms (%zu bytes; %.1f ms of CPU)\n",
+                prefix, t[1] - t[0], t[2] - t[1], t[3] - t[2], t[4] - t[3], t[5] - t[4], n,
+                cpu_ms_now() - cpu0);
+    }
     if (code && obj_out) { /* a copy for the disk cache (optional: no error) */
         *obj_out = gj_rt_malloc(n);
         if (*obj_out) {

@@ -18,15 +18,25 @@
  *     multi-index over R \ {L} (row-major) the run over L is summed into 8
  *     lane accumulators (lane = position mod 8, the tail continuing from
  *     lane 0), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) and added to
- *     the output's accumulator: the eager SUM kernel's order.
+ *     the output's accumulator: the eager SUM kernel's order. A MAX store
+ *     does the same with max(a, b) = (b > a || b != b) ? b : a in double
+ *     from -inf, its lanes folded into the accumulator l0 first, then l1..l7
+ *     (the eager MAX kernel).
  * Values are computed in f32 (f32, bf16), f64 or i64; a bf16 result is
  * rounded to bf16 where eager would store it. Scalar math calls the gj_bc_*
  * bitcode functions (gj_math.h), so results match eager bit for bit.
  * Loop counters and accumulators are allocas; O3's SROA makes them SSA.
+ * Kernels of at most GJ_JIT_SMALL_KERNEL elements mark their loops "do not
+ * vectorize or unroll" (compile time; the arithmetic is the same).
  */
 #include "llvm_int.h"
 
 #include "../runtime/gj_math.h"
+
+#include <llvm-c/DebugInfo.h>
+
+/* Kernels of at most this many elements keep their loops scalar. */
+#define GJ_JIT_SMALL_KERNEL 2048
 
 #include <stdlib.h>
 #include <string.h>
@@ -45,9 +55,12 @@ typedef struct kg {
     LLVMValueRef *ev;     /* per expression: current value */
     LLVMValueRef idx[GJ_MAX_DIMS]; /* current index per dim (NULL: none) */
     LLVMValueRef *racc;   /* per store: accumulator storage (reduce stores) */
-    LLVMValueRef *lanes;  /* per store: [8 x double] lanes (inner mode) */
-    LLVMValueRef lane;    /* current lane (inner mode) */
+    LLVMValueRef *lanes;  /* per store: <8 x double> lanes (inner mode) */
+    LLVMValueRef lane;    /* current lane (inner mode, scalar tail) */
+    LLVMValueRef *coll;   /* per store: the value of the current lane (collect mode) */
+    bool collect;         /* reduce stores hand their value to coll[] */
     bool inner_mode;
+    bool plain_loops; /* small kernel: loops marked "do not vectorize or unroll" */
     char *why;
     size_t why_cap;
     bool failed;
@@ -122,10 +135,27 @@ static void loop_open(kg *g, loop *l, LLVMValueRef lo, LLVMValueRef hi, int64_t 
     LLVMPositionBuilderAtEnd(g->B, l->body);
 }
 
+/* A fresh loop ID !{self, vectorize.enable = false, unroll.disable} for
+ * the latch of a loop of a small kernel: vectorised and unrolled copies of
+ * a loop of a few iterations only cost compile time. */
+static LLVMValueRef plain_loop_id(kg *g) {
+    LLVMMetadataRef self = LLVMTemporaryMDNode(g->C, NULL, 0);
+    LLVMMetadataRef vec[2] = {LLVMMDStringInContext2(g->C, "llvm.loop.vectorize.enable", 26),
+                              LLVMValueAsMetadata(LLVMConstInt(g->i1, 0, 0))};
+    LLVMMetadataRef unr = LLVMMDStringInContext2(g->C, "llvm.loop.unroll.disable", 24);
+    LLVMMetadataRef ops[3] = {self, LLVMMDNodeInContext2(g->C, vec, 2),
+                              LLVMMDNodeInContext2(g->C, &unr, 1)};
+    LLVMMetadataRef id = LLVMMDNodeInContext2(g->C, ops, 3);
+    LLVMMetadataReplaceAllUsesWith(self, id);
+    return LLVMMetadataAsValue(g->C, id);
+}
+
 static void loop_close(kg *g, loop *l) {
     LLVMValueRef next = LLVMBuildNSWAdd(g->B, l->iv, c64(g, l->step), "");
     LLVMBuildStore(g->B, next, l->var);
-    LLVMBuildBr(g->B, l->hdr);
+    LLVMValueRef br = LLVMBuildBr(g->B, l->hdr);
+    if (g->plain_loops)
+        LLVMSetMetadata(br, LLVMGetMDKindIDInContext(g->C, "llvm.loop", 9), plain_loop_id(g));
     LLVMPositionBuilderAtEnd(g->B, l->exit);
 }
 
@@ -321,9 +351,22 @@ static LLVMValueRef gen_op(kg *g, const gj_jit_expr *e) {
     return r;
 }
 
+/* The eager MAX kernel's combine in double: b wins if greater or NaN. */
+static LLVMValueRef max_combine(kg *g, LLVMValueRef a, LLVMValueRef b) {
+    LLVMValueRef gt = LLVMBuildFCmp(g->B, LLVMRealOGT, b, a, "");
+    LLVMValueRef nan = LLVMBuildFCmp(g->B, LLVMRealUNO, b, b, "");
+    return LLVMBuildSelect(g->B, LLVMBuildOr(g->B, gt, nan, ""), b, a, "");
+}
+
+/* The starting value of reduce store s's accumulator. */
+static LLVMValueRef red_init(kg *g, const gj_jit_store *st) {
+    return LLVMConstReal(g->f64, st->max ? -__builtin_inf() : 0.0);
+}
+
 /* Evaluates every expression and does every store at the current indices.
  * Reduce stores add into their accumulator (outer mode: acc[j - j0];
- * inner mode: lanes[lane]). */
+ * inner mode: lane `lane` of lanes[s]), or, in collect mode, leave their
+ * value (in double) in coll[s]. */
 static void gen_body(kg *g, LLVMValueRef jrel) {
     const gj_jit_kernel *k = g->k;
     for (int e = 0; e < k->n_ex && !g->failed; e++) {
@@ -341,15 +384,22 @@ static void gen_body(kg *g, LLVMValueRef jrel) {
         }
         gj_dtype vd = k->ex[st->expr].dtype;
         if (vd != GJ_F64) v = LLVMBuildFPExt(g->B, v, g->f64, "");
-        LLVMValueRef slot;
-        if (g->inner_mode) {
-            LLVMValueRef ix[2] = {c64(g, 0), g->lane};
-            slot = LLVMBuildInBoundsGEP2(g->B, LLVMArrayType2(g->f64, 8), g->lanes[s], ix, 2, "");
-        } else {
-            slot = LLVMBuildInBoundsGEP2(g->B, g->f64, g->racc[s], &jrel, 1, "");
+        if (g->collect) {
+            g->coll[s] = v;
+            continue;
         }
+        if (g->inner_mode) {
+            LLVMTypeRef vt = LLVMVectorType(g->f64, 8);
+            LLVMValueRef vec = LLVMBuildLoad2(g->B, vt, g->lanes[s], "");
+            LLVMValueRef old = LLVMBuildExtractElement(g->B, vec, g->lane, "");
+            LLVMValueRef nv = st->max ? max_combine(g, old, v) : LLVMBuildFAdd(g->B, old, v, "");
+            LLVMBuildStore(g->B, LLVMBuildInsertElement(g->B, vec, nv, g->lane, ""), g->lanes[s]);
+            continue;
+        }
+        LLVMValueRef slot = LLVMBuildInBoundsGEP2(g->B, g->f64, g->racc[s], &jrel, 1, "");
         LLVMValueRef old = LLVMBuildLoad2(g->B, g->f64, slot, "");
-        LLVMBuildStore(g->B, LLVMBuildFAdd(g->B, old, v, ""), slot);
+        LLVMBuildStore(g->B, st->max ? max_combine(g, old, v) : LLVMBuildFAdd(g->B, old, v, ""),
+                       slot);
     }
 }
 
@@ -393,20 +443,25 @@ static void outer_inner(kg *g, void *vctx) {
     g->idx[L] = NULL;
 }
 
+/* The run over the last (reduced) dim L, in blocks of 8 elements: the
+ * body is emitted once per lane q (element i + q), the lanes' values are
+ * gathered into a vector and added (max-combined) into the <8 x double>
+ * accumulator at once, which is what lets LLVM keep the lanes in vector
+ * registers (a small kernel loops over q instead: less code); then the
+ * scalar tail, lanes 0.. (the eager order). */
 static void inner_run(kg *g, void *vctx) {
     (void)vctx;
     const gj_jit_kernel *k = g->k;
     int L = k->nd - 1;
     int64_t n = k->dims[L], n8 = n - n % 8;
+    LLVMTypeRef vt = LLVMVectorType(g->f64, 8);
     for (int s = 0; s < k->n_st; s++) {
         if (!k->st[s].reduce) continue;
-        for (int q = 0; q < 8; q++) {
-            LLVMValueRef ix[2] = {c64(g, 0), c64(g, q)};
-            LLVMBuildStore(g->B, LLVMConstReal(g->f64, 0.0),
-                           LLVMBuildInBoundsGEP2(g->B, LLVMArrayType2(g->f64, 8), g->lanes[s], ix, 2, ""));
-        }
+        LLVMValueRef init[8];
+        for (int q = 0; q < 8; q++) init[q] = red_init(g, &k->st[s]);
+        LLVMBuildStore(g->B, LLVMConstVector(init, 8), g->lanes[s]);
     }
-    if (n8 > 0) { /* blocks of 8: lane q takes element i + q */
+    if (n8 > 0 && g->plain_loops) { /* small kernel: lane q in a loop (less code) */
         loop li, lq;
         loop_open(g, &li, c64(g, 0), c64(g, n8), 8, "i8");
         loop_open(g, &lq, c64(g, 0), c64(g, 8), 1, "q");
@@ -414,6 +469,34 @@ static void inner_run(kg *g, void *vctx) {
         g->lane = lq.iv;
         gen_body(g, NULL);
         loop_close(g, &lq);
+        loop_close(g, &li);
+    } else if (n8 > 0) { /* blocks of 8: lane q takes element i + q */
+        loop li;
+        loop_open(g, &li, c64(g, 0), c64(g, n8), 8, "i8");
+        LLVMValueRef *acc_vec = gj_rt_calloc((size_t)k->n_st + 1, sizeof *acc_vec);
+        if (!acc_vec) {
+            kg_fail(g, "out of memory while lowering");
+            return;
+        }
+        for (int s = 0; s < k->n_st; s++)
+            if (k->st[s].reduce) acc_vec[s] = LLVMGetUndef(vt);
+        g->collect = true;
+        for (int q = 0; q < 8 && !g->failed; q++) {
+            g->idx[L] = q ? LLVMBuildNSWAdd(g->B, li.iv, c64(g, q), "") : li.iv;
+            gen_body(g, NULL);
+            for (int s = 0; s < k->n_st; s++)
+                if (k->st[s].reduce)
+                    acc_vec[s] = LLVMBuildInsertElement(g->B, acc_vec[s], g->coll[s], c64(g, q), "");
+        }
+        g->collect = false;
+        for (int s = 0; s < k->n_st && !g->failed; s++) {
+            if (!k->st[s].reduce) continue;
+            LLVMValueRef old = LLVMBuildLoad2(g->B, vt, g->lanes[s], "");
+            LLVMValueRef nv = k->st[s].max ? max_combine(g, old, acc_vec[s])
+                                           : LLVMBuildFAdd(g->B, old, acc_vec[s], "");
+            LLVMBuildStore(g->B, nv, g->lanes[s]);
+        }
+        gj_rt_free(acc_vec);
         loop_close(g, &li);
     }
     if (n8 < n) { /* tail: lanes 0.. */
@@ -428,10 +511,13 @@ static void inner_run(kg *g, void *vctx) {
     for (int s = 0; s < k->n_st; s++) {
         if (!k->st[s].reduce) continue;
         LLVMValueRef l[8];
-        for (int q = 0; q < 8; q++) {
-            LLVMValueRef ix[2] = {c64(g, 0), c64(g, q)};
-            l[q] = LLVMBuildLoad2(g->B, g->f64,
-                                  LLVMBuildInBoundsGEP2(g->B, LLVMArrayType2(g->f64, 8), g->lanes[s], ix, 2, ""), "");
+        LLVMValueRef vec = LLVMBuildLoad2(g->B, vt, g->lanes[s], "");
+        for (int q = 0; q < 8; q++) l[q] = LLVMBuildExtractElement(g->B, vec, c64(g, q), "");
+        if (k->st[s].max) {
+            LLVMValueRef m = LLVMBuildLoad2(g->B, g->f64, g->racc[s], "");
+            for (int q = 0; q < 8; q++) m = max_combine(g, m, l[q]);
+            LLVMBuildStore(g->B, m, g->racc[s]);
+            continue;
         }
         LLVMValueRef t = LLVMBuildFAdd(
             g->B,
@@ -461,7 +547,7 @@ static void gen_kernel_body(kg *g) {
         if (!k->st[s].reduce) continue;
         if (g->inner_mode) {
             g->racc[s] = entry_alloca(g, g->f64, "acc");
-            g->lanes[s] = entry_alloca(g, LLVMArrayType2(g->f64, 8), "lanes");
+            g->lanes[s] = entry_alloca(g, LLVMVectorType(g->f64, 8), "lanes");
         } else {
             g->racc[s] = entry_alloca(g, LLVMArrayType2(g->f64, (uint64_t)(k->block > 0 ? k->block : 1)), "acc");
         }
@@ -486,7 +572,7 @@ static void gen_kernel_body(kg *g) {
     for (int s = 0; s < k->n_st; s++) has_red |= k->st[s].reduce;
     if (g->inner_mode) {
         for (int s = 0; s < k->n_st; s++)
-            if (k->st[s].reduce) LLVMBuildStore(g->B, LLVMConstReal(g->f64, 0.0), g->racc[s]);
+            if (k->st[s].reduce) LLVMBuildStore(g->B, red_init(g, &k->st[s]), g->racc[s]);
         reduced_loops(g, red, nr, inner_run, NULL);
         for (int s = 0; s < k->n_st && !g->failed; s++)
             if (k->st[s].reduce) store_acc(g, s, LLVMBuildLoad2(g->B, g->f64, g->racc[s], ""));
@@ -505,7 +591,7 @@ static void gen_kernel_body(kg *g) {
             loop_open(g, &li, c64(g, 0), LLVMBuildNSWSub(g->B, c.j1, c.j0, ""), 1, "z");
             for (int s = 0; s < k->n_st; s++)
                 if (k->st[s].reduce)
-                    LLVMBuildStore(g->B, LLVMConstReal(g->f64, 0.0),
+                    LLVMBuildStore(g->B, red_init(g, &k->st[s]),
                                    LLVMBuildInBoundsGEP2(g->B, g->f64, g->racc[s], &li.iv, 1, ""));
             loop_close(g, &li);
         }
@@ -554,11 +640,15 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     g->ev = gj_rt_calloc((size_t)k->n_ex + 1, sizeof *g->ev);
     g->racc = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->racc);
     g->lanes = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->lanes);
-    if (!pt || !g->param || !g->acc_param || !g->ev || !g->racc || !g->lanes) {
+    g->coll = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->coll);
+    if (!pt || !g->param || !g->acc_param || !g->ev || !g->racc || !g->lanes || !g->coll) {
         kg_fail(g, "out of memory while lowering");
         goto done;
     }
     g->k = k;
+    int64_t work = 1;
+    for (int d = 0; d < k->nd; d++) work *= k->dims[d];
+    g->plain_loops = work <= GJ_JIT_SMALL_KERNEL;
     for (int a = 0; a < k->n_acc; a++) {
         g->acc_param[a] = -1;
         for (int q = 0; q < np; q++)
@@ -616,6 +706,8 @@ done:
     gj_rt_free(g->ev);
     gj_rt_free(g->racc);
     gj_rt_free(g->lanes);
+    gj_rt_free(g->coll);
+    g->coll = NULL;
     g->param = NULL;
     g->acc_param = NULL;
     g->ev = g->racc = g->lanes = NULL;

@@ -11,7 +11,7 @@
  *           iteration space; it gets a buffer ("materialised") only when
  *           something outside the group needs it.
  *
- * Steps (fused groups, matmuls) form a dependency graph: a step depends on
+ * Steps (fused groups, matmuls, index ops) form a dependency graph: a step depends on
  * the steps that write the buffers it reads. Fusion invariant: a node may
  * join group G only if each of its inputs is a constant, an elementwise
  * member of G, or produced by a step that does not depend on G (so the
@@ -59,7 +59,8 @@ typedef struct pgroup {
 
 /* A step while planning: a group or a matmul, with its dependencies. */
 typedef struct pstep {
-    int kind; /* 0: group, 1: matmul, 2: barrier (no code: joins several writers), 3: dead */
+    int kind; /* 0: group, 1: matmul, 2: barrier (no code: joins several writers), 3: dead,
+                 4: index op (gather / scatter) */
     int idx;  /* group or matmul index */
     int64_t pos;
     int *deps;
@@ -75,6 +76,8 @@ typedef struct planner {
     int n_groups, cap_groups;
     gj_jit_matmul *mms;
     int n_mm, cap_mm;
+    gj_jit_index *ixs;
+    int n_ix, cap_ix;
     pstep *ps;
     int n_ps, cap_ps;
     int *uses; /* per value: node inputs and graph outputs reading it */
@@ -514,13 +517,16 @@ static int plan_elementwise(planner *pl, int i) {
     return 0;
 }
 
-static int plan_sum(planner *pl, int i) {
+/* SUM or MAX: joins the group of its input (or a recent group reducing the
+ * same axes over the same space), stores into a new temporary. */
+static int plan_reduce(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
     int x = n->in[0];
     const gj_rt_meta *xm = vmeta(pl, x), *om = vmeta(pl, n->out[0]);
     const vinfo *xi = &pl->vi[x];
     uint32_t axes = n->inst.axes;
     if (xm->dtype == GJ_I64) return no_lowering(pl, n, "on i64");
+
     int gi = -1;
     /* Fusing a reduction into a big group makes the group run over the
      * reduction's outputs: only do it when that leaves enough parallel rows. */
@@ -668,6 +674,84 @@ static int plan_movement(planner *pl, int i) {
     return 0;
 }
 
+/* v as a contiguous real buffer starting at element 0: its own buffer when
+ * it already is one, else a copy made at position 2i. */
+static int contiguous_operand(planner *pl, int v, int i, int *buf) {
+    const gj_rt_meta *m = vmeta(pl, v);
+    vinfo *x = &pl->vi[v];
+    if (x->kind == V_FUSED && materialize(pl, v) != 0) return -1;
+    bool ok = x->kind != V_CONST && x->buf >= 0 && !buf_virtual(&pl->p->bufs[x->buf]) &&
+              x->offset == 0;
+    if (ok) {
+        int64_t cs[GJ_MAX_DIMS];
+        contig_strides(m->ndim, m->shape, cs);
+        for (int k = 0; k < m->ndim && ok; k++)
+            if (m->shape[k] > 1 && x->strides[k] != cs[k]) ok = false;
+    }
+    if (ok) {
+        *buf = x->buf;
+        return 0;
+    }
+    int b = copy_to_buffer(pl, v, -1, GJ_JIT_BUF_TEMP, -1, 2 * (int64_t)i);
+    if (b < 0) return -1;
+    *buf = b;
+    return 0;
+}
+
+/* GATHER_ROWS (table[V, D] viewed in place when it is a real buffer) and
+ * SCATTER_ADD_ROWS (src contiguous): one index step each (plan.h). */
+static int plan_index(planner *pl, int i) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    const gj_rt_meta *om = vmeta(pl, n->out[0]), *sm = vmeta(pl, n->in[0]),
+                     *im = vmeta(pl, n->in[1]);
+    if (sm->dtype == GJ_I64) return no_lowering(pl, n, "on i64");
+    if (im->dtype != GJ_I64) return no_lowering(pl, n, "with float indices");
+    gj_jit_index ix;
+    memset(&ix, 0, sizeof ix);
+    ix.scatter = n->inst.prim == GJ_P_SCATTER_ADD_ROWS;
+    ix.dtype = om->dtype;
+    ix.n = numel_of(im->ndim, im->shape);
+    if (ix.scatter) {
+        ix.V = n->inst.len;
+        ix.D = om->shape[1];
+        if (contiguous_operand(pl, n->in[0], i, &ix.src_buf) != 0) return -1;
+        ix.src_s0 = ix.D;
+        ix.src_s1 = 1;
+    } else {
+        ix.V = sm->shape[0];
+        ix.D = sm->shape[1];
+        vinfo *t = &pl->vi[n->in[0]];
+        if (t->kind == V_FUSED && materialize(pl, n->in[0]) != 0) return -1;
+        if (t->kind != V_CONST && t->buf >= 0 && !buf_virtual(&pl->p->bufs[t->buf])) {
+            ix.src_buf = t->buf;
+            ix.src_off = t->offset;
+            ix.src_s0 = t->strides[0];
+            ix.src_s1 = t->strides[1];
+        } else {
+            if (contiguous_operand(pl, n->in[0], i, &ix.src_buf) != 0) return -1;
+            ix.src_s0 = ix.D;
+            ix.src_s1 = 1;
+        }
+    }
+    if (contiguous_operand(pl, n->in[1], i, &ix.idx_buf) != 0) return -1;
+    ix.out_buf = new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
+    if (ix.out_buf < 0) return oom(pl);
+    if (grow((void **)&pl->ixs, pl->n_ix, &pl->cap_ix, sizeof *pl->ixs) != 0) return oom(pl);
+    int sid = new_pstep(pl, 4, pl->n_ix, 2 * (int64_t)i + 1);
+    if (sid < 0) return oom(pl);
+    pl->ixs[pl->n_ix++] = ix;
+    if (add_dep(pl, sid, pl->p->bufs[ix.src_buf].writer) != 0 ||
+        add_dep(pl, sid, pl->p->bufs[ix.idx_buf].writer) != 0)
+        return oom(pl);
+    pl->p->bufs[ix.out_buf].writer = sid;
+    vinfo *o = &pl->vi[n->out[0]];
+    o->kind = V_VIEW;
+    o->buf = ix.out_buf;
+    o->offset = 0;
+    contig_strides(om->ndim, om->shape, o->strides);
+    return 0;
+}
+
 /* PAD and CAT: a new buffer whose regions are written by the producers of
  * the pieces (stored in place when they are fused values, else copied),
  * after a zero fill for PAD. A barrier step joins the writers, so readers
@@ -772,6 +856,13 @@ static bool gemm_accumulate(planner *pl, const gj_jit_output *o, int dst) {
     if (mi->kind != V_VIEW || pl->uses[mv] != 1 || mi->offset != 0 ||
         !gj_jit_meta_equal(mm_meta, gm))
         return false;
+    /* the whole matmul result, as laid out by the GEMM (not a broadcast or
+     * permuted view of it) */
+    int64_t cs[GJ_MAX_DIMS];
+    contig_strides(gm->ndim, gm->shape, cs);
+    for (int k = 0; k < gm->ndim; k++)
+        if (gm->shape[k] > 1 && mi->strides[k] != cs[k]) return false;
+    if (pl->p->bufs[mi->buf].numel != numel_of(gm->ndim, gm->shape)) return false;
     int w = pl->p->bufs[mi->buf].writer;
     if (w < 0 || pl->ps[w].kind != 1) return false;
     gj_jit_matmul *mm = &pl->mms[pl->ps[w].idx];
@@ -864,12 +955,14 @@ static int kadd_expr(gj_jit_kernel *k, const gj_jit_expr *e) {
     return k->n_ex++;
 }
 
-static int kadd_store(gj_jit_kernel *k, int access, int expr, bool reduce) {
+static int kadd_store(gj_jit_kernel *k, int access, int expr, bool reduce, bool max) {
     if (grow((void **)&k->st, k->n_st, &k->cap_st, sizeof *k->st) != 0) return -1;
     gj_jit_store *s = &k->st[k->n_st++];
+    memset(s, 0, sizeof *s);
     s->access = access;
     s->expr = expr;
     s->reduce = reduce;
+    s->max = max;
     return 0;
 }
 
@@ -965,8 +1058,12 @@ static void schedule_kernel(gj_jit_kernel *k) {
         k->grain = red_work > 0 ? 32768 / red_work : 1;
     } else {
         int64_t inner = k->dims[L];
-        if (k->red) {
-            k->block = inner < 512 ? inner : 512; /* double accumulators on the stack */
+        if (k->red) { /* double accumulators on the stack; >= 8 column blocks when wide */
+            int64_t want = (inner + 7) / 8;
+            want = (want + 15) / 16 * 16;
+            if (want < 64) want = 64;
+            if (want > 512) want = 512;
+            k->block = inner < want ? inner : want;
         } else if (outer >= 16 || inner <= 8192) {
             k->block = inner;
         } else {
@@ -1006,11 +1103,11 @@ static int build_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
         }
         if (e < 0) return -1;
         int a = kadd_access(k, G->copy_dst, b->dtype, G->copy_off, G->copy_st, nd);
-        if (a < 0 || kadd_store(k, a, e, false) != 0) return -1;
+        if (a < 0 || kadd_store(k, a, e, false, false) != 0) return -1;
     }
     for (int t = 0; t < G->n; t++) {
         const gj_jit_node *n = &g->nodes[G->nodes[t]];
-        if (n->inst.prim == GJ_P_SUM) {
+        if (n->inst.prim == GJ_P_SUM || n->inst.prim == GJ_P_MAX) {
             int x = n->in[0];
             int e = is_member_of(pl, x, gi) ? memo[x] : value_expr(pl, k, memo, gi, nd, S, x);
             if (e < 0) return -1;
@@ -1028,7 +1125,7 @@ static int build_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
                 }
             }
             int a = kadd_access(k, o->buf, om->dtype, 0, ost, nd);
-            if (a < 0 || kadd_store(k, a, e, true) != 0) return -1;
+            if (a < 0 || kadd_store(k, a, e, true, n->inst.prim == GJ_P_MAX) != 0) return -1;
             continue;
         }
         gj_jit_expr e;
@@ -1048,7 +1145,7 @@ static int build_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
         const vinfo *o = &pl->vi[n->out[0]];
         if (o->buf >= 0) {
             int a = kadd_access(k, o->buf, e.dtype, o->offset, o->strides, nd);
-            if (a < 0 || kadd_store(k, a, id, false) != 0) return -1;
+            if (a < 0 || kadd_store(k, a, id, false, false) != 0) return -1;
         }
     }
     collapse_dims(k);
@@ -1087,10 +1184,14 @@ static int plan_memory(gj_jit_plan *p) {
         gj_jit_step *st = &p->steps[s];
         if (st->kind == GJ_JIT_STEP_KERNEL) {
             for (int q = 0; q < st->k.n_params; q++) touch(p, st->k.param_buf[q], s);
-        } else {
+        } else if (st->kind == GJ_JIT_STEP_MATMUL) {
             touch(p, st->mm.a_buf, s);
             touch(p, st->mm.b_buf, s);
             touch(p, st->mm.c_buf, s);
+        } else {
+            touch(p, st->ix.src_buf, s);
+            touch(p, st->ix.idx_buf, s);
+            touch(p, st->ix.out_buf, s);
         }
     }
     p->by_first = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *p->by_first);
@@ -1136,6 +1237,10 @@ static int plan_memory(gj_jit_plan *p) {
 
 /* ------------------------------------------------------------ driver */
 
+static atomic_int g_refused_prim = -1;
+
+void gj_jit_test_no_lowering(int prim) { atomic_store(&g_refused_prim, prim < 0 ? -1 : prim); }
+
 int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap) {
     planner pl;
     memset(&pl, 0, sizeof pl);
@@ -1168,10 +1273,13 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     for (int i = 0; i < g->n_nodes; i++)
         for (int k = 0; k < g->nodes[i].inst.n_in; k++) pl.uses[g->nodes[i].in[k]]++;
     for (int o = 0; o < g->n_outputs; o++) pl.uses[g->outputs[o].value]++;
-    for (int k = 0; k < g->n_inputs; k++) {
+    for (int k = 0; k < g->n_inputs; k++) { /* read in place, in their recorded layout */
         const gj_rt_meta *m = &g->values[g->inputs[k].value].meta;
+        const int64_t *st = g->inputs[k].strides;
         p->in_meta[k] = *m;
-        int b = new_buf(&pl, GJ_JIT_BUF_INPUT, k, m->dtype, numel_of(m->ndim, m->shape));
+        int64_t extent = numel_of(m->ndim, m->shape) > 0 ? 1 : 0;
+        for (int d = 0; d < m->ndim && extent > 0; d++) extent += (m->shape[d] - 1) * st[d];
+        int b = new_buf(&pl, GJ_JIT_BUF_INPUT, k, m->dtype, extent);
         if (b != k) {
             oom(&pl);
             goto done;
@@ -1180,24 +1288,28 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
         x->kind = V_VIEW;
         x->buf = b;
         x->offset = 0;
-        contig_strides(m->ndim, m->shape, x->strides);
+        memcpy(x->strides, st, sizeof x->strides);
     }
     for (int i = 0; i < g->n_nodes; i++) {
         const gj_jit_node *n = &g->nodes[i];
         gj_rt_prim pr = n->inst.prim;
         int r;
-        if (pr == GJ_P_FILL || pr == GJ_P_IOTA || pr == GJ_P_DROPOUT_MASK) {
+        if ((int)pr == atomic_load(&g_refused_prim)) {
+            r = no_lowering(&pl, n, "(test switch)");
+        } else if (pr == GJ_P_FILL || pr == GJ_P_IOTA || pr == GJ_P_DROPOUT_MASK) {
             r = plan_generator(&pl, i);
         } else if (gj_jit_prim_is_movement(pr)) {
             r = plan_movement(&pl, i);
         } else if (gj_jit_prim_is_elementwise(pr)) {
             r = plan_elementwise(&pl, i);
-        } else if (pr == GJ_P_SUM) {
-            r = plan_sum(&pl, i);
+        } else if (pr == GJ_P_SUM || pr == GJ_P_MAX) {
+            r = plan_reduce(&pl, i);
         } else if (pr == GJ_P_MATMUL) {
             r = plan_matmul(&pl, i);
         } else if (pr == GJ_P_PAD || pr == GJ_P_CAT) {
             r = plan_pad_cat(&pl, i);
+        } else if (pr == GJ_P_GATHER_ROWS || pr == GJ_P_SCATTER_ADD_ROWS) {
+            r = plan_index(&pl, i);
         } else {
             r = no_lowering(&pl, n, NULL);
         }
@@ -1256,6 +1368,11 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             st->mm = pl.mms[ps->idx];
             continue;
         }
+        if (ps->kind == 4) {
+            st->kind = GJ_JIT_STEP_INDEX;
+            st->ix = pl.ixs[ps->idx];
+            continue;
+        }
         st->kind = GJ_JIT_STEP_KERNEL;
         for (int v = 0; v < g->n_values; v++) memo[v] = -1;
         if (build_kernel(&pl, ps->idx, &st->k, memo) != 0) {
@@ -1275,6 +1392,7 @@ done:
     for (int gi = 0; gi < pl.n_groups; gi++) gj_rt_free(pl.groups[gi].nodes);
     gj_rt_free(pl.groups);
     gj_rt_free(pl.mms);
+    gj_rt_free(pl.ixs);
     for (int t = 0; t < pl.n_ps; t++) gj_rt_free(pl.ps[t].deps);
     gj_rt_free(pl.ps);
     gj_rt_free(pl.stack);
@@ -1334,6 +1452,14 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     }
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_step *st = &p->steps[s];
+        if (st->kind == GJ_JIT_STEP_INDEX) {
+            const gj_jit_index *x = &st->ix;
+            fprintf(f, "  step %d: %s b%d = b%d [b%d] %s n=%lld D=%lld V=%lld\n", s,
+                    x->scatter ? "scatter_add_rows" : "gather_rows", x->out_buf, x->src_buf,
+                    x->idx_buf, gj_rt_dtype_name(x->dtype), (long long)x->n, (long long)x->D,
+                    (long long)x->V);
+            continue;
+        }
         if (st->kind == GJ_JIT_STEP_MATMUL) {
             const gj_jit_matmul *m = &st->mm;
             fprintf(f, "  step %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d\n", s,
@@ -1358,7 +1484,7 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
             if (x->kind == GJ_JIT_E_LOAD)
                 fprintf(f, "    e%d = load a%d\n", e, x->access);
             else if (x->kind == GJ_JIT_E_CONST)
-                fprintf(f, "    e%d = const %.9g %s\n", e, x->cval, gj_rt_dtype_name(x->dtype));
+                fprintf(f, "    e%d = const %.17g %s\n", e, x->cval, gj_rt_dtype_name(x->dtype));
             else {
                 fprintf(f, "    e%d = %s(", e, gj_rt_prim_name(x->inst.prim));
                 for (int q = 0; q < x->inst.n_in && q < 3; q++)
@@ -1367,7 +1493,7 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
             }
         }
         for (int q = 0; q < k->n_st; q++)
-            fprintf(f, "    a%d %s e%d\n", k->st[q].access, k->st[q].reduce ? "+=" : "=",
-                    k->st[q].expr);
+            fprintf(f, "    a%d %s e%d\n", k->st[q].access,
+                    !k->st[q].reduce ? "=" : k->st[q].max ? "max=" : "+=", k->st[q].expr);
     }
 }

@@ -27,8 +27,9 @@
  *     .grad just before the step that writes it. by_first / by_last list
  *     them in that order.
  *   - A value summed by a kernel is added in S's row-major order of the
- *     reduced indices, starting from 0, in the accumulation dtype (f32 for
- *     f32/bf16, f64 for f64) -- the eager SUM kernel's order.
+ *     reduced indices, starting from 0, in double -- the eager SUM
+ *     kernel's order and accumulator; a MAX compares in double from -inf
+ *     (NaN wins), like the eager MAX kernel.
  */
 #ifndef GJ_JIT_PLAN_H
 #define GJ_JIT_PLAN_H
@@ -84,7 +85,8 @@ typedef struct gj_jit_expr {
 typedef struct gj_jit_store {
     int access;
     int expr;
-    bool reduce; /* += over the reduced dims (a SUM) instead of = */
+    bool reduce; /* accumulated over the reduced dims instead of = */
+    bool max;    /* reduce: a MAX (NaN wins, from -inf) instead of a SUM (from 0) */
 } gj_jit_store;
 
 typedef struct gj_jit_kernel {
@@ -121,13 +123,35 @@ typedef struct gj_jit_matmul {
     int64_t b_bstr[GJ_MAX_DIMS];
 } gj_jit_matmul;
 
-typedef enum gj_jit_step_kind { GJ_JIT_STEP_KERNEL = 0, GJ_JIT_STEP_MATMUL = 1 } gj_jit_step_kind;
+/* GATHER_ROWS / SCATTER_ADD_ROWS, run by C loops in program.c with the
+ * eager kernels' order (runtime/kernels_index.c): indices idx_buf[0..n)
+ * (contiguous i64) are all checked against [0, V) before anything is
+ * written.
+ *   gather:  out[i, :] = table[idx[i], :], table element (r, j) at
+ *            src_off + r*src_s0 + j*src_s1; out contiguous [n, D].
+ *   scatter: out[V, D] = zeros, then out[idx[i], :] += src[i, :] in index
+ *            order (src contiguous [n, D]); f32 and bf16 add in f32 (bf16
+ *            through a scratch, rounded once), f64 in f64. */
+typedef struct gj_jit_index {
+    bool scatter;
+    gj_dtype dtype; /* of table / src and out */
+    int src_buf, idx_buf, out_buf;
+    int64_t n, D, V;
+    int64_t src_off, src_s0, src_s1;
+} gj_jit_index;
+
+typedef enum gj_jit_step_kind {
+    GJ_JIT_STEP_KERNEL = 0,
+    GJ_JIT_STEP_MATMUL = 1,
+    GJ_JIT_STEP_INDEX = 2
+} gj_jit_step_kind;
 
 typedef struct gj_jit_step {
     gj_jit_step_kind kind;
     int64_t pos; /* ordering key while planning */
     gj_jit_kernel k;
     gj_jit_matmul mm;
+    gj_jit_index ix;
 } gj_jit_step;
 
 typedef struct gj_jit_plan {
@@ -154,5 +178,10 @@ typedef struct gj_jit_plan {
 int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap);
 void gj_jit_plan_free(gj_jit_plan *p);
 void gj_jit_plan_print(const gj_jit_plan *p, FILE *f);
+
+/* Test switch: while prim >= 0, the planner has "no lowering" for that
+ * primitive (every primitive of the foundation has one; this is how the
+ * tests reach the GJ_CA_NO_LOWERING fallback). -1 turns it off. */
+void gj_jit_test_no_lowering(int prim);
 
 #endif /* GJ_JIT_PLAN_H */

@@ -15,6 +15,8 @@
  */
 #include "program.h"
 
+#include "../runtime/gj_math.h"
+
 #include <string.h>
 #include <time.h>
 
@@ -46,8 +48,10 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
         fprintf(stderr, "[gradjit graph] captured\n");
         gj_jit_graph_print(g, stderr);
     }
-    if (gj_jit_pass_cse_dce(g) != 0) {
-        snprintf(why, why_cap, "out of memory in CSE/DCE");
+    bool changed = false;
+    if (gj_jit_pass_cse_dce(g) != 0 || gj_jit_pass_pad_sums(g, &changed) != 0 ||
+        (changed && gj_jit_pass_cse_dce(g) != 0)) {
+        snprintf(why, why_cap, "out of memory in the graph passes");
         goto fail;
     }
     if (gj_jit_log_flags() & GJ_JIT_LOG_GRAPH) {
@@ -144,6 +148,113 @@ static void run_matmul(const gj_jit_matmul *m, void *const *bp) {
     }
 }
 
+/* ------------------------------------------------------- index steps */
+
+#define GJ_JIT_SCOLS 256 /* columns per scatter task, as the eager kernel */
+
+typedef struct gather_ctx {
+    const gj_jit_index *x;
+    const char *table;
+    const int64_t *idx;
+    char *out;
+    size_t el;
+} gather_ctx;
+
+/* out[i, :] = table[idx[i], :] for i in [b, e). */
+static void gather_range(void *vctx, int64_t b, int64_t e) {
+    const gather_ctx *c = vctx;
+    const gj_jit_index *x = c->x;
+    int64_t D = x->D, el = (int64_t)c->el;
+    for (int64_t i = b; i < e; i++) {
+        const char *src = c->table + (x->src_off + c->idx[i] * x->src_s0) * el;
+        char *dst = c->out + i * D * el;
+        if (x->src_s1 == 1) {
+            memcpy(dst, src, (size_t)(D * el));
+        } else {
+            for (int64_t j = 0; j < D; j++) memcpy(dst + j * el, src + j * x->src_s1 * el, (size_t)el);
+        }
+    }
+}
+
+typedef struct scatter_ctx {
+    const gj_jit_index *x;
+    const void *src; /* [n, D] */
+    const int64_t *idx;
+    void *acc; /* [V, D]: f32 (f32, bf16) or f64 */
+} scatter_ctx;
+
+/* Column chunks [b, e): every index in order adds its source row's chunk. */
+static void scatter_range(void *vctx, int64_t b, int64_t e) {
+    const scatter_ctx *c = vctx;
+    int64_t D = c->x->D;
+    for (int64_t ch = b; ch < e; ch++) {
+        int64_t j0 = ch * GJ_JIT_SCOLS, j1 = j0 + GJ_JIT_SCOLS < D ? j0 + GJ_JIT_SCOLS : D;
+        for (int64_t i = 0; i < c->x->n; i++) {
+            int64_t r = c->idx[i];
+            if (c->x->dtype == GJ_F64) {
+                const double *restrict sp = (const double *)c->src + i * D;
+                double *restrict a = (double *)c->acc + r * D;
+                for (int64_t j = j0; j < j1; j++) a[j] += sp[j];
+            } else if (c->x->dtype == GJ_BF16) {
+                const uint16_t *restrict sp = (const uint16_t *)c->src + i * D;
+                float *restrict a = (float *)c->acc + r * D;
+                for (int64_t j = j0; j < j1; j++) a[j] += gj_m_bf16_to_f32(sp[j]);
+            } else {
+                const float *restrict sp = (const float *)c->src + i * D;
+                float *restrict a = (float *)c->acc + r * D;
+                for (int64_t j = j0; j < j1; j++) a[j] += sp[j];
+            }
+        }
+    }
+}
+
+/* Runs an index step (plan.h). 0, or -1 with the error set (a bad index:
+ * nothing written; out of memory). */
+static int run_index(const gj_jit_index *x, void *const *bp) {
+    const int64_t *idx = bp[x->idx_buf];
+    const char *op = x->scatter ? "scatter_add_rows" : "gather_rows";
+    for (int64_t i = 0; i < x->n; i++) {
+        if (idx[i] < 0 || idx[i] >= x->V) {
+            gj_rt_set_error("compiled backward: %s: index %lld at position %lld out of range "
+                            "[0, %lld) (V = %lld)",
+                            op, (long long)idx[i], (long long)i, (long long)x->V, (long long)x->V);
+            return -1;
+        }
+    }
+    size_t el = gj_rt_dtype_size(x->dtype);
+    if (!x->scatter) {
+        if (x->D <= 0 || x->n <= 0) return 0;
+        gather_ctx c = {x, bp[x->src_buf], idx, bp[x->out_buf], el};
+        gj_rt_parallel_for(x->n, x->D >= 32768 ? 1 : 32768 / x->D, gather_range, &c);
+        return 0;
+    }
+    int64_t total = x->V * x->D;
+    memset(bp[x->out_buf], 0, (size_t)total * el);
+    if (x->n <= 0 || x->D <= 0) return 0;
+    void *acc = bp[x->out_buf];
+    size_t acc_bytes = 0;
+    if (x->dtype == GJ_BF16) { /* f32 scratch, rounded once */
+        acc_bytes = (size_t)total * sizeof(float);
+        acc = gj_rt_alloc_data(acc_bytes);
+        if (!acc) {
+            gj_rt_set_error("compiled backward: scatter_add_rows: out of memory (%zu bytes)",
+                            acc_bytes);
+            return -1;
+        }
+        memset(acc, 0, acc_bytes);
+    }
+    scatter_ctx c = {x, bp[x->src_buf], idx, acc};
+    int64_t chunks = (x->D + GJ_JIT_SCOLS - 1) / GJ_JIT_SCOLS, per = x->n * GJ_JIT_SCOLS;
+    gj_rt_parallel_for(chunks, per >= 32768 ? 1 : 32768 / per, scatter_range, &c);
+    if (acc != bp[x->out_buf]) {
+        const float *a = acc;
+        uint16_t *o = bp[x->out_buf];
+        for (int64_t k = 0; k < total; k++) o[k] = gj_m_f32_to_bf16(a[k]);
+        gj_rt_free_data(acc, acc_bytes);
+    }
+    return 0;
+}
+
 int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
                      gj_jit_out_alloc alloc, void *actx) {
     int max_params = 1, rc = -1;
@@ -178,6 +289,8 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
         double t0 = prof ? prof_now() : 0;
         if (st->kind == GJ_JIT_STEP_MATMUL) {
             run_matmul(&st->mm, bp);
+        } else if (st->kind == GJ_JIT_STEP_INDEX) {
+            if (run_index(&st->ix, bp) != 0) goto done;
         } else if (st->k.rows > 0) {
             const gj_jit_kernel *k = &st->k;
             for (int q = 0; q < k->n_params; q++) ctx[q] = bp[k->param_buf[q]];
@@ -185,7 +298,10 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
         }
         if (prof)
             fprintf(stderr, "[gradjit prof] step %d %s: %.3f ms\n", s,
-                    st->kind == GJ_JIT_STEP_MATMUL ? "gemm" : st->k.name, prof_now() - t0);
+                    st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
+                    : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter" : "gather")
+                                                    : st->k.name,
+                    prof_now() - t0);
         for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_step == s; li++) {
             int b = p->by_last[li];
             if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);

@@ -10,10 +10,12 @@
  *     primitives (gj_ag_decompose) on this same builder.
  *   - constant(t) makes a new graph input for every call (no merging by
  *     address: two inputs that alias today may not alias in a later run
- *     with the same key). Its canonical origin is looked up in the walk.
+ *     with the same key). Its canonical origin is looked up in the walk;
+ *     its strides are recorded (the key holds them) and it is read in place.
  *   - accumulate(leaf, g) makes a graph output. With an existing .grad the
  *     .grad becomes an input and the output is ADD(.grad, CAST(g)), written
- *     in place: the same arithmetic as the eager accumulate.
+ *     in place: the same arithmetic as the eager accumulate (a strided
+ *     .grad is read as a contiguous copy and the sum copied back).
  */
 #include "capture.h"
 
@@ -47,6 +49,8 @@ static int add_tensor_input(recorder *r, gj_tensor *t, gj_jit_role role, int nod
     gj_rt_meta_of(t, &m);
     int v = gj_jit_graph_add_input(&r->cap->g, &m, role, node, slot);
     if (v < 0) return -1;
+    if (role != GJ_JIT_IN_GRAD) /* read in place, in its own layout */
+        gj_jit_input_strides(t, r->cap->g.inputs[r->cap->g.n_inputs - 1].strides);
     if (note_tensor(r->cap, r->cap->g.n_inputs - 1, t) != 0) return -1;
     return v;
 }
@@ -141,8 +145,8 @@ static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
     }
     if (grad->ndim != leaf->ndim || memcmp(grad->shape, leaf->shape,
                                            (size_t)leaf->ndim * sizeof leaf->shape[0]) != 0 ||
-        !gj_rt_is_contiguous(grad) || !gj_rt_dtype_is_float(grad->dtype)) {
-        fail_reason(r, true, ".grad of a leaf has another shape or is not contiguous");
+        !gj_rt_dtype_is_float(grad->dtype)) {
+        fail_reason(r, true, ".grad of a leaf has another shape or is not a float tensor");
         gj_rt_set_error("jit capture: unsupported .grad layout");
         return -1;
     }
@@ -161,6 +165,7 @@ static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds) {
     memset(cap, 0, sizeof *cap);
+    cap->code = GJ_CA_OTHER;
     gj_jit_graph_init(&cap->g);
     recorder r = {
         .b = {.emit = rec_emit,

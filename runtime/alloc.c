@@ -13,6 +13,9 @@
  *     injection makes attempt number `fail_target` fail (once). A failed
  *     allocation changes no byte counter and sets the thread's error.
  *   - All counters are atomics: any thread may allocate and free.
+ *   - Data blocks come from the caching allocator (alloc_cache.c): a freed
+ *     block is kept for reuse by a later request of its size class, so
+ *     live_bytes counts bytes in use by tensors, not bytes held from libc.
  */
 #include "runtime/rt.h"
 
@@ -101,10 +104,7 @@ void *gj_rt_alloc_data(size_t nbytes) {
         gj_rt_oom(nbytes);
         return NULL;
     }
-    size_t rounded = (nbytes + GJ_RT_DATA_ALIGN - 1) & ~(size_t)(GJ_RT_DATA_ALIGN - 1);
-    if (rounded == 0)
-        rounded = GJ_RT_DATA_ALIGN;
-    void *p = aligned_alloc(GJ_RT_DATA_ALIGN, rounded);
+    void *p = gj_rt_cache_alloc(nbytes); /* alloc_cache.c: a cached block or a new one */
     if (!p) {
         gj_rt_oom(nbytes);
         return NULL;
@@ -119,8 +119,8 @@ void *gj_rt_alloc_data(size_t nbytes) {
 void gj_rt_free_data(void *p, size_t nbytes) {
     if (!p)
         return;
-    free(p);
-    atomic_fetch_sub(&g_live_bytes, (long long)nbytes);
+    atomic_fetch_sub(&g_live_bytes, (long long)nbytes); /* before another thread can reuse p */
+    gj_rt_cache_free(p, nbytes); /* cached for reuse, deferred for streams, or freed */
 }
 
 int64_t gj_rt_alloc_fail_at(int64_t n) {
@@ -138,6 +138,7 @@ void gj_mem_stats(gj_mem *out) {
     out->live_bytes = atomic_load(&g_live_bytes);
     out->peak_bytes = atomic_load(&g_peak_bytes);
     out->n_allocs = atomic_load(&g_n_data);
+    out->cached_bytes = gj_rt_cache_bytes();
 }
 
 /* Peak := live now (a concurrent allocation may raise it again at once). */

@@ -20,6 +20,20 @@ static bool gj_k_needs_zero(gj_rt_prim p) {
     return p == GJ_P_PAD || p == GJ_P_SCATTER_ADD_ROWS;
 }
 
+/* Test instrumentation: executions per primitive (relaxed counters). */
+static atomic_llong g_exec_count[GJ_P_COUNT];
+
+int64_t gj_rt_exec_count(gj_rt_prim p) {
+    if ((unsigned)p >= (unsigned)GJ_P_COUNT)
+        return 0;
+    return atomic_load_explicit(&g_exec_count[p], memory_order_relaxed);
+}
+
+void gj_rt_exec_count_reset(void) {
+    for (int p = 0; p < GJ_P_COUNT; p++)
+        atomic_store_explicit(&g_exec_count[p], 0, memory_order_relaxed);
+}
+
 int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     if (!inst || !outs) {
         gj_rt_set_error("exec: NULL %s", inst ? "outputs array" : "instruction");
@@ -50,6 +64,7 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     int nout = gj_rt_infer(inst, im, om);
     if (nout < 0)
         return -1;
+    atomic_fetch_add_explicit(&g_exec_count[inst->prim], 1, memory_order_relaxed);
 
     gj_rt_prim p = inst->prim;
     if (p == GJ_P_RESHAPE || p == GJ_P_PERMUTE || p == GJ_P_EXPAND || p == GJ_P_SLICE) {

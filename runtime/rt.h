@@ -188,4 +188,38 @@ void gj_rt_blas_set_num_threads(int n);
 extern const unsigned char gj_rt_math_bc[];
 extern const size_t gj_rt_math_bc_size;
 
+/* ------------------------------ caching allocator and streams (hooks) */
+
+/* alloc_cache.c: the block cache behind gj_rt_alloc_data/free_data.
+ * gj_rt_cache_alloc returns a 64-byte aligned block of at least nbytes
+ * (a cached block of nbytes' size class, else a new one; NULL on OOM,
+ * no error set); gj_rt_cache_free takes it back (cached, deferred while
+ * a recorded stream has not passed, or freed). */
+void *gj_rt_cache_alloc(size_t nbytes);
+void gj_rt_cache_free(void *p, size_t nbytes);
+/* Bytes held for reuse (cached and stream-deferred blocks). */
+int64_t gj_rt_cache_bytes(void);
+/* Frees every cached block (deferred ones stay until their streams pass). */
+void gj_rt_alloc_release_cache(void);
+/* The data block p (from gj_rt_alloc_data) is in use on stream s: when it
+ * is freed, it waits for s. 0 or -1 (OOM, error set). */
+int gj_rt_cache_record_stream(void *p, gj_stream *s);
+/* Returns deferred blocks whose streams have passed to the cache. */
+void gj_rt_cache_poll(void);
+
+/* stream.c: positions of a stream. A point is the number of work items
+ * enqueued so far; the stream has passed it once as many have completed. */
+uint64_t gj_rt_stream_point(gj_stream *s);
+bool gj_rt_stream_passed(gj_stream *s, uint64_t point);
+void gj_rt_stream_retain(gj_stream *s);
+void gj_rt_stream_release(gj_stream *s);
+
+/* ------------------------------------ exec counters (helper ckpt, tests) */
+
+/* How many times gj_rt_exec ran primitive p (successfully validated) since
+ * the last reset, on all threads: lets tests count e.g. the matmuls an
+ * eager backward executes. 0 for an invalid p. */
+int64_t gj_rt_exec_count(gj_rt_prim p);
+void gj_rt_exec_count_reset(void);
+
 #endif /* GJ_RT_H */

@@ -195,6 +195,145 @@ int64_t gjt_live_bytes(void) {
     return m.live_bytes;
 }
 
+/* ----------------------------------------------- compiled autograd */
+
+static int g_compiled_mode = -1; /* -1: not read yet */
+
+/* The op suites run one graph at many shapes and attributes (one call site
+ * with many keys): the recompile limit, a policy for trainers, is lifted. */
+void gjt_set_compiled(bool on) {
+    g_compiled_mode = on ? 1 : 0;
+    if (on)
+        gj_compiled_autograd_set_recompile_limit(-1);
+}
+
+bool gjt_compiled(void) {
+    if (g_compiled_mode < 0) {
+        const char *e = getenv("GJT_COMPILED");
+        gjt_set_compiled(e && *e && strcmp(e, "0") != 0);
+    }
+    return g_compiled_mode == 1;
+}
+
+void gjt_setup(void) {
+    if (!gjt_compiled())
+        return;
+    gj_set_compiled_autograd(true);
+    fprintf(stderr, "gjtest: compiled mode (every backward compiled, checked against eager)\n");
+}
+
+gj_ca_stats gjt_ca_now(void) {
+    gj_ca_stats st;
+    gj_compiled_autograd_stats(&st);
+    return st;
+}
+
+bool gjt_ran_compiled(const char *what, const gj_ca_stats *a, const gj_ca_stats *b, int64_t n) {
+    int64_t runs = (b->compiles - a->compiles) + (b->mem_hits - a->mem_hits) +
+                   (b->disk_hits - a->disk_hits);
+    int64_t fb = b->fallbacks - a->fallbacks, bw = b->backwards - a->backwards;
+    if (runs == n && fb == 0 && bw == n)
+        return true;
+    fprintf(stderr,
+            "  %s: backward did not run compiled: %lld backward(s), %lld compile(s), %lld "
+            "memory hit(s), %lld disk hit(s), %lld fallback(s), expected %lld compiled\n",
+            what, (long long)bw, (long long)(b->compiles - a->compiles),
+            (long long)(b->mem_hits - a->mem_hits), (long long)(b->disk_hits - a->disk_hits),
+            (long long)fb, (long long)n);
+    for (int r = 0; r < GJ_CA_N_REASONS; r++) {
+        int64_t d = b->fallbacks_by_reason[r] - a->fallbacks_by_reason[r];
+        if (d)
+            fprintf(stderr, "    fallbacks for reason %s: %lld\n",
+                    gj_ca_reason_name((gj_ca_reason)r), (long long)d);
+    }
+    if (fb)
+        fprintf(stderr, "    last fallback: '%s'\n", gj_compiled_autograd_last_fallback());
+    return false;
+}
+
+int gjt_backward(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
+    if (!gj_compiled_autograd_enabled())
+        return gj_backward_ex(root, seed, retain_graph);
+    gj_ca_stats a = gjt_ca_now();
+    int rc = gj_backward_ex(root, seed, retain_graph);
+    gj_ca_stats b = gjt_ca_now();
+    if (rc == 0 && !gjt_ran_compiled("gjt_backward", &a, &b, 1))
+        return -1;
+    return rc;
+}
+
+bool gjt_backward_fails(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
+    gj_clear_error();
+    if (gj_backward_ex(root, seed, retain_graph) == 0)
+        return false;
+    if (!gj_compiled_autograd_enabled())
+        return true;
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", gj_last_error());
+    gj_set_compiled_autograd(false);
+    gj_clear_error();
+    int rc = gj_backward_ex(root, seed, retain_graph);
+    gj_set_compiled_autograd(true);
+    if (rc == 0) {
+        fprintf(stderr, "  compiled backward failed ('%s') but the eager one succeeded\n", msg);
+        return false;
+    }
+    if (strcmp(msg, gj_last_error()) != 0) {
+        fprintf(stderr, "  compiled and eager backward fail differently:\n    compiled: '%s'\n"
+                        "    eager:    '%s'\n",
+                msg, gj_last_error());
+        return false;
+    }
+    return true;
+}
+
+/* Non-finite eager values must be matched exactly (same infinity, or NaN);
+ * the scale is the largest finite eager magnitude. */
+bool gjt_same_as_eager(const char *what, const double *got, const double *want, int64_t n,
+                       double rel) {
+    double scale = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(want[i])) {
+            if (!(got[i] == want[i] || (isnan(got[i]) && isnan(want[i])))) {
+                fprintf(stderr, "  %s: compiled differs from eager at [%lld]: compiled %.17g "
+                                "eager %.17g\n",
+                        what, (long long)i, got[i], want[i]);
+                return false;
+            }
+        } else if (fabs(want[i]) > scale) {
+            scale = fabs(want[i]);
+        }
+    }
+    int64_t worst = 0;
+    double d = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double e = fabs(got[i] - want[i]);
+        if (isfinite(want[i]) && (e > d || isnan(e))) {
+            d = isnan(e) ? INFINITY : e;
+            worst = i;
+        }
+    }
+    if (d <= rel * scale)
+        return true;
+    fprintf(stderr,
+            "  %s: compiled differs from eager: max |diff| %.3g, relative to max |eager| %.3g: "
+            "%.3g (allowed %.3g); worst [%lld]: compiled %.17g eager %.17g\n",
+            what, d, scale, scale > 0 ? d / scale : INFINITY, rel, (long long)worst, got[worst],
+            want[worst]);
+    return false;
+}
+
+double gjt_compiled_rel_tol(gj_dtype dt) {
+    switch (dt) {
+    case GJ_F64:
+        return 1e-12;
+    case GJ_BF16:
+        return 0x1p-7; /* one bf16 ulp of the largest element */
+    default:
+        return 1e-6;
+    }
+}
+
 /* ------------------------------------------------ finite differences */
 
 /* Shape of the leaf behind input spec `in` (see gjt_view). */
@@ -377,6 +516,69 @@ fail:
     return rc;
 }
 
+/* The analytic pass of st (L = sum(f * R), backward into the leaves' .grad).
+ * Eager mode: one fd_eval in grad mode. Compiled mode: eagerly first (the
+ * reference), then, with every .grad cleared, compiled; the compiled one
+ * must run compiled and match the reference within gjt_compiled_rel_tol of
+ * the .grad's dtype, and its gradients are left in .grad. label names the
+ * pass in messages. 0 on success; the compiled-autograd flag is restored. */
+static int analytic_pass(fd_state *st, const char *label) {
+    const gjt_check *c = st->c;
+    double L;
+    if (!gjt_compiled())
+        return fd_eval(st, true, &L, NULL);
+    bool was_on = gj_compiled_autograd_enabled();
+    int rc = -1;
+    double *eager[GJT_MAX_IN] = {0};
+    bool has[GJT_MAX_IN] = {false};
+    char what[200];
+    gj_set_compiled_autograd(false);
+    if (fd_eval(st, true, &L, NULL) != 0)
+        goto done;
+    for (int i = 0; i < c->n_in; i++) {
+        gj_tensor *g = c->in[i].constant ? NULL : gj_tensor_grad(st->leaves[i]);
+        if (!g)
+            continue;
+        has[i] = true;
+        eager[i] = gjt_values(g);
+        if (!eager[i] || gj_tensor_set_grad(st->leaves[i], NULL) != 0)
+            goto done;
+    }
+    gj_set_compiled_autograd(true);
+    gj_ca_stats before = gjt_ca_now();
+    if (fd_eval(st, true, &L, NULL) != 0)
+        goto done;
+    gj_ca_stats after = gjt_ca_now();
+    bool ok = gjt_ran_compiled(label, &before, &after, 1);
+    for (int i = 0; i < c->n_in; i++) {
+        if (c->in[i].constant)
+            continue;
+        gj_tensor *g = gj_tensor_grad(st->leaves[i]);
+        if ((g != NULL) != has[i]) {
+            fprintf(stderr, "  %s: input %d has %s .grad compiled but %s eagerly\n", label, i,
+                    g ? "a" : "no", has[i] ? "one" : "none");
+            ok = false;
+            continue;
+        }
+        if (!g)
+            continue;
+        double *v = gjt_values(g);
+        if (!v)
+            goto done;
+        snprintf(what, sizeof what, "%s: gradient of input %d", label, i);
+        if (!gjt_same_as_eager(what, v, eager[i], gj_tensor_numel(g),
+                               gjt_compiled_rel_tol(gj_tensor_dtype(g))))
+            ok = false;
+        free(v);
+    }
+    rc = ok ? 0 : -1;
+done:
+    gj_set_compiled_autograd(was_on);
+    for (int i = 0; i < c->n_in; i++)
+        free(eager[i]);
+    return rc;
+}
+
 /* Leaves of check c in dtype dt (values drawn in f64 from r, then
  * converted); new references in leaves[]. 0 on success. */
 static int make_leaves(const gjt_check *c, gjt_rng *r, gj_dtype dt, gj_tensor **leaves) {
@@ -416,8 +618,8 @@ int gjt_gradcheck(const gjt_check *c) {
         goto fail;
 
     /* Analytic pass (also keeps the forward values). */
-    double L0, L1;
-    if (fd_eval(&st, true, &L0, NULL) != 0)
+    double L1;
+    if (analytic_pass(&st, c->name) != 0)
         goto fail_print;
     base_grad = st.vals_grad;
     st.vals_grad = NULL;
@@ -581,9 +783,13 @@ int gjt_gradcompare(const gjt_check *c, gj_dtype dt, double atol, double rtol) {
     memcpy(lo.out_shape, hi.out_shape, sizeof lo.out_shape);
     lo.out_dtype = dt;
     lo.have_out = true;
-    if (fd_eval(&hi, true, &L, NULL) != 0 || fd_eval(&lo, true, &L, NULL) != 0)
-        goto fail_print;
     char what[160];
+    snprintf(what, sizeof what, "%s (f64 leaves)", c->name);
+    if (analytic_pass(&hi, what) != 0)
+        goto fail_print;
+    snprintf(what, sizeof what, "%s (%s leaves)", c->name, dn);
+    if (analytic_pass(&lo, what) != 0)
+        goto fail_print;
     snprintf(what, sizeof what, "%s: %s forward vs f64", c->name, dn);
     if (!gjt_allclose(what, lo.vals_grad, hi.vals_grad, hi.out_numel, atol, rtol))
         goto fail_print;

@@ -16,6 +16,16 @@
  * gj_no_grad_push. On failure it prints the check's name, the input shapes
  * and the worst element.
  *
+ * Compiled mode (GJT_COMPILED=1 in the environment, or gjt_set_compiled):
+ * every analytic pass of gjt_gradcheck and gjt_gradcompare runs twice, eager
+ * (compiled autograd off) and compiled (on). The compiled backward must
+ * really run compiled (one compile or cache hit, no fallback; a fallback
+ * fails the check with its reason), its gradients must equal the eager ones
+ * within 1e-12 (f64) / 1e-6 (f32) / 2^-7 (bf16) of the largest eager
+ * magnitude, and the finite-difference (or f64) comparison is then made on
+ * the compiled gradients. gjt_backward checks the same for a direct backward
+ * whenever compiled autograd is on.
+ *
  * Ownership: helpers returning gj_tensor* return a new reference; helpers
  * returning double* return malloc'd memory the caller frees.
  */
@@ -139,5 +149,51 @@ int gjt_gradcheck(const gjt_check *c);
  * the same rounded values: forward values and every .grad must agree within
  * atol + rtol*|f64|, and each .grad must have dtype dt. 0 if they do. */
 int gjt_gradcompare(const gjt_check *c, gj_dtype dt, double atol, double rtol);
+
+/* ----------------------------------------------- compiled autograd */
+
+/* Whether the harness is in compiled mode (GJT_COMPILED set to anything but
+ * "" or "0", read at the first call through gjt_set_compiled, unless
+ * gjt_set_compiled decided before). */
+bool gjt_compiled(void);
+/* on: also lifts the recompile limit (gj_compiled_autograd_set_recompile_limit
+ * (-1)): the suites run one graph at many shapes, one call site with many
+ * keys, and every one of them must compile. */
+void gjt_set_compiled(bool on);
+/* Called first in main(): in compiled mode turns compiled autograd on for
+ * the whole run (so direct backwards run compiled too) and says so on
+ * stderr. Nothing in eager mode. */
+void gjt_setup(void);
+
+/* gj_backward_ex(root, seed, retain_graph). When compiled autograd is on
+ * and the backward succeeds, it must have run compiled (exactly one compile
+ * or cache hit and no fallback); if it fell back, the reason is printed and
+ * -1 returned (the eager gradients are in .grad). Otherwise the backward's
+ * status. */
+int gjt_backward(gj_tensor *root, gj_tensor *seed, bool retain_graph);
+/* For a backward that must fail: true if gj_backward_ex fails. When compiled
+ * autograd is on, the eager engine must then fail the same way: it is run
+ * again with compiled autograd off and must give the identical message (a
+ * difference is printed and gives false). gj_last_error() holds the message
+ * afterwards. */
+bool gjt_backward_fails(gj_tensor *root, gj_tensor *seed, bool retain_graph);
+
+/* Compiled-autograd counters now (gj_compiled_autograd_stats). */
+gj_ca_stats gjt_ca_now(void);
+/* true if exactly n backwards ran between before and after, each compiled
+ * (compiles + memory hits + disk hits grew by n, fallbacks by 0); otherwise
+ * prints what, the counts, the fallback reasons and the last fallback. */
+bool gjt_ran_compiled(const char *what, const gj_ca_stats *before, const gj_ca_stats *after,
+                      int64_t n);
+
+/* Compares gradient got with the eager reference want (n values): true if
+ * max |got - want| <= rel * max |want| over the finite eager values (exact
+ * when those are all zero) and every non-finite eager value is matched
+ * exactly; otherwise prints what, the max absolute and the relative
+ * difference and the worst element. */
+bool gjt_same_as_eager(const char *what, const double *got, const double *want, int64_t n,
+                       double rel);
+/* The relative tolerance of compiled vs eager for dtype dt (see above). */
+double gjt_compiled_rel_tol(gj_dtype dt);
 
 #endif /* GJTEST_H */

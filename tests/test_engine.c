@@ -6,6 +6,16 @@
  *
  * Each test checks at its end that every tensor byte it allocated is freed
  * again (the graph dies with the last tensor referring to it).
+ *
+ * Compiled mode (GJT_COMPILED=1, the ctest entry test_engine_compiled): every
+ * gj_backward of these tests runs with compiled autograd on through
+ * gjt_backward, which requires that it really ran compiled, so the same
+ * expected .grad values are checked on the compiled path; a backward that
+ * must fail goes through gjt_backward_fails, which requires the eager engine
+ * to fail with the identical message (second backward without retain_graph,
+ * version counters, seeds, roots without grad). gj_grad is eager by
+ * definition and runs as is. test_determinism also compares compiled with
+ * eager gradients (1e-6 of the largest, f32).
  */
 #include "gjtest.h"
 
@@ -40,9 +50,9 @@ static void test_accumulation(void **s) {
     gj_tensor *x = leaf64(1, S3, XV, true);
     assert_null(gj_tensor_grad(x));
     gj_scope_push();
-    assert_int_equal(gj_backward(gj_sum(gj_mul_scalar(x, 3.0), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul_scalar(x, 3.0), 0, NULL, false), NULL, false), 0);
     assert_grad(x, (double[]){3, 3, 3}, 0);
-    assert_int_equal(gj_backward(gj_sum(gj_mul(x, x), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul(x, x), 0, NULL, false), NULL, false), 0);
     double w[3];
     for (int i = 0; i < 3; i++)
         w[i] = 3 + 2 * XV[i];
@@ -50,7 +60,7 @@ static void test_accumulation(void **s) {
     /* replace .grad by ones, then accumulate */
     gj_tensor *ones = gj_ones(GJ_F64, 1, S3);
     assert_int_equal(gj_tensor_set_grad(x, ones), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_mul_scalar(x, -2.0), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul_scalar(x, -2.0), 0, NULL, false), NULL, false), 0);
     assert_grad(x, (double[]){-1, -1, -1}, 0);
     /* clearing */
     assert_int_equal(gj_tensor_set_grad(x, NULL), 0);
@@ -67,7 +77,7 @@ static void test_grad_dtype(void **s) {
     gj_tensor *x = gj_scope_keep(leaf64(1, S3, XV, true));
     gj_tensor *z64 = gj_zeros(GJ_F64, 1, S3);
     assert_int_equal(gj_tensor_set_grad(x, z64), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_tanh(x), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_tanh(x), 0, NULL, false), NULL, false), 0);
     assert_int_equal(gj_tensor_dtype(gj_tensor_grad(x)), GJ_F64);
     double w[3];
     for (int i = 0; i < 3; i++)
@@ -82,13 +92,13 @@ static void test_grad_dtype(void **s) {
     xf = gj_scope_keep(gjt_tensor(GJ_F32, 1, S3, XV));
     assert_int_equal(gj_set_requires_grad(xf, true), 0);
     /* fresh .grad: the leaf's dtype */
-    assert_int_equal(gj_backward(gj_sum(gj_mul_scalar(xf, 2.0), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul_scalar(xf, 2.0), 0, NULL, false), NULL, false), 0);
     assert_int_equal(gj_tensor_dtype(gj_tensor_grad(xf)), GJ_F32);
     assert_grad(xf, (double[]){2, 2, 2}, 0);
     /* an f32 .grad set by the user stays f32 and is accumulated into */
     gj_tensor *gf = gjt_tensor(GJ_F32, 1, S3, (double[]){0.5, 0.25, -1});
     assert_int_equal(gj_tensor_set_grad(xf, gf), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_mul_scalar(xf, 2.0), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul_scalar(xf, 2.0), 0, NULL, false), NULL, false), 0);
     assert_int_equal(gj_tensor_dtype(gj_tensor_grad(xf)), GJ_F32);
     assert_grad(xf, (double[]){2.5, 2.25, 1}, 0);
     gj_scope_pop();
@@ -108,7 +118,7 @@ static void test_diamond(void **s) {
     gj_tensor *e = gj_exp(c);             /* e used twice below */
     gj_tensor *f = gj_add(gj_mul(e, e), e);
     assert_non_null(f);
-    assert_int_equal(gj_backward(gj_sum(f, 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(f, 0, NULL, false), NULL, false), 0);
     double w[3];
     for (int i = 0; i < 3; i++) {
         double t = tanh(XV[i]), dt = 1 - t * t;
@@ -141,24 +151,21 @@ static void test_same_input_twice(void **s) {
     int64_t live0 = gjt_live_bytes();
     gj_tensor *x = leaf64(1, S3, XV, true);
     gj_scope_push();
-    assert_int_equal(gj_backward(gj_sum(gj_mul(x, x), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul(x, x), 0, NULL, false), NULL, false), 0);
     double w[3];
     for (int i = 0; i < 3; i++)
         w[i] = 2 * XV[i];
     assert_grad(x, w, 1e-15);
     assert_int_equal(gj_tensor_set_grad(x, NULL), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_add(x, x), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_add(x, x), 0, NULL, false), NULL, false), 0);
     assert_grad(x, (double[]){2, 2, 2}, 0);
     assert_int_equal(gj_tensor_set_grad(x, NULL), 0);
     gj_tensor *xx[3] = {x, x, x};
-    assert_int_equal(gj_backward(gj_sum(gj_cat(3, xx, 0), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_cat(3, xx, 0), 0, NULL, false), NULL, false), 0);
     assert_grad(x, (double[]){3, 3, 3}, 0);
     assert_int_equal(gj_tensor_set_grad(x, NULL), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_matmul(gj_reshape(x, 2, (int64_t[]){1, 3}),
-                                                  gj_reshape(x, 2, (int64_t[]){3, 1})),
-                                        0, NULL, false),
-                                 NULL),
-                     0);
+    gj_tensor *xr = gj_reshape(x, 2, (int64_t[]){1, 3}), *xc = gj_reshape(x, 2, (int64_t[]){3, 1});
+    assert_int_equal(gjt_backward(gj_sum(gj_matmul(xr, xc), 0, NULL, false), NULL, false), 0);
     assert_grad(x, w, 1e-15);
     gj_scope_pop();
     gj_release(x);
@@ -171,18 +178,18 @@ static void test_retain_graph(void **s) {
     gj_tensor *x = leaf64(1, S3, XV, true);
     gj_scope_push();
     gj_tensor *L = gj_sum(gj_tanh(x), 0, NULL, false);
-    assert_int_equal(gj_backward_ex(L, NULL, true), 0);
-    assert_int_equal(gj_backward_ex(L, NULL, true), 0);
+    assert_int_equal(gjt_backward(L, NULL, true), 0);
+    assert_int_equal(gjt_backward(L, NULL, true), 0);
     double w[3];
     for (int i = 0; i < 3; i++)
         w[i] = 2 * (1 - tanh(XV[i]) * tanh(XV[i]));
     assert_grad(x, w, 1e-15);
-    assert_int_equal(gj_backward(L, NULL), 0);
+    assert_int_equal(gjt_backward(L, NULL, false), 0);
     for (int i = 0; i < 3; i++)
         w[i] *= 1.5;
     assert_grad(x, w, 1e-15);
     gj_clear_error();
-    assert_int_not_equal(gj_backward(L, NULL), 0);
+    assert_true(gjt_backward_fails(L, NULL, false));
     assert_true(gj_last_error()[0] != '\0');
     assert_grad(x, w, 1e-15); /* a failed backward leaves .grad alone */
     gj_scope_pop();
@@ -198,11 +205,11 @@ static void test_second_backward_error(void **s) {
     assert_int_equal(gj_set_requires_grad(x, true), 0);
     gj_scope_push();
     gj_tensor *y = gj_tanh(x);
-    assert_int_equal(gj_backward(y, NULL), 0);
+    assert_int_equal(gjt_backward(y, NULL, false), 0);
     double g1 = 1 - tanh(0.4) * tanh(0.4);
     assert_true(fabs(gj_tensor_item(gj_tensor_grad(x)) - g1) < 1e-15);
     gj_clear_error();
-    assert_int_not_equal(gj_backward(y, NULL), 0);
+    assert_true(gjt_backward_fails(y, NULL, false));
     GJT_ASSERT_ERROR("tanh");
     if (!gjt_error_has("retain_graph") && !gjt_error_has("second time")) {
         print_error("error does not mention retain_graph: '%s'\n", gj_last_error());
@@ -224,7 +231,7 @@ static void test_history_outlives_tensors(void **s) {
     gj_tensor *L = gj_sum(z, 0, NULL, false);
     gj_release(y);
     gj_release(z);
-    assert_int_equal(gj_backward(L, NULL), 0);
+    assert_int_equal(gjt_backward(L, NULL, false), 0);
     double w[3];
     for (int i = 0; i < 3; i++)
         w[i] = 2 * exp(2 * XV[i]);
@@ -262,7 +269,7 @@ static void test_no_grad(void **s) {
     assert_true(gj_requires_grad(gj_add(c, x)));
     /* backward of a root that does not require grad is an error */
     gj_clear_error();
-    assert_int_not_equal(gj_backward(gj_sum(y, 0, NULL, false), NULL), 0);
+    assert_true(gjt_backward_fails(gj_sum(y, 0, NULL, false), NULL, false));
     assert_true(gj_last_error()[0] != '\0');
     gj_scope_pop();
     gj_release(x);
@@ -295,7 +302,7 @@ static void test_grad_subset(void **s) {
         tw[i] = tanh(XV[i]);
     assert_true(gjt_tensor_close("gj_grad w", g2[0], tw, 1e-15, 1e-15));
     /* backward gives the same values */
-    assert_int_equal(gj_backward(L, NULL), 0);
+    assert_int_equal(gjt_backward(L, NULL, false), 0);
     assert_grad(x, want, 1e-15);
     assert_grad(w, tw, 1e-15);
     gj_release(gx);
@@ -384,7 +391,7 @@ static void test_version_counter(void **s) {
     assert_true(gj_tensor_version(c) > v0); /* the version lives on the storage */
     assert_true(gj_tensor_version(d) == gj_tensor_version(c));
     gj_clear_error();
-    assert_int_not_equal(gj_backward(L, NULL), 0);
+    assert_true(gjt_backward_fails(L, NULL, false));
     GJT_ASSERT_ERROR("mul");
     GJT_ASSERT_ERROR("version");
     assert_null(gj_tensor_grad(a));
@@ -398,7 +405,7 @@ static void test_version_counter(void **s) {
     gj_no_grad_pop();
     assert_int_equal(gj_mul_scalar_(gj_detach(y), 0.5), 0);
     gj_clear_error();
-    assert_int_not_equal(gj_backward(L2, NULL), 0);
+    assert_true(gjt_backward_fails(L2, NULL, false));
     GJT_ASSERT_ERROR("tanh");
     GJT_ASSERT_ERROR("version");
 
@@ -411,12 +418,12 @@ static void test_version_counter(void **s) {
     int rc = gj_add_(y3, gj_ones(GJ_F64, 1, S3));
     if (rc == 0) {
         gj_clear_error();
-        assert_int_not_equal(gj_backward(L3, NULL), 0);
+        assert_true(gjt_backward_fails(L3, NULL, false));
         GJT_ASSERT_ERROR("mul");
         GJT_ASSERT_ERROR("version");
     } else {
         GJT_ASSERT_ERROR("add_");
-        assert_int_equal(gj_backward(L3, NULL), 0); /* nothing was modified */
+        assert_int_equal(gjt_backward(L3, NULL, false), 0); /* nothing was modified */
     }
     gj_scope_pop();
     gj_release(a);
@@ -476,19 +483,19 @@ static void test_seed(void **s) {
     gj_scope_push();
     gj_tensor *y = gj_mul(x, x);
     gj_clear_error();
-    assert_int_not_equal(gj_backward(y, NULL), 0);
+    assert_true(gjt_backward_fails(y, NULL, false));
     assert_true(gj_last_error()[0] != '\0');
     assert_null(gj_tensor_grad(x));
     gj_tensor *bad = gj_ones(GJ_F64, 1, (int64_t[]){3});
     gj_clear_error();
-    assert_int_not_equal(gj_backward(y, bad), 0);
+    assert_true(gjt_backward_fails(y, bad, false));
     assert_true(gj_last_error()[0] != '\0');
     gj_tensor *seed = gjt_tensor(GJ_F64, 2, sh, (double[]){1, -1, 0.5, 0, 2, 3});
-    assert_int_equal(gj_backward(y, seed), 0);
+    assert_int_equal(gjt_backward(y, seed, false), 0);
     assert_grad(x, (double[]){2, -4, 3, 0, 20, 36}, 0);
     /* a 0-d and a [1] root take a NULL seed */
     gj_tensor *x1 = gj_scope_keep(leaf64(1, (int64_t[]){1}, (double[]){2.0}, true));
-    assert_int_equal(gj_backward(gj_mul(x1, x1), NULL), 0);
+    assert_int_equal(gjt_backward(gj_mul(x1, x1), NULL, false), 0);
     assert_grad(x1, (double[]){4.0}, 0);
     gj_scope_pop();
     gj_release(x);
@@ -538,7 +545,7 @@ static void test_detach(void **s) {
     assert_ptr_equal(gj_tensor_data(d), gj_tensor_data(y)); /* same storage */
     assert_false(gj_requires_grad(gj_mul(d, d)));
     /* gradient stops at d: L = sum(y * d) has dL/dx = d * exp(x) */
-    assert_int_equal(gj_backward(gj_sum(gj_mul(y, d), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul(y, d), 0, NULL, false), NULL, false), 0);
     double w[3];
     for (int i = 0; i < 3; i++)
         w[i] = exp(2 * XV[i]);
@@ -562,7 +569,7 @@ static void test_views_of_one_leaf(void **s) {
     gj_tensor *n = gj_narrow(x, 1, 1, 2);            /* [2,2] cols 1,2 */
     gj_tensor *a = gj_sum(gj_mul_scalar(t, 2.0), 0, NULL, false);
     gj_tensor *b = gj_sum(gj_mul(n, n), 0, NULL, false);
-    assert_int_equal(gj_backward(gj_add(a, b), NULL), 0);
+    assert_int_equal(gjt_backward(gj_add(a, b), NULL, false), 0);
     assert_grad(x, (double[]){2, 2 + 4, 2 + 6, 2, 2 + 10, 2 + 12}, 0);
     gj_scope_pop();
     gj_release(x);
@@ -611,7 +618,7 @@ static void test_noncontiguous_grad(void **s) {
     gj_tensor *g0 = gjt_tensor(GJ_F64, 2, (int64_t[]){3, 2}, (double[]){1, 2, 3, 4, 5, 6});
     gj_tensor *g0t = gj_transpose(g0, 0, 1); /* [[1,3,5],[2,4,6]] */
     assert_int_equal(gj_tensor_set_grad(x, g0t), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_mul_scalar(x, 10.0), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul_scalar(x, 10.0), 0, NULL, false), NULL, false), 0);
     assert_grad(x, (double[]){11, 13, 15, 12, 14, 16}, 0);
     gj_scope_pop();
     assert_int_equal(gjt_live_bytes(), live0);
@@ -623,13 +630,13 @@ static void test_backward_from_leaf(void **s) {
     gj_scope_push();
     gj_tensor *x = leaf64(1, S3, XV, true);
     gj_tensor *seed = gjt_tensor(GJ_F64, 1, S3, (double[]){1, 2, 3});
-    assert_int_equal(gj_backward(x, seed), 0);
+    assert_int_equal(gjt_backward(x, seed, false), 0);
     assert_grad(x, (double[]){1, 2, 3}, 0);
     /* detach, then requires_grad on the new leaf */
     gj_tensor *y = gj_exp(x);
     gj_tensor *d = gj_detach(y);
     assert_int_equal(gj_set_requires_grad(d, true), 0);
-    assert_int_equal(gj_backward(gj_sum(gj_mul(d, d), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul(d, d), 0, NULL, false), NULL, false), 0);
     double w[3];
     for (int i = 0; i < 3; i++)
         w[i] = 2 * exp(XV[i]);
@@ -641,12 +648,17 @@ static void test_backward_from_leaf(void **s) {
 }
 
 /* The same backward twice gives bitwise identical gradients (f32, shapes big
- * enough for the thread pool). */
+ * enough for the thread pool). With compiled autograd on, a third pass runs
+ * eagerly and the compiled gradients must match it within 1e-6 of the
+ * largest. */
 static void test_determinism(void **s) {
     int64_t live0 = gjt_live_bytes();
-    double *g[2] = {NULL, NULL};
+    double *g[3] = {NULL, NULL, NULL};
     int64_t n = 128 * 96;
-    for (int pass = 0; pass < 2; pass++) {
+    bool compiled = gj_compiled_autograd_enabled();
+    for (int pass = 0; pass < (compiled ? 3 : 2); pass++) {
+        if (pass == 2)
+            gj_set_compiled_autograd(false);
         gjt_rng r;
         gjt_rng_seed(&r, 5);
         gj_scope_push();
@@ -656,15 +668,51 @@ static void test_determinism(void **s) {
         assert_int_equal(gj_set_requires_grad(x, true), 0);
         gj_tensor *L = gj_cross_entropy(gj_gelu(gj_linear(x, w, NULL)), lab);
         assert_non_null(L);
-        assert_int_equal(gj_backward(L, NULL), 0);
+        assert_int_equal(gjt_backward(L, NULL, false), 0);
         g[pass] = gjt_values(gj_tensor_grad(x));
         gj_scope_pop();
     }
     assert_non_null(g[0]);
     assert_non_null(g[1]);
     assert_memory_equal(g[0], g[1], sizeof(double) * (size_t)n);
+    if (compiled) {
+        gj_set_compiled_autograd(true);
+        assert_non_null(g[2]);
+        assert_true(gjt_same_as_eager("linear+gelu+cross_entropy grad x", g[0], g[2], n,
+                                      gjt_compiled_rel_tol(GJ_F32)));
+    }
     free(g[0]);
     free(g[1]);
+    free(g[2]);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* A saved tensor modified in place between two backwards of a retained
+ * graph: the second backward fails naming the op and the version, and .grad
+ * keeps the first backward's values. Two rounds with graphs of the same
+ * structure, so that in compiled mode the second round runs the cached
+ * program: the version check must hold on a cache hit too. */
+static void test_version_counter_after_backward(void **s) {
+    int64_t live0 = gjt_live_bytes();
+    double w[3];
+    for (int i = 0; i < 3; i++)
+        w[i] = 2 * exp(XV[i]);
+    for (int round = 0; round < 2; round++) {
+        gj_tensor *x = leaf64(1, S3, XV, true);
+        gj_scope_push();
+        gj_tensor *y = gj_exp(x); /* exp saves its output */
+        gj_tensor *L = gj_sum(gj_mul_scalar(y, 2.0), 0, NULL, false);
+        assert_non_null(L);
+        assert_int_equal(gjt_backward(L, NULL, true), 0);
+        assert_grad(x, w, 1e-15);
+        assert_int_equal(gj_mul_scalar_(gj_detach(y), 3.0), 0);
+        assert_true(gjt_backward_fails(L, NULL, false));
+        GJT_ASSERT_ERROR("exp");
+        GJT_ASSERT_ERROR("version");
+        assert_grad(x, w, 1e-15);
+        gj_scope_pop();
+        gj_release(x);
+    }
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
@@ -689,13 +737,14 @@ static void test_unused_graph_freed(void **s) {
     x = gj_randn(GJ_F64, 1, (int64_t[]){8}, 1.0);
     assert_int_equal(gj_set_requires_grad(x, true), 0);
     y = gj_exp(x);
-    assert_int_not_equal(gj_backward(y, NULL), 0);
+    assert_true(gjt_backward_fails(y, NULL, false));
     gj_release(y);
     gj_release(x);
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
 int main(void) {
+    gjt_setup();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_accumulation),
         cmocka_unit_test(test_grad_dtype),
@@ -719,6 +768,7 @@ int main(void) {
         cmocka_unit_test(test_noncontiguous_grad),
         cmocka_unit_test(test_backward_from_leaf),
         cmocka_unit_test(test_determinism),
+        cmocka_unit_test(test_version_counter_after_backward),
         cmocka_unit_test(test_unused_graph_freed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

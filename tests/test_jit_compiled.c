@@ -4,8 +4,9 @@
  * W2 pointwise loss of BENCHMARKS.md at a small size) computed compiled
  * must equal the eager engine's (1e-6 relative in f32), the second backward
  * must hit the cache, existing .grad buffers are accumulated into, and
- * every fallback (a primitive without lowering, a forced LLVM failure, a
- * freed graph) still ends with exactly the eager result. Also the
+ * every fallback (a primitive without lowering -- forced by a test switch,
+ * since all have one --, a forced LLVM failure, a freed graph) still ends
+ * with exactly the eager result and is counted under its reason. Also the
  * structural key: identical for the same model built twice, different when
  * a shape, a dtype or an attribute changes.
  */
@@ -14,6 +15,7 @@
 #include "jit/capture.h"
 #include "jit/code.h"
 #include "jit/jit.h"
+#include "jit/plan.h"
 
 #include <dirent.h>
 #include <math.h>
@@ -142,7 +144,7 @@ static gj_tensor *w2_loss(model *m) {
     return gj_sum(gj_add(t, gj_exp(gj_neg(gj_mul(x, x)))), 0, NULL, false);
 }
 
-/* A loss whose backward needs SCATTER_ADD_ROWS (embedding): no lowering. */
+/* A loss whose backward needs SCATTER_ADD_ROWS (embedding). */
 static gj_tensor *embed_loss(model *m) {
     gj_tensor *t = gj_reshape(m->params[0], 2, (int64_t[]){3, 3});
     gj_tensor *y = gj_embedding(gj_tanh(t), m->data[0]);
@@ -333,8 +335,11 @@ static void test_block(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
-/* A primitive without lowering: the backward runs eagerly (same values),
- * the reason is readable, and the key is remembered as eager-only. */
+/* A primitive without lowering (forced by the test switch: every
+ * primitive has one): the backward runs eagerly (same values), the reason
+ * is readable and counted as GJ_CA_NO_LOWERING, and the key is remembered
+ * as eager-only. Without the switch the same backward compiles and gives
+ * the eager bytes (scatter in index order). */
 static void test_fallback_no_lowering(void **st) {
     (void)st;
     model m;
@@ -345,17 +350,30 @@ static void test_fallback_no_lowering(void **st) {
     double **ref = grads_of(&m);
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
+    gj_jit_test_no_lowering(GJ_P_SCATTER_ADD_ROWS);
     assert_int_equal(step(&m, embed_loss, true), 0);
     gj_ca_stats s = stats();
     assert_int_equal(s.fallbacks, 1);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_NO_LOWERING], 1);
     assert_int_equal(s.compiles, 0);
     assert_non_null(strstr(gj_jit_last_fallback_reason(), "no lowering for scatter_add_rows"));
+    assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "no_lowering: "));
     double **got = grads_of(&m);
     assert_memory_equal(got[0], ref[0], 9 * sizeof(double));
     grads_free(&m, got);
     clear_grads(&m);
+    gj_jit_test_no_lowering(-1);
     assert_int_equal(step(&m, embed_loss, true), 0); /* eager-only key: no new capture */
     assert_int_equal(stats().fallbacks, 2);
+    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_NO_LOWERING], 2);
+    got = grads_of(&m);
+    assert_memory_equal(got[0], ref[0], 9 * sizeof(double));
+    grads_free(&m, got);
+    gj_jit_clear_cache(); /* forget the eager-only mark: now it compiles */
+    clear_grads(&m);
+    assert_int_equal(step(&m, embed_loss, true), 0);
+    assert_int_equal(stats().fallbacks, 2);
+    assert_int_equal(stats().compiles, 1);
     got = grads_of(&m);
     assert_memory_equal(got[0], ref[0], 9 * sizeof(double));
     grads_free(&m, got);
@@ -403,6 +421,8 @@ static void test_fallback_llvm_error(void **st) {
     assert_int_equal(stats().fallbacks, 1);
     assert_int_equal(stats().compiles, 0);
     assert_non_null(strstr(gj_jit_last_fallback_reason(), "LLVM error"));
+    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_LLVM_ERROR], 1);
+    assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "llvm_error: "));
     double **got = grads_of(&m);
     for (int i = 0; i < 3; i++) assert_memory_equal(got[i], ref[i], 100 * sizeof(double));
     grads_free(&m, got);

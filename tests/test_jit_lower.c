@@ -5,7 +5,9 @@
  * against C references written with the same scalar math (runtime/
  * gj_math.h). Where the evaluation order is the same the results must be
  * bit-identical; matmuls are compared with a tolerance against a double
- * reference. Also: the forced-LLVM-failure switch and "no lowering".
+ * reference. MAX, GATHER_ROWS, SCATTER_ADD_ROWS and bf16 MATMUL are
+ * compared with the eager kernels' bytes. Also: the forced-LLVM-failure
+ * switch and the "no lowering" test switch.
  */
 #include "gjtest.h"
 
@@ -543,8 +545,275 @@ static void test_empty(void **st) {
     gj_jit_graph_free(&g);
 }
 
-/* A primitive without lowering, and the forced LLVM failure: both fail
- * the build with a readable, permanent reason and leak nothing. */
+/* ------------------------------------------- MAX, index ops, bf16 matmul */
+
+/* The eager kernel's result of inst on tensors in[0..n_in) (new reference). */
+static gj_tensor *eager_ref(gj_rt_inst inst, int n_in, gj_tensor *const *in) {
+    inst.n_in = n_in;
+    gj_tensor *outs[GJ_RT_MAX_OUTPUTS];
+    int n = gj_rt_exec(&inst, in, outs);
+    if (n < 1) print_error("eager %s: %s\n", gj_rt_prim_name(inst.prim), gj_last_error());
+    assert_true(n >= 1);
+    for (int k = 1; k < n; k++) gj_release(outs[k]);
+    return outs[0];
+}
+
+/* Output bytes of the compiled run == the eager tensor's bytes. */
+static void assert_same_bytes(const char *what, const void *got, gj_tensor *want) {
+    gj_tensor *c = gj_contiguous(want);
+    assert_non_null(c);
+    size_t n = (size_t)gj_tensor_numel(c) * (gj_tensor_dtype(c) == GJ_F64 || gj_tensor_dtype(c) == GJ_I64 ? 8
+                                               : gj_tensor_dtype(c) == GJ_F32              ? 4
+                                                                                           : 2);
+    if (memcmp(got, gj_tensor_data(c), n) != 0) {
+        print_error("%s: compiled result differs from the eager kernel's\n", what);
+        fail();
+    }
+    gj_release(c);
+}
+
+/* MAX over the last axis (inner mode, with a NaN row, fused with the
+ * softmax-style consumer x - max), over the first axis (outer mode) and
+ * over a middle axis in f64: bit-identical to the eager MAX kernel. */
+static void test_max(void **st) {
+    (void)st;
+    enum { R = 5, C = 37 };
+    int64_t live0 = gjt_live_bytes();
+    gjt_rng rng;
+    gjt_rng_seed(&rng, 31);
+    gj_jit_graph g;
+    gj_jit_graph_init(&g);
+    int x = input(&g, GJ_F32, 2, (int64_t[]){R, C});
+    int y = input(&g, GJ_F64, 3, (int64_t[]){3, 4, 5});
+    gj_rt_inst mx1 = {.prim = GJ_P_MAX, .n_in = 1, .axes = 2u, .keepdim = true};
+    gj_rt_inst mx0 = {.prim = GJ_P_MAX, .n_in = 1, .axes = 1u, .keepdim = false};
+    gj_rt_inst mxm = {.prim = GJ_P_MAX, .n_in = 1, .axes = 2u, .keepdim = false};
+    int m1 = op(&g, mx1, x, -1, -1);
+    int e = un(&g, GJ_P_EXP, bin(&g, GJ_P_SUB, x, m1));
+    int m0 = op(&g, mx0, x, -1, -1);
+    int mm = op(&g, mxm, y, -1, -1);
+    out_new(&g, m1);
+    out_new(&g, e);
+    out_new(&g, m0);
+    out_new(&g, mm);
+    gj_jit_program *pr = build(&g);
+    float *xv = rand_f32(&rng, R * C, -4, 4);
+    xv[2 * C + 5] = NAN;
+    double yv[60];
+    for (int i = 0; i < 60; i++) yv[i] = gjt_rng_uniform(&rng, -3, 3);
+    float m1o[R], eo[R * C], m0o[C];
+    double mmo[15];
+    void *in[2] = {xv, yv}, *out[4] = {m1o, eo, m0o, mmo};
+    assert_int_equal(gj_jit_plan_exec(&pr->plan, in, NULL, out, NULL, NULL), 0);
+    gj_tensor *xt = gj_from_data(GJ_F32, 2, (int64_t[]){R, C}, xv);
+    gj_tensor *yt = gj_from_data(GJ_F64, 3, (int64_t[]){3, 4, 5}, yv);
+    gj_tensor *r1 = eager_ref(mx1, 1, &xt), *r0 = eager_ref(mx0, 1, &xt), *rm = eager_ref(mxm, 1, &yt);
+    assert_same_bytes("max last axis", m1o, r1);
+    assert_same_bytes("max first axis", m0o, r0);
+    assert_same_bytes("max middle axis f64", mmo, rm);
+    assert_true(isnan(m1o[2]) && isnan(m0o[5]));
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) {
+            float want = gj_m_exp_f(xv[i * C + j] - m1o[i]);
+            if (i != 2) assert_memory_equal(&eo[i * C + j], &want, sizeof want);
+        }
+    gj_release(r1);
+    gj_release(r0);
+    gj_release(rm);
+    gj_release(xt);
+    gj_release(yt);
+    gj_jit_program_free(pr);
+    gj_jit_graph_free(&g);
+    free(xv);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* GATHER_ROWS from a table and from a transposed view of one, and
+ * SCATTER_ADD_ROWS with repeated indices over two column chunks (D = 300)
+ * in f32, f64 and bf16: bit-identical to the eager kernels (same order). A
+ * bad index is an error naming it, nothing written. */
+static void test_index(void **st) {
+    (void)st;
+    enum { V = 4, D = 300, NI = 7 };
+    int64_t live0 = gjt_live_bytes();
+    gjt_rng rng;
+    gjt_rng_seed(&rng, 32);
+    int64_t iv[NI] = {2, 0, 2, 3, 2, 0, 1};
+    gj_tensor *it = gjt_i64(1, (int64_t[]){NI}, iv);
+    gj_dtype dts[3] = {GJ_F32, GJ_F64, GJ_BF16};
+    for (int d = 0; d < 3; d++) {
+        gj_dtype dt = dts[d];
+        gj_jit_graph g;
+        gj_jit_graph_init(&g);
+        int src = input(&g, dt, 2, (int64_t[]){NI, D});
+        int tab = input(&g, dt, 2, (int64_t[]){V, D});
+        int tabT = input(&g, dt, 2, (int64_t[]){D, V});
+        int idx = input(&g, GJ_I64, 1, (int64_t[]){NI});
+        gj_rt_inst sc = {.prim = GJ_P_SCATTER_ADD_ROWS, .n_in = 2, .len = V};
+        gj_rt_inst ga = {.prim = GJ_P_GATHER_ROWS, .n_in = 2};
+        int s1 = op(&g, sc, src, idx, -1);
+        int g1 = op(&g, ga, tab, idx, -1);
+        int tv = op(&g, (gj_rt_inst){.prim = GJ_P_PERMUTE, .n_in = 1, .ndim = 2, .shape = {1, 0}},
+                    tabT, -1, -1);
+        int g2 = op(&g, ga, tv, idx, -1);
+        int s2 = op(&g, sc, un(&g, GJ_P_TANH, src), idx, -1); /* src computed: materialised */
+        out_new(&g, s1);
+        out_new(&g, g1);
+        out_new(&g, g2);
+        out_new(&g, s2);
+        gj_jit_program *pr = build(&g);
+        gj_tensor *srct = gjt_uniform(&rng, dt, 2, (int64_t[]){NI, D}, -1, 1);
+        gj_tensor *tabt = gjt_uniform(&rng, dt, 2, (int64_t[]){V, D}, -1, 1);
+        gj_tensor *tabTt = gjt_uniform(&rng, dt, 2, (int64_t[]){D, V}, -1, 1);
+        size_t el = dt == GJ_F64 ? 8 : dt == GJ_F32 ? 4 : 2;
+        char *o1 = malloc(V * D * el), *o2 = malloc(NI * D * el), *o3 = malloc(NI * D * el),
+             *o4 = malloc(V * D * el);
+        assert_true(o1 && o2 && o3 && o4);
+        void *in[4] = {gj_tensor_data(srct), gj_tensor_data(tabt), gj_tensor_data(tabTt),
+                       gj_tensor_data(it)};
+        void *out[4] = {o1, o2, o3, o4};
+        assert_int_equal(gj_jit_plan_exec(&pr->plan, in, NULL, out, NULL, NULL), 0);
+        gj_tensor *a1[2] = {srct, it}, *a2[2] = {tabt, it};
+        gj_tensor *tT = gj_transpose(tabTt, 0, 1), *th = gj_tanh(srct);
+        gj_tensor *a3[2] = {tT, it}, *a4[2] = {th, it};
+        gj_tensor *r1 = eager_ref(sc, 2, a1), *r2 = eager_ref(ga, 2, a2), *r3 = eager_ref(ga, 2, a3),
+                  *r4 = eager_ref(sc, 2, a4);
+        assert_same_bytes("scatter_add_rows", o1, r1);
+        assert_same_bytes("gather_rows", o2, r2);
+        assert_same_bytes("gather_rows of a transposed table", o3, r3);
+        assert_same_bytes("scatter_add_rows of a computed source", o4, r4);
+        /* a bad index: an error, no crash */
+        int64_t bad[NI] = {2, 0, 2, 9, 2, 0, 1};
+        in[3] = bad;
+        assert_int_not_equal(gj_jit_plan_exec(&pr->plan, in, NULL, out, NULL, NULL), 0);
+        assert_non_null(strstr(gj_last_error(), "index 9 at position 3 out of range"));
+        gj_release(r1);
+        gj_release(r2);
+        gj_release(r3);
+        gj_release(r4);
+        gj_release(tT);
+        gj_release(th);
+        gj_release(srct);
+        gj_release(tabt);
+        gj_release(tabTt);
+        free(o1);
+        free(o2);
+        free(o3);
+        free(o4);
+        gj_jit_program_free(pr);
+        gj_jit_graph_free(&g);
+    }
+    gj_release(it);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* bf16 MATMUL (plain, transposed operand view, batched): converted to f32,
+ * an f32 GEMM, rounded once -- the eager kernel's bytes exactly. */
+static void test_bf16_matmul(void **st) {
+    (void)st;
+    enum { M = 6, K = 9, N = 5 };
+    int64_t live0 = gjt_live_bytes();
+    gjt_rng rng;
+    gjt_rng_seed(&rng, 33);
+    gj_jit_graph g;
+    gj_jit_graph_init(&g);
+    int a = input(&g, GJ_BF16, 2, (int64_t[]){M, K});
+    int b = input(&g, GJ_BF16, 2, (int64_t[]){K, N});
+    int xb = input(&g, GJ_BF16, 3, (int64_t[]){2, M, K});
+    gj_rt_inst mm = {.prim = GJ_P_MATMUL, .n_in = 2};
+    int c = op(&g, mm, a, b, -1);
+    int at = op(&g, (gj_rt_inst){.prim = GJ_P_PERMUTE, .n_in = 1, .ndim = 2, .shape = {1, 0}}, a, -1, -1);
+    int e = op(&g, mm, at, c, -1); /* [K, N] */
+    int h = op(&g, mm, xb, b, -1);
+    out_new(&g, c);
+    out_new(&g, e);
+    out_new(&g, h);
+    gj_jit_program *pr = build(&g);
+    for (int s = 0; s < pr->plan.n_steps; s++)
+        if (pr->plan.steps[s].kind == GJ_JIT_STEP_MATMUL) assert_int_equal(pr->plan.steps[s].mm.dtype, GJ_F32);
+    gj_tensor *av = gjt_uniform(&rng, GJ_BF16, 2, (int64_t[]){M, K}, -1, 1);
+    gj_tensor *bv = gjt_uniform(&rng, GJ_BF16, 2, (int64_t[]){K, N}, -1, 1);
+    gj_tensor *xv = gjt_uniform(&rng, GJ_BF16, 3, (int64_t[]){2, M, K}, -1, 1);
+    uint16_t co[M * N], eo[K * N], ho[2 * M * N];
+    void *in[3] = {gj_tensor_data(av), gj_tensor_data(bv), gj_tensor_data(xv)};
+    void *out[3] = {co, eo, ho};
+    assert_int_equal(gj_jit_plan_exec(&pr->plan, in, NULL, out, NULL, NULL), 0);
+    gj_tensor *a1[2] = {av, bv};
+    gj_tensor *rc = eager_ref(mm, 2, a1);
+    gj_tensor *atv = gj_transpose(av, 0, 1);
+    gj_tensor *a2[2] = {atv, rc}, *a3[2] = {xv, bv};
+    gj_tensor *re = eager_ref(mm, 2, a2), *rh = eager_ref(mm, 2, a3);
+    assert_same_bytes("bf16 a@b", co, rc);
+    assert_same_bytes("bf16 a^T@c", eo, re);
+    assert_same_bytes("bf16 batched", ho, rh);
+    gj_release(rc);
+    gj_release(re);
+    gj_release(rh);
+    gj_release(atv);
+    gj_release(av);
+    gj_release(bv);
+    gj_release(xv);
+    gj_jit_program_free(pr);
+    gj_jit_graph_free(&g);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* Reductions over a long last axis in a kernel big enough for the
+ * vector-lane form (the body once per lane, <8 x double> accumulators):
+ * sum of x*y (f32, fused, plus a tail), max with a NaN row, and an f64
+ * sum of squares: the eager kernels' bytes. */
+static void test_large_rows(void **st) {
+    (void)st;
+    enum { R = 50, C = 203 };
+    int64_t live0 = gjt_live_bytes();
+    gjt_rng rng;
+    gjt_rng_seed(&rng, 34);
+    gj_jit_graph g;
+    gj_jit_graph_init(&g);
+    int x = input(&g, GJ_F32, 2, (int64_t[]){R, C});
+    int y = input(&g, GJ_F32, 2, (int64_t[]){R, C});
+    int z = input(&g, GJ_F64, 2, (int64_t[]){R, C});
+    gj_rt_inst mx = {.prim = GJ_P_MAX, .n_in = 1, .axes = 2u, .keepdim = false};
+    int s1 = sum(&g, bin(&g, GJ_P_MUL, x, y), 2u, true);
+    int m1 = op(&g, mx, x, -1, -1);
+    int s2 = sum(&g, bin(&g, GJ_P_MUL, z, z), 2u, false);
+    out_new(&g, s1);
+    out_new(&g, m1);
+    out_new(&g, s2);
+    gj_jit_program *pr = build(&g);
+    gj_tensor *xt = gjt_uniform(&rng, GJ_F32, 2, (int64_t[]){R, C}, -3, 3);
+    gj_tensor *yt = gjt_uniform(&rng, GJ_F32, 2, (int64_t[]){R, C}, -3, 3);
+    gj_tensor *zt = gjt_uniform(&rng, GJ_F64, 2, (int64_t[]){R, C}, -3, 3);
+    ((float *)gj_tensor_data(xt))[7 * C + 100] = NAN;
+    float s1o[R], m1o[R];
+    double s2o[R];
+    void *in[3] = {gj_tensor_data(xt), gj_tensor_data(yt), gj_tensor_data(zt)};
+    void *out[3] = {s1o, m1o, s2o};
+    assert_int_equal(gj_jit_plan_exec(&pr->plan, in, NULL, out, NULL, NULL), 0);
+    gj_tensor *p = gj_mul(xt, yt), *zz = gj_mul(zt, zt);
+    gj_rt_inst sk = {.prim = GJ_P_SUM, .n_in = 1, .axes = 2u, .keepdim = true};
+    gj_rt_inst sn = {.prim = GJ_P_SUM, .n_in = 1, .axes = 2u, .keepdim = false};
+    gj_tensor *r1 = eager_ref(sk, 1, &p), *r2 = eager_ref(mx, 1, &xt), *r3 = eager_ref(sn, 1, &zz);
+    assert_same_bytes("long row sum", s1o, r1);
+    assert_same_bytes("long row max", m1o, r2);
+    assert_same_bytes("long row f64 sum", s2o, r3);
+    assert_true(isnan(m1o[7]) && isnan(s1o[7]));
+    gj_release(r1);
+    gj_release(r2);
+    gj_release(r3);
+    gj_release(p);
+    gj_release(zz);
+    gj_release(xt);
+    gj_release(yt);
+    gj_release(zt);
+    gj_jit_program_free(pr);
+    gj_jit_graph_free(&g);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* A primitive without lowering (the test switch: every primitive has one),
+ * and the forced LLVM failure: both fail the build with a readable,
+ * permanent reason and leak nothing. */
 static void test_failures(void **st) {
     (void)st;
     gj_jit_graph g;
@@ -560,9 +829,13 @@ static void test_failures(void **st) {
     out_new(&g, c);
     char why[300];
     bool perm = false;
+    gj_jit_test_no_lowering(GJ_P_SCATTER_ADD_ROWS);
     assert_null(gj_jit_program_build(&g, NULL, NULL, NULL, why, sizeof why, &perm));
+    gj_jit_test_no_lowering(-1);
     assert_true(perm);
     assert_non_null(strstr(why, "no lowering for scatter_add_rows"));
+    gj_jit_program *ok = build(&g); /* lowered without the switch */
+    gj_jit_program_free(ok);
     gj_jit_graph_free(&g);
 
     gj_jit_graph_init(&g);
@@ -593,6 +866,10 @@ int main(void) {
         cmocka_unit_test(test_inplace_and_large),
         cmocka_unit_test(test_pad_cat),
         cmocka_unit_test(test_empty),
+        cmocka_unit_test(test_max),
+        cmocka_unit_test(test_index),
+        cmocka_unit_test(test_bf16_matmul),
+        cmocka_unit_test(test_large_rows),
         cmocka_unit_test(test_failures),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

@@ -8,6 +8,12 @@
  *
  * Every test runs all its checks and fails at the end if any failed, so one
  * run lists every broken case on stderr.
+ *
+ * Compiled mode (GJT_COMPILED=1, the ctest entry test_ops_grad_compiled):
+ * every gradcheck and f32/bf16 comparison also runs its backward compiled and
+ * requires it to run compiled and to match the eager gradients (gjtest.h);
+ * the direct backwards (dropout mask, extreme values, threads) run compiled
+ * through gjt_backward against the same expected values.
  */
 #include "gjtest.h"
 
@@ -616,7 +622,7 @@ static void test_dropout_mask(void **s) {
     assert_non_null(y);
     gj_tensor *L = gj_sum(gj_mul(y, R), 0, NULL, false);
     assert_non_null(L);
-    assert_int_equal(gj_backward(L, NULL), 0);
+    assert_int_equal(gjt_backward(L, NULL, false), 0);
     double *yv = gjt_values(y), *gv = gjt_values(gj_tensor_grad(x));
     assert_non_null(yv);
     assert_non_null(gv);
@@ -1446,7 +1452,7 @@ static void test_extreme_values(void **s) {
         char nm[64];
         snprintf(nm, sizeof nm, "%s forward at extremes", cases[c].name);
         fwd_check(&nfail, nm, y, 1, sh, cases[c].want, 1e-12);
-        if (y && gj_backward(gj_sum(y, 0, NULL, false), NULL) == 0) {
+        if (y && gjt_backward(gj_sum(y, 0, NULL, false), NULL, false) == 0) {
             snprintf(nm, sizeof nm, "%s gradient at extremes", cases[c].name);
             if (!gjt_tensor_close(nm, gj_tensor_grad(x), cases[c].dwant, 1e-12, 1e-6))
                 nfail++;
@@ -1464,7 +1470,7 @@ static void test_extreme_values(void **s) {
         char nm[64];
         snprintf(nm, sizeof nm, "%s f32 forward at extremes", cases[c].name);
         fwd_check(&nfail, nm, y, 1, sh, cases[c].want, 1e-6);
-        if (y && gj_backward(gj_sum(y, 0, NULL, false), NULL) == 0) {
+        if (y && gjt_backward(gj_sum(y, 0, NULL, false), NULL, false) == 0) {
             snprintf(nm, sizeof nm, "%s f32 gradient at extremes", cases[c].name);
             if (!gjt_tensor_close(nm, gj_tensor_grad(x), cases[c].dwant, 1e-6, 1e-5))
                 nfail++;
@@ -1491,7 +1497,7 @@ static void test_extreme_values(void **s) {
         char nm[64];
         snprintf(nm, sizeof nm, "%s f32 forward at +-1e20", huge[c].name);
         fwd_check(&nfail, nm, y, 1, (int64_t[]){2}, huge[c].want, 1e-6);
-        if (y && gj_backward(gj_sum(y, 0, NULL, false), NULL) == 0) {
+        if (y && gjt_backward(gj_sum(y, 0, NULL, false), NULL, false) == 0) {
             snprintf(nm, sizeof nm, "%s f32 gradient at +-1e20", huge[c].name);
             if (!gjt_tensor_close(nm, gj_tensor_grad(x), huge[c].dwant, 1e-6, 1e-6))
                 nfail++;
@@ -1519,7 +1525,7 @@ static void test_extreme_values(void **s) {
     double pw[6] = {e0 / z0, e1 / z0, 0, e3 / z1, e4 / z1, e5 / z1};
     fwd_check(&nfail, "softmax with -inf entries", p, 2, (int64_t[]){2, 3}, pw, 1e-6);
     gj_tensor *R = gjt_tensor(GJ_F32, 2, (int64_t[]){2, 3}, (double[]){1, 2, 3, -1, 0.5, 2});
-    if (p && gj_backward(gj_sum(gj_mul(p, R), 0, NULL, false), NULL) == 0) {
+    if (p && gjt_backward(gj_sum(gj_mul(p, R), 0, NULL, false), NULL, false) == 0) {
         double gw[6];
         double Rv[6] = {1, 2, 3, -1, 0.5, 2};
         for (int r = 0; r < 2; r++) {
@@ -1544,7 +1550,7 @@ static void test_extreme_values(void **s) {
     fwd_check(&nfail, "layer_norm of a constant row", ln, 2, (int64_t[]){2, 4},
               (double[]){0, 0, 0, 0, 0, 0, 0, 0}, 0);
     gj_tensor *R2 = gjt_tensor(GJ_F64, 2, (int64_t[]){2, 4}, (double[]){1, -2, 3, 0, 1, 1, 1, 1});
-    if (ln && gj_backward(gj_sum(gj_mul(ln, R2), 0, NULL, false), NULL) == 0) {
+    if (ln && gjt_backward(gj_sum(gj_mul(ln, R2), 0, NULL, false), NULL, false) == 0) {
         /* dL/dx = rstd * (R - mean(R)) (the xhat terms vanish), rstd = 1/sqrt(eps) */
         double rs = 1.0 / sqrt(1e-5);
         double gw[8] = {rs * (1 - 0.5), rs * (-2 - 0.5), rs * (3 - 0.5), rs * (0 - 0.5), 0, 0, 0, 0};
@@ -1611,7 +1617,7 @@ static void test_threads_agree(void **s) {
         gj_tensor *p = gj_softmax(gj_layer_norm(h, NULL, NULL, 1e-5), 1);
         gj_tensor *L = gj_sum(gj_mul(p, gj_tanh(h)), 0, NULL, false);
         assert_non_null(L);
-        assert_int_equal(gj_backward(L, NULL), 0);
+        assert_int_equal(gjt_backward(L, NULL, false), 0);
         res[pass][0] = gjt_values(p);
         res[pass][1] = gjt_values(gj_tensor_grad(a));
         res[pass][2] = gjt_values(gj_tensor_grad(w));
@@ -1633,6 +1639,7 @@ static void test_threads_agree(void **s) {
 }
 
 int main(void) {
+    gjt_setup();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_add),
         cmocka_unit_test(test_sub),

@@ -6,8 +6,16 @@
  * growth), and the loss must fall below half its initial value. The same
  * with SGD + momentum for fewer steps; and the first steps of AdamW and SGD
  * checked against the PyTorch update formulas computed on the host.
+ *
+ * Compiled autograd: the first 50 AdamW steps run eagerly and compiled from
+ * the same seed must give the same loss curve (1e-5 relative, f32), the
+ * compiled run compiling once and hitting the cache 49 times. In compiled
+ * mode (GJT_COMPILED=1, the ctest entry test_train_loop_compiled) every
+ * other backward here runs compiled too (gjt_backward checks it did).
  */
 #include "gjtest.h"
+#include "jit/diskcache.h"
+#include "jit/jit.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -62,9 +70,10 @@ static gj_tensor *mlp_loss(mlp *m, gj_tensor *x, gj_tensor *y) {
 }
 
 /* Trains for `steps` steps; returns initial and final loss, live bytes after
- * step 10 and after the last step. */
+ * step 10 and after the last step, and (if losses is not NULL) every step's
+ * loss in losses[0..steps). */
 static void train(bool adamw, int steps, double *loss0, double *loss_end, int64_t *live10,
-                  int64_t *live_end) {
+                  int64_t *live_end, double *losses) {
     int64_t live_start = gjt_live_bytes();
     gj_tensor *x, *y;
     make_data(&x, &y);
@@ -89,10 +98,12 @@ static void train(bool adamw, int steps, double *loss0, double *loss_end, int64_
         assert_non_null(loss);
         double lv = gj_tensor_item(loss);
         assert_true(isfinite(lv));
+        if (losses)
+            losses[it - 1] = lv;
         if (it == 1)
             *loss0 = lv;
         *loss_end = lv;
-        assert_int_equal(gj_backward(loss, NULL), 0);
+        assert_int_equal(gjt_backward(loss, NULL, false), 0);
         assert_non_null(gj_tensor_grad(m.l2.bias));
         assert_int_equal(gj_optim_step(opt), 0);
         gj_scope_pop();
@@ -111,7 +122,7 @@ static void train(bool adamw, int steps, double *loss0, double *loss_end, int64_
 static void test_adamw_1000_steps(void **s) {
     double l0 = 0, l1 = 0;
     int64_t live10 = 0, live_end = 0;
-    train(true, 1000, &l0, &l1, &live10, &live_end);
+    train(true, 1000, &l0, &l1, &live10, &live_end, NULL);
     fprintf(stderr, "adamw: loss %.5f -> %.5f; live bytes after step 10: %lld, after 1000: %lld\n",
             l0, l1, (long long)live10, (long long)live_end);
     assert_int_equal(live_end, live10);
@@ -121,7 +132,7 @@ static void test_adamw_1000_steps(void **s) {
 static void test_sgd_momentum_300_steps(void **s) {
     double l0 = 0, l1 = 0;
     int64_t live10 = 0, live_end = 0;
-    train(false, 300, &l0, &l1, &live10, &live_end);
+    train(false, 300, &l0, &l1, &live10, &live_end, NULL);
     fprintf(stderr, "sgd: loss %.5f -> %.5f\n", l0, l1);
     assert_int_equal(live_end, live10);
     assert_true(l1 < 0.5 * l0);
@@ -145,7 +156,7 @@ static void run_update_check(bool adamw) {
         gj_scope_push();
         gj_optim_zero_grad(o);
         gj_tensor *g = gjt_tensor(GJ_F64, 1, (int64_t[]){3}, G[t - 1]);
-        assert_int_equal(gj_backward(gj_sum(gj_mul(p, g), 0, NULL, false), NULL), 0);
+        assert_int_equal(gjt_backward(gj_sum(gj_mul(p, g), 0, NULL, false), NULL, false), 0);
         assert_int_equal(gj_optim_step(o), 0);
         gj_scope_pop();
         for (int i = 0; i < 3; i++) {
@@ -172,7 +183,7 @@ static void run_update_check(bool adamw) {
     assert_int_equal(gj_tensor_to_f64(p, before), 0);
     gj_scope_push();
     gj_optim_zero_grad(o);
-    assert_int_equal(gj_backward(gj_sum(gj_mul(p, p), 0, NULL, false), NULL), 0);
+    assert_int_equal(gjt_backward(gj_sum(gj_mul(p, p), 0, NULL, false), NULL, false), 0);
     assert_int_equal(gj_optim_step(o), 0);
     gj_scope_pop();
     assert_true(gjt_tensor_close("lr 0: unchanged", p, before, 0, 0));
@@ -186,12 +197,71 @@ static void run_update_check(bool adamw) {
 static void test_adamw_update_formula(void **s) { run_update_check(true); }
 static void test_sgd_update_formula(void **s) { run_update_check(false); }
 
+/* 50 AdamW steps eagerly, then compiled (memory cache emptied, disk cache
+ * off, so the compiled run must compile exactly once), from the same seed:
+ * the loss curves agree within 1e-5 relative at every step, and the compiled
+ * run counts 50 backwards, 1 compile, 49 memory hits and no fallback. */
+static void test_compiled_matches_eager_50_steps(void **s) {
+    enum { STEPS = 50 };
+    double loss[2][STEPS];
+    bool was_on = gj_compiled_autograd_enabled();
+    char dir[1024] = "";
+    if (gj_jit_disk_dir())
+        snprintf(dir, sizeof dir, "%s", gj_jit_disk_dir());
+    gj_jit_set_disk_cache(NULL);
+    gj_ca_stats a = {0}, b = {0};
+    for (int mode = 0; mode < 2; mode++) {
+        double l0 = 0, l1 = 0;
+        int64_t live10 = 0, live_end = 0;
+        gj_set_compiled_autograd(mode == 1);
+        if (mode == 1) {
+            gj_jit_clear_cache();
+            a = gjt_ca_now();
+        }
+        train(true, STEPS, &l0, &l1, &live10, &live_end, loss[mode]);
+        if (mode == 1)
+            b = gjt_ca_now();
+        assert_int_equal(live_end, live10);
+    }
+    gj_set_compiled_autograd(was_on);
+    gj_jit_set_disk_cache(dir);
+    double worst = 0.0;
+    int worst_step = 0;
+    for (int k = 0; k < STEPS; k++) {
+        double rel = fabs(loss[1][k] - loss[0][k]) / fabs(loss[0][k]);
+        if (!(rel <= worst)) {
+            worst = rel;
+            worst_step = k + 1;
+        }
+    }
+    long long compiles = (long long)(b.compiles - a.compiles);
+    long long hits = (long long)(b.mem_hits - a.mem_hits + b.disk_hits - a.disk_hits);
+    long long fallbacks = (long long)(b.fallbacks - a.fallbacks);
+    fprintf(stderr,
+            "eager vs compiled, %d steps: loss %.7g -> %.7g (eager) / %.7g -> %.7g (compiled), "
+            "max relative difference %.3g (step %d); %lld backwards, %lld compile(s), %lld "
+            "cache hit(s), %lld fallback(s)\n",
+            STEPS, loss[0][0], loss[0][STEPS - 1], loss[1][0], loss[1][STEPS - 1], worst,
+            worst > 0 ? worst_step : 0, (long long)(b.backwards - a.backwards), compiles, hits,
+            fallbacks);
+    if (fallbacks)
+        fprintf(stderr, "last fallback: '%s'\n", gj_compiled_autograd_last_fallback());
+    assert_true(worst <= 1e-5);
+    assert_int_equal(b.backwards - a.backwards, STEPS);
+    assert_int_equal(compiles, 1);
+    assert_int_equal(hits, STEPS - 1);
+    assert_int_equal(fallbacks, 0);
+    assert_true(loss[1][STEPS - 1] < loss[1][0]);
+}
+
 int main(void) {
+    gjt_setup();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_adamw_update_formula),
         cmocka_unit_test(test_sgd_update_formula),
         cmocka_unit_test(test_adamw_1000_steps),
         cmocka_unit_test(test_sgd_momentum_300_steps),
+        cmocka_unit_test(test_compiled_matches_eager_50_steps),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

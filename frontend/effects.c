@@ -1,0 +1,88 @@
+/*
+ * effects.c - the public API of the runtime effects compiled autograd must
+ * respect: tensor and post-accumulate hooks, gj_tensor_set_, anomaly mode.
+ * (Streams and record_stream live in runtime/stream.c, custom ops in
+ * frontend/custom.c.)
+ *
+ * Invariants: hooks are stored by autograd/hooks.c (a leaf's in its meta, a
+ * non-leaf's in its grad_fn per output); user code that the engine calls
+ * runs inside a scope of this frontend, registered with autograd on first
+ * use (gj_ag_set_user_scope). set_ changes only dst's header (storage,
+ * layout, dtype); its autograd meta is untouched.
+ */
+#include "fe.h"
+
+#include <string.h>
+
+static void use_frontend_scopes(void) { gj_ag_set_user_scope(gj_fe_user_scope_push, gj_scope_pop); }
+
+int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user) {
+    use_frontend_scopes();
+    return gj_ag_hook_register(t, GJ_AG_HOOK_TENSOR, fn, NULL, user, "gj_register_hook");
+}
+
+int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
+                                              void *user) {
+    use_frontend_scopes();
+    return gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
+                               "gj_register_post_accumulate_grad_hook");
+}
+
+int gj_remove_hook(int64_t handle) {
+    if (gj_ag_hook_remove(handle) != 0) {
+        gj_rt_set_error("gj_remove_hook: no live hook has handle %lld (removed already, never "
+                        "registered, or its tensor and graph are gone)",
+                        (long long)handle);
+        return -1;
+    }
+    return 0;
+}
+
+/* Raises the version counter of storage s to at least v (atomic max). */
+static void version_at_least(gj_rt_storage *s, int64_t v) {
+    long cur = atomic_load(&s->version);
+    while (cur < v && !atomic_compare_exchange_weak(&s->version, &cur, (long)v)) {
+    }
+}
+
+int gj_tensor_set_(gj_tensor *dst, gj_tensor *src) {
+    if (!gj_rt_check_tensor(dst, "gj_tensor_set_", "dst") ||
+        !gj_rt_check_tensor(src, "gj_tensor_set_", "src"))
+        return -1;
+    gj_ag_tensor_meta *m = dst->ag;
+    char a[96], b[96];
+    gj_rt_fmt_shape(a, sizeof a, dst->ndim, dst->shape);
+    gj_rt_fmt_shape(b, sizeof b, src->ndim, src->shape);
+    if (m && m->node && m->requires_grad && gj_ag_grad_enabled()) {
+        gj_rt_set_error("gj_tensor_set_: dst (%s %s) is a non-leaf tensor that requires grad "
+                        "(computed by op %s); set_ on it is only allowed under no_grad",
+                        gj_rt_dtype_name(dst->dtype), a, m->node->op->name);
+        return -1;
+    }
+    if (m && m->requires_grad && !gj_rt_dtype_is_float(src->dtype)) {
+        gj_rt_set_error("gj_tensor_set_: dst (%s %s) requires grad but src is %s %s (only float "
+                        "tensors can require grad)",
+                        gj_rt_dtype_name(dst->dtype), a, gj_rt_dtype_name(src->dtype), b);
+        return -1;
+    }
+    gj_rt_storage *old = dst->storage;
+    int64_t v = atomic_load(&old->version);
+    int64_t vs = atomic_load(&src->storage->version);
+    if (vs > v) v = vs;
+    gj_rt_storage_retain(src->storage);
+    dst->storage = src->storage;
+    dst->dtype = src->dtype;
+    dst->ndim = src->ndim;
+    memcpy(dst->shape, src->shape, sizeof dst->shape);
+    memcpy(dst->strides, src->strides, sizeof dst->strides);
+    dst->offset = src->offset;
+    dst->numel = src->numel;
+    gj_rt_storage_release(old);
+    version_at_least(dst->storage, v + 1);
+    if (m && m->acc) gj_rt_meta_of(dst, &m->acc->out_meta[0]); /* the leaf's new meta */
+    return 0;
+}
+
+void gj_set_anomaly_mode(bool on) { gj_ag_set_anomaly(on); }
+
+bool gj_anomaly_mode_enabled(void) { return gj_ag_anomaly(); }

@@ -1,0 +1,327 @@
+/*
+ * alloc_cache.c - the caching allocator behind gj_rt_alloc_data: freed
+ * tensor blocks are kept in per-size-class free lists and handed out again,
+ * and a block whose storage was used on a stream (gj_tensor_record_stream)
+ * is not reused before that stream has passed the point where it was freed.
+ *
+ * Size classes: up to 1 MiB a block's size is its request rounded up to 64
+ * bytes (one class per 64 bytes); above, four classes per power of two
+ * (sizes in (2^k, 2^(k+1)] round up to a multiple of 2^(k-2): at most 25%
+ * slack). A block is only reused for a request of exactly its class.
+ *
+ * Invariants (all under g_mu):
+ *   - A block is in exactly one place: handed out, in the free list of its
+ *     class (g_free[idx]), on the deferred list, or returned to libc.
+ *   - g_cached_bytes is the sum of the class sizes of the blocks in the free
+ *     lists; g_deferred_bytes that of the deferred blocks. Neither is part of
+ *     live_bytes (alloc.c counts bytes in use by tensors).
+ *   - The record table maps a handed-out block to the streams it was recorded
+ *     on (each retained). gj_rt_cache_free moves the record to the deferred
+ *     list with, per stream, the stream's point at that moment; a deferred
+ *     block goes to its free list once every stream has passed its point.
+ *   - Nothing here counts towards failure injection except the record
+ *     table's allocations (gj_rt_malloc): a free can never fail.
+ *   - Cached blocks are poisoned under AddressSanitizer, so a use after free
+ *     of tensor bytes is still reported; they stay reachable from g_free (no
+ *     leak report) and are returned to libc at exit.
+ */
+#include "runtime/rt.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define GJ_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define GJ_ASAN 1
+#endif
+#endif
+#ifdef GJ_ASAN
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+#define ALIGN 64
+#define SMALL_LIMIT ((size_t)1 << 20)
+#define N_SMALL (SMALL_LIMIT / ALIGN)      /* classes 64 .. 1 MiB */
+#define N_CLASSES (N_SMALL + 4 * 44)       /* plus 4 per octave up to 2^64 */
+#define DEFAULT_LIMIT_MB 2048
+
+typedef struct free_node {
+    void *p;
+    struct free_node *next;
+} free_node;
+
+typedef struct rec_use {
+    gj_stream *s;   /* retained */
+    uint64_t point; /* deferred: the stream's point when the block was freed */
+} rec_use;
+
+typedef struct rec {
+    void *p;
+    size_t nbytes; /* deferred: the size it was freed with */
+    int n, cap;
+    rec_use *uses;
+    struct rec *next; /* hash chain, or the deferred list */
+} rec;
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static free_node *g_free[N_CLASSES];
+static int64_t g_cached_bytes, g_deferred_bytes;
+static int64_t g_limit = -1; /* bytes the free lists may hold; -1: not read yet */
+static rec **g_rtab;          /* record table: data pointer -> rec */
+static size_t g_rtab_n, g_nrec;
+static rec *g_deferred;
+static atomic_int g_n_deferred; /* read without the lock to skip polling */
+
+/* Class of a request of n bytes: its index and block size. */
+static size_t class_of(size_t n, int *idx) {
+    if (n == 0) n = 1;
+    if (n <= SMALL_LIMIT) {
+        size_t c = (n + ALIGN - 1) & ~(size_t)(ALIGN - 1);
+        *idx = (int)(c / ALIGN) - 1;
+        return c;
+    }
+    int k = 63 - __builtin_clzll((unsigned long long)(n - 1)); /* 2^k < n <= 2^(k+1) */
+    size_t step = (size_t)1 << (k - 2);
+    size_t c = (n + step - 1) / step * step;
+    int sub = (int)((c - ((size_t)1 << k)) / step) - 1; /* 0..3 */
+    *idx = (int)N_SMALL + (k - 20) * 4 + sub;
+    return c;
+}
+
+static int64_t limit_bytes(void) {
+    if (g_limit < 0) {
+        const char *v = getenv("GRADJIT_ALLOC_CACHE_MB");
+        long long mb = DEFAULT_LIMIT_MB;
+        if (v && *v) {
+            char *end;
+            long long x = strtoll(v, &end, 10);
+            if (*end == '\0' && x >= 0) mb = x;
+        }
+        g_limit = mb > INT64_MAX / (1 << 20) ? INT64_MAX : mb * (1 << 20);
+    }
+    return g_limit;
+}
+
+static size_t ptr_slot(const void *p, size_t n) {
+    uint64_t x = (uint64_t)(uintptr_t)p;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)(x & (n - 1));
+}
+
+/* Puts block p of class idx (size c) in its free list, or frees it when
+ * the cache is full or a list node cannot be had. Lock held. */
+static void cache_put_locked(void *p, size_t c, int idx) {
+    free_node *fn = NULL;
+    if (g_cached_bytes + (int64_t)c <= limit_bytes()) fn = malloc(sizeof *fn);
+    if (!fn) {
+        free(p);
+        return;
+    }
+    POISON(p, c);
+    fn->p = p;
+    fn->next = g_free[idx];
+    g_free[idx] = fn;
+    g_cached_bytes += (int64_t)c;
+}
+
+static void rec_release_uses(rec *r) {
+    for (int i = 0; i < r->n; i++) gj_rt_stream_release(r->uses[i].s);
+    gj_rt_free(r->uses);
+    gj_rt_free(r);
+}
+
+/* Moves every deferred block whose streams have all passed their points to
+ * the cache. Lock held. */
+static void poll_locked(void) {
+    rec **pp = &g_deferred;
+    while (*pp) {
+        rec *r = *pp;
+        bool done = true;
+        for (int i = 0; i < r->n && done; i++) done = gj_rt_stream_passed(r->uses[i].s, r->uses[i].point);
+        if (!done) {
+            pp = &r->next;
+            continue;
+        }
+        *pp = r->next;
+        int idx;
+        size_t c = class_of(r->nbytes, &idx);
+        g_deferred_bytes -= (int64_t)c;
+        atomic_fetch_sub(&g_n_deferred, 1);
+        cache_put_locked(r->p, c, idx);
+        rec_release_uses(r);
+    }
+}
+
+void gj_rt_cache_poll(void) {
+    if (atomic_load(&g_n_deferred) == 0) return;
+    pthread_mutex_lock(&g_mu);
+    poll_locked();
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Frees every block of the free lists. Lock held. */
+static void release_locked(void) {
+    for (int i = 0; i < (int)N_CLASSES; i++) {
+        while (g_free[i]) {
+            free_node *fn = g_free[i];
+            g_free[i] = fn->next;
+            free(fn->p);
+            free(fn);
+        }
+    }
+    g_cached_bytes = 0;
+}
+
+void gj_rt_alloc_release_cache(void) {
+    pthread_mutex_lock(&g_mu);
+    poll_locked();
+    release_locked();
+    pthread_mutex_unlock(&g_mu);
+}
+
+void gj_mem_release_cache(void) { gj_rt_alloc_release_cache(); }
+
+/* At exit: hand the cached blocks back to libc. */
+__attribute__((destructor)) static void cache_at_exit(void) { gj_rt_alloc_release_cache(); }
+
+int64_t gj_rt_cache_bytes(void) {
+    pthread_mutex_lock(&g_mu);
+    int64_t n = g_cached_bytes + g_deferred_bytes;
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
+/* A block of nbytes' class: the most recently cached one, else a new one
+ * (after releasing the cache if libc has no memory left). NULL on OOM. */
+void *gj_rt_cache_alloc(size_t nbytes) {
+    int idx;
+    size_t c = class_of(nbytes, &idx);
+    pthread_mutex_lock(&g_mu);
+    if (atomic_load(&g_n_deferred) > 0) poll_locked();
+    free_node *fn = g_free[idx];
+    if (fn) {
+        g_free[idx] = fn->next;
+        g_cached_bytes -= (int64_t)c;
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (fn) {
+        void *p = fn->p;
+        free(fn);
+        UNPOISON(p, c);
+        return p;
+    }
+    void *p = aligned_alloc(ALIGN, c);
+    if (!p) {
+        gj_rt_alloc_release_cache();
+        p = aligned_alloc(ALIGN, c);
+    }
+    return p;
+}
+
+/* Removes and returns the record of p (NULL if none). Lock held. */
+static rec *rtab_take(void *p) {
+    if (g_nrec == 0) return NULL;
+    for (rec **pp = &g_rtab[ptr_slot(p, g_rtab_n)]; *pp; pp = &(*pp)->next) {
+        if ((*pp)->p != p) continue;
+        rec *r = *pp;
+        *pp = r->next;
+        g_nrec--;
+        return r;
+    }
+    return NULL;
+}
+
+void gj_rt_cache_free(void *p, size_t nbytes) {
+    if (!p) return;
+    int idx;
+    size_t c = class_of(nbytes, &idx);
+    pthread_mutex_lock(&g_mu);
+    rec *r = rtab_take(p);
+    if (r) {
+        bool done = true;
+        for (int i = 0; i < r->n; i++) {
+            r->uses[i].point = gj_rt_stream_point(r->uses[i].s);
+            done &= gj_rt_stream_passed(r->uses[i].s, r->uses[i].point);
+        }
+        if (!done) {
+            POISON(p, c);
+            r->nbytes = nbytes;
+            r->next = g_deferred;
+            g_deferred = r;
+            g_deferred_bytes += (int64_t)c;
+            atomic_fetch_add(&g_n_deferred, 1);
+            pthread_mutex_unlock(&g_mu);
+            return;
+        }
+        rec_release_uses(r);
+    }
+    cache_put_locked(p, c, idx);
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Grows the record table to n buckets (a power of two). Lock held. */
+static int rtab_grow(size_t n) {
+    rec **t = gj_rt_calloc(n, sizeof *t);
+    if (!t) return -1;
+    for (size_t i = 0; i < g_rtab_n; i++) {
+        while (g_rtab[i]) {
+            rec *r = g_rtab[i];
+            g_rtab[i] = r->next;
+            size_t h = ptr_slot(r->p, n);
+            r->next = t[h];
+            t[h] = r;
+        }
+    }
+    gj_rt_free(g_rtab);
+    g_rtab = t;
+    g_rtab_n = n;
+    return 0;
+}
+
+int gj_rt_cache_record_stream(void *p, gj_stream *s) {
+    int rc = -1;
+    pthread_mutex_lock(&g_mu);
+    if (g_nrec + 1 > g_rtab_n && rtab_grow(g_rtab_n ? g_rtab_n * 2 : 64) != 0) goto done;
+    rec *r = NULL;
+    for (r = g_rtab[ptr_slot(p, g_rtab_n)]; r && r->p != p; r = r->next) {
+    }
+    if (!r) {
+        r = gj_rt_calloc(1, sizeof *r);
+        if (!r) goto done;
+        r->p = p;
+        size_t h = ptr_slot(p, g_rtab_n);
+        r->next = g_rtab[h];
+        g_rtab[h] = r;
+        g_nrec++;
+    }
+    for (int i = 0; i < r->n; i++)
+        if (r->uses[i].s == s) {
+            rc = 0;
+            goto done;
+        }
+    if (r->n == r->cap) {
+        int cap = r->cap ? r->cap * 2 : 2;
+        rec_use *u = gj_rt_realloc(r->uses, (size_t)cap * sizeof *u);
+        if (!u) goto done; /* r stays (maybe with no use): harmless */
+        r->uses = u;
+        r->cap = cap;
+    }
+    gj_rt_stream_retain(s);
+    r->uses[r->n].s = s;
+    r->uses[r->n].point = 0;
+    r->n++;
+    rc = 0;
+done:
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
