@@ -4,7 +4,16 @@
  * and backward time, peak tensor bytes and compiled-autograd statistics.
  *
  *   gradjit-bench [--workload W1|W2|W3|W4|W5|all[,..]] [--mode eager|compiled|both]
- *                 [--steps N] [--warmup N] [--threads N] [--json FILE]
+ *                 [--steps N] [--warmup N] [--threads N] [--json FILE] [--png FILE]
+ *                 [--compare torch [--python PATH] [--torch-script PATH]]
+ *
+ * --compare torch also runs the same workloads in PyTorch eager mode
+ * (bench/torch_ref.py under the system Python, /usr/bin/python3, with the
+ * same thread count and OpenBLAS core; torch_compare.c) after gradjit's runs
+ * and prints one table of PyTorch eager, gradjit eager and gradjit compiled
+ * with ratios; it writes JSON and a PNG bar chart (default names
+ * gradjit-bench-compare.json/.png unless --json/--png are given). PyTorch
+ * missing is a message, not a failure.
  *
  * Invariants: every step runs inside gj_scope_push/pop and leaves no tensor
  * behind; .grad of every parameter is NULL when a step starts; the tensor
@@ -16,6 +25,8 @@
  * the gj_backward call until it returns (every .grad written).
  */
 #include "bench.h"
+#include "compare.h"
+#include "../examples/plot.h"
 
 #include <errno.h>
 #include <math.h>
@@ -34,7 +45,9 @@ typedef struct bench_opts {
     unsigned workloads; /* bit i: bench_workloads[i] */
     bench_mode mode;
     int steps, warmup, threads;
-    const char *json_path;
+    const char *json_path, *png_path;
+    bool compare_torch;
+    const char *python, *torch_script;
 } bench_opts;
 
 /* Everything measured for one workload in one mode. */
@@ -388,9 +401,11 @@ static void json_ca(FILE *f, const char *key, const gj_ca_stats *s) {
     fputs("}", f);
 }
 
-/* Writes the whole run as JSON; 0 on success. */
-static int write_json(const char *path, const char *cpu, const gj_info *info,
-                      const bench_opts *o, const bench_result *res, int n) {
+/* Writes the whole run as JSON (with the PyTorch side when torch is not
+ * NULL); 0 on success. */
+static int write_json(const char *path, const char *cpu, const char *date, const gj_info *info,
+                      const bench_opts *o, const bench_result *res, int n,
+                      const torch_run *torch) {
     FILE *f = fopen(path, "w");
     if (!f) {
         fprintf(stderr, "gradjit-bench: cannot write %s: %s\n", path, strerror(errno));
@@ -398,6 +413,8 @@ static int write_json(const char *path, const char *cpu, const gj_info *info,
     }
     fputs("{\n  \"gradjit_version\": ", f);
     json_str(f, info->version);
+    fputs(",\n  \"date\": ", f);
+    json_str(f, date);
     fputs(",\n  \"cpu\": ", f);
     json_str(f, cpu);
     fprintf(f, ",\n  \"threads\": %d,\n  \"blas_core\": ", info->num_threads);
@@ -453,7 +470,20 @@ static int write_json(const char *path, const char *cpu, const gj_info *info,
         }
         fprintf(f, "}%s\n", i + 1 < n ? "," : "");
     }
-    fputs("  ]\n}\n", f);
+    fputs("  ]", f);
+    if (torch) {
+        fprintf(f, ",\n  \"compare_torch\": {\"available\": %s, \"why\": ",
+                torch->available ? "true" : "false");
+        json_str(f, torch->why);
+        fputs(", \"omp_wait_policy\": ", f);
+        json_str(f, torch->omp_wait_policy);
+        fputs(", \"wall_s\": ", f);
+        json_num(f, torch->wall_s);
+        fputs(",\n    \"torch\": ", f);
+        fputs(torch->json_text ? torch->json_text : "null", f);
+        fputs("}", f);
+    }
+    fputs("\n}\n", f);
     if (fclose(f) != 0) {
         fprintf(stderr, "gradjit-bench: error writing %s\n", path);
         return -1;
@@ -461,12 +491,149 @@ static int write_json(const char *path, const char *cpu, const gj_info *info,
     return 0;
 }
 
+/* ---------------------------------------------------- --compare torch */
+
+/* The result of workload id in one mode, or NULL (not run or failed). */
+static const bench_result *find_result(const bench_result *res, int n, const char *id,
+                                       bool compiled) {
+    for (int i = 0; i < n; i++)
+        if (res[i].compiled == compiled && !strcmp(res[i].wl->id, id) && res[i].ok)
+            return &res[i];
+    return NULL;
+}
+
+/* "%9.3f" of v, or "-" when v is not finite. */
+static const char *fmt_ms(char *buf, size_t cap, double v, const char *fmt) {
+    if (isfinite(v))
+        snprintf(buf, cap, fmt, v);
+    else
+        snprintf(buf, cap, "-");
+    return buf;
+}
+
+/* One table: PyTorch eager, gradjit eager, gradjit compiled (forward and
+ * backward medians) and the ratios PyTorch time / gradjit time. */
+static void print_compare(const bench_opts *o, const bench_result *res, int n,
+                          const torch_run *t, const gj_info *info, const char *cpu,
+                          const char *date) {
+    printf("\nPyTorch comparison (%s, same run; CPU %s)\n", date, cpu);
+    if (t->available) {
+        printf("  PyTorch %s eager (%s): %d threads, OpenBLAS core %s, %d BLAS threads, "
+               "OMP_WAIT_POLICY=%s\n",
+               t->version, t->python, t->threads, t->blas_core, t->blas_threads,
+               t->omp_wait_policy);
+        printf("  PyTorch BLAS: %s\n", t->blas_config[0] ? t->blas_config : "?");
+    } else {
+        printf("  PyTorch: not run: %s\n", t->why);
+    }
+    printf("  gradjit %s: %d threads, OpenBLAS core %s\n", info->version, info->num_threads,
+           info->blas_core ? info->blas_core : "?");
+    if (t->available && info->blas_core && strcmp(t->blas_core, info->blas_core) != 0)
+        printf("  WARNING: the two sides run different OpenBLAS cores (%s vs %s)\n",
+               t->blas_core, info->blas_core);
+    if (t->available && t->threads != info->num_threads)
+        printf("  WARNING: PyTorch ran %d threads, gradjit %d\n", t->threads, info->num_threads);
+    printf("  median ms of %d steps after %d warm-up; ratio = PyTorch ms / gradjit ms "
+           "(above 1: gradjit faster)\n\n",
+           o->steps, o->warmup);
+    printf("%-3s %-13s | %27s | %27s | %23s | %23s\n", "", "", "forward ms",
+           "backward ms", "bwd ratio", "fwd+bwd ratio");
+    printf("%-3s %-13s | %8s %8s %9s | %8s %8s %9s | %11s %11s | %11s %11s\n", "id", "name",
+           "PyTorch", "gj eager", "gj compl", "PyTorch", "gj eager", "gj compl", "eager",
+           "compiled", "eager", "compiled");
+    for (int w = 0; w < bench_n_workloads; w++) {
+        const bench_workload *wl = &bench_workloads[w];
+        if (!(o->workloads & (1u << w)))
+            continue;
+        const torch_row *tr = t->available ? bench_torch_find(t, wl->id) : NULL;
+        const bench_result *e = find_result(res, n, wl->id, false);
+        const bench_result *c = find_result(res, n, wl->id, true);
+        double tf = tr && tr->ok ? tr->fwd_med : NAN, tb = tr && tr->ok ? tr->bwd_med : NAN;
+        double ef = e ? e->fwd_med : NAN, eb = e ? e->bwd_med : NAN;
+        double cf = c ? c->fwd_med : NAN, cb = c ? c->bwd_med : NAN;
+        char b[10][32];
+        printf("%-3s %-13s | %8s %8s %9s | %8s %8s %9s | %11s %11s | %11s %11s\n", wl->id,
+               wl->name, fmt_ms(b[0], 32, tf, "%.2f"), fmt_ms(b[1], 32, ef, "%.2f"),
+               fmt_ms(b[2], 32, cf, "%.2f"), fmt_ms(b[3], 32, tb, "%.2f"),
+               fmt_ms(b[4], 32, eb, "%.2f"), fmt_ms(b[5], 32, cb, "%.2f"),
+               fmt_ms(b[6], 32, tb / eb, "%.2fx"), fmt_ms(b[7], 32, tb / cb, "%.2fx"),
+               fmt_ms(b[8], 32, (tf + tb) / (ef + eb), "%.2fx"),
+               fmt_ms(b[9], 32, (tf + tb) / (cf + cb), "%.2fx"));
+        if (tr && !tr->ok)
+            printf("    PyTorch %s FAILED: %s\n", wl->id, tr->error);
+        if (c && c->ca_all.fallbacks > 0)
+            printf("    %s: %lld compiled backwards fell back to eager\n", wl->id,
+                   (long long)c->ca_all.fallbacks);
+    }
+}
+
+/* Bar chart of the forward and backward medians (two panels, one bar per
+ * system and workload) as a PNG. 0 on success. */
+static int write_png_chart(const char *path, const bench_opts *o, const bench_result *res, int n,
+                           const torch_run *t, const gj_info *info, const char *cpu,
+                           const char *date) {
+    const char *groups[8];
+    double fwd[8 * 3], bwd[8 * 3];
+    int ng = 0;
+    bool with_torch = t && t->available;
+    int nb = with_torch ? 3 : 2;
+    for (int w = 0; w < bench_n_workloads && ng < 8; w++) {
+        const bench_workload *wl = &bench_workloads[w];
+        if (!(o->workloads & (1u << w)))
+            continue;
+        const torch_row *tr = with_torch ? bench_torch_find(t, wl->id) : NULL;
+        const bench_result *e = find_result(res, n, wl->id, false);
+        const bench_result *c = find_result(res, n, wl->id, true);
+        double *f = fwd + ng * nb, *b = bwd + ng * nb;
+        int k = 0;
+        if (with_torch) {
+            f[k] = tr && tr->ok ? tr->fwd_med : NAN;
+            b[k++] = tr && tr->ok ? tr->bwd_med : NAN;
+        }
+        f[k] = e ? e->fwd_med : NAN;
+        b[k++] = e ? e->bwd_med : NAN;
+        f[k] = c ? c->fwd_med : NAN;
+        b[k] = c ? c->bwd_med : NAN;
+        groups[ng++] = wl->id;
+    }
+    static const char *const labels3[3] = {"PyTorch eager", "gradjit eager", "gradjit compiled"};
+    static const uint32_t colors3[3] = {0xe6550du, 0x6baed6u, 0x08519cu};
+    const char *const *labels = with_torch ? labels3 : labels3 + 1;
+    const uint32_t *colors = with_torch ? colors3 : colors3 + 1;
+    plot_img im;
+    if (plot_img_init(&im, 1100, 1020) != 0)
+        return -1;
+    char head[512];
+    snprintf(head, sizeof head, "gradjit-bench %s: %s", date, cpu);
+    plot_text(&im, 20, 12, head, PLOT_TEXT, 2);
+    if (with_torch)
+        snprintf(head, sizeof head, "%d threads, OpenBLAS %s | PyTorch %s eager vs gradjit %s",
+                 info->num_threads, info->blas_core ? info->blas_core : "?", t->version,
+                 info->version);
+    else
+        snprintf(head, sizeof head, "%d threads, OpenBLAS %s | gradjit %s eager vs compiled",
+                 info->num_threads, info->blas_core ? info->blas_core : "?", info->version);
+    plot_text(&im, 20, 36, head, PLOT_TEXT, 2);
+    char title[128];
+    snprintf(title, sizeof title, "forward ms (median of %d steps)", o->steps);
+    plot_bar_panel(&im, 0, 60, 1100, 480, title, "ms", ng, groups, nb, labels, colors, fwd,
+                   "%.1f");
+    snprintf(title, sizeof title, "backward ms (median of %d steps)", o->steps);
+    plot_bar_panel(&im, 0, 540, 1100, 480, title, "ms", ng, groups, nb, labels, colors, bwd,
+                   "%.1f");
+    int rc = plot_write_png(&im, path);
+    plot_img_free(&im);
+    return rc;
+}
+
 /* ----------------------------------------------------------- options */
 
 static void usage(FILE *f) {
     fprintf(f, "usage: gradjit-bench [--workload W1|W2|W3|W4|W5|all[,W..]] "
                "[--mode eager|compiled|both]\n"
-               "                     [--steps N] [--warmup N] [--threads N] [--json FILE]\n");
+               "                     [--steps N] [--warmup N] [--threads N] [--json FILE] "
+               "[--png FILE]\n"
+               "                     [--compare torch [--python PATH] [--torch-script PATH]]\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -508,7 +675,8 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                       .mode = MODE_BOTH,
                       .steps = 10,
                       .warmup = 3,
-                      .threads = 0};
+                      .threads = 0,
+                      .python = "/usr/bin/python3"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -554,11 +722,27 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
             }
         } else if (!strcmp(a, "--json")) {
             o->json_path = v;
+        } else if (!strcmp(a, "--png")) {
+            o->png_path = v;
+        } else if (!strcmp(a, "--compare")) {
+            if (strcmp(v, "torch") != 0) {
+                fprintf(stderr, "gradjit-bench: --compare knows only 'torch'\n");
+                return -1;
+            }
+            o->compare_torch = true;
+        } else if (!strcmp(a, "--python")) {
+            o->python = v;
+        } else if (!strcmp(a, "--torch-script")) {
+            o->torch_script = v;
         } else {
             fprintf(stderr, "gradjit-bench: unknown option %s\n", a);
             return -1;
         }
     }
+    if (o->compare_torch && !o->json_path)
+        o->json_path = "gradjit-bench-compare.json";
+    if (o->compare_torch && !o->png_path)
+        o->png_path = "gradjit-bench-compare.png";
     return 0;
 }
 
@@ -614,8 +798,45 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++)
         print_checks(&res[i]);
 
-    if (o.json_path && write_json(o.json_path, cpu, &info, &o, res, n) != 0)
-        failed = 1;
+    char date[64];
+    time_t now = time(NULL);
+    struct tm tm_now;
+    strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime_r(&now, &tm_now));
+    torch_run torch = {0};
+    if (o.compare_torch) {
+        char list[64] = "";
+        bool ckpt = false;
+        for (int w = 0; w < bench_n_workloads; w++)
+            if (o.workloads & (1u << w)) {
+                snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s",
+                         list[0] ? "," : "", bench_workloads[w].id);
+                ckpt |= bench_workloads[w].checkpointed;
+            }
+        torch_request req = {o.python, o.torch_script ? o.torch_script
+                                                      : bench_torch_default_script(),
+                             list, o.steps, o.warmup, info.num_threads, info.blas_core, ckpt};
+        printf("\nrunning the same workloads in PyTorch: %s %s ...\n", req.python, req.script);
+        fflush(stdout);
+        bench_torch_run(&req, &torch);
+        if (!torch.available)
+            printf("PyTorch comparison skipped: %s\n", torch.why);
+        print_compare(&o, res, n, &torch, &info, cpu, date);
+    }
+    if (o.json_path) {
+        if (write_json(o.json_path, cpu, date, &info, &o, res, n,
+                       o.compare_torch ? &torch : NULL) != 0)
+            failed = 1;
+        else
+            printf("\nwrote %s\n", o.json_path);
+    }
+    if (o.png_path) {
+        if (write_png_chart(o.png_path, &o, res, n, o.compare_torch ? &torch : NULL, &info, cpu,
+                            date) != 0)
+            failed = 1;
+        else
+            printf("wrote %s\n", o.png_path);
+    }
+    bench_torch_free(&torch);
     if (failed)
         fprintf(stderr, "gradjit-bench: FAILED (see rows marked FAILED or LEAK)\n");
     return failed ? 1 : 0;

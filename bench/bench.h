@@ -39,6 +39,9 @@ typedef struct bench_workload {
     gj_tensor *(*forward)(bench_state *s);
     /* Untimed work after backward (W5: SGD on the masters). May be NULL. */
     int (*after_backward)(bench_state *s);
+    /* Runs its layers in activation-checkpoint regions (the PyTorch side of
+     * --compare torch then uses torch.utils.checkpoint too). */
+    bool checkpointed;
 } bench_workload;
 
 /* Registry of the five workloads, in order W1..W5. */

@@ -226,15 +226,27 @@ static int w4_setup(bench_state *s) {
     return s->in[0] ? 0 : -1;
 }
 
-/* y = x; 8 times y = y + Linear(2048,512)(GELU(Linear(512,2048)(y)));
- * loss = mean(y*y). No activation checkpointing (not in the library yet). */
+/* One W4 layer as a checkpoint region body: out[0] = y + Linear(2048,512)(
+ * GELU(Linear(512,2048)(y))) with y = in[0] [N, C]; user is the layer's
+ * w1, b1, w2, b2 (borrowed). */
+static int w4_layer(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    gj_tensor *const *p = user;
+    gj_tensor *h = gj_gelu(gj_linear(in[0], p[0], p[1])); /* [N, H] */
+    h = h ? gj_linear(h, p[2], p[3]) : NULL;              /* [N, C] */
+    out[0] = h ? gj_add(in[0], h) : NULL;                 /* [N, C] */
+    return out[0] ? 0 : -1;
+}
+
+/* y = x; 8 times y = layer(y), each layer an activation-checkpoint region
+ * with no policy (nothing inside is saved: backward recomputes the layer,
+ * like torch.utils.checkpoint); loss = mean(y*y). */
 static gj_tensor *w4_forward(bench_state *s) {
     gj_tensor *y = s->in[0]; /* [N, C] */
     for (int l = 0; l < W4_L && y; l++) {
-        gj_tensor *const *p = s->params + 4 * l;
-        gj_tensor *h = gj_gelu(gj_linear(y, p[0], p[1])); /* [N, H] */
-        h = h ? gj_linear(h, p[2], p[3]) : NULL;          /* [N, C] */
-        y = h ? gj_add(y, h) : NULL;
+        gj_tensor *out = NULL;
+        if (gj_checkpoint(w4_layer, (void *)(s->params + 4 * l), 1, &y, 1, &out, NULL, NULL) != 0)
+            return NULL;
+        y = out;
     }
     gj_tensor *sq = y ? gj_mul(y, y) : NULL;
     return sq ? gj_mean(sq, 0, NULL, false) : NULL;
@@ -295,13 +307,15 @@ static int w5_after_backward(bench_state *s) {
 /* ----------------------------------------------------------- registry */
 
 const bench_workload bench_workloads[] = {
-    {"W1", "mlp", "x[256,784] 784-1024-1024-10 GELU, CE(i64)", NULL, w1_setup, w1_forward, NULL},
+    {"W1", "mlp", "x[256,784] 784-1024-1024-10 GELU, CE(i64)", NULL, w1_setup, w1_forward, NULL,
+     false},
     {"W2", "pointwise", "x,w,b[4194304] sum(tanh(xw+b)sig(x)+exp(-x^2))", NULL, w2_setup,
-     w2_forward, NULL},
-    {"W3", "block", "B8 T128 C256 H4 causal pre-norm block", NULL, w3_setup, w3_forward, NULL},
-    {"W4", "deep-mlp-ckpt", "x[128,512] 8x(512-2048-512 GELU)+res", "(no checkpointing yet)",
-     w4_setup, w4_forward, NULL},
+     w2_forward, NULL, false},
+    {"W3", "block", "B8 T128 C256 H4 causal pre-norm block", NULL, w3_setup, w3_forward, NULL,
+     false},
+    {"W4", "deep-mlp-ckpt", "x[128,512] 8x(512-2048-512 GELU)+res, ckpt", "8 ckpt regions",
+     w4_setup, w4_forward, NULL, true},
     {"W5", "bf16-mlp", "W1, bf16 params, f32 masters+math", "SGD step untimed", w5_setup,
-     w5_forward, w5_after_backward},
+     w5_forward, w5_after_backward, false},
 };
 const int bench_n_workloads = (int)(sizeof bench_workloads / sizeof bench_workloads[0]);

@@ -4,7 +4,14 @@
  * from the same seed for a side-by-side comparison (--both).
  *
  *   train_fashion_mnist [--compiled-autograd | --both] [--epochs N] [--batch N]
- *                       [--lr X] [--seed N] [--threads N] [--quiet] [--csv FILE]
+ *                       [--lr X] [--seed N] [--threads N] [--quiet]
+ *                       [--csv FILE] [--png FILE]
+ *
+ * Output: a progress bar (on a terminal) with loss, examples/s and backward
+ * ms; a line per epoch with test accuracy; the loss curve of every step as
+ * CSV (--csv, default fashion_mnist_loss.csv; "-" for none) and as a PNG
+ * plot (--png, default fashion_mnist_loss.png; "-" for none) with the loss
+ * curve(s) and the test accuracy per epoch (examples/plot.h).
  *
  * Data: Debian's dataset-fashion-mnist package, /usr/share/datasets/
  * fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz (IDX files,
@@ -26,6 +33,7 @@
  * largest relative difference is printed.
  */
 #include "gradjit.h"
+#include "plot.h"
 
 #include <errno.h>
 #include <math.h>
@@ -42,6 +50,8 @@
 #define PIX_STD 0.3530f
 #define TARGET_ACC 0.87
 #define EVAL_CHUNK 1000
+#define SMOOTH 25 /* steps in the moving average of the plotted loss */
+#define BAR_W 24  /* characters of the progress bar */
 
 enum { ROWS = 28, COLS = 28, IN = ROWS * COLS, H1 = 512, H2 = 256, K = 10 };
 
@@ -276,7 +286,7 @@ typedef struct opts {
     int epochs, batch, threads;
     double lr;
     uint64_t seed;
-    const char *csv;
+    const char *csv, *png; /* NULL: not written */
 } opts;
 
 /* What one training run measured. */
@@ -376,9 +386,14 @@ static int train(const opts *o, bool compiled, const dataset *tr, const dataset 
             loss_total += lv;
             if (o->tty && !o->quiet && (b % 10 == 9 || b + 1 == per_epoch)) {
                 double el = now_s() - t_epoch;
-                printf("\r[%s] epoch %d/%d step %lld/%lld loss %.4f  %.0f examples/s  "
-                       "backward %.2f ms   ",
-                       tag, e + 1, o->epochs, (long long)(b + 1), (long long)per_epoch, lv,
+                char bar[BAR_W + 1];
+                int fill = (int)((b + 1) * BAR_W / per_epoch);
+                for (int k = 0; k < BAR_W; k++)
+                    bar[k] = k < fill ? '#' : '.';
+                bar[BAR_W] = 0;
+                printf("\r[%s] epoch %d/%d [%s] %lld/%lld loss %.4f  %.0f examples/s  "
+                       "backward %.2f ms ",
+                       tag, e + 1, o->epochs, bar, (long long)(b + 1), (long long)per_epoch, lv,
                        (double)((b + 1) * o->batch) / el, bwd_total / (double)(b + 1));
                 fflush(stdout);
             }
@@ -390,7 +405,7 @@ static int train(const opts *o, bool compiled, const dataset *tr, const dataset 
         if (r->acc[e] < 0)
             goto gj_fail;
         if (o->tty && !o->quiet)
-            printf("\r%*s\r", 100, "");
+            printf("\r%*s\r", 120, "");
         if (!o->quiet)
             printf("[%s] epoch %d/%d: train loss %.4f, test accuracy %.4f, %.1f s "
                    "(%.0f examples/s), backward %.2f ms/step\n",
@@ -418,11 +433,19 @@ done:
 static void usage(FILE *f) {
     fprintf(f, "usage: train_fashion_mnist [--compiled-autograd | --both] [--epochs N] "
                "[--batch N] [--lr X]\n"
-               "                           [--seed N] [--threads N] [--quiet] [--csv FILE]\n");
+               "                           [--seed N] [--threads N] [--quiet] [--csv FILE] "
+               "[--png FILE]\n"
+               "  --csv/--png: loss curve files (defaults fashion_mnist_loss.csv/.png; "
+               "\"-\": none)\n");
 }
 
 static int parse_opts(int argc, char **argv, opts *o) {
-    *o = (opts){.epochs = 3, .batch = 128, .lr = 1e-3, .seed = 42};
+    *o = (opts){.epochs = 3,
+                .batch = 128,
+                .lr = 1e-3,
+                .seed = 42,
+                .csv = "fashion_mnist_loss.csv",
+                .png = "fashion_mnist_loss.png"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -466,7 +489,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 if (*end || errno)
                     goto bad;
             } else if (!strcmp(a, "--csv")) {
-                o->csv = v;
+                o->csv = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--png")) {
+                o->png = strcmp(v, "-") ? v : NULL;
             } else {
                 fprintf(stderr, "train_fashion_mnist: unknown option %s\n", a);
                 return -1;
@@ -505,6 +530,65 @@ static int write_csv(const char *path, const run_out *a, const run_out *b) {
     return 0;
 }
 
+/* Moving average of v[0..n) over the last `w` values (fewer at the start). */
+static void smooth(const double *v, int64_t n, int w, double *out) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        acc += v[i];
+        if (i >= w)
+            acc -= v[i - w];
+        out[i] = acc / (double)(i < w ? i + 1 : w);
+    }
+}
+
+/* The loss curve(s) (moving average; the raw eager loss faint behind) and
+ * the test accuracy per epoch, as a PNG. b may be NULL (one run). */
+static int write_png(const char *path, const opts *o, const run_out *a, const run_out *b,
+                     bool a_compiled) {
+    int64_t n = a->n_steps;
+    double *sa = malloc((size_t)n * sizeof *sa), *sb = b ? malloc((size_t)n * sizeof *sb) : NULL;
+    double ep[1000], acc_a[1000], acc_b[1000];
+    plot_img im = {0};
+    int rc = -1;
+    if (!sa || (b && !sb)) {
+        fprintf(stderr, "train_fashion_mnist: out of memory plotting\n");
+        goto done;
+    }
+    smooth(a->loss, n, SMOOTH, sa);
+    if (b)
+        smooth(b->loss, n, SMOOTH, sb);
+    for (int e = 0; e < o->epochs; e++) {
+        ep[e] = e + 1;
+        acc_a[e] = a->acc[e];
+        acc_b[e] = b ? b->acc[e] : NAN;
+    }
+    if (plot_img_init(&im, 1000, 900) != 0)
+        goto done;
+    const char *na = b ? "eager" : a_compiled ? "compiled" : "eager";
+    plot_series loss[3] = {
+        {NULL, NULL, a->loss, (int)n, 0xd9d9d9u, 1, 0},
+        {na, NULL, sa, (int)n, b ? 0x9ecae1u : 0x08519cu, b ? 5 : 2, 0},
+        {"compiled", NULL, sb, (int)n, 0x08519cu, 1, 0},
+    };
+    char title[160];
+    snprintf(title, sizeof title, "Fashion-MNIST MLP: training loss (%d-step moving average; "
+             "raw in grey)", SMOOTH);
+    plot_line_panel(&im, 0, 10, 1000, 520, title, "step", "cross-entropy", loss, b ? 3 : 2, 0, 0);
+    plot_series acc[2] = {
+        {na, ep, acc_a, o->epochs, b ? 0x9ecae1u : 0x08519cu, b ? 7 : 3, 13},
+        {"compiled", ep, acc_b, o->epochs, 0x08519cu, 2, 7},
+    };
+    snprintf(title, sizeof title, "test accuracy per epoch (batch %d, lr %g, seed %llu)",
+             o->batch, o->lr, (unsigned long long)o->seed);
+    plot_line_panel(&im, 0, 540, 1000, 360, title, "epoch", "accuracy", acc, b ? 2 : 1, 0, 0);
+    rc = plot_write_png(&im, path);
+done:
+    plot_img_free(&im);
+    free(sa);
+    free(sb);
+    return rc;
+}
+
 static void print_ca(const char *tag, const gj_ca_stats *c) {
     printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
            "%lld disk hits, %lld fallbacks\n",
@@ -524,6 +608,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     o.tty = isatty(STDOUT_FILENO) != 0;
+    /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
+     * (read here, before this program sets the flag itself). */
+    if (!o.both && !o.compiled && gj_compiled_autograd_enabled())
+        o.compiled = true;
     dataset tr = {0}, te = {0};
     int rc = load_split("train", 60000, &tr);
     if (rc == 0)
@@ -562,6 +650,11 @@ int main(int argc, char **argv) {
                a.acc[o.epochs - 1] >= TARGET_ACC ? "met" : "NOT met");
         if (o.csv && write_csv(o.csv, &a, NULL) != 0)
             goto out;
+        if (o.png && write_png(o.png, &o, &a, NULL, o.compiled) != 0)
+            goto out;
+        if (!o.quiet && (o.csv || o.png))
+            printf("wrote%s%s%s%s\n", o.csv ? " " : "", o.csv ? o.csv : "", o.png ? " " : "",
+                   o.png ? o.png : "");
         rc = 0;
         goto out;
     }
@@ -586,6 +679,11 @@ int main(int argc, char **argv) {
            b.acc[o.epochs - 1], TARGET_ACC);
     if (o.csv && write_csv(o.csv, &a, &b) != 0)
         goto out;
+    if (o.png && write_png(o.png, &o, &a, &b, false) != 0)
+        goto out;
+    if (!o.quiet && (o.csv || o.png))
+        printf("wrote%s%s%s%s\n", o.csv ? " " : "", o.csv ? o.csv : "", o.png ? " " : "",
+               o.png ? o.png : "");
     rc = 0;
 out:
     run_out_free(&a);

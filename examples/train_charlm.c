@@ -1,0 +1,948 @@
+/*
+ * train_charlm.c - trains a small character-level transformer language model
+ * with gradjit, eagerly or with compiled autograd (--compiled-autograd), or
+ * both from the same seed for a side-by-side comparison (--both), then
+ * prints the loss it reached and a sample of generated text.
+ *
+ *   train_charlm [--compiled-autograd | --both] [--steps N | --epochs N]
+ *                [--batch N] [--ctx T] [--lr X] [--seed N] [--threads N]
+ *                [--quiet] [--text PATH]... [--sample N] [--temperature X]
+ *                [--csv FILE] [--png FILE]
+ *
+ * Data: by default the license texts that Debian's base-files package
+ * installs on every machine, /usr/share/common-licenses/ (every regular
+ * file once, symlinks such as GPL -> GPL-3 resolved, in name order); --text
+ * replaces that with the given files. The bytes are the characters; the
+ * vocabulary is the set of distinct bytes. The last 10% of the text is held
+ * out for validation. A step trains on --batch windows of --ctx characters
+ * at random offsets (splitmix64 from --seed); an epoch is as many steps as
+ * the training text holds windows (training chars / (batch * ctx)).
+ *
+ * Model (legend: B batch, T context, C = 128 channels, H = 4 heads, V vocab):
+ * token embedding [V, C] + learned position embedding [T, C]; two pre-norm
+ * causal transformer blocks exactly like W3 of BENCHMARKS.md (h = x +
+ * Attn(LN(x)), y = h + MLP(LN(h)), fused qkv Linear(C, 3C), softmax(q k^T /
+ * sqrt(C/H)) with a causal mask, out Linear(C, C), MLP Linear(C, 4C) ->
+ * GELU(tanh) -> Linear(4C, C)); final LayerNorm; LM head Linear(C, V);
+ * cross-entropy over all B*T positions. AdamW (0.9/0.999, eps 1e-8, weight
+ * decay 0.01), learning rate warmed up linearly over the first 5% of the
+ * steps, then cosine-decayed to 10% of --lr.
+ *
+ * Output: a progress bar (on a terminal) with loss, examples/s (windows/s)
+ * and backward ms; validation loss every 50 steps and at the end; the
+ * unigram entropy of the training text (the loss of the best model that
+ * ignores context) next to the loss reached; a sample of --sample generated
+ * characters (temperature --temperature, from the prompt "The "); the loss
+ * curve as CSV and PNG (defaults charlm_loss.csv/.png, "-" for none).
+ *
+ * Invariants: every training step, evaluation batch and generated character
+ * runs inside gj_scope_push/pop; model, optimizer and text are released
+ * before exit. With --both the two runs reseed everything (gj_manual_seed,
+ * the batch and the sampling generators), so their loss curves agree up to
+ * rounding; the largest relative difference is printed.
+ */
+#include "gradjit.h"
+#include "plot.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define DEFAULT_DIR "/usr/share/common-licenses"
+#define DEFAULT_PACKAGE "base-files"
+#define MAX_TEXTS 64
+#define N_LAYER 2
+#define N_EMBD 128
+#define N_HEAD 4
+#define EVAL_EVERY 50
+#define EVAL_BATCHES 16
+#define EVAL_SEED 0x5eedu
+#define SMOOTH 10
+#define BAR_W 24
+#define PROMPT "The "
+
+/* ---------------------------------------------------------------- text */
+
+typedef struct corpus {
+    uint8_t *ids;    /* [n] token id of every character */
+    int64_t n;       /* characters in total */
+    int64_t n_train; /* the first n_train are training text, the rest validation */
+    int vocab;
+    uint8_t byte_of[256]; /* id -> byte */
+    int id_of[256];       /* byte -> id, -1 if absent */
+    int n_files;
+} corpus;
+
+static int cmp_str(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* Appends the bytes of path to *buf (capacity *cap, length *len). 0 or -1. */
+static int append_file(const char *path, uint8_t **buf, size_t *len, size_t *cap) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "train_charlm: cannot read %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    int rc = 0;
+    for (;;) {
+        if (*len + 65536 > *cap) {
+            size_t nc = *cap ? *cap * 2 : 1 << 20;
+            uint8_t *t = realloc(*buf, nc);
+            if (!t) {
+                fprintf(stderr, "train_charlm: out of memory reading %s\n", path);
+                rc = -1;
+                break;
+            }
+            *buf = t;
+            *cap = nc;
+        }
+        size_t got = fread(*buf + *len, 1, 65536, f);
+        *len += got;
+        if (got < 65536) {
+            if (ferror(f)) {
+                fprintf(stderr, "train_charlm: error reading %s\n", path);
+                rc = -1;
+            }
+            break;
+        }
+    }
+    fclose(f);
+    return rc;
+}
+
+/* The regular files of dir (symlinks resolved, each target once), sorted,
+ * as malloc'd absolute paths in out[0..*n). 0, 2 if dir is missing, or -1. */
+static int list_dir(const char *dir, char **out, int *n) {
+    DIR *d = opendir(dir);
+    *n = 0;
+    if (!d) {
+        fprintf(stderr,
+                "train_charlm: cannot open %s (%s).\nThe default text comes from the Debian "
+                "package \"%s\" (installed on every Debian system), or pass --text FILE.\n",
+                dir, strerror(errno), DEFAULT_PACKAGE);
+        return 2;
+    }
+    char *names[MAX_TEXTS];
+    int k = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && k < MAX_TEXTS) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[PATH_MAX], real[PATH_MAX];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        struct stat st;
+        if (!realpath(path, real) || stat(real, &st) != 0 || !S_ISREG(st.st_mode))
+            continue;
+        names[k] = strdup(real);
+        if (!names[k])
+            break;
+        k++;
+    }
+    closedir(d);
+    qsort(names, (size_t)k, sizeof *names, cmp_str);
+    for (int i = 0; i < k; i++) {
+        if (*n > 0 && !strcmp(out[*n - 1], names[i])) {
+            free(names[i]); /* a second link to the same file */
+            continue;
+        }
+        out[(*n)++] = names[i];
+    }
+    return 0;
+}
+
+/* Loads the given files (or the default directory when n_paths == 0) into
+ * c. 0 on success, 2 if the default text is missing, 1 on other errors. */
+static int corpus_load(const char *const *paths, int n_paths, corpus *c) {
+    char *files[MAX_TEXTS];
+    int n_files = 0, rc = 1;
+    uint8_t *buf = NULL;
+    size_t len = 0, cap = 0;
+    memset(c, 0, sizeof *c);
+    if (n_paths == 0) {
+        int lr = list_dir(DEFAULT_DIR, files, &n_files);
+        if (lr != 0)
+            return lr;
+    } else {
+        for (int i = 0; i < n_paths; i++)
+            if ((files[n_files] = strdup(paths[i])))
+                n_files++;
+    }
+    for (int i = 0; i < n_files; i++)
+        if (append_file(files[i], &buf, &len, &cap) != 0)
+            goto done;
+    if (len < 10000) {
+        fprintf(stderr, "train_charlm: only %zu characters of text; need at least 10000\n", len);
+        goto done;
+    }
+    for (int b = 0; b < 256; b++)
+        c->id_of[b] = -1;
+    for (size_t i = 0; i < len; i++)
+        c->id_of[buf[i]] = 0;
+    for (int b = 0; b < 256; b++)
+        if (c->id_of[b] == 0) {
+            c->id_of[b] = c->vocab;
+            c->byte_of[c->vocab++] = (uint8_t)b;
+        }
+    for (size_t i = 0; i < len; i++)
+        buf[i] = (uint8_t)c->id_of[buf[i]];
+    c->ids = buf;
+    buf = NULL;
+    c->n = (int64_t)len;
+    c->n_train = c->n - c->n / 10;
+    c->n_files = n_files;
+    rc = 0;
+done:
+    for (int i = 0; i < n_files; i++)
+        free(files[i]);
+    free(buf);
+    return rc;
+}
+
+/* Entropy in nats of the character frequencies of the training text: the
+ * loss of the best model that ignores context. */
+static double unigram_entropy(const corpus *c) {
+    int64_t count[256] = {0};
+    for (int64_t i = 0; i < c->n_train; i++)
+        count[c->ids[i]]++;
+    double h = 0.0;
+    for (int v = 0; v < c->vocab; v++)
+        if (count[v] > 0) {
+            double p = (double)count[v] / (double)c->n_train;
+            h -= p * log(p);
+        }
+    return h;
+}
+
+/* splitmix64: batch offsets and sampling. */
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* B windows of T+1 characters at random offsets inside [lo, hi): inputs
+ * x [B, T] and targets y [B, T] (x shifted by one), as i64. */
+static void get_batch(const corpus *c, int64_t lo, int64_t hi, int B, int T, uint64_t *rng,
+                      int64_t *x, int64_t *y) {
+    uint64_t span = (uint64_t)(hi - lo - T - 1);
+    for (int b = 0; b < B; b++) {
+        int64_t o = lo + (int64_t)(splitmix64(rng) % span);
+        for (int t = 0; t < T; t++) {
+            x[b * T + t] = c->ids[o + t];
+            y[b * T + t] = c->ids[o + t + 1];
+        }
+    }
+}
+
+/* --------------------------------------------------------------- model */
+
+typedef struct block {
+    gj_layer_norm_layer ln1, ln2;
+    gj_linear_layer qkv, proj, fc, fc2;
+} block;
+
+typedef struct model {
+    gj_embedding_layer tok, pos; /* [V, C], [T, C] */
+    block blk[N_LAYER];
+    gj_layer_norm_layer lnf;
+    gj_linear_layer head; /* C -> V */
+    int64_t V, T;
+} model;
+
+#define N_PARAMS (2 + 12 * N_LAYER + 4)
+
+static int model_init(model *m, int64_t V, int64_t T) {
+    memset(m, 0, sizeof *m);
+    m->V = V;
+    m->T = T;
+    if (gj_embedding_init(&m->tok, V, N_EMBD, GJ_F32) || gj_embedding_init(&m->pos, T, N_EMBD, GJ_F32))
+        return -1;
+    for (int l = 0; l < N_LAYER; l++) {
+        block *b = &m->blk[l];
+        if (gj_layer_norm_init(&b->ln1, N_EMBD, 1e-5, GJ_F32) ||
+            gj_linear_init(&b->qkv, N_EMBD, 3 * N_EMBD, true, GJ_F32) ||
+            gj_linear_init(&b->proj, N_EMBD, N_EMBD, true, GJ_F32) ||
+            gj_layer_norm_init(&b->ln2, N_EMBD, 1e-5, GJ_F32) ||
+            gj_linear_init(&b->fc, N_EMBD, 4 * N_EMBD, true, GJ_F32) ||
+            gj_linear_init(&b->fc2, 4 * N_EMBD, N_EMBD, true, GJ_F32))
+            return -1;
+    }
+    if (gj_layer_norm_init(&m->lnf, N_EMBD, 1e-5, GJ_F32) ||
+        gj_linear_init(&m->head, N_EMBD, V, true, GJ_F32))
+        return -1;
+    return 0;
+}
+
+/* The parameters, borrowed, into p[0..N_PARAMS). */
+static void model_params(model *m, gj_tensor **p) {
+    int k = 0;
+    p[k++] = m->tok.weight;
+    p[k++] = m->pos.weight;
+    for (int l = 0; l < N_LAYER; l++) {
+        block *b = &m->blk[l];
+        gj_tensor *list[12] = {b->ln1.weight, b->ln1.bias, b->qkv.weight, b->qkv.bias,
+                               b->proj.weight, b->proj.bias, b->ln2.weight, b->ln2.bias,
+                               b->fc.weight, b->fc.bias, b->fc2.weight, b->fc2.bias};
+        for (int i = 0; i < 12; i++)
+            p[k++] = list[i];
+    }
+    p[k++] = m->lnf.weight;
+    p[k++] = m->lnf.bias;
+    p[k++] = m->head.weight;
+    p[k++] = m->head.bias;
+}
+
+static void model_free(model *m) {
+    gj_embedding_free(&m->tok);
+    gj_embedding_free(&m->pos);
+    for (int l = 0; l < N_LAYER; l++) {
+        block *b = &m->blk[l];
+        gj_layer_norm_free(&b->ln1);
+        gj_layer_norm_free(&b->ln2);
+        gj_linear_free(&b->qkv);
+        gj_linear_free(&b->proj);
+        gj_linear_free(&b->fc);
+        gj_linear_free(&b->fc2);
+    }
+    gj_layer_norm_free(&m->lnf);
+    gj_linear_free(&m->head);
+}
+
+/* Causal mask [t, t]: 1 where key j > query i (masked out). New reference. */
+static gj_tensor *causal_mask(int64_t t) {
+    float *v = malloc((size_t)(t * t) * sizeof *v);
+    if (!v)
+        return NULL;
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t j = 0; j < t; j++)
+            v[i * t + j] = j > i ? 1.0f : 0.0f;
+    int64_t s[2] = {t, t};
+    gj_tensor *m = gj_from_data(GJ_F32, 2, s, v);
+    free(v);
+    return m;
+}
+
+/* Heads idx (0 q, 1 k, 2 v) of qkv [B, t, 3C] as [B, H, t, C/H]. */
+static gj_tensor *heads(gj_tensor *qkv, int idx, int64_t B, int64_t t) {
+    static const int perm[4] = {0, 2, 1, 3};
+    int64_t hs[4] = {B, t, N_HEAD, N_EMBD / N_HEAD};
+    gj_tensor *h = gj_narrow(qkv, 2, (int64_t)idx * N_EMBD, N_EMBD); /* [B, t, C] */
+    h = h ? gj_reshape(h, 4, hs) : NULL;                              /* [B, t, H, hd] */
+    return h ? gj_permute(h, perm) : NULL;                            /* [B, H, t, hd] */
+}
+
+/* One pre-norm causal block (W3): x [B, t, C] -> [B, t, C]; mask [t, t]. */
+static gj_tensor *block_forward(block *b, gj_tensor *x, gj_tensor *mask, int64_t B, int64_t t) {
+    static const int perm[4] = {0, 2, 1, 3};
+    int64_t cs[3] = {B, t, N_EMBD};
+    gj_tensor *a = gj_layer_norm_forward(&b->ln1, x);        /* [B, t, C] */
+    gj_tensor *qkv = a ? gj_linear_forward(&b->qkv, a) : NULL; /* [B, t, 3C] */
+    if (!qkv)
+        return NULL;
+    gj_tensor *q = heads(qkv, 0, B, t), *k = heads(qkv, 1, B, t), *v = heads(qkv, 2, B, t);
+    if (!q || !k || !v)
+        return NULL;
+    gj_tensor *kt = gj_transpose(k, 2, 3);                 /* [B, H, hd, t] */
+    gj_tensor *att = kt ? gj_matmul(q, kt) : NULL;         /* [B, H, t, t] */
+    att = att ? gj_mul_scalar(att, 1.0 / sqrt((double)(N_EMBD / N_HEAD))) : NULL;
+    att = att ? gj_masked_fill(att, mask, -1e9) : NULL;
+    att = att ? gj_softmax(att, -1) : NULL;
+    gj_tensor *y = att ? gj_matmul(att, v) : NULL;         /* [B, H, t, hd] */
+    y = y ? gj_permute(y, perm) : NULL;                    /* [B, t, H, hd] */
+    y = y ? gj_reshape(y, 3, cs) : NULL;                   /* [B, t, C] */
+    y = y ? gj_linear_forward(&b->proj, y) : NULL;
+    gj_tensor *h = y ? gj_add(x, y) : NULL;                /* [B, t, C] */
+    gj_tensor *f = h ? gj_layer_norm_forward(&b->ln2, h) : NULL;
+    f = f ? gj_gelu(gj_linear_forward(&b->fc, f)) : NULL;  /* [B, t, 4C] */
+    f = f ? gj_linear_forward(&b->fc2, f) : NULL;          /* [B, t, C] */
+    return f ? gj_add(h, f) : NULL;
+}
+
+/* Logits [B, t, V] of token ids idx (B*t values, i64), t <= T; mask [t, t].
+ * Scope-owned new reference, or NULL with gj_last_error() set. */
+static gj_tensor *model_logits(model *m, const int64_t *idx, int64_t B, int64_t t,
+                               gj_tensor *mask) {
+    int64_t is[2] = {B, t}, ps = t;
+    int64_t *pos = malloc((size_t)t * sizeof *pos);
+    if (!pos)
+        return NULL;
+    for (int64_t i = 0; i < t; i++)
+        pos[i] = i;
+    gj_tensor *it = gj_from_data(GJ_I64, 2, is, idx);
+    gj_tensor *pt = gj_from_data(GJ_I64, 1, &ps, pos);
+    free(pos);
+    gj_tensor *x = it && pt ? gj_add(gj_embedding_forward(&m->tok, it),  /* [B, t, C] */
+                                     gj_embedding_forward(&m->pos, pt))  /* [t, C] */
+                            : NULL;
+    for (int l = 0; l < N_LAYER && x; l++)
+        x = block_forward(&m->blk[l], x, mask, B, t);
+    x = x ? gj_layer_norm_forward(&m->lnf, x) : NULL;
+    return x ? gj_linear_forward(&m->head, x) : NULL; /* [B, t, V] */
+}
+
+/* Mean cross-entropy of the next character over B*T positions; scope-owned. */
+static gj_tensor *model_loss(model *m, const int64_t *x, const int64_t *y, int64_t B, int64_t T,
+                             gj_tensor *mask) {
+    int64_t ls[2] = {B * T, m->V}, ys = B * T;
+    gj_tensor *logits = model_logits(m, x, B, T, mask);
+    logits = logits ? gj_reshape(logits, 2, ls) : NULL; /* [B*T, V] */
+    gj_tensor *yt = gj_from_data(GJ_I64, 1, &ys, y);
+    return logits && yt ? gj_cross_entropy(logits, yt) : NULL;
+}
+
+/* ------------------------------------------------------------ training */
+
+typedef struct opts {
+    bool compiled, both, quiet, tty;
+    int64_t steps;
+    int epochs, batch, ctx, threads, sample;
+    double lr, temperature;
+    uint64_t seed;
+    const char *texts[MAX_TEXTS];
+    int n_texts;
+    const char *csv, *png; /* NULL: not written */
+} opts;
+
+typedef struct run_out {
+    double *loss;     /* [steps] training loss per step */
+    double *val;      /* [steps] validation loss where evaluated, else NaN */
+    double bwd_ms;    /* mean backward ms */
+    double fwd_ms;    /* mean forward ms */
+    double train_s;   /* wall time of all steps */
+    double final_val; /* validation loss at the end */
+    double final_train; /* mean training loss of the last 20 steps */
+    char *sample;     /* generated text (malloc'd, NUL-terminated) */
+    gj_ca_stats ca;
+} run_out;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void run_out_free(run_out *r) {
+    free(r->loss);
+    free(r->val);
+    free(r->sample);
+    memset(r, 0, sizeof *r);
+}
+
+/* Validation loss: mean over EVAL_BATCHES fixed batches (the same in every
+ * run) from the held-out text. NaN on error. */
+static double evaluate(model *m, const corpus *c, const opts *o, gj_tensor *mask, int64_t *x,
+                       int64_t *y) {
+    uint64_t rng = EVAL_SEED;
+    double total = 0.0;
+    gj_no_grad_push();
+    for (int i = 0; i < EVAL_BATCHES; i++) {
+        get_batch(c, c->n_train, c->n, o->batch, o->ctx, &rng, x, y);
+        gj_scope_push();
+        gj_tensor *loss = model_loss(m, x, y, o->batch, o->ctx, mask);
+        double v = loss ? gj_tensor_item(loss) : NAN;
+        gj_scope_pop();
+        total += v;
+    }
+    gj_no_grad_pop();
+    return total / EVAL_BATCHES;
+}
+
+/* Generates n characters after PROMPT by sampling from softmax(logits /
+ * temperature) of the last position, feeding back at most T characters.
+ * Returns a malloc'd string (prompt included) or NULL. */
+static char *generate(model *m, const corpus *c, const opts *o, uint64_t seed) {
+    int64_t plen = (int64_t)strlen(PROMPT), total = plen + o->sample;
+    int64_t *ids = malloc((size_t)total * sizeof *ids);
+    char *out = malloc((size_t)total + 1);
+    float *logits = malloc((size_t)m->V * sizeof *logits);
+    double *p = malloc((size_t)m->V * sizeof *p);
+    uint64_t rng = seed ^ 0x5a4d504c45ull;
+    int64_t len = 0;
+    bool ok = ids && out && logits && p;
+    for (int64_t i = 0; ok && i < plen; i++) {
+        int id = c->id_of[(uint8_t)PROMPT[i]];
+        ids[len++] = id >= 0 ? id : 0;
+    }
+    gj_no_grad_push();
+    while (ok && len < total) {
+        int64_t t = len < m->T ? len : m->T;
+        gj_scope_push();
+        gj_tensor *mask = causal_mask(t);
+        gj_tensor *lg = mask ? model_logits(m, ids + len - t, 1, t, mask) : NULL; /* [1, t, V] */
+        lg = lg ? gj_narrow(lg, 1, t - 1, 1) : NULL;                              /* [1, 1, V] */
+        ok = lg && gj_tensor_to_f32(lg, logits) == 0;
+        gj_scope_pop();
+        if (!ok)
+            break;
+        double mx = -INFINITY, sum = 0.0;
+        for (int64_t v = 0; v < m->V; v++)
+            mx = fmax(mx, logits[v] / o->temperature);
+        for (int64_t v = 0; v < m->V; v++)
+            sum += p[v] = exp(logits[v] / o->temperature - mx);
+        double u = (double)(splitmix64(&rng) >> 11) * 0x1.0p-53 * sum;
+        int64_t pick = m->V - 1;
+        for (int64_t v = 0; v < m->V; v++) {
+            u -= p[v];
+            if (u < 0) {
+                pick = v;
+                break;
+            }
+        }
+        ids[len++] = pick;
+    }
+    gj_no_grad_pop();
+    if (ok) {
+        for (int64_t i = 0; i < len; i++)
+            out[i] = (char)c->byte_of[ids[i]];
+        out[len] = 0;
+    } else {
+        free(out);
+        out = NULL;
+    }
+    free(ids);
+    free(logits);
+    free(p);
+    return out;
+}
+
+/* Learning rate of step s of n: linear warm-up over 5%, cosine to 10%. */
+static double lr_at(const opts *o, int64_t s) {
+    int64_t warm = o->steps / 20 > 0 ? o->steps / 20 : 1;
+    if (s < warm)
+        return o->lr * (double)(s + 1) / (double)warm;
+    double t = (double)(s - warm) / (double)(o->steps - warm > 0 ? o->steps - warm : 1);
+    return o->lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(M_PI * t)));
+}
+
+/* One full training run in the given mode; fills r. 0 on success, else 1
+ * with a message on stderr. */
+static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
+    const char *tag = compiled ? "compiled" : "eager";
+    int64_t BT = (int64_t)o->batch * o->ctx;
+    int rc = 1;
+    model m;
+    gj_optim *opt = NULL;
+    gj_tensor *mask = NULL;
+    int64_t *x = malloc((size_t)BT * sizeof *x), *y = malloc((size_t)BT * sizeof *y);
+    memset(r, 0, sizeof *r);
+    memset(&m, 0, sizeof m);
+    r->loss = calloc((size_t)o->steps, sizeof *r->loss);
+    r->val = malloc((size_t)o->steps * sizeof *r->val);
+    if (!x || !y || !r->loss || !r->val) {
+        fprintf(stderr, "train_charlm: out of memory\n");
+        goto done;
+    }
+    for (int64_t s = 0; s < o->steps; s++)
+        r->val[s] = NAN;
+
+    gj_set_compiled_autograd(compiled);
+    gj_compiled_autograd_reset_stats();
+    gj_manual_seed(o->seed);
+    uint64_t rng = o->seed;
+    gj_tensor *params[N_PARAMS];
+    if (model_init(&m, c->vocab, o->ctx) != 0 || !(mask = causal_mask(o->ctx)))
+        goto gj_fail;
+    model_params(&m, params);
+    if (!(opt = gj_adamw_new(N_PARAMS, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
+        goto gj_fail;
+
+    double t_start = now_s(), bwd_total = 0.0, fwd_total = 0.0;
+    for (int64_t s = 0; s < o->steps; s++) {
+        get_batch(c, 0, c->n_train, o->batch, o->ctx, &rng, x, y);
+        gj_optim_set_lr(opt, lr_at(o, s));
+        gj_scope_push();
+        double t0 = now_s();
+        gj_tensor *loss = model_loss(&m, x, y, o->batch, o->ctx, mask);
+        double t1 = now_s();
+        int ok = loss && gj_backward(loss, NULL) == 0;
+        double t2 = now_s();
+        ok = ok && gj_optim_step(opt) == 0;
+        double lv = ok ? gj_tensor_item(loss) : NAN;
+        gj_optim_zero_grad(opt);
+        gj_scope_pop();
+        if (!ok)
+            goto gj_fail;
+        r->loss[s] = lv;
+        fwd_total += (t1 - t0) * 1e3;
+        bwd_total += (t2 - t1) * 1e3;
+        if (o->tty && !o->quiet && (s % 5 == 4 || s + 1 == o->steps)) {
+            char bar[BAR_W + 1];
+            int fill = (int)((s + 1) * BAR_W / o->steps);
+            for (int k = 0; k < BAR_W; k++)
+                bar[k] = k < fill ? '#' : '.';
+            bar[BAR_W] = 0;
+            printf("\r[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  backward %.2f ms ", tag,
+                   bar, (long long)(s + 1), (long long)o->steps, lv,
+                   (double)((s + 1) * o->batch) / (now_s() - t_start),
+                   bwd_total / (double)(s + 1));
+            fflush(stdout);
+        }
+        if ((s + 1) % EVAL_EVERY == 0 || s + 1 == o->steps) {
+            double ts = now_s();
+            r->val[s] = evaluate(&m, c, o, mask, x, y);
+            t_start += now_s() - ts; /* evaluation is not training time */
+            if (!isfinite(r->val[s]))
+                goto gj_fail;
+            if (o->tty && !o->quiet)
+                printf("\r%*s\r", 110, "");
+            if (!o->quiet)
+                printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, "
+                       "backward %.2f ms/step\n",
+                       tag, (long long)(s + 1), (long long)o->steps, lv, r->val[s],
+                       bwd_total / (double)(s + 1));
+            fflush(stdout);
+        }
+    }
+    r->train_s = now_s() - t_start;
+    r->bwd_ms = bwd_total / (double)o->steps;
+    r->fwd_ms = fwd_total / (double)o->steps;
+    r->final_val = r->val[o->steps - 1];
+    int64_t tail = o->steps < 20 ? o->steps : 20;
+    for (int64_t s = o->steps - tail; s < o->steps; s++)
+        r->final_train += r->loss[s] / (double)tail;
+    gj_compiled_autograd_stats(&r->ca);
+    if (o->sample > 0 && !(r->sample = generate(&m, c, o, o->seed)))
+        goto gj_fail;
+    rc = 0;
+    goto done;
+gj_fail:
+    fprintf(stderr, "train_charlm (%s): %s\n", tag, gj_last_error());
+done:
+    gj_release(mask);
+    gj_optim_free(opt);
+    model_free(&m);
+    gj_set_compiled_autograd(false);
+    free(x);
+    free(y);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- main */
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: train_charlm [--compiled-autograd | --both] [--steps N | --epochs N] "
+            "[--batch N] [--ctx T]\n"
+            "                    [--lr X] [--seed N] [--threads N] [--quiet] [--text PATH]...\n"
+            "                    [--sample N] [--temperature X] [--csv FILE] [--png FILE]\n"
+            "  defaults: 300 steps, batch 16, ctx 64, lr 6e-3, seed 42, all threads, text: the\n"
+            "  files of %s, sample 400 chars at temperature 0.8,\n"
+            "  charlm_loss.csv / charlm_loss.png (\"-\": none)\n",
+            DEFAULT_DIR);
+}
+
+static int parse_opts(int argc, char **argv, opts *o) {
+    *o = (opts){.steps = 300,
+                .batch = 16,
+                .ctx = 64,
+                .lr = 6e-3,
+                .seed = 42,
+                .sample = 400,
+                .temperature = 0.8,
+                .csv = "charlm_loss.csv",
+                .png = "charlm_loss.png"};
+    bool steps_given = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        char *end = NULL;
+        if (!strcmp(a, "--compiled-autograd")) {
+            o->compiled = true;
+        } else if (!strcmp(a, "--both")) {
+            o->both = true;
+        } else if (!strcmp(a, "--quiet")) {
+            o->quiet = true;
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!v) {
+            fprintf(stderr, "train_charlm: unknown option or missing value: %s\n", a);
+            return -1;
+        } else {
+            i++;
+            errno = 0;
+            long n = 0;
+            if (!strcmp(a, "--steps")) {
+                n = strtol(v, &end, 10);
+                if (*end || errno || n < 1 || n > 10000000)
+                    goto bad;
+                o->steps = n;
+                steps_given = true;
+            } else if (!strcmp(a, "--epochs")) {
+                n = strtol(v, &end, 10);
+                if (*end || errno || n < 1 || n > 10000)
+                    goto bad;
+                o->epochs = (int)n;
+            } else if (!strcmp(a, "--batch")) {
+                n = strtol(v, &end, 10);
+                if (*end || errno || n < 1 || n > 4096)
+                    goto bad;
+                o->batch = (int)n;
+            } else if (!strcmp(a, "--ctx")) {
+                n = strtol(v, &end, 10);
+                if (*end || errno || n < 2 || n > 1024)
+                    goto bad;
+                o->ctx = (int)n;
+            } else if (!strcmp(a, "--threads")) {
+                n = strtol(v, &end, 10);
+                if (*end || errno || n < 0 || n > 4096)
+                    goto bad;
+                o->threads = (int)n;
+            } else if (!strcmp(a, "--sample")) {
+                n = strtol(v, &end, 10);
+                if (*end || errno || n < 0 || n > 100000)
+                    goto bad;
+                o->sample = (int)n;
+            } else if (!strcmp(a, "--lr")) {
+                o->lr = strtod(v, &end);
+                if (*end || errno || !(o->lr > 0) || !isfinite(o->lr))
+                    goto bad;
+            } else if (!strcmp(a, "--temperature")) {
+                o->temperature = strtod(v, &end);
+                if (*end || errno || !(o->temperature > 0) || !isfinite(o->temperature))
+                    goto bad;
+            } else if (!strcmp(a, "--seed")) {
+                o->seed = strtoull(v, &end, 10);
+                if (*end || errno)
+                    goto bad;
+            } else if (!strcmp(a, "--text")) {
+                if (o->n_texts == MAX_TEXTS) {
+                    fprintf(stderr, "train_charlm: at most %d --text files\n", MAX_TEXTS);
+                    return -1;
+                }
+                o->texts[o->n_texts++] = v;
+            } else if (!strcmp(a, "--csv")) {
+                o->csv = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--png")) {
+                o->png = strcmp(v, "-") ? v : NULL;
+            } else {
+                fprintf(stderr, "train_charlm: unknown option %s\n", a);
+                return -1;
+            }
+            continue;
+        bad:
+            fprintf(stderr, "train_charlm: bad value for %s: '%s'\n", a, v);
+            return -1;
+        }
+    }
+    if (o->both && o->compiled) {
+        fprintf(stderr, "train_charlm: --both already runs the compiled mode\n");
+        return -1;
+    }
+    if (steps_given && o->epochs) {
+        fprintf(stderr, "train_charlm: give --steps or --epochs, not both\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* step,loss,val_loss (or the eager and compiled pairs); empty val where none. */
+static int write_csv(const char *path, const opts *o, const run_out *a, const run_out *b) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "train_charlm: cannot write %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    fputs(b ? "step,loss_eager,val_loss_eager,loss_compiled,val_loss_compiled\n"
+            : "step,loss,val_loss\n",
+          f);
+    for (int64_t s = 0; s < o->steps; s++) {
+        fprintf(f, "%lld,%.9g,", (long long)s, a->loss[s]);
+        if (isfinite(a->val[s]))
+            fprintf(f, "%.9g", a->val[s]);
+        if (b) {
+            fprintf(f, ",%.9g,", b->loss[s]);
+            if (isfinite(b->val[s]))
+                fprintf(f, "%.9g", b->val[s]);
+        }
+        fputc('\n', f);
+    }
+    if (fclose(f) != 0) {
+        fprintf(stderr, "train_charlm: error writing %s\n", path);
+        return -1;
+    }
+    return 0;
+}
+
+/* Training loss (moving average, raw faint), validation points and the
+ * unigram entropy as a reference line, as a PNG. */
+static int write_png(const char *path, const opts *o, const run_out *a, const run_out *b,
+                     bool a_compiled, double h_uni) {
+    int64_t n = o->steps;
+    double *sm[2] = {malloc((size_t)n * sizeof(double)), malloc((size_t)n * sizeof(double))};
+    double *vx = malloc((size_t)n * sizeof(double)), *vy[2] = {malloc((size_t)n * sizeof(double)),
+                                                               malloc((size_t)n * sizeof(double))};
+    double hx[2] = {0, (double)(n - 1)}, hy[2] = {h_uni, h_uni};
+    plot_img im = {0};
+    int rc = -1, nv = 0;
+    if (!sm[0] || !sm[1] || !vx || !vy[0] || !vy[1]) {
+        fprintf(stderr, "train_charlm: out of memory plotting\n");
+        goto done;
+    }
+    for (int k = 0; k < (b ? 2 : 1); k++) {
+        const run_out *r = k ? b : a;
+        double acc = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            acc += r->loss[i] - (i >= SMOOTH ? r->loss[i - SMOOTH] : 0.0);
+            sm[k][i] = acc / (double)(i < SMOOTH ? i + 1 : SMOOTH);
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (isfinite(a->val[i])) {
+            vx[nv] = (double)i;
+            vy[0][nv] = a->val[i];
+            vy[1][nv++] = b ? b->val[i] : NAN;
+        }
+    if (plot_img_init(&im, 1000, 600) != 0)
+        goto done;
+    const char *na = b ? "train, eager" : a_compiled ? "train (compiled)" : "train (eager)";
+    plot_series s[6] = {
+        {NULL, NULL, a->loss, (int)n, 0xd9d9d9u, 1, 0},
+        {"unigram entropy", hx, hy, 2, 0x31a354u, 2, 0},
+        {na, NULL, sm[0], (int)n, b ? 0x9ecae1u : 0x08519cu, b ? 5 : 2, 0},
+        {"train, compiled", NULL, sm[1], (int)n, 0x08519cu, 1, 0},
+        {b ? "validation, eager" : "validation", vx, vy[0], nv, 0xfd8d3cu, b ? 5 : 2, b ? 13 : 9},
+        {"validation, compiled", vx, vy[1], nv, 0xa63603u, 1, 7},
+    };
+    plot_series list[6];
+    int ns = 0;
+    for (int k = 0; k < 6; k++)
+        if (b || (k != 3 && k != 5))
+            list[ns++] = s[k];
+    char title[200];
+    snprintf(title, sizeof title, "char-level transformer: loss (nats/char, %d-step average; "
+             "raw in grey)", SMOOTH);
+    plot_line_panel(&im, 0, 10, 1000, 590, title, "step", "cross-entropy", list, ns, 0, 0);
+    rc = plot_write_png(&im, path);
+done:
+    plot_img_free(&im);
+    free(sm[0]);
+    free(sm[1]);
+    free(vx);
+    free(vy[0]);
+    free(vy[1]);
+    return rc;
+}
+
+static void print_ca(const char *tag, const gj_ca_stats *c) {
+    printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
+           "%lld disk hits, %lld fallbacks\n",
+           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
+           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->fallbacks);
+    if (c->backwards == 0)
+        printf("[%s] WARNING: no backward went through the compiled path\n", tag);
+    if (c->fallbacks > 0)
+        printf("[%s] WARNING: %lld backwards fell back to the eager engine (%s)\n", tag,
+               (long long)c->fallbacks, gj_compiled_autograd_last_fallback());
+}
+
+static void print_result(const char *tag, const run_out *r, double h_uni, const opts *o) {
+    printf("[%s] loss reached: train %.4f (mean of the last 20 steps), validation %.4f "
+           "nats/char (%.3f bits); unigram entropy %.4f nats; %.1f s for %lld steps, "
+           "forward %.2f ms, backward %.2f ms per step\n",
+           tag, r->final_train, r->final_val, r->final_val / log(2.0), h_uni, r->train_s,
+           (long long)o->steps, r->fwd_ms, r->bwd_ms);
+    if (r->sample)
+        printf("[%s] sample (temperature %.2f):\n----\n%s\n----\n", tag, o->temperature,
+               r->sample);
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    if (parse_opts(argc, argv, &o) != 0) {
+        usage(stderr);
+        return 2;
+    }
+    o.tty = isatty(STDOUT_FILENO) != 0;
+    /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
+     * (read here, before this program sets the flag itself). */
+    if (!o.both && !o.compiled && gj_compiled_autograd_enabled())
+        o.compiled = true;
+    corpus c;
+    int rc = corpus_load(o.texts, o.n_texts, &c);
+    if (rc != 0)
+        return rc;
+    if (c.n - c.n_train <= o.ctx + 1 || c.n_train <= o.ctx + 1) {
+        fprintf(stderr, "train_charlm: --ctx %d is too long for %lld characters of text\n", o.ctx,
+                (long long)c.n);
+        free(c.ids);
+        return 2;
+    }
+    int64_t per_epoch = c.n_train / ((int64_t)o.batch * o.ctx);
+    if (per_epoch < 1)
+        per_epoch = 1;
+    if (o.epochs)
+        o.steps = per_epoch * o.epochs;
+    double h_uni = unigram_entropy(&c);
+
+    gj_set_num_threads(o.threads);
+    gj_info info;
+    gj_get_info(&info);
+    if (!o.quiet)
+        printf("gradjit %s, %d threads, BLAS %s | text: %d files, %lld chars (%lld train, %lld "
+               "validation), vocabulary %d | %d blocks, C %d, %d heads, ctx %d, batch %d, %lld "
+               "steps (%.2f epochs), AdamW lr %g, seed %llu | unigram entropy %.4f nats\n",
+               info.version, info.num_threads, info.blas_core ? info.blas_core : "?",
+               c.n_files, (long long)c.n, (long long)c.n_train, (long long)(c.n - c.n_train),
+               c.vocab, N_LAYER, N_EMBD, N_HEAD, o.ctx, o.batch, (long long)o.steps,
+               (double)o.steps / (double)per_epoch, o.lr, (unsigned long long)o.seed, h_uni);
+
+    run_out a = {0}, b = {0};
+    rc = 1;
+    if (!o.both) {
+        if (train(&o, o.compiled, &c, &a) != 0)
+            goto out;
+        if (o.compiled)
+            print_ca("compiled", &a.ca);
+        print_result(o.compiled ? "compiled" : "eager", &a, h_uni, &o);
+        if (o.csv && write_csv(o.csv, &o, &a, NULL) != 0)
+            goto out;
+        if (o.png && write_png(o.png, &o, &a, NULL, o.compiled, h_uni) != 0)
+            goto out;
+    } else {
+        if (train(&o, false, &c, &a) != 0 || train(&o, true, &c, &b) != 0)
+            goto out;
+        double maxrel = 0.0;
+        for (int64_t s = 0; s < o.steps; s++) {
+            double rel = fabs(b.loss[s] - a.loss[s]) / fmax(fabs(a.loss[s]), 1e-30);
+            if (!(rel <= maxrel))
+                maxrel = rel;
+        }
+        printf("\n%-9s %11s %11s %13s %13s %9s\n", "mode", "train loss", "val loss",
+               "forward ms", "backward ms", "seconds");
+        printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "eager", a.final_train, a.final_val,
+               a.fwd_ms, a.bwd_ms, a.train_s);
+        printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "compiled", b.final_train,
+               b.final_val, b.fwd_ms, b.bwd_ms, b.train_s);
+        print_ca("compiled", &b.ca);
+        printf("max relative loss-curve difference (compiled vs eager, %lld steps): %.3e\n",
+               (long long)o.steps, maxrel);
+        print_result("eager", &a, h_uni, &o);
+        if (b.sample && a.sample && !strcmp(a.sample, b.sample))
+            printf("[compiled] sample: identical to the eager sample\n");
+        else
+            print_result("compiled", &b, h_uni, &o);
+        if (o.csv && write_csv(o.csv, &o, &a, &b) != 0)
+            goto out;
+        if (o.png && write_png(o.png, &o, &a, &b, false, h_uni) != 0)
+            goto out;
+    }
+    if (!o.quiet && (o.csv || o.png))
+        printf("wrote%s%s%s%s\n", o.csv ? " " : "", o.csv ? o.csv : "", o.png ? " " : "",
+               o.png ? o.png : "");
+    rc = 0;
+out:
+    run_out_free(&a);
+    run_out_free(&b);
+    free(c.ids);
+    return rc;
+}
