@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -478,7 +479,7 @@ void bench_torch_run(const torch_request *req, torch_run *r) {
 
 const torch_row *bench_torch_find(const torch_run *r, const char *id) {
     for (int i = 0; i < r->n_rows; i++)
-        if (!strcmp(r->rows[i].id, id))
+        if (!strcasecmp(r->rows[i].id, id))
             return &r->rows[i];
     return NULL;
 }

@@ -154,7 +154,9 @@ def w3_setup(args):
     return p, fwd, None
 
 
-def w4_setup(args):
+def w4_setup(args, checkpointed=None):
+    if checkpointed is None:
+        checkpointed = args.w4_checkpoint
     p = []
     for _ in range(8):
         p += linear(512, 2048) + linear(2048, 512)
@@ -166,7 +168,7 @@ def w4_setup(args):
     def fwd():
         y = x
         for l in range(8):
-            if args.w4_checkpoint:
+            if checkpointed:
                 y = torch.utils.checkpoint.checkpoint(layer, y, *p[4 * l:4 * l + 4],
                                                       use_reentrant=False)
             else:
@@ -198,7 +200,8 @@ def w5_setup(args):
 
 
 WORKLOADS = {"W1": ("mlp", w1_setup), "W2": ("pointwise", w2_setup), "W3": ("block", w3_setup),
-             "W4": ("deep-mlp-ckpt", w4_setup), "W5": ("bf16-mlp", w5_setup)}
+             "W4": ("deep-mlp-ckpt", w4_setup), "W5": ("bf16-mlp", w5_setup),
+             "W4N": ("deep-mlp", lambda args: w4_setup(args, checkpointed=False))}
 
 
 # ------------------------------------------------------------------ driver

@@ -252,6 +252,19 @@ static gj_tensor *w4_forward(bench_state *s) {
     return sq ? gj_mean(sq, 0, NULL, false) : NULL;
 }
 
+/* W4 without checkpointing (the reference for checkpointing's memory):
+ * the same layers run directly, every activation saved for backward. */
+static gj_tensor *w4_plain_forward(bench_state *s) {
+    gj_tensor *y = s->in[0]; /* [N, C] */
+    for (int l = 0; l < W4_L && y; l++) {
+        gj_tensor *out = NULL;
+        if (w4_layer((void *)(s->params + 4 * l), 1, &y, 1, &out) != 0) return NULL;
+        y = out;
+    }
+    gj_tensor *sq = y ? gj_mul(y, y) : NULL;
+    return sq ? gj_mean(sq, 0, NULL, false) : NULL;
+}
+
 /* ------------------------------------------------------ W5 bf16 mlp */
 
 #define W5_LR 1e-3
@@ -315,6 +328,8 @@ const bench_workload bench_workloads[] = {
      false},
     {"W4", "deep-mlp-ckpt", "x[128,512] 8x(512-2048-512 GELU)+res, ckpt", "8 ckpt regions",
      w4_setup, w4_forward, NULL, true},
+    {"W4n", "deep-mlp", "W4 without checkpointing (memory reference)", "no ckpt", w4_setup,
+     w4_plain_forward, NULL, false},
     {"W5", "bf16-mlp", "W1, bf16 params, f32 masters+math", "SGD step untimed", w5_setup,
      w5_forward, w5_after_backward, false},
 };
