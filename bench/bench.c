@@ -41,6 +41,10 @@
 
 typedef enum { MODE_EAGER = 1, MODE_COMPILED = 2, MODE_BOTH = 3 } bench_mode;
 
+/* --grads keep: .grad buffers stay allocated between steps and are zeroed
+ * (PyTorch's zero_grad(set_to_none=False)); default: set to none. */
+static bool g_keep_grads;
+
 typedef struct bench_opts {
     unsigned workloads; /* bit i: bench_workloads[i] */
     bench_mode mode;
@@ -204,8 +208,13 @@ static int run_step(const bench_workload *wl, bench_state *s, bench_result *r, d
     }
     rc = 0;
 fail:
-    for (int i = 0; i < s->n_params; i++)
-        gj_tensor_set_grad(s->params[i], NULL);
+    for (int i = 0; i < s->n_params; i++) {
+        gj_tensor *g = gj_tensor_grad(s->params[i]);
+        if (g_keep_grads && g && rc == 0)
+            gj_zero_(g); /* zero_grad(set_to_none=False): reused next step */
+        else
+            gj_tensor_set_grad(s->params[i], NULL);
+    }
     gj_scope_pop();
     return rc;
 }
@@ -310,8 +319,9 @@ static void print_header(const char *cpu, const gj_info *info, const bench_opts 
            info->num_threads, info->blas_core ? info->blas_core : "?");
     printf("BLAS config: %s\n", info->blas_config ? info->blas_config : "?");
     printf("%d timed steps (median / min) after %d warm-up steps, seed %u, float32 unless "
-           "stated\n\n",
-           o->steps, o->warmup, BENCH_SEED);
+           "stated, .grad %s between steps\n\n",
+           o->steps, o->warmup, BENCH_SEED,
+           g_keep_grads ? "kept and zeroed" : "set to none");
     printf("%-3s %-13s %-8s %9s %9s %9s %9s %9s %9s %10s %10s %7s %5s %12s  %s\n", "id", "name",
            "mode", "fwd med", "fwd min", "bwd med", "bwd min", "peak MiB", "step MiB",
            "1st bwd ms", "compile ms", "hits", "fb", "loss", "note");
@@ -633,7 +643,8 @@ static void usage(FILE *f) {
                "[--mode eager|compiled|both]\n"
                "                     [--steps N] [--warmup N] [--threads N] [--json FILE] "
                "[--png FILE]\n"
-               "                     [--compare torch [--python PATH] [--torch-script PATH]]\n");
+               "                     [--grads none|keep] "
+               "[--compare torch [--python PATH] [--torch-script PATH]]\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -730,6 +741,12 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                 return -1;
             }
             o->compare_torch = true;
+        } else if (!strcmp(a, "--grads")) {
+            if (strcmp(v, "none") != 0 && strcmp(v, "keep") != 0) {
+                fprintf(stderr, "gradjit-bench: --grads must be none or keep\n");
+                return -1;
+            }
+            g_keep_grads = !strcmp(v, "keep");
         } else if (!strcmp(a, "--python")) {
             o->python = v;
         } else if (!strcmp(a, "--torch-script")) {
