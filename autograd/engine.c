@@ -256,8 +256,8 @@ static int graph_validate(const graph *g) {
 }
 
 /* A builder without call_hook/call_post_hook cannot run a graph with
- * hooks (today: the JIT's recording builder, which then falls back): refuse
- * before any gradient exists. Nodes that may run hooks: needed, captured,
+ * hooks: refuse before any gradient exists (both builders of the library
+ * have them; the check protects any other builder). Nodes that may run hooks: needed, captured,
  * or a root's node (deps 0). */
 static int graph_check_hooks(const graph *g, gj_ag_builder *b) {
     if (b->call_hook && b->call_post_hook) return 0;

@@ -227,40 +227,50 @@ int gj_ag_run_post_hooks(gj_ag_builder *b, gj_tensor *leaf) {
 
 /* ------------------------------------------------------ eager builder */
 
-/* Calls the user's hook on the real gradient; checks and adopts what it
- * returns. */
-gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad) {
-    (void)b;
-    gj_tensor *g = gj_ag_val_tensor(grad);
+gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g) {
     void *scope = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     g_in_hook++;
     gj_tensor *r = h->fn(g, h->user);
     g_in_hook--;
     gj_ag_no_grad_exit();
-    gj_val *out = grad;
-    if (r) {
-        if (!gj_rt_check_tensor(r, "hooks", "the tensor returned by a hook")) {
-            out = NULL;
-        } else if (r->dtype != g->dtype || r->ndim != g->ndim ||
-                   memcmp(r->shape, g->shape, (size_t)g->ndim * sizeof g->shape[0]) != 0) {
-            char a[96], c[96];
-            gj_rt_fmt_shape(a, sizeof a, g->ndim, g->shape);
-            gj_rt_fmt_shape(c, sizeof c, r->ndim, r->shape);
-            gj_rt_set_error("hooks: hook #%lld registered on a tensor of shape %s (%s) returned a "
-                            "gradient of shape %s (%s); a hook must return NULL or a tensor of "
-                            "the gradient's shape and dtype",
-                            (long long)h->handle, a, gj_rt_dtype_name(g->dtype), c,
-                            gj_rt_dtype_name(r->dtype));
-            gj_ag_drop_user_ref(r, scope);
-            out = NULL;
-        } else {
-            gj_tensor *own = gj_ag_take_user_ref(r, scope, "the tensor returned by a hook");
-            out = own ? gj_ag_eager_adopt(own) : NULL;
-        }
+    gj_tensor *out = NULL;
+    if (!r) {
+        gj_rt_tensor_retain(g);
+        out = g;
+    } else if (!gj_rt_check_tensor(r, "hooks", "the tensor returned by a hook")) {
+        out = NULL;
+    } else if (r->dtype != g->dtype || r->ndim != g->ndim ||
+               memcmp(r->shape, g->shape, (size_t)g->ndim * sizeof g->shape[0]) != 0) {
+        char a[96], c[96];
+        gj_rt_fmt_shape(a, sizeof a, g->ndim, g->shape);
+        gj_rt_fmt_shape(c, sizeof c, r->ndim, r->shape);
+        gj_rt_set_error("hooks: hook #%lld registered on a tensor of shape %s (%s) returned a "
+                        "gradient of shape %s (%s); a hook must return NULL or a tensor of "
+                        "the gradient's shape and dtype",
+                        (long long)h->handle, a, gj_rt_dtype_name(g->dtype), c,
+                        gj_rt_dtype_name(r->dtype));
+        gj_ag_drop_user_ref(r, scope);
+        out = NULL;
+    } else {
+        out = gj_ag_take_user_ref(r, scope, "the tensor returned by a hook");
     }
     gj_ag_user_scope_pop();
     return out;
+}
+
+/* Calls the user's hook on the real gradient; checks and adopts what it
+ * returns. */
+gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad) {
+    (void)b;
+    gj_tensor *g = gj_ag_val_tensor(grad);
+    gj_tensor *out = gj_ag_call_hook_ref(h, g);
+    if (!out) return NULL;
+    if (out == g) { /* kept: the reference taken for us is not needed */
+        gj_rt_tensor_release(g);
+        return grad;
+    }
+    return gj_ag_eager_adopt(out);
 }
 
 int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf) {

@@ -21,12 +21,29 @@
  *     .grad is updated in place (through a contiguous copy if strided).
  *   - Every fallback has a class (gj_ca_reason, counted per class) and a
  *     message "<class>: <detail>" kept per thread. Classes decided here:
- *     no lowering (also: hooks on the graph, which compiled programs do not
- *     call), LLVM error, recompile limit, other (freed graph, modified
- *     saved tensor, aliasing .grad, out of memory).
+ *     no lowering, LLVM error, recompile limit, the hook guards (below),
+ *     other (freed graph, modified saved tensor, aliasing .grad, out of
+ *     memory).
  *   - Recompile limit: a new key whose call site (walk.site) already has
  *     `limit` programs in the cache is marked eager-only instead of being
  *     captured; keys compiled before keep running compiled.
+ *   - Hooks: a tensor hook is a hook step of the plan, a post-accumulate
+ *     hook runs after every .grad of the run is written (in the engine's
+ *     order). A hook never sees a buffer of the plan: it gets a fresh tensor
+ *     holding a copy of the gradient, and what it returns (or the tensor it
+ *     kept, with its in-place changes) is copied into the plan's buffer. A
+ *     program with hooks also updates existing .grads through private
+ *     copies, written back only once every step ran, so a run abandoned by
+ *     a guard has written no .grad.
+ *   - Guards after each hook call: record_stream called (the run finishes,
+ *     the key becomes eager-only: GJ_CA_RECORD_STREAM); a graph input or
+ *     .grad whose dtype/shape changed (GJ_CA_SET_MISMATCH), whose storage
+ *     was swapped (a saved tensor or seed), a .grad replaced or created, or
+ *     a failing hook (GJ_CA_HOOK_GUARD): a tensor hook's trip abandons the
+ *     run, the eager engine runs the whole backward again (so the tensor
+ *     hooks called before the trip run twice in that step); a post hook's
+ *     trip keeps the finished run. Either way the key becomes eager-only
+ *     (a demoted entry keeps its program alive until gj_jit_clear_cache).
  */
 #include "jit.h"
 
@@ -35,6 +52,8 @@
 #include "program.h"
 
 #include <pthread.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <string.h>
 #include <time.h>
 
@@ -44,6 +63,7 @@ typedef struct cache_entry {
     char *key;
     size_t key_len;
     gj_jit_program *prog; /* NULL: eager-only */
+    bool demoted;         /* eager-only since a hook guard tripped (prog kept) */
     gj_ca_reason code;    /* eager-only: why */
     char reason[256];
 } cache_entry;
@@ -211,11 +231,176 @@ static void *alloc_output(void *vctx, int o) {
     return c->news[o] ? gj_rt_data_ptr(c->news[o]) : NULL;
 }
 
+/* State of the hook calls of one compiled run. */
+typedef struct hook_ctx {
+    const gj_jit_program *pr;
+    const gj_jit_walk *w;
+    gj_tensor *const *tensors;   /* the run's inputs (borrowed) */
+    void **data0;                /* their data pointers when the run started */
+    gj_tensor **priv;            /* GRAD inputs: the private copy the plan updates */
+    const gj_ag_hook **hooks;    /* per hook reference, resolved at the start */
+    bool tripped;                /* a guard tripped (first reason kept) */
+    gj_ca_reason code;
+    char why[300];
+} hook_ctx;
+
+static void trip(hook_ctx *hc, gj_ca_reason code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void trip(hook_ctx *hc, gj_ca_reason code, const char *fmt, ...) {
+    if (hc->tripped) return;
+    hc->tripped = true;
+    hc->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(hc->why, sizeof hc->why, fmt, ap);
+    va_end(ap);
+}
+
+/* The leaf of graph output o. */
+static gj_tensor *output_leaf(const hook_ctx *hc, int o) {
+    return hc->w->nodes[hc->pr->outputs[o].acc_node]->leaf;
+}
+
+/* Checks, after hook h ran at step `step`, that the tensors the program
+ * reads and writes are still those it was compiled for. A .grad whose
+ * storage a hook swapped (set_, same dtype and shape) before the plan first
+ * touched it is read again from its new storage, as the eager accumulation
+ * would. 0, 1 (tripped: abandon) or -1 (error). */
+static int guard_inputs(hook_ctx *hc, const gj_ag_hook *h, int step) {
+    const gj_jit_plan *p = &hc->pr->plan;
+    for (int i = 0; i < hc->pr->n_inputs; i++) {
+        gj_tensor *t = hc->tensors[i];
+        const gj_jit_input *in = &hc->pr->inputs[i];
+        gj_rt_meta m;
+        gj_rt_meta_of(t, &m);
+        char a[96], b[96];
+        if (!gj_jit_meta_equal(&m, &p->in_meta[i])) {
+            trip(hc, GJ_CA_SET_MISMATCH,
+                 "hook #%lld changed %s #%d from %s to %s (set_) during a compiled run",
+                 (long long)h->handle, in->role == GJ_JIT_IN_GRAD ? "the .grad of input" : "input",
+                 i, gj_jit_fmt_meta(a, sizeof a, &p->in_meta[i]), gj_jit_fmt_meta(b, sizeof b, &m));
+            return 1;
+        }
+        if (in->role == GJ_JIT_IN_GRAD) {
+            gj_tensor *leaf = hc->w->nodes[in->node]->leaf;
+            gj_ag_tensor_meta *lm = leaf ? leaf->ag : NULL;
+            if (!lm || lm->grad != t) {
+                trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld replaced the .grad of a leaf during a "
+                     "compiled run", (long long)h->handle);
+                return 1;
+            }
+            if (gj_rt_data_ptr(t) != hc->data0[i]) {
+                if (p->bufs[i].first_step >= 0 && p->bufs[i].first_step <= step) {
+                    trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld swapped the storage of a .grad "
+                         "(set_) after the compiled run had updated it", (long long)h->handle);
+                    return 1;
+                }
+                if (gj_rt_copy_into(hc->priv[i], t) != 0) return -1;
+                hc->data0[i] = gj_rt_data_ptr(t);
+            }
+            continue; /* the sum is written back to its (new) storage at the end */
+        }
+        if (gj_rt_data_ptr(t) != hc->data0[i]) {
+            trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld swapped the storage of input #%d (set_) "
+                 "during a compiled run", (long long)h->handle, i);
+            return 1;
+        }
+    }
+    for (int o = 0; o < hc->pr->n_outputs; o++) {
+        if (hc->pr->outputs[o].grad_input >= 0) continue;
+        gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
+        if (lm && lm->grad) {
+            trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld gave a leaf a .grad during a compiled run",
+                 (long long)h->handle);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* gj_jit_hook_call of run_program: calls the tensor hook on a fresh tensor
+ * holding a copy of src and copies the value flowing on into dst. */
+static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *src, void *dst) {
+    hook_ctx *hc = vctx;
+    const gj_rt_meta *m = &hs->meta;
+    int64_t numel = 1;
+    for (int k = 0; k < m->ndim; k++) numel *= m->shape[k];
+    size_t nb = (size_t)numel * gj_rt_dtype_size(m->dtype);
+    const gj_ag_hook *h = hc->hooks[hs->hook];
+    if (h->removed) { /* removed by an earlier hook of this backward: eager skips it */
+        if (nb) memcpy(dst, src, nb);
+        return 0;
+    }
+    gj_tensor *t = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+    if (!t) return -1;
+    if (nb) memcpy(gj_rt_data_ptr(t), src, nb);
+    uint64_t rs0 = gj_rt_record_stream_calls();
+    gj_tensor *rt = gj_ag_call_hook_ref(h, t);
+    int rc = 0;
+    if (!rt) {
+        trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld failed during a compiled run: %s",
+             (long long)h->handle, gj_last_error());
+        rc = 1;
+    } else {
+        gj_tensor *c = gj_rt_is_contiguous(rt) ? rt : gj_rt_contiguous(rt);
+        if (!c) {
+            rc = -1;
+        } else {
+            if (nb) memcpy(dst, gj_rt_data_ptr(c), nb);
+            if (c != rt) gj_rt_tensor_release(c);
+        }
+        gj_rt_tensor_release(rt);
+    }
+    gj_rt_tensor_release(t);
+    if (rc == 0 && gj_rt_record_stream_calls() != rs0)
+        trip(hc, GJ_CA_RECORD_STREAM, "hook #%lld called gj_tensor_record_stream during a "
+             "compiled run", (long long)h->handle);
+    if (rc == 0) {
+        const gj_jit_step *st = (const gj_jit_step *)(const void *)((const char *)hs -
+                                                                     offsetof(gj_jit_step, hk));
+        rc = guard_inputs(hc, h, (int)(st - hc->pr->plan.steps));
+    }
+    return rc;
+}
+
+/* Runs the post-accumulate hooks once every .grad is written; trips (never
+ * abandons: the gradients are final) on record_stream or a .grad whose
+ * dtype or shape a hook changed. */
+static void run_post_hooks(hook_ctx *hc) {
+    gj_ag_builder *eb = gj_ag_eager_builder();
+    for (int i = 0; i < hc->pr->n_hooks; i++) {
+        const gj_jit_hookref *ref = &hc->pr->hooks[i];
+        const gj_ag_hook *h = hc->hooks[i];
+        if (!ref->post || h->removed) continue;
+        gj_tensor *leaf = hc->w->nodes[ref->node]->leaf;
+        uint64_t rs0 = gj_rt_record_stream_calls();
+        gj_ag_eager_call_post_hook(eb, h, leaf);
+        if (gj_rt_record_stream_calls() != rs0)
+            trip(hc, GJ_CA_RECORD_STREAM, "post-accumulate hook #%lld called "
+                 "gj_tensor_record_stream during a compiled run", (long long)h->handle);
+        for (int o = 0; o < hc->pr->n_outputs; o++) {
+            gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
+            gj_rt_meta m;
+            if (!lm || !lm->grad) continue;
+            gj_rt_meta_of(lm->grad, &m);
+            if (!gj_jit_meta_equal(&m, &hc->pr->plan.out_meta[o])) {
+                char a[96], b[96];
+                trip(hc, GJ_CA_SET_MISMATCH, "post-accumulate hook #%lld changed a .grad from "
+                     "%s to %s (set_) during a compiled run", (long long)h->handle,
+                     gj_jit_fmt_meta(a, sizeof a, &hc->pr->plan.out_meta[o]),
+                     gj_jit_fmt_meta(b, sizeof b, &m));
+            }
+        }
+    }
+}
+
 /* Runs program pr on the tensors of this backward. Returns 0 (gradients
- * written), 1 (fallback: nothing written, reason in why) or -1 (error set,
- * nothing written). */
+ * written; hc->tripped tells whether a guard tripped after a post hook or a
+ * record_stream), 1 (fallback: nothing written, reason in why), 2 (a guard
+ * tripped in a tensor hook: nothing written, hooks ran, reason in hc) or -1
+ * (error set, nothing written). */
 static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *const *tensors,
-                       char *why, size_t why_cap) {
+                       char *why, size_t why_cap, hook_ctx *hc) {
     const gj_jit_plan *p = &pr->plan;
     int rc = -1;
     int n_in = pr->n_inputs, n_out = pr->n_outputs;
@@ -225,6 +410,27 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
     void **out = gj_rt_calloc((size_t)n_out + 1, sizeof *out);
     uint64_t *params = NULL;
     if (!contig || !news || !in || !out) goto done;
+    bool hooks = pr->n_hooks > 0;
+    if (hooks) {
+        hc->pr = pr;
+        hc->w = w;
+        hc->tensors = tensors;
+        hc->data0 = gj_rt_calloc((size_t)n_in + 1, sizeof *hc->data0);
+        hc->hooks = gj_rt_calloc((size_t)pr->n_hooks, sizeof *hc->hooks);
+        if (!hc->data0 || !hc->hooks) goto done;
+        for (int i = 0; i < pr->n_hooks; i++) {
+            const gj_jit_hookref *ref = &pr->hooks[i];
+            const gj_ag_hook *hs[64];
+            int c = ref->node < w->n ? gj_ag_node_hooks(w->nodes[ref->node], ref->k, hs, 64) : 0;
+            if (ref->j >= c || ref->j >= 64 ||
+                (hs[ref->j]->kind == GJ_AG_HOOK_POST_ACCUMULATE) != ref->post) {
+                snprintf(why, why_cap, "hook #%d of the program not found on the graph", i);
+                rc = 1;
+                goto done;
+            }
+            hc->hooks[i] = hs[ref->j];
+        }
+    }
     for (int i = 0; i < n_in; i++) {
         gj_tensor *t = tensors[i];
         gj_rt_meta m;
@@ -243,7 +449,12 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
                 }
         }
         if (pr->inputs[i].role == GJ_JIT_IN_GRAD) { /* written: contiguous (copy if strided) */
-            contig[i] = gj_rt_contiguous(t);
+            if (hooks) { /* a private copy: written back once every step ran */
+                contig[i] = gj_rt_tensor_empty(m.dtype, m.ndim, m.shape);
+                if (contig[i] && gj_rt_copy_into(contig[i], t) != 0) goto done;
+            } else {
+                contig[i] = gj_rt_contiguous(t);
+            }
             if (!contig[i]) goto done;
             in[i] = gj_rt_data_ptr(contig[i]);
             continue;
@@ -256,6 +467,10 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
             goto done;
         }
         in[i] = gj_rt_data_ptr(t); /* read in place */
+    }
+    if (hooks) {
+        for (int i = 0; i < n_in; i++) hc->data0[i] = gj_rt_data_ptr(tensors[i]);
+        hc->priv = contig;
     }
     if (p->n_rt_params > 0) { /* dropout seeds/offsets of this run */
         params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
@@ -274,7 +489,13 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         }
     }
     out_ctx oc = {p, news};
-    if (gj_jit_plan_exec(p, in, params, out, alloc_output, &oc) != 0) goto done;
+    int er = gj_jit_plan_exec_hooks(p, in, params, out, alloc_output, &oc,
+                                    hooks ? call_tensor_hook : NULL, hc);
+    if (er == 1) {
+        rc = 2;
+        goto done;
+    }
+    if (er != 0) goto done;
     for (int o = 0; o < n_out; o++) {
         const gj_jit_output *oo = &pr->outputs[o];
         gj_tensor *leaf = w->nodes[oo->acc_node]->leaf;
@@ -291,6 +512,7 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         lm->grad = news[o];
         news[o] = NULL;
     }
+    if (hooks) run_post_hooks(hc);
     rc = 0;
 done:
     for (int i = 0; i < n_in && contig; i++)
@@ -302,7 +524,27 @@ done:
     gj_rt_free(in);
     gj_rt_free(out);
     gj_rt_free(params);
+    gj_rt_free(hc->data0);
+    gj_rt_free((void *)hc->hooks);
+    hc->data0 = NULL;
+    hc->hooks = NULL;
+    hc->priv = NULL;
     return rc;
+}
+
+/* Marks the entry of w eager-only after a guard tripped. Returns whether
+ * this call did it (the first time for the key: print the warning). */
+static bool demote(const gj_jit_walk *w, gj_ca_reason code, const char *why) {
+    pthread_mutex_lock(&g_lock);
+    cache_entry *e = cache_find(w);
+    bool first = e && e->prog && !e->demoted;
+    if (first) {
+        e->demoted = true;
+        e->code = code;
+        snprintf(e->reason, sizeof e->reason, "%.250s", why);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return first;
 }
 
 /* The input tensors of program pr for this walk, from canonical origins.
@@ -353,13 +595,15 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         return 0;
     }
     if (w.invalid) {
-        snprintf(why, sizeof why, "%s", w.reason);
-        goto fall;
+        /* Not a fallback: the backward is an error (graph freed, saved
+         * tensor modified, root without grad), which the eager engine
+         * reports with its usual message. Nothing is counted. */
+        goto out;
     }
     pthread_mutex_lock(&g_lock);
     cache_entry *e = cache_find(&w);
     gj_jit_program *prog = NULL;
-    if (e && !e->prog) {
+    if (e && (!e->prog || e->demoted)) {
         snprintf(why, sizeof why, "%s", e->reason);
         code = e->code;
         pthread_mutex_unlock(&g_lock);
@@ -375,16 +619,6 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
             fprintf(stderr, "[gradjit cache] hit %016llx%016llx\n", (unsigned long long)w.hash[0],
                     (unsigned long long)w.hash[1]);
     } else {
-        if (w.n_hooks > 0) { /* hooks are not compiled (yet): eager for this key */
-            snprintf(why, sizeof why,
-                     "hooks on the graph (%d tensor/post-accumulate): hook calls have no "
-                     "lowering in compiled programs",
-                     w.n_hooks);
-            cache_insert(&w, NULL, GJ_CA_NO_LOWERING, why);
-            pthread_mutex_unlock(&g_lock);
-            fallback(GJ_CA_NO_LOWERING, why, true);
-            goto out;
-        }
         int limit = atomic_load(&g_recompile_limit);
         if (limit >= 0 && site_programs(&w) >= limit) {
             snprintf(why, sizeof why,
@@ -399,7 +633,8 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         double t0 = now_ms();
         bool found = false;
         char dwhy[300];
-        prog = gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
+        /* programs with hook calls live in memory only */
+        prog = w.n_hooks > 0 ? NULL : gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
         if (prog) {
             if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
                 pthread_mutex_unlock(&g_lock);
@@ -457,7 +692,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0);
-        if (obj) gj_jit_disk_save(&w, prog, prefix, obj, obj_size);
+        if (obj && prog->n_hooks == 0) gj_jit_disk_save(&w, prog, prefix, obj, obj_size);
         gj_rt_free(obj);
     }
 run:
@@ -482,8 +717,14 @@ run:
         memcpy(tensors, cap.tensors, (size_t)prog->n_inputs * sizeof *tensors);
     }
     double t1 = now_ms();
-    int r = run_program(prog, &w, tensors, why, sizeof why);
+    hook_ctx hc;
+    memset(&hc, 0, sizeof hc);
+    int r = run_program(prog, &w, tensors, why, sizeof why, &hc);
     if (r == 1) goto fall;
+    if (r == 2 || (r == 0 && hc.tripped)) { /* a hook guard: eager-only from now on */
+        fallback(hc.code, hc.why, demote(&w, hc.code, hc.why));
+        if (r == 2) goto out; /* nothing written: the eager engine runs this backward */
+    }
     if (r == 0) {
         pthread_mutex_lock(&g_lock);
         g_stats.run_ms += now_ms() - t1;

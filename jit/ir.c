@@ -18,6 +18,7 @@ void gj_jit_graph_free(gj_jit_graph *g) {
     gj_rt_free(g->values);
     gj_rt_free(g->inputs);
     gj_rt_free(g->outputs);
+    gj_rt_free(g->hooks);
     memset(g, 0, sizeof *g);
 }
 
@@ -106,6 +107,7 @@ int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in
     memset(n, 0, sizeof *n);
     n->inst = *inst;
     n->rt_node = -1;
+    n->hook = -1;
     for (int i = 0; i < inst->n_in; i++) n->in[i] = in[i];
     n->n_out = n_out;
     for (int k = 0; k < n_out; k++) {
@@ -235,7 +237,12 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         const gj_jit_node *n = &g->nodes[i];
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
-        fprintf(f, " = %s(", gj_rt_prim_name(n->inst.prim));
+        if (n->hook >= 0) {
+            const gj_jit_hookref *h = &g->hooks[n->hook];
+            fprintf(f, " = call_hook#%d[node %d out %d #%d](", n->hook, h->node, h->k, h->j);
+        } else {
+            fprintf(f, " = %s(", gj_rt_prim_name(n->inst.prim));
+        }
         for (int k = 0; k < n->inst.n_in; k++) fprintf(f, "%s%%%d", k ? ", " : "", n->in[k]);
         fmt_attrs(ab, sizeof ab, &n->inst);
         fprintf(f, ")%s :", ab);
@@ -243,6 +250,10 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
             fprintf(f, " %s", gj_jit_fmt_meta(mb, sizeof mb, &g->values[n->out[k]].meta));
         fprintf(f, "\n");
     }
+    for (int i = 0; i < g->n_hooks; i++)
+        if (g->hooks[i].post)
+            fprintf(f, "  post-accumulate hook #%d: node %d #%d (after the .grads)\n", i,
+                    g->hooks[i].node, g->hooks[i].j);
     for (int i = 0; i < g->n_outputs; i++) {
         const gj_jit_output *o = &g->outputs[i];
         fprintf(f, "  output #%d: %%%d -> .grad of acc node %d%s\n", i, o->value, o->acc_node,
@@ -273,4 +284,16 @@ unsigned gj_jit_log_flags(void) {
     }
     atomic_store(&cached, (int)fl);
     return fl;
+}
+
+int gj_jit_graph_add_hook(gj_jit_graph *g, const gj_jit_hookref *h) {
+    if (grow((void **)&g->hooks, g->n_hooks, &g->cap_hooks, sizeof *g->hooks) != 0) return -1;
+    g->hooks[g->n_hooks] = *h;
+    return g->n_hooks++;
+}
+
+int gj_jit_graph_copy_hooks(gj_jit_graph *dst, const gj_jit_graph *src) {
+    for (int i = 0; i < src->n_hooks; i++)
+        if (gj_jit_graph_add_hook(dst, &src->hooks[i]) < 0) return -1;
+    return 0;
 }

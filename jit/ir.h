@@ -56,6 +56,9 @@ typedef struct gj_jit_node {
     gj_rt_inst inst; /* inst.n_in inputs */
     int rt_node;     /* DROPOUT_MASK: canonical node whose attrs hold seed and
                         offset at run time (-1: the constants of inst) */
+    int hook;        /* >= 0: an opaque call of tensor hook g->hooks[hook]; inst is
+                        then COPY (the value flowing on has the input's meta). Never
+                        merged by CSE nor removed by DCE. -1: an ordinary node */
     int in[GJ_RT_MAX_INPUTS];
     int n_out;
     int out[GJ_RT_MAX_OUTPUTS];
@@ -67,6 +70,14 @@ typedef struct gj_jit_value {
     int index; /* output number of the node, or graph input index */
 } gj_jit_value;
 
+/* A hook the program calls, named by canonical position so that a cached
+ * program finds it again in a later backward: the j-th live hook that
+ * gj_ag_node_hooks lists for output k of canonical node `node`. */
+typedef struct gj_jit_hookref {
+    int node, k, j;
+    bool post; /* a post-accumulate hook (run after the .grads are written) */
+} gj_jit_hookref;
+
 typedef struct gj_jit_graph {
     gj_jit_node *nodes;
     int n_nodes, cap_nodes;
@@ -76,6 +87,8 @@ typedef struct gj_jit_graph {
     int n_inputs, cap_inputs;
     gj_jit_output *outputs;
     int n_outputs, cap_outputs;
+    gj_jit_hookref *hooks; /* every hook call, in the engine's order */
+    int n_hooks, cap_hooks;
 } gj_jit_graph;
 
 void gj_jit_graph_init(gj_jit_graph *g);
@@ -97,6 +110,11 @@ bool gj_jit_strides_contiguous(const gj_rt_meta *m, const int64_t *strides);
 int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in, int *outs);
 /* Adds a graph output. 0 or -1 (OOM). */
 int gj_jit_graph_add_output(gj_jit_graph *g, int value, int acc_node, int grad_input);
+
+/* Appends a hook reference; returns its index or -1 (OOM). */
+int gj_jit_graph_add_hook(gj_jit_graph *g, const gj_jit_hookref *h);
+/* Copies src's hook table into dst (which has none). 0 or -1 (OOM). */
+int gj_jit_graph_copy_hooks(gj_jit_graph *dst, const gj_jit_graph *src);
 
 /* Prints the graph, one op a line with shapes and dtypes. */
 void gj_jit_graph_print(const gj_jit_graph *g, FILE *f);

@@ -62,6 +62,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     for (int i = 0; i < nn; i++) {
         gj_jit_node *n = &g->nodes[i];
         for (int k = 0; k < n->inst.n_in; k++) n->in[k] = repl[n->in[k]];
+        if (n->hook >= 0) continue; /* an opaque call: never merged */
         uint64_t h = node_hash(&n->inst, n->in) & (uint64_t)(ntab - 1);
         for (;; h = (h + 1) & (uint64_t)(ntab - 1)) {
             int j = tab[h];
@@ -84,7 +85,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     }
     for (int i = nn - 1; i >= 0; i--) {
         const gj_jit_node *n = &g->nodes[i];
-        bool live = false;
+        bool live = n->hook >= 0; /* a hook call has effects: always kept */
         for (int k = 0; k < n->n_out; k++) live |= live_v[n->out[k]] && repl[n->out[k]] == n->out[k];
         if (!live) continue;
         live_n[i] = true;
@@ -112,6 +113,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
         int no = gj_jit_graph_add_node(&ng, &n->inst, args, outs);
         if (no < 0) goto done;
         ng.nodes[ng.n_nodes - 1].rt_node = n->rt_node;
+        ng.nodes[ng.n_nodes - 1].hook = n->hook;
         for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
     }
     for (int o = 0; o < g->n_outputs; o++) {
@@ -119,6 +121,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
         if (gj_jit_graph_add_output(&ng, newid[out->value], out->acc_node, out->grad_input) != 0)
             goto done;
     }
+    if (gj_jit_graph_copy_hooks(&ng, g) != 0) goto done;
     gj_jit_graph_free(g);
     *g = ng;
     gj_jit_graph_init(&ng);
@@ -270,6 +273,7 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
         int no = gj_jit_graph_add_node(&ng, &n->inst, args, outs);
         if (no < 0) goto done;
         ng.nodes[ng.n_nodes - 1].rt_node = n->rt_node;
+        ng.nodes[ng.n_nodes - 1].hook = n->hook;
         for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
     }
     for (int o = 0; o < g->n_outputs; o++) {
@@ -277,6 +281,7 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
         if (gj_jit_graph_add_output(&ng, newid[out->value], out->acc_node, out->grad_input) != 0)
             goto done;
     }
+    if (gj_jit_graph_copy_hooks(&ng, g) != 0) goto done;
     gj_jit_graph_free(g);
     *g = ng;
     gj_jit_graph_init(&ng);

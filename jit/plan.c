@@ -60,7 +60,7 @@ typedef struct pgroup {
 /* A step while planning: a group or a matmul, with its dependencies. */
 typedef struct pstep {
     int kind; /* 0: group, 1: matmul, 2: barrier (no code: joins several writers), 3: dead,
-                 4: index op (gather / scatter) */
+                 4: index op (gather / scatter), 5: hook call */
     int idx;  /* group or matmul index */
     int64_t pos;
     int *deps;
@@ -78,6 +78,9 @@ typedef struct planner {
     int n_mm, cap_mm;
     gj_jit_index *ixs;
     int n_ix, cap_ix;
+    gj_jit_hookstep *hks;
+    int n_hk, cap_hk;
+    int last_hook_step; /* -1, or the pstep of the latest hook call */
     pstep *ps;
     int n_ps, cap_ps;
     int *uses; /* per value: node inputs and graph outputs reading it */
@@ -752,6 +755,36 @@ static int plan_index(planner *pl, int i) {
     return 0;
 }
 
+/* A tensor hook call (node.hook >= 0): the input as a contiguous buffer, a
+ * new contiguous temporary for the value flowing on, one hook step after
+ * the previous hook step (the engine's order of hook calls). */
+static int plan_hook(planner *pl, int i) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    gj_jit_hookstep hk;
+    memset(&hk, 0, sizeof hk);
+    hk.hook = n->hook;
+    hk.meta = *vmeta(pl, n->out[0]);
+    if (contiguous_operand(pl, n->in[0], i, &hk.src_buf) != 0) return -1;
+    hk.out_buf = new_buf(pl, GJ_JIT_BUF_TEMP, -1, hk.meta.dtype,
+                         numel_of(hk.meta.ndim, hk.meta.shape));
+    if (hk.out_buf < 0) return oom(pl);
+    if (grow((void **)&pl->hks, pl->n_hk, &pl->cap_hk, sizeof *pl->hks) != 0) return oom(pl);
+    int sid = new_pstep(pl, 5, pl->n_hk, 2 * (int64_t)i + 1);
+    if (sid < 0) return oom(pl);
+    pl->hks[pl->n_hk++] = hk;
+    if (add_dep(pl, sid, pl->p->bufs[hk.src_buf].writer) != 0 ||
+        add_dep(pl, sid, pl->last_hook_step) != 0)
+        return oom(pl);
+    pl->last_hook_step = sid;
+    pl->p->bufs[hk.out_buf].writer = sid;
+    vinfo *o = &pl->vi[n->out[0]];
+    o->kind = V_VIEW;
+    o->buf = hk.out_buf;
+    o->offset = 0;
+    contig_strides(hk.meta.ndim, hk.meta.shape, o->strides);
+    return 0;
+}
+
 /* PAD and CAT: a new buffer whose regions are written by the producers of
  * the pieces (stored in place when they are fused values, else copied),
  * after a zero fill for PAD. A barrier step joins the writers, so readers
@@ -1188,6 +1221,9 @@ static int plan_memory(gj_jit_plan *p) {
             touch(p, st->mm.a_buf, s);
             touch(p, st->mm.b_buf, s);
             touch(p, st->mm.c_buf, s);
+        } else if (st->kind == GJ_JIT_STEP_HOOK) {
+            touch(p, st->hk.src_buf, s);
+            touch(p, st->hk.out_buf, s);
         } else {
             touch(p, st->ix.src_buf, s);
             touch(p, st->ix.idx_buf, s);
@@ -1249,6 +1285,7 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     pl.p = p;
     pl.why = why;
     pl.why_cap = why_cap;
+    pl.last_hook_step = -1;
     why[0] = '\0';
     int rc = -1;
     int *memo = NULL, *order = NULL;
@@ -1294,7 +1331,9 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
         const gj_jit_node *n = &g->nodes[i];
         gj_rt_prim pr = n->inst.prim;
         int r;
-        if ((int)pr == atomic_load(&g_refused_prim)) {
+        if (n->hook >= 0) {
+            r = plan_hook(&pl, i);
+        } else if ((int)pr == atomic_load(&g_refused_prim)) {
             r = no_lowering(&pl, n, "(test switch)");
         } else if (pr == GJ_P_FILL || pr == GJ_P_IOTA || pr == GJ_P_DROPOUT_MASK) {
             r = plan_generator(&pl, i);
@@ -1373,6 +1412,11 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             st->ix = pl.ixs[ps->idx];
             continue;
         }
+        if (ps->kind == 5) {
+            st->kind = GJ_JIT_STEP_HOOK;
+            st->hk = pl.hks[ps->idx];
+            continue;
+        }
         st->kind = GJ_JIT_STEP_KERNEL;
         for (int v = 0; v < g->n_values; v++) memo[v] = -1;
         if (build_kernel(&pl, ps->idx, &st->k, memo) != 0) {
@@ -1393,6 +1437,7 @@ done:
     gj_rt_free(pl.groups);
     gj_rt_free(pl.mms);
     gj_rt_free(pl.ixs);
+    gj_rt_free(pl.hks);
     for (int t = 0; t < pl.n_ps; t++) gj_rt_free(pl.ps[t].deps);
     gj_rt_free(pl.ps);
     gj_rt_free(pl.stack);
@@ -1452,6 +1497,12 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     }
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_step *st = &p->steps[s];
+        if (st->kind == GJ_JIT_STEP_HOOK) {
+            gj_rt_fmt_shape(sh, sizeof sh, st->hk.meta.ndim, st->hk.meta.shape);
+            fprintf(f, "  step %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,
+                    st->hk.src_buf, gj_rt_dtype_name(st->hk.meta.dtype), sh);
+            continue;
+        }
         if (st->kind == GJ_JIT_STEP_INDEX) {
             const gj_jit_index *x = &st->ix;
             fprintf(f, "  step %d: %s b%d = b%d [b%d] %s n=%lld D=%lld V=%lld\n", s,

@@ -140,10 +140,21 @@ typedef struct gj_jit_index {
     int64_t src_off, src_s0, src_s1;
 } gj_jit_index;
 
+/* An opaque call of tensor hook #hook (the program's hook table): the
+ * run-time callback gets src_buf (contiguous, of meta) and writes the value
+ * flowing on to out_buf (contiguous, same meta). Hook steps run in the
+ * engine's order (each depends on the previous one). */
+typedef struct gj_jit_hookstep {
+    int hook;
+    int src_buf, out_buf;
+    gj_rt_meta meta;
+} gj_jit_hookstep;
+
 typedef enum gj_jit_step_kind {
     GJ_JIT_STEP_KERNEL = 0,
     GJ_JIT_STEP_MATMUL = 1,
-    GJ_JIT_STEP_INDEX = 2
+    GJ_JIT_STEP_INDEX = 2,
+    GJ_JIT_STEP_HOOK = 3
 } gj_jit_step_kind;
 
 typedef struct gj_jit_step {
@@ -152,6 +163,7 @@ typedef struct gj_jit_step {
     gj_jit_kernel k;
     gj_jit_matmul mm;
     gj_jit_index ix;
+    gj_jit_hookstep hk;
 } gj_jit_step;
 
 typedef struct gj_jit_plan {

@@ -75,6 +75,15 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
     memcpy(pr->outputs, g->outputs, (size_t)g->n_outputs * sizeof *pr->outputs);
     for (int i = 0; i < g->n_inputs; i++)
         if (g->inputs[i].role == GJ_JIT_IN_OTHER) pr->recapture = true;
+    if (g->n_hooks > 0) {
+        pr->hooks = gj_rt_calloc((size_t)g->n_hooks, sizeof *pr->hooks);
+        if (!pr->hooks) {
+            snprintf(why, why_cap, "out of memory");
+            goto fail;
+        }
+        memcpy(pr->hooks, g->hooks, (size_t)g->n_hooks * sizeof *pr->hooks);
+        pr->n_hooks = g->n_hooks;
+    }
     pr->code = gj_jit_code_compile(&pr->plan, prefix, obj_out, obj_size, why, why_cap);
     if (!pr->code) {
         *permanent = strncmp(why, "LLVM", 4) == 0;
@@ -92,6 +101,7 @@ void gj_jit_program_free(gj_jit_program *pr) {
     gj_jit_plan_free(&pr->plan);
     gj_rt_free(pr->inputs);
     gj_rt_free(pr->outputs);
+    gj_rt_free(pr->hooks);
     gj_rt_free(pr);
 }
 
@@ -257,6 +267,12 @@ static int run_index(const gj_jit_index *x, void *const *bp) {
 
 int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
                      gj_jit_out_alloc alloc, void *actx) {
+    return gj_jit_plan_exec_hooks(p, in, params, out, alloc, actx, NULL, NULL);
+}
+
+int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           void *hctx) {
     int max_params = 1, rc = -1;
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
@@ -291,6 +307,16 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
             run_matmul(&st->mm, bp);
         } else if (st->kind == GJ_JIT_STEP_INDEX) {
             if (run_index(&st->ix, bp) != 0) goto done;
+        } else if (st->kind == GJ_JIT_STEP_HOOK) {
+            if (!hook) {
+                gj_rt_set_error("compiled backward: a hook step without a hook runner");
+                goto done;
+            }
+            int hr = hook(hctx, &st->hk, bp[st->hk.src_buf], bp[st->hk.out_buf]);
+            if (hr != 0) {
+                rc = hr;
+                goto done;
+            }
         } else if (st->k.rows > 0) {
             const gj_jit_kernel *k = &st->k;
             for (int q = 0; q < k->n_params; q++) ctx[q] = bp[k->param_buf[q]];
@@ -299,6 +325,7 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
         if (prof)
             fprintf(stderr, "[gradjit prof] step %d %s: %.3f ms\n", s,
                     st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
+                    : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
                     : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter" : "gather")
                                                     : st->k.name,
                     prof_now() - t0);
@@ -316,7 +343,7 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
     rc = 0;
 done:
     if (rc != 0) {
-        if (!bp || !ctx) gj_rt_set_error("compiled backward: out of memory");
+        if ((!bp || !ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
         for (int b = 0; bp && b < p->n_bufs; b++)
             if (p->bufs[b].kind == GJ_JIT_BUF_TEMP && bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
     }

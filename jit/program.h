@@ -22,6 +22,8 @@ typedef struct gj_jit_program {
     gj_jit_output *outputs;
     int n_outputs;
     bool recapture;
+    gj_jit_hookref *hooks; /* tensor hooks (hook steps) and post-accumulate hooks */
+    int n_hooks;
 } gj_jit_program;
 
 /* Optimises g in place (CSE, DCE), plans and compiles it with kernel
@@ -48,5 +50,15 @@ typedef void *(*gj_jit_out_alloc)(void *ctx, int o);
  * with an eager backward that runs out of memory). */
 int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
                      gj_jit_out_alloc alloc, void *actx);
+/* Runs a hook step: src (contiguous, hs->meta) is the gradient, dst
+ * receives the value flowing on. Returns 0, -1 (error set), or 1 to abandon
+ * the run (a guard tripped; the caller knows why). */
+typedef int (*gj_jit_hook_call)(void *ctx, const gj_jit_hookstep *hs, const void *src, void *dst);
+/* gj_jit_plan_exec with hook steps run through hook(hctx, ...). Returns 0,
+ * -1 (error), or 1 (a hook call asked to abandon the run: temporaries are
+ * freed, outputs allocated so far belong to the caller as usual). */
+int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           void *hctx);
 
 #endif /* GJ_JIT_PROGRAM_H */

@@ -16,6 +16,9 @@
  *     .grad becomes an input and the output is ADD(.grad, CAST(g)), written
  *     in place: the same arithmetic as the eager accumulate (a strided
  *     .grad is read as a contiguous copy and the sum copied back).
+ *   - Hooks are not run here (there are no values): a tensor hook becomes an
+ *     opaque COPY node carrying a hook index, a post-accumulate hook an entry
+ *     of the hook table; the compiled run calls them (compiled.c).
  */
 #include "capture.h"
 
@@ -162,6 +165,61 @@ static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
     return gj_jit_graph_add_output(g, sum, acc, g->n_inputs - 1);
 }
 
+/* The canonical reference of hook h (which the engine is about to run for
+ * a node of the walk): 0, or -1 if h is on no node of the walk. */
+static int find_hook(const gj_jit_walk *w, const gj_ag_hook *h, gj_jit_hookref *ref) {
+    const gj_ag_hook *hs[64];
+    for (int i = 0; i < w->n; i++) {
+        const gj_ag_node *n = w->nodes[i];
+        int n_out = n->kind == GJ_AG_OP ? n->n_out : 1;
+        for (int k = 0; k < n_out; k++) {
+            int c = gj_ag_node_hooks(n, k, hs, 64);
+            for (int j = 0; j < c && j < 64; j++) {
+                if (hs[j] != h) continue;
+                ref->node = i;
+                ref->k = k;
+                ref->j = j;
+                ref->post = h->kind == GJ_AG_HOOK_POST_ACCUMULATE;
+                return 0;
+            }
+        }
+    }
+    return -1;
+}
+
+/* A tensor hook becomes an opaque call node (COPY with a hook index): the
+ * program runs the hook on the real gradient and takes what it returns. */
+static gj_val *rec_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad) {
+    recorder *r = (recorder *)b;
+    gj_jit_hookref ref;
+    if (find_hook(r->w, h, &ref) != 0) {
+        fail_reason(r, false, "a hook that is not on the walked graph");
+        gj_rt_set_error("jit capture: hook #%lld not found on the graph", (long long)h->handle);
+        return NULL;
+    }
+    int hi = gj_jit_graph_add_hook(&r->cap->g, &ref);
+    if (hi < 0) return NULL;
+    gj_rt_inst copy = {.prim = GJ_P_COPY, .n_in = 1};
+    int in = val_id(grad), out;
+    if (gj_jit_graph_add_node(&r->cap->g, &copy, &in, &out) < 0) return NULL;
+    r->cap->g.nodes[r->cap->g.n_nodes - 1].hook = hi;
+    return id_val(out);
+}
+
+/* A post-accumulate hook is recorded in order; the program runs it once
+ * every .grad of the backward is written. */
+static int rec_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf) {
+    recorder *r = (recorder *)b;
+    (void)leaf;
+    gj_jit_hookref ref;
+    if (find_hook(r->w, h, &ref) != 0) {
+        fail_reason(r, false, "a post-accumulate hook that is not on the walked graph");
+        gj_rt_set_error("jit capture: hook #%lld not found on the graph", (long long)h->handle);
+        return -1;
+    }
+    return gj_jit_graph_add_hook(&r->cap->g, &ref) < 0 ? -1 : 0;
+}
+
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds) {
     memset(cap, 0, sizeof *cap);
@@ -175,7 +233,9 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
               .drop = rec_drop,
               .end_step = rec_end_step,
               .accumulate = rec_accumulate,
-              .records = true},
+              .records = true,
+              .call_hook = rec_call_hook,
+              .call_post_hook = rec_call_post_hook},
         .cap = cap,
         .w = w,
     };

@@ -222,4 +222,9 @@ void gj_rt_stream_release(gj_stream *s);
 int64_t gj_rt_exec_count(gj_rt_prim p);
 void gj_rt_exec_count_reset(void);
 
+/* Appended by helper "hookjit" (runtime/stream.c): how many times
+ * gj_tensor_record_stream was called with a valid tensor and stream on this
+ * thread. The compiled backward compares it around each hook call. */
+uint64_t gj_rt_record_stream_calls(void);
+
 #endif /* GJ_RT_H */

@@ -243,12 +243,19 @@ int gj_stream_wait_event(gj_stream *s, gj_event *e) {
     return 0;
 }
 
+/* Calls of gj_tensor_record_stream that got a valid tensor and stream, on
+ * this thread (the compiled backward's guard around hook calls reads it). */
+static _Thread_local uint64_t g_record_stream_calls;
+
+uint64_t gj_rt_record_stream_calls(void) { return g_record_stream_calls; }
+
 int gj_tensor_record_stream(gj_tensor *t, gj_stream *s) {
     if (!gj_rt_check_tensor(t, "gj_tensor_record_stream", "t")) return -1;
     if (!s) {
         gj_rt_set_error("gj_tensor_record_stream: stream is NULL");
         return -1;
     }
+    g_record_stream_calls++;
     if (t->storage->external) return 0; /* memory the allocator never reuses */
     return gj_rt_cache_record_stream(t->storage->data, s);
 }
