@@ -24,19 +24,12 @@
 #include "capture.h"
 #include "jit.h"
 
+#include "../runtime/gj_math.h"
+
 #include <stdlib.h>
 #include <string.h>
 
 /* ------------------------------------------------------------- hashing */
-
-static uint64_t mix64(uint64_t z) {
-    z ^= z >> 30;
-    z *= 0xbf58476d1ce4e5b9ull;
-    z ^= z >> 27;
-    z *= 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return z;
-}
 
 void gj_jit_hash128(const void *data, size_t n, uint64_t out[2]) {
     const unsigned char *p = data;
@@ -47,11 +40,11 @@ void gj_jit_hash128(const void *data, size_t n, uint64_t out[2]) {
         b = (b + p[i] + 1) * 0xff51afd7ed558ccdull;
         b ^= b >> 29;
     }
-    out[0] = mix64(a ^ (uint64_t)n);
-    out[1] = mix64(b + 0x632be59bd9b4e019ull);
+    out[0] = gj_m_mix64(a ^ (uint64_t)n);
+    out[1] = gj_m_mix64(b + 0x632be59bd9b4e019ull);
 }
 
-static uint64_t ptr_hash(const void *p) { return mix64((uint64_t)(uintptr_t)p); }
+static uint64_t ptr_hash(const void *p) { return gj_m_mix64((uint64_t)(uintptr_t)p); }
 
 /* ---------------------------------------------------- runtime attrs */
 
@@ -234,8 +227,8 @@ typedef struct site_hash {
 } site_hash;
 
 static void site_u64(site_hash *h, uint64_t v) {
-    h->a = mix64(h->a ^ v) + 0x9e3779b97f4a7c15ull;
-    h->b = mix64(h->b + v * 0xff51afd7ed558ccdull) ^ (h->b >> 17);
+    h->a = gj_m_mix64(h->a ^ v) + 0x9e3779b97f4a7c15ull;
+    h->b = gj_m_mix64(h->b + v * 0xff51afd7ed558ccdull) ^ (h->b >> 17);
 }
 
 static void site_str(site_hash *h, const char *s) {
@@ -353,8 +346,8 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
         if (key_put(w, "%s\n", n->released ? " released" : "") != 0) goto done;
     }
     site_u64(&sh, (uint64_t)w->n_hooks);
-    w->site[0] = mix64(sh.a);
-    w->site[1] = mix64(sh.b);
+    w->site[0] = gj_m_mix64(sh.a);
+    w->site[1] = gj_m_mix64(sh.b);
     rc = 0;
 done:
     gj_rt_free(rank);

@@ -12,6 +12,34 @@
 
 #include <string.h>
 
+/* Appends node n of the old graph to ng with its inputs renamed to args,
+ * keeping its origin (rt_node, hook), and records the new ids of its
+ * outputs in newid. 0 or -1. */
+static int copy_node(gj_jit_graph *ng, const gj_jit_node *n, const int *args, int *newid) {
+    int outs[GJ_RT_MAX_OUTPUTS];
+    int no = gj_jit_graph_add_node(ng, &n->inst, args, outs);
+    if (no < 0) return -1;
+    ng->nodes[ng->n_nodes - 1].rt_node = n->rt_node;
+    ng->nodes[ng->n_nodes - 1].hook = n->hook;
+    for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
+    return 0;
+}
+
+/* Ends a rebuild: ng gets g's outputs (renamed through newid) and hook
+ * table, then replaces g (ng is left empty). 0 or -1 (g unchanged). */
+static int finish_rebuild(gj_jit_graph *g, gj_jit_graph *ng, const int *newid) {
+    for (int o = 0; o < g->n_outputs; o++) {
+        const gj_jit_output *out = &g->outputs[o];
+        if (gj_jit_graph_add_output(ng, newid[out->value], out->acc_node, out->grad_input) != 0)
+            return -1;
+    }
+    if (gj_jit_graph_copy_hooks(ng, g) != 0) return -1;
+    gj_jit_graph_free(g);
+    *g = *ng;
+    gj_jit_graph_init(ng);
+    return 0;
+}
+
 static uint64_t hmix(uint64_t h, uint64_t v) {
     h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
     return h * 0xff51afd7ed558ccdull;
@@ -104,27 +132,15 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     for (int i = 0; i < nn; i++) {
         if (!live_n[i]) continue;
         const gj_jit_node *n = &g->nodes[i];
-        int args[GJ_RT_MAX_INPUTS], outs[GJ_RT_MAX_OUTPUTS];
+        int args[GJ_RT_MAX_INPUTS];
         for (int k = 0; k < n->inst.n_in; k++) args[k] = newid[n->in[k]];
         if (n->inst.prim == GJ_P_MATMUL && g->values[n->out[0]].meta.dtype == GJ_BF16) {
             if (legal_bf16_matmul(&ng, &n->inst, args, &newid[n->out[0]]) != 0) goto done;
             continue;
         }
-        int no = gj_jit_graph_add_node(&ng, &n->inst, args, outs);
-        if (no < 0) goto done;
-        ng.nodes[ng.n_nodes - 1].rt_node = n->rt_node;
-        ng.nodes[ng.n_nodes - 1].hook = n->hook;
-        for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
+        if (copy_node(&ng, n, args, newid) != 0) goto done;
     }
-    for (int o = 0; o < g->n_outputs; o++) {
-        const gj_jit_output *out = &g->outputs[o];
-        if (gj_jit_graph_add_output(&ng, newid[out->value], out->acc_node, out->grad_input) != 0)
-            goto done;
-    }
-    if (gj_jit_graph_copy_hooks(&ng, g) != 0) goto done;
-    gj_jit_graph_free(g);
-    *g = ng;
-    gj_jit_graph_init(&ng);
+    if (finish_rebuild(g, &ng, newid) != 0) goto done;
     rc = 0;
 done:
     gj_jit_graph_free(&ng);
@@ -205,7 +221,7 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
     }
     for (int i = 0; i < g->n_nodes; i++) {
         const gj_jit_node *n = &g->nodes[i];
-        int args[GJ_RT_MAX_INPUTS], outs[GJ_RT_MAX_OUTPUTS];
+        int args[GJ_RT_MAX_INPUTS];
         pad_set ps;
         /* the root of a sum of >= 2 disjoint pads: the consumer is not an ADD
          * that would extend the set */
@@ -270,21 +286,9 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
             continue;
         }
         for (int k = 0; k < n->inst.n_in; k++) args[k] = newid[n->in[k]];
-        int no = gj_jit_graph_add_node(&ng, &n->inst, args, outs);
-        if (no < 0) goto done;
-        ng.nodes[ng.n_nodes - 1].rt_node = n->rt_node;
-        ng.nodes[ng.n_nodes - 1].hook = n->hook;
-        for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
+        if (copy_node(&ng, n, args, newid) != 0) goto done;
     }
-    for (int o = 0; o < g->n_outputs; o++) {
-        const gj_jit_output *out = &g->outputs[o];
-        if (gj_jit_graph_add_output(&ng, newid[out->value], out->acc_node, out->grad_input) != 0)
-            goto done;
-    }
-    if (gj_jit_graph_copy_hooks(&ng, g) != 0) goto done;
-    gj_jit_graph_free(g);
-    *g = ng;
-    gj_jit_graph_init(&ng);
+    if (finish_rebuild(g, &ng, newid) != 0) goto done;
     rc = 0;
 done:
     gj_jit_graph_free(&ng);
