@@ -3,7 +3,7 @@
  * the on-disk cache and back.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC02"                     magic and format version (bumped whenever
+ *   "GJJITC03"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index steps, f64 decompositions)
  *   u64 layout                     sizes of the serialised structs
@@ -26,7 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '2'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '3'};
 
 /* ------------------------------------------------------------ the dir */
 

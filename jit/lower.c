@@ -625,6 +625,12 @@ static void add_target_attrs(kg *g, LLVMValueRef fn, const char *cpu, const char
     LLVMAddAttributeAtIndex(fn, LLVMAttributeFunctionIndex,
                             LLVMCreateStringAttribute(g->C, "target-features", 15, features,
                                                       (unsigned)strlen(features)));
+    /* LLVM prefers 256-bit vectors on AVX-512 CPUs (frequency licences of
+     * old Xeons); the eager kernels are compiled for 512 bits, and fused
+     * kernels are long arithmetic loops that gain from the full width. */
+    if (strstr(features, "+avx512f"))
+        LLVMAddAttributeAtIndex(fn, LLVMAttributeFunctionIndex,
+                                LLVMCreateStringAttribute(g->C, "prefer-vector-width", 19, "512", 3));
 }
 
 static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const char *cpu,
