@@ -5,7 +5,7 @@
  * File layout (native byte order: the host id pins the machine):
  *   "GJJITC03"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
- *                                  MAX stores, index steps, f64 decompositions)
+ *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
