@@ -28,6 +28,7 @@
 typedef struct gj_val gj_val; /* opaque value of a builder */
 typedef struct gj_ag_builder gj_ag_builder;
 typedef struct gj_ag_hook gj_ag_hook; /* a tensor or post-accumulate hook (below) */
+typedef struct gj_ag_node gj_ag_node; /* a graph node (below) */
 
 struct gj_ag_builder {
     /* Runs or records inst on inputs in[0..inst->n_in); writes inst's
@@ -62,6 +63,16 @@ struct gj_ag_builder {
     gj_val *(*call_hook)(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad);
     /* Runs post-accumulate hook h on leaf once its .grad was written. 0/-1. */
     int (*call_post_hook)(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf);
+    /* Appended by helper "customjit": records an opaque call of the
+     * backward of custom op node `node` (the op's node, or the temporary
+     * node of a checkpoint tape's backward; a recording builder only: the
+     * eager builder leaves it NULL and runs the C function itself). gout:
+     * the n_out output gradients (NULL: none), saved: the node's saved
+     * tensor arguments as values of b, needs: which inputs want a gradient;
+     * gin[i] receives a value for each needed input. 0 or -1 (error set).
+     * A recording builder without it cannot capture custom ops. */
+    int (*call_custom)(gj_ag_builder *b, gj_ag_node *node, gj_val *const *gout,
+                       gj_val *const *saved, const bool *needs, gj_val **gin);
 };
 
 /* Emit helpers: one output each; NULL on error. */
@@ -394,9 +405,9 @@ int gj_ag_anomaly_check(gj_ag_builder *b, const gj_ag_node *n, int i, gj_val *g)
 
 /* Custom ops (autograd/custom.c; public API in frontend/custom.c). The
  * opdef of a custom op is named after its schema ("ns::name"); its backward
- * runs the user's C function with the eager builder only: with a recording
- * builder it fails ("custom op ...: cannot be captured"), so the JIT falls
- * back. */
+ * runs the user's C function on real tensors: with a recording builder it
+ * becomes an opaque call (builder.call_custom), or fails ("custom op ...:
+ * cannot be captured") if the builder has no call_custom. */
 gj_custom_op *gj_ag_custom_define(const char *schema, void *forward_fn, void *backward_fn);
 gj_custom_op *gj_ag_custom_find(const char *name);
 int gj_ag_custom_call(gj_custom_op *op, gj_tensor *const *tensor_args, const double *scalar_args,

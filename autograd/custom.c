@@ -24,8 +24,11 @@
  *     receives no opdef pointer, and checkpoint replays call it directly);
  *     opdef.backward finds the op through the backward context's node.
  *   - The user's functions run under no_grad inside a user scope of their
- *     own, and only with the eager builder: with a recording builder both
- *     formulas fail cleanly (the JIT falls back to eager).
+ *     own, and only on real tensors: with a recording builder the forward
+ *     fails cleanly, and the backward becomes an opaque call node through
+ *     the builder's call_custom (the compiled program later runs
+ *     gj_ag_custom_run_backward on copies of its buffers), or fails cleanly
+ *     if the builder has none (the JIT falls back to eager).
  */
 #include "ag.h"
 
@@ -462,11 +465,25 @@ static int custom_backward(gj_ag_builder *b, gj_ag_bctx *ctx, const gj_ag_attrs 
         gj_rt_set_error("custom op: internal: backward of a node that is not a custom op");
         return -1;
     }
-    if (b->records) {
-        gj_rt_set_error("custom op %s: cannot be captured: its backward is a C function the "
-                        "recording builder cannot trace (runs eagerly)",
-                        op->name);
-        return -1;
+    if (b->records) { /* an opaque call node of the compiled program, if the builder can */
+        if (!b->call_custom) {
+            gj_rt_set_error("custom op %s: cannot be captured: its backward is a C function the "
+                            "recording builder cannot trace (runs eagerly)",
+                            op->name);
+            return -1;
+        }
+        gj_val *sv[CUSTOM_MAX_TENSORS];
+        bool needs[CUSTOM_MAX_TENSORS];
+        for (int i = 0; i < op->n_tensors; i++) {
+            gin[i] = NULL;
+            sv[i] = gj_ag_saved(ctx, i);
+            needs[i] = gj_ag_needs_grad(ctx, i);
+            if (!sv[i]) {
+                gj_rt_set_error("custom op %s: internal: saved input %d is missing", op->name, i);
+                return -1;
+            }
+        }
+        return b->call_custom(b, node, gout, sv, needs, gin);
     }
     gj_tensor *inputs[CUSTOM_MAX_TENSORS], *go[CUSTOM_MAX_OUT] = {0}, *g[CUSTOM_MAX_TENSORS];
     for (int i = 0; i < op->n_tensors; i++) {

@@ -44,6 +44,13 @@
  *     hooks called before the trip run twice in that step); a post hook's
  *     trip keeps the finished run. Either way the key becomes eager-only
  *     (a demoted entry keeps its program alive until gj_jit_clear_cache).
+ *   - Custom ops: a custom op's backward is a call step of the plan; its C
+ *     function gets fresh tensors holding copies of the output gradients
+ *     and saved arguments, and the gradients it returns are copied into
+ *     the plan's buffers. It failing, or returning no gradient for an input
+ *     that wants one, abandons the run like a tensor hook's guard (the
+ *     eager engine redoes the backward). Such programs, like those with
+ *     hooks, are never written to or read from the disk cache.
  */
 #include "jit.h"
 
@@ -363,6 +370,77 @@ static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
     return rc;
 }
 
+/* gj_jit_custom_call of run_program: runs the custom op's backward C
+ * function on fresh tensors holding copies of src (output gradients, then
+ * saved arguments) and copies the gradients of the needed inputs into dst.
+ * The function failing, or returning no gradient for a needed input,
+ * abandons the run (GJ_CA_HOOK_GUARD): the eager engine redoes the
+ * backward and reports the error or lets no gradient flow, as it does. */
+static int call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
+                       void *const *dst) {
+    hook_ctx *hc = vctx;
+    const gj_ag_node *node = cs->node < hc->w->n ? hc->w->nodes[cs->node] : NULL;
+    const gj_ag_opdef *od = NULL;
+    const gj_ag_attrs *at = NULL;
+    if (node && cs->tape < 0) {
+        od = node->op;
+        at = &node->attrs;
+    } else if (node) { /* an op of a checkpoint node's tape */
+        od = gj_ag_ckpt_op(node, cs->tape, &at);
+    }
+    const gj_custom_op *op = od && at ? gj_ag_custom_of(od) : NULL;
+    if (!op) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom call of node %d: not a custom op", cs->node);
+        return 1;
+    }
+    int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
+    if (no + nt != cs->n_in) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: the node does not match the program", od->name);
+        return 1;
+    }
+    gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *gin[GJ_JIT_CALL_MAX_IN] = {0};
+    int rc = -1;
+    for (int k = 0; k < cs->n_in; k++) {
+        const gj_rt_meta *m = &cs->in_meta[k];
+        ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+        if (!ts[k]) goto done;
+        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
+        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
+    }
+    uint64_t rs0 = gj_rt_record_stream_calls();
+    if (gj_ag_custom_run_backward(op, at, cs->in_meta, ts, ts + no, gin) != 0) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: backward failed during a compiled run: %s",
+             od->name, gj_last_error());
+        rc = 1;
+        goto done;
+    }
+    if (gj_rt_record_stream_calls() != rs0)
+        trip(hc, GJ_CA_RECORD_STREAM, "custom op %s called gj_tensor_record_stream during a "
+             "compiled run", od->name);
+    for (int i = 0, j = 0; i < nt && j < cs->n_out; i++) {
+        if (!(cs->args & (1u << i))) continue; /* no gradient wanted: not an output */
+        if (!gin[i]) {
+            trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: backward returned no gradient for "
+                 "tensor argument %d during a compiled run", od->name, i);
+            rc = 1;
+            goto done;
+        }
+        gj_tensor *c = gj_rt_is_contiguous(gin[i]) ? gin[i] : gj_rt_contiguous(gin[i]);
+        if (!c) goto done;
+        size_t nb = (size_t)gj_rt_numel(c->ndim, c->shape) * gj_rt_dtype_size(c->dtype);
+        if (nb) memcpy(dst[j], gj_rt_data_ptr(c), nb);
+        if (c != gin[i]) gj_rt_tensor_release(c);
+        j++;
+    }
+    rc = 0;
+done:
+    for (int k = 0; k < GJ_JIT_CALL_MAX_IN; k++) {
+        if (ts[k]) gj_rt_tensor_release(ts[k]);
+        if (gin[k]) gj_rt_tensor_release(gin[k]);
+    }
+    return rc;
+}
+
 /* Runs the post-accumulate hooks once every .grad is written; trips (never
  * abandons: the gradients are final) on record_stream or a .grad whose
  * dtype or shape a hook changed. */
@@ -410,13 +488,13 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
     void **out = gj_rt_calloc((size_t)n_out + 1, sizeof *out);
     uint64_t *params = NULL;
     if (!contig || !news || !in || !out) goto done;
-    bool hooks = pr->n_hooks > 0;
+    bool hooks = pr->n_hooks > 0 || pr->n_calls > 0; /* user code runs during the plan */
     if (hooks) {
         hc->pr = pr;
         hc->w = w;
         hc->tensors = tensors;
         hc->data0 = gj_rt_calloc((size_t)n_in + 1, sizeof *hc->data0);
-        hc->hooks = gj_rt_calloc((size_t)pr->n_hooks, sizeof *hc->hooks);
+        hc->hooks = gj_rt_calloc((size_t)pr->n_hooks + 1, sizeof *hc->hooks);
         if (!hc->data0 || !hc->hooks) goto done;
         for (int i = 0; i < pr->n_hooks; i++) {
             const gj_jit_hookref *ref = &pr->hooks[i];
@@ -489,8 +567,9 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         }
     }
     out_ctx oc = {p, news};
-    int er = gj_jit_plan_exec_hooks(p, in, params, out, alloc_output, &oc,
-                                    hooks ? call_tensor_hook : NULL, hc);
+    int er = gj_jit_plan_exec_calls(p, in, params, out, alloc_output, &oc,
+                                    hooks ? call_tensor_hook : NULL, hooks ? call_custom : NULL,
+                                    hc);
     if (er == 1) {
         rc = 2;
         goto done;
@@ -633,8 +712,11 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         double t0 = now_ms();
         bool found = false;
         char dwhy[300];
-        /* programs with hook calls live in memory only */
-        prog = w.n_hooks > 0 ? NULL : gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
+        /* programs with hook or custom calls live in memory only (the
+         * functions they call are addresses of this process) */
+        bool custom = false;
+        for (int i = 0; i < w.n; i++) custom |= gj_ag_custom_of(w.nodes[i]->op) != NULL;
+        prog = w.n_hooks > 0 || custom ? NULL : gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
         if (prog) {
             if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
                 pthread_mutex_unlock(&g_lock);
@@ -692,7 +774,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0);
-        if (obj && prog->n_hooks == 0) gj_jit_disk_save(&w, prog, prefix, obj, obj_size);
+        if (obj && prog->n_hooks == 0 && prog->n_calls == 0) gj_jit_disk_save(&w, prog, prefix, obj, obj_size);
         gj_rt_free(obj);
     }
 run:

@@ -108,7 +108,49 @@ int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in
     n->inst = *inst;
     n->rt_node = -1;
     n->hook = -1;
+    n->custom = -1;
+    n->custom_tape = -1;
     for (int i = 0; i < inst->n_in; i++) n->in[i] = in[i];
+    n->n_out = n_out;
+    for (int k = 0; k < n_out; k++) {
+        n->out[k] = add_value(g, &out_meta[k], id, k);
+        if (outs) outs[k] = n->out[k];
+    }
+    g->n_nodes++;
+    return n_out;
+}
+
+int gj_jit_graph_add_custom(gj_jit_graph *g, int rt_node, int tape, uint32_t args, int n_in,
+                            const int *in, int n_out, const gj_rt_meta *out_meta, int *outs) {
+    if (n_in < 0 || n_in > GJ_RT_MAX_INPUTS || n_out < 0 || n_out > GJ_RT_MAX_OUTPUTS) {
+        gj_rt_set_error("jit: custom call with %d inputs and %d outputs", n_in, n_out);
+        return -1;
+    }
+    for (int i = 0; i < n_in; i++)
+        if (in[i] < 0 || in[i] >= g->n_values) {
+            gj_rt_set_error("jit: custom call reads an undefined value");
+            return -1;
+        }
+    if (grow((void **)&g->nodes, g->n_nodes, &g->cap_nodes, sizeof *g->nodes) != 0) return -1;
+    if (g->n_values + n_out > g->cap_values) {
+        int nc = g->cap_values ? g->cap_values : 16;
+        while (nc < g->n_values + n_out) nc *= 2;
+        void *p = gj_rt_realloc(g->values, (size_t)nc * sizeof *g->values);
+        if (!p) return -1;
+        g->values = p;
+        g->cap_values = nc;
+    }
+    int id = g->n_nodes;
+    gj_jit_node *n = &g->nodes[id];
+    memset(n, 0, sizeof *n);
+    n->inst.prim = GJ_P_COPY;
+    n->inst.n_in = n_in;
+    n->rt_node = -1;
+    n->hook = -1;
+    n->custom = rt_node;
+    n->custom_args = args;
+    n->custom_tape = tape;
+    for (int i = 0; i < n_in; i++) n->in[i] = in[i];
     n->n_out = n_out;
     for (int k = 0; k < n_out; k++) {
         n->out[k] = add_value(g, &out_meta[k], id, k);
@@ -237,7 +279,9 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         const gj_jit_node *n = &g->nodes[i];
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
-        if (n->hook >= 0) {
+        if (n->custom >= 0) {
+            fprintf(f, " = call_custom[node %d tape %d](", n->custom, n->custom_tape);
+        } else if (n->hook >= 0) {
             const gj_jit_hookref *h = &g->hooks[n->hook];
             fprintf(f, " = call_hook#%d[node %d out %d #%d](", n->hook, h->node, h->k, h->j);
         } else {

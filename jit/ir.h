@@ -59,6 +59,16 @@ typedef struct gj_jit_node {
     int hook;        /* >= 0: an opaque call of tensor hook g->hooks[hook]; inst is
                         then COPY (the value flowing on has the input's meta). Never
                         merged by CSE nor removed by DCE. -1: an ordinary node */
+    int custom;      /* >= 0: an opaque call of the backward of the custom op at
+                        canonical node #custom (gj_jit_graph_add_custom): inputs
+                        are its output gradients then its saved tensor arguments,
+                        outputs the gradients of its inputs that are needed; inst
+                        is then COPY with n_in set and means nothing else. Never
+                        merged by CSE nor removed by DCE. -1: an ordinary node */
+    int custom_tape;      /* custom call: -1 (node #custom is the custom op's node), or
+                             op #custom_tape of checkpoint node #custom's tape */
+    uint32_t custom_args; /* custom call: bit i set if output j (j-th set bit) is the
+                             gradient of tensor argument i */
     int in[GJ_RT_MAX_INPUTS];
     int n_out;
     int out[GJ_RT_MAX_OUTPUTS];
@@ -110,6 +120,13 @@ bool gj_jit_strides_contiguous(const gj_rt_meta *m, const int64_t *strides);
 int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in, int *outs);
 /* Adds a graph output. 0 or -1 (OOM). */
 int gj_jit_graph_add_output(gj_jit_graph *g, int value, int acc_node, int grad_input);
+
+/* Appends an opaque custom-op backward call (node.custom = rt_node, the
+ * canonical index, node.custom_tape = tape; node.custom_args = args, one
+ * bit per output): reads in[0..n_in), defines n_out values of metas
+ * out_meta, their ids to outs. Returns n_out or -1 (error set). */
+int gj_jit_graph_add_custom(gj_jit_graph *g, int rt_node, int tape, uint32_t args, int n_in,
+                            const int *in, int n_out, const gj_rt_meta *out_meta, int *outs);
 
 /* Appends a hook reference; returns its index or -1 (OOM). */
 int gj_jit_graph_add_hook(gj_jit_graph *g, const gj_jit_hookref *h);

@@ -15,8 +15,18 @@
 /* Appends node n of the old graph to ng with its inputs renamed to args,
  * keeping its origin (rt_node, hook), and records the new ids of its
  * outputs in newid. 0 or -1. */
-static int copy_node(gj_jit_graph *ng, const gj_jit_node *n, const int *args, int *newid) {
+static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node *n,
+                     const int *args, int *newid) {
     int outs[GJ_RT_MAX_OUTPUTS];
+    if (n->custom >= 0) { /* an opaque call: its output metas are its own */
+        gj_rt_meta om[GJ_RT_MAX_OUTPUTS];
+        for (int k = 0; k < n->n_out; k++) om[k] = g->values[n->out[k]].meta;
+        if (gj_jit_graph_add_custom(ng, n->custom, n->custom_tape, n->custom_args,
+                                    n->inst.n_in, args, n->n_out, om, outs) < 0)
+            return -1;
+        for (int k = 0; k < n->n_out; k++) newid[n->out[k]] = outs[k];
+        return 0;
+    }
     int no = gj_jit_graph_add_node(ng, &n->inst, args, outs);
     if (no < 0) return -1;
     ng->nodes[ng->n_nodes - 1].rt_node = n->rt_node;
@@ -90,7 +100,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     for (int i = 0; i < nn; i++) {
         gj_jit_node *n = &g->nodes[i];
         for (int k = 0; k < n->inst.n_in; k++) n->in[k] = repl[n->in[k]];
-        if (n->hook >= 0) continue; /* an opaque call: never merged */
+        if (n->hook >= 0 || n->custom >= 0) continue; /* an opaque call: never merged */
         uint64_t h = node_hash(&n->inst, n->in) & (uint64_t)(ntab - 1);
         for (;; h = (h + 1) & (uint64_t)(ntab - 1)) {
             int j = tab[h];
@@ -113,7 +123,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     }
     for (int i = nn - 1; i >= 0; i--) {
         const gj_jit_node *n = &g->nodes[i];
-        bool live = n->hook >= 0; /* a hook call has effects: always kept */
+        bool live = n->hook >= 0 || n->custom >= 0; /* calls have effects: always kept */
         for (int k = 0; k < n->n_out; k++) live |= live_v[n->out[k]] && repl[n->out[k]] == n->out[k];
         if (!live) continue;
         live_n[i] = true;
@@ -138,7 +148,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
             if (legal_bf16_matmul(&ng, &n->inst, args, &newid[n->out[0]]) != 0) goto done;
             continue;
         }
-        if (copy_node(&ng, n, args, newid) != 0) goto done;
+        if (copy_node(&ng, g, n, args, newid) != 0) goto done;
     }
     if (finish_rebuild(g, &ng, newid) != 0) goto done;
     rc = 0;
@@ -286,7 +296,7 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
             continue;
         }
         for (int k = 0; k < n->inst.n_in; k++) args[k] = newid[n->in[k]];
-        if (copy_node(&ng, n, args, newid) != 0) goto done;
+        if (copy_node(&ng, g, n, args, newid) != 0) goto done;
     }
     if (finish_rebuild(g, &ng, newid) != 0) goto done;
     rc = 0;

@@ -60,7 +60,7 @@ typedef struct pgroup {
 /* A step while planning: a group or a matmul, with its dependencies. */
 typedef struct pstep {
     int kind; /* 0: group, 1: matmul, 2: barrier (no code: joins several writers), 3: dead,
-                 4: index op (gather / scatter), 5: hook call */
+                 4: index op (gather / scatter), 5: hook call, 6: custom call */
     int idx;  /* group or matmul index */
     int64_t pos;
     int *deps;
@@ -80,7 +80,9 @@ typedef struct planner {
     int n_ix, cap_ix;
     gj_jit_hookstep *hks;
     int n_hk, cap_hk;
-    int last_hook_step; /* -1, or the pstep of the latest hook call */
+    gj_jit_callstep *cls;
+    int n_cl, cap_cl;
+    int last_hook_step; /* -1, or the pstep of the latest hook or custom call */
     pstep *ps;
     int n_ps, cap_ps;
     int *uses; /* per value: node inputs and graph outputs reading it */
@@ -785,6 +787,52 @@ static int plan_hook(planner *pl, int i) {
     return 0;
 }
 
+/* A custom op's backward call (node.custom >= 0): every input as a
+ * contiguous buffer, a new contiguous temporary per output, one call step
+ * after the previous hook or call step (the engine's order). */
+static int plan_custom(planner *pl, int i) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    gj_jit_callstep cs;
+    memset(&cs, 0, sizeof cs);
+    cs.node = n->custom;
+    cs.args = n->custom_args;
+    cs.tape = n->custom_tape;
+    cs.n_in = n->inst.n_in;
+    cs.n_out = n->n_out;
+    if (cs.n_in > GJ_JIT_CALL_MAX_IN) {
+        snprintf(pl->why, pl->why_cap, "no lowering for a custom call with %d inputs", cs.n_in);
+        gj_rt_set_error("jit plan: %s", pl->why);
+        return -1;
+    }
+    for (int k = 0; k < cs.n_in; k++) {
+        cs.in_meta[k] = *vmeta(pl, n->in[k]);
+        if (contiguous_operand(pl, n->in[k], i, &cs.src_buf[k]) != 0) return -1;
+    }
+    for (int k = 0; k < cs.n_out; k++) {
+        cs.out_meta[k] = *vmeta(pl, n->out[k]);
+        cs.out_buf[k] = new_buf(pl, GJ_JIT_BUF_TEMP, -1, cs.out_meta[k].dtype,
+                                numel_of(cs.out_meta[k].ndim, cs.out_meta[k].shape));
+        if (cs.out_buf[k] < 0) return oom(pl);
+    }
+    if (grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return oom(pl);
+    int sid = new_pstep(pl, 6, pl->n_cl, 2 * (int64_t)i + 1);
+    if (sid < 0) return oom(pl);
+    pl->cls[pl->n_cl++] = cs;
+    for (int k = 0; k < cs.n_in; k++)
+        if (add_dep(pl, sid, pl->p->bufs[cs.src_buf[k]].writer) != 0) return oom(pl);
+    if (add_dep(pl, sid, pl->last_hook_step) != 0) return oom(pl);
+    pl->last_hook_step = sid;
+    for (int k = 0; k < cs.n_out; k++) {
+        pl->p->bufs[cs.out_buf[k]].writer = sid;
+        vinfo *o = &pl->vi[n->out[k]];
+        o->kind = V_VIEW;
+        o->buf = cs.out_buf[k];
+        o->offset = 0;
+        contig_strides(cs.out_meta[k].ndim, cs.out_meta[k].shape, o->strides);
+    }
+    return 0;
+}
+
 /* PAD and CAT: a new buffer whose regions are written by the producers of
  * the pieces (stored in place when they are fused values, else copied),
  * after a zero fill for PAD. A barrier step joins the writers, so readers
@@ -1224,6 +1272,9 @@ static int plan_memory(gj_jit_plan *p) {
         } else if (st->kind == GJ_JIT_STEP_HOOK) {
             touch(p, st->hk.src_buf, s);
             touch(p, st->hk.out_buf, s);
+        } else if (st->kind == GJ_JIT_STEP_CALL) {
+            for (int k = 0; k < st->cs.n_in; k++) touch(p, st->cs.src_buf[k], s);
+            for (int k = 0; k < st->cs.n_out; k++) touch(p, st->cs.out_buf[k], s);
         } else {
             touch(p, st->ix.src_buf, s);
             touch(p, st->ix.idx_buf, s);
@@ -1331,7 +1382,9 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
         const gj_jit_node *n = &g->nodes[i];
         gj_rt_prim pr = n->inst.prim;
         int r;
-        if (n->hook >= 0) {
+        if (n->custom >= 0) {
+            r = plan_custom(&pl, i);
+        } else if (n->hook >= 0) {
             r = plan_hook(&pl, i);
         } else if ((int)pr == atomic_load(&g_refused_prim)) {
             r = no_lowering(&pl, n, "(test switch)");
@@ -1417,6 +1470,11 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             st->hk = pl.hks[ps->idx];
             continue;
         }
+        if (ps->kind == 6) {
+            st->kind = GJ_JIT_STEP_CALL;
+            st->cs = pl.cls[ps->idx];
+            continue;
+        }
         st->kind = GJ_JIT_STEP_KERNEL;
         for (int v = 0; v < g->n_values; v++) memo[v] = -1;
         if (build_kernel(&pl, ps->idx, &st->k, memo) != 0) {
@@ -1438,6 +1496,7 @@ done:
     gj_rt_free(pl.mms);
     gj_rt_free(pl.ixs);
     gj_rt_free(pl.hks);
+    gj_rt_free(pl.cls);
     for (int t = 0; t < pl.n_ps; t++) gj_rt_free(pl.ps[t].deps);
     gj_rt_free(pl.ps);
     gj_rt_free(pl.stack);
@@ -1497,6 +1556,14 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     }
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_step *st = &p->steps[s];
+        if (st->kind == GJ_JIT_STEP_CALL) {
+            fprintf(f, "  step %d: custom call of node %d tape %d (", s, st->cs.node, st->cs.tape);
+            for (int k = 0; k < st->cs.n_in; k++) fprintf(f, "%sb%d", k ? ", " : "", st->cs.src_buf[k]);
+            fprintf(f, ") ->");
+            for (int k = 0; k < st->cs.n_out; k++) fprintf(f, " b%d", st->cs.out_buf[k]);
+            fprintf(f, "\n");
+            continue;
+        }
         if (st->kind == GJ_JIT_STEP_HOOK) {
             gj_rt_fmt_shape(sh, sizeof sh, st->hk.meta.ndim, st->hk.meta.shape);
             fprintf(f, "  step %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,

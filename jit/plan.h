@@ -150,11 +150,30 @@ typedef struct gj_jit_hookstep {
     gj_rt_meta meta;
 } gj_jit_hookstep;
 
+/* An opaque call of the backward of the custom op at canonical node
+ * #node (or op #tape of that checkpoint node's tape): the run-time callback gets src_buf[0..n_in) (contiguous, of
+ * in_meta: the output gradients, then the saved tensor arguments) and
+ * writes the gradient of the k-th argument set in `args` to out_buf[k] (contiguous,
+ * out_meta[k]). Call steps run in the engine's order (each after the
+ * previous call or hook step). */
+#define GJ_JIT_CALL_MAX_IN 10
+typedef struct gj_jit_callstep {
+    int node;
+    int tape;      /* -1, or the op of checkpoint node #node's tape */
+    uint32_t args; /* bit i: tensor argument i has an output (in order) */
+    int n_in, n_out;
+    int src_buf[GJ_JIT_CALL_MAX_IN];
+    gj_rt_meta in_meta[GJ_JIT_CALL_MAX_IN];
+    int out_buf[GJ_RT_MAX_OUTPUTS];
+    gj_rt_meta out_meta[GJ_RT_MAX_OUTPUTS];
+} gj_jit_callstep;
+
 typedef enum gj_jit_step_kind {
     GJ_JIT_STEP_KERNEL = 0,
     GJ_JIT_STEP_MATMUL = 1,
     GJ_JIT_STEP_INDEX = 2,
-    GJ_JIT_STEP_HOOK = 3
+    GJ_JIT_STEP_HOOK = 3,
+    GJ_JIT_STEP_CALL = 4
 } gj_jit_step_kind;
 
 typedef struct gj_jit_step {
@@ -164,6 +183,7 @@ typedef struct gj_jit_step {
     gj_jit_matmul mm;
     gj_jit_index ix;
     gj_jit_hookstep hk;
+    gj_jit_callstep cs;
 } gj_jit_step;
 
 typedef struct gj_jit_plan {

@@ -84,6 +84,7 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
         memcpy(pr->hooks, g->hooks, (size_t)g->n_hooks * sizeof *pr->hooks);
         pr->n_hooks = g->n_hooks;
     }
+    for (int s = 0; s < pr->plan.n_steps; s++) pr->n_calls += pr->plan.steps[s].kind == GJ_JIT_STEP_CALL;
     pr->code = gj_jit_code_compile(&pr->plan, prefix, obj_out, obj_size, why, why_cap);
     if (!pr->code) {
         *permanent = strncmp(why, "LLVM", 4) == 0;
@@ -273,6 +274,12 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
 int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            void *hctx) {
+    return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, hctx);
+}
+
+int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           gj_jit_custom_call call, void *hctx) {
     int max_params = 1, rc = -1;
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
@@ -307,6 +314,19 @@ int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t
             run_matmul(&st->mm, bp);
         } else if (st->kind == GJ_JIT_STEP_INDEX) {
             if (run_index(&st->ix, bp) != 0) goto done;
+        } else if (st->kind == GJ_JIT_STEP_CALL) {
+            if (!call) {
+                gj_rt_set_error("compiled backward: a custom call step without a runner");
+                goto done;
+            }
+            void *src[GJ_JIT_CALL_MAX_IN], *dst[GJ_RT_MAX_OUTPUTS];
+            for (int k = 0; k < st->cs.n_in; k++) src[k] = bp[st->cs.src_buf[k]];
+            for (int k = 0; k < st->cs.n_out; k++) dst[k] = bp[st->cs.out_buf[k]];
+            int cr = call(hctx, &st->cs, src, dst);
+            if (cr != 0) {
+                rc = cr;
+                goto done;
+            }
         } else if (st->kind == GJ_JIT_STEP_HOOK) {
             if (!hook) {
                 gj_rt_set_error("compiled backward: a hook step without a hook runner");
@@ -326,6 +346,7 @@ int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t
             fprintf(stderr, "[gradjit prof] step %d %s: %.3f ms\n", s,
                     st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
                     : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
+                    : st->kind == GJ_JIT_STEP_CALL  ? "custom"
                     : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter" : "gather")
                                                     : st->k.name,
                     prof_now() - t0);

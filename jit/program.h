@@ -24,6 +24,7 @@ typedef struct gj_jit_program {
     bool recapture;
     gj_jit_hookref *hooks; /* tensor hooks (hook steps) and post-accumulate hooks */
     int n_hooks;
+    int n_calls; /* custom call steps (the program then lives in memory only) */
 } gj_jit_program;
 
 /* Optimises g in place (CSE, DCE), plans and compiles it with kernel
@@ -57,6 +58,14 @@ typedef int (*gj_jit_hook_call)(void *ctx, const gj_jit_hookstep *hs, const void
 /* gj_jit_plan_exec with hook steps run through hook(hctx, ...). Returns 0,
  * -1 (error), or 1 (a hook call asked to abandon the run: temporaries are
  * freed, outputs allocated so far belong to the caller as usual). */
+/* Runs a custom call step: src[k] (contiguous, cs->in_meta[k]) are its
+ * inputs, dst[k] receive its outputs. Returns 0, -1 or 1 as a hook call. */
+typedef int (*gj_jit_custom_call)(void *ctx, const gj_jit_callstep *cs, void *const *src,
+                                  void *const *dst);
+/* gj_jit_plan_exec_hooks with custom call steps run through call(hctx, ...). */
+int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           gj_jit_custom_call call, void *hctx);
 int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            void *hctx);

@@ -19,8 +19,12 @@
  *   - Hooks are not run here (there are no values): a tensor hook becomes an
  *     opaque COPY node carrying a hook index, a post-accumulate hook an entry
  *     of the hook table; the compiled run calls them (compiled.c).
+ *   - A custom op's backward (a C function) becomes one opaque call node
+ *     (rec_call_custom) naming the op's node by canonical index; the
+ *     compiled run calls the function on copies of the node's inputs.
  */
 #include "capture.h"
+#include "plan.h"
 
 #include <string.h>
 
@@ -220,6 +224,85 @@ static int rec_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *
     return gj_jit_graph_add_hook(&r->cap->g, &ref) < 0 ? -1 : 0;
 }
 
+static bool same_attrs(const gj_ag_attrs *a, const gj_ag_attrs *b) {
+    if (a->nf != b->nf || a->ni != b->ni) return false;
+    for (int k = 0; k < a->nf; k++)
+        if (memcmp(&a->f[k], &b->f[k], sizeof a->f[k]) != 0) return false;
+    for (int k = 0; k < a->ni; k++)
+        if (a->i[k] != b->i[k]) return false;
+    return true;
+}
+
+/* The checkpoint node of the walk whose tape holds an op of node's opdef
+ * and attributes (the temporary node of a tape's backward): its canonical
+ * index and *tape the op's position, or -1. Two such ops of one tape are
+ * the same call (same function, same scalars), so the first one serves. */
+static int find_tape_op(const gj_jit_walk *w, const gj_ag_node *node, int *tape) {
+    for (int i = 0; i < w->n; i++) {
+        int n_ops = gj_ag_ckpt_n_ops(w->nodes[i]);
+        for (int j = 0; j < n_ops; j++) {
+            const gj_ag_attrs *at = NULL;
+            if (gj_ag_ckpt_op(w->nodes[i], j, &at) == node->op && at &&
+                same_attrs(at, &node->attrs)) {
+                *tape = j;
+                return i;
+            }
+        }
+    }
+    return -1;
+}
+
+/* A custom op's backward becomes one opaque call node: its inputs are the
+ * output gradients (zeros of the output's meta where none flows, as the
+ * eager call materializes them) and the saved tensor arguments; its
+ * outputs the gradients of the needed inputs, of the saved arguments'
+ * metas (what gj_ag_custom_run_backward enforces). */
+static int rec_call_custom(gj_ag_builder *b, gj_ag_node *node, gj_val *const *gout,
+                           gj_val *const *saved, const bool *needs, gj_val **gin) {
+    recorder *r = (recorder *)b;
+    const gj_custom_op *op = gj_ag_custom_of(node->op);
+    int nt = gj_ag_custom_n_tensor_args(op), no = gj_ag_custom_n_outputs(op);
+    int ci = gj_jit_walk_find(r->w, node), tape = -1;
+    if (ci < 0) /* a node of a checkpoint tape's backward: find its op there */
+        ci = find_tape_op(r->w, node, &tape);
+    if (ci < 0) {
+        fail_reason(r, false, "a custom op node that is not on the walked graph");
+        gj_rt_set_error("jit capture: custom op %s: node not found on the graph", node->op->name);
+        return -1;
+    }
+    int n_need = 0;
+    for (int i = 0; i < nt; i++) n_need += needs[i];
+    if (no + nt > GJ_JIT_CALL_MAX_IN || n_need > GJ_RT_MAX_OUTPUTS) {
+        fail_reason(r, true, "custom op %s: %d outputs and %d tensor arguments (%d needing a "
+                    "gradient) exceed a compiled call (at most %d inputs in all, %d gradients)",
+                    node->op->name, no, nt, n_need, GJ_JIT_CALL_MAX_IN, GJ_RT_MAX_OUTPUTS);
+        gj_rt_set_error("jit capture: %s", r->cap->reason);
+        return -1;
+    }
+    int in[GJ_JIT_CALL_MAX_IN], outs[GJ_RT_MAX_OUTPUTS];
+    gj_rt_meta om[GJ_RT_MAX_OUTPUTS];
+    for (int k = 0; k < no; k++) {
+        gj_val *g = gout[k];
+        if (!g) {
+            const gj_rt_meta *m = &node->out_meta[k];
+            g = gj_ag_fill(b, m->dtype, m->ndim, m->shape, 0.0);
+            if (!g) return -1;
+        }
+        in[k] = val_id(g);
+    }
+    uint32_t args = 0;
+    for (int i = 0, j = 0; i < nt; i++) {
+        in[no + i] = val_id(saved[i]);
+        if (!needs[i]) continue;
+        om[j++] = r->cap->g.values[in[no + i]].meta;
+        args |= 1u << i;
+    }
+    if (gj_jit_graph_add_custom(&r->cap->g, ci, tape, args, no + nt, in, n_need, om, outs) < 0)
+        return -1;
+    for (int i = 0, j = 0; i < nt; i++) gin[i] = needs[i] ? id_val(outs[j++]) : NULL;
+    return 0;
+}
+
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds) {
     memset(cap, 0, sizeof *cap);
@@ -235,7 +318,8 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
               .accumulate = rec_accumulate,
               .records = true,
               .call_hook = rec_call_hook,
-              .call_post_hook = rec_call_post_hook},
+              .call_post_hook = rec_call_post_hook,
+              .call_custom = rec_call_custom},
         .cap = cap,
         .w = w,
     };
