@@ -75,6 +75,43 @@ bool gj_jit_strides_contiguous(const gj_rt_meta *m, const int64_t *strides) {
     return true;
 }
 
+/* Room for one more node and n_out more values (reserved together, so a
+ * failure leaves no half node); returns the next node slot, zeroed, with
+ * no origin (rt_node, hook, custom = -1), or NULL on OOM. */
+static gj_jit_node *node_reserve(gj_jit_graph *g, int n_out) {
+    if (grow((void **)&g->nodes, g->n_nodes, &g->cap_nodes, sizeof *g->nodes) != 0) return NULL;
+    if (g->n_values + n_out > g->cap_values) {
+        int nc = g->cap_values ? g->cap_values : 16;
+        while (nc < g->n_values + n_out) nc *= 2;
+        void *p = gj_rt_realloc(g->values, (size_t)nc * sizeof *g->values);
+        if (!p) return NULL;
+        g->values = p;
+        g->cap_values = nc;
+    }
+    gj_jit_node *n = &g->nodes[g->n_nodes];
+    memset(n, 0, sizeof *n);
+    n->rt_node = -1;
+    n->hook = -1;
+    n->custom = -1;
+    n->custom_tape = -1;
+    return n;
+}
+
+/* Completes the node reserved by node_reserve: inputs, one value per
+ * output (ids to outs if non-NULL). Cannot fail; returns n_out. */
+static int node_commit(gj_jit_graph *g, gj_jit_node *n, const int *in, int n_in,
+                       const gj_rt_meta *out_meta, int n_out, int *outs) {
+    int id = g->n_nodes;
+    for (int i = 0; i < n_in; i++) n->in[i] = in[i];
+    n->n_out = n_out;
+    for (int k = 0; k < n_out; k++) {
+        n->out[k] = add_value(g, &out_meta[k], id, k);
+        if (outs) outs[k] = n->out[k];
+    }
+    g->n_nodes++;
+    return n_out;
+}
+
 int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in, int *outs) {
     gj_rt_meta in_meta[GJ_RT_MAX_INPUTS], out_meta[GJ_RT_MAX_OUTPUTS];
     if (inst->n_in < 0 || inst->n_in > GJ_RT_MAX_INPUTS) {
@@ -92,32 +129,10 @@ int gj_jit_graph_add_node(gj_jit_graph *g, const gj_rt_inst *inst, const int *in
     }
     int n_out = gj_rt_infer(inst, in_meta, out_meta);
     if (n_out < 0) return -1;
-    if (grow((void **)&g->nodes, g->n_nodes, &g->cap_nodes, sizeof *g->nodes) != 0) return -1;
-    /* reserve all values first so a failure leaves no half node */
-    if (g->n_values + n_out > g->cap_values) {
-        int nc = g->cap_values ? g->cap_values : 16;
-        while (nc < g->n_values + n_out) nc *= 2;
-        void *p = gj_rt_realloc(g->values, (size_t)nc * sizeof *g->values);
-        if (!p) return -1;
-        g->values = p;
-        g->cap_values = nc;
-    }
-    int id = g->n_nodes;
-    gj_jit_node *n = &g->nodes[id];
-    memset(n, 0, sizeof *n);
+    gj_jit_node *n = node_reserve(g, n_out);
+    if (!n) return -1;
     n->inst = *inst;
-    n->rt_node = -1;
-    n->hook = -1;
-    n->custom = -1;
-    n->custom_tape = -1;
-    for (int i = 0; i < inst->n_in; i++) n->in[i] = in[i];
-    n->n_out = n_out;
-    for (int k = 0; k < n_out; k++) {
-        n->out[k] = add_value(g, &out_meta[k], id, k);
-        if (outs) outs[k] = n->out[k];
-    }
-    g->n_nodes++;
-    return n_out;
+    return node_commit(g, n, in, inst->n_in, out_meta, n_out, outs);
 }
 
 int gj_jit_graph_add_custom(gj_jit_graph *g, int rt_node, int tape, uint32_t args, int n_in,
@@ -131,33 +146,14 @@ int gj_jit_graph_add_custom(gj_jit_graph *g, int rt_node, int tape, uint32_t arg
             gj_rt_set_error("jit: custom call reads an undefined value");
             return -1;
         }
-    if (grow((void **)&g->nodes, g->n_nodes, &g->cap_nodes, sizeof *g->nodes) != 0) return -1;
-    if (g->n_values + n_out > g->cap_values) {
-        int nc = g->cap_values ? g->cap_values : 16;
-        while (nc < g->n_values + n_out) nc *= 2;
-        void *p = gj_rt_realloc(g->values, (size_t)nc * sizeof *g->values);
-        if (!p) return -1;
-        g->values = p;
-        g->cap_values = nc;
-    }
-    int id = g->n_nodes;
-    gj_jit_node *n = &g->nodes[id];
-    memset(n, 0, sizeof *n);
+    gj_jit_node *n = node_reserve(g, n_out);
+    if (!n) return -1;
     n->inst.prim = GJ_P_COPY;
     n->inst.n_in = n_in;
-    n->rt_node = -1;
-    n->hook = -1;
     n->custom = rt_node;
     n->custom_args = args;
     n->custom_tape = tape;
-    for (int i = 0; i < n_in; i++) n->in[i] = in[i];
-    n->n_out = n_out;
-    for (int k = 0; k < n_out; k++) {
-        n->out[k] = add_value(g, &out_meta[k], id, k);
-        if (outs) outs[k] = n->out[k];
-    }
-    g->n_nodes++;
-    return n_out;
+    return node_commit(g, n, in, n_in, out_meta, n_out, outs);
 }
 
 int gj_jit_graph_add_output(gj_jit_graph *g, int value, int acc_node, int grad_input) {

@@ -12,6 +12,20 @@
 
 #include <string.h>
 
+/* Starts a rebuild: every input of g, in order and with its role and
+ * strides, into ng; their new ids into newid. 0 or -1. */
+static int copy_inputs(gj_jit_graph *ng, const gj_jit_graph *g, int *newid) {
+    for (int k = 0; k < g->n_inputs; k++) {
+        const gj_jit_input *in = &g->inputs[k];
+        int v = gj_jit_graph_add_input(ng, &g->values[in->value].meta, in->role, in->node,
+                                       in->slot);
+        if (v < 0) return -1;
+        memcpy(ng->inputs[ng->n_inputs - 1].strides, in->strides, sizeof in->strides);
+        newid[in->value] = v;
+    }
+    return 0;
+}
+
 /* Appends node n of the old graph to ng with its inputs renamed to args,
  * keeping its origin (rt_node, hook), and records the new ids of its
  * outputs in newid. 0 or -1. */
@@ -131,14 +145,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     }
     /* rebuild: inputs first (same order), then live nodes */
     for (int v = 0; v < nv; v++) newid[v] = -1;
-    for (int k = 0; k < g->n_inputs; k++) {
-        const gj_jit_input *in = &g->inputs[k];
-        int v = gj_jit_graph_add_input(&ng, &g->values[in->value].meta, in->role, in->node,
-                                       in->slot);
-        if (v < 0) goto done;
-        memcpy(ng.inputs[ng.n_inputs - 1].strides, in->strides, sizeof in->strides);
-        newid[in->value] = v;
-    }
+    if (copy_inputs(&ng, g, newid) != 0) goto done;
     for (int i = 0; i < nn; i++) {
         if (!live_n[i]) continue;
         const gj_jit_node *n = &g->nodes[i];
@@ -221,14 +228,7 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
         for (int k = 0; k < g->nodes[i].inst.n_in; k++) uses[g->nodes[i].in[k]]++;
     for (int o = 0; o < g->n_outputs; o++) uses[g->outputs[o].value] += 2; /* never inner */
     for (int v = 0; v < nv; v++) newid[v] = -1;
-    for (int k = 0; k < g->n_inputs; k++) {
-        const gj_jit_input *in = &g->inputs[k];
-        int v = gj_jit_graph_add_input(&ng, &g->values[in->value].meta, in->role, in->node,
-                                       in->slot);
-        if (v < 0) goto done;
-        memcpy(ng.inputs[ng.n_inputs - 1].strides, in->strides, sizeof in->strides);
-        newid[in->value] = v;
-    }
+    if (copy_inputs(&ng, g, newid) != 0) goto done;
     for (int i = 0; i < g->n_nodes; i++) {
         const gj_jit_node *n = &g->nodes[i];
         int args[GJ_RT_MAX_INPUTS];
