@@ -22,6 +22,10 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 enum { GJ_CBLAS_ROW_MAJOR = 101, GJ_CBLAS_NO_TRANS = 111, GJ_CBLAS_TRANS = 112 };
 
@@ -42,19 +46,46 @@ static gj_dgemm_fn g_dgemm;
 static gj_str_fn g_corename, g_config;
 static gj_set_threads_fn g_set_threads;
 
-/* Core type for OPENBLAS_CORETYPE from the CPU's features (with OS
- * support), or NULL when OpenBLAS's own detection should decide. */
-const char *gj_rt_blas_pick_coretype(void) {
+/* The OpenBLAS core for a CPU description: the widest kernel set the CPU
+ * runs (AVX-512 with BF16 -> Cooperlake, AVX-512 -> SkylakeX, AVX2+FMA ->
+ * Zen on AMD family >= 0x17, Haswell elsewhere), or NULL when nothing better
+ * than OpenBLAS's own detection is known. Pure: tested over a table. */
+const char *gj_rt_blas_core_for(const gj_rt_cpu *c) {
+    if (c->avx512f && c->avx512bw && c->avx512vl && c->avx512dq && c->avx512cd)
+        return c->avx512bf16 ? "Cooperlake" : "SkylakeX";
+    if (c->avx2 && c->fma)
+        return (c->amd && c->family >= 0x17) ? "Zen" : "Haswell";
+    return NULL;
+}
+
+void gj_rt_cpu_detect(gj_rt_cpu *c) {
+    memset(c, 0, sizeof *c);
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512cd"))
-        return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return "Haswell";
+    c->avx2 = __builtin_cpu_supports("avx2");
+    c->fma = __builtin_cpu_supports("fma");
+    c->avx512f = __builtin_cpu_supports("avx512f");
+    c->avx512bw = __builtin_cpu_supports("avx512bw");
+    c->avx512vl = __builtin_cpu_supports("avx512vl");
+    c->avx512dq = __builtin_cpu_supports("avx512dq");
+    c->avx512cd = __builtin_cpu_supports("avx512cd");
+    c->avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    unsigned a, b, cc, d;
+    if (__get_cpuid(0, &a, &b, &cc, &d))
+        c->amd = b == 0x68747541u && d == 0x69746e65u && cc == 0x444d4163u; /* AuthenticAMD */
+    if (__get_cpuid(1, &a, &b, &cc, &d)) {
+        int base = (int)((a >> 8) & 0xf);
+        c->family = base == 0xf ? base + (int)((a >> 20) & 0xff) : base;
+    }
 #endif
-    return NULL;
+}
+
+/* Core type for OPENBLAS_CORETYPE from this CPU's features (with OS
+ * support), or NULL when OpenBLAS's own detection should decide. */
+const char *gj_rt_blas_pick_coretype(void) {
+    gj_rt_cpu c;
+    gj_rt_cpu_detect(&c);
+    return gj_rt_blas_core_for(&c);
 }
 
 static void gj_rt_blas_load(void) {

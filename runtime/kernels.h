@@ -35,8 +35,10 @@
 
 #include <string.h>
 
+/* target_clones makes ifunc resolvers that run before ThreadSanitizer's
+ * runtime is set up (it crashes at start), so a TSan build has none. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(GJ_NO_TARGET_CLONES)
+    !defined(GJ_NO_TARGET_CLONES) && !defined(__SANITIZE_THREAD__)
 #define GJ_K_CLONES \
     __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else

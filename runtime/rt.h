@@ -173,8 +173,17 @@ int gj_rt_copy_into(gj_tensor *dst, const gj_tensor *src);
 uint64_t gj_rt_rng_bits(uint64_t seed, uint64_t counter);
 double gj_rt_rng_uniform(uint64_t seed, uint64_t counter);
 double gj_rt_rng_normal(uint64_t seed, uint64_t counter);
-/* The OPENBLAS_CORETYPE that gj_rt_blas_init sets from cpuid ("Cooperlake",
- * "SkylakeX", "Haswell") or NULL to let OpenBLAS decide. */
+/* What the OpenBLAS core choice depends on (x86 cpuid; all false/0 elsewhere). */
+typedef struct gj_rt_cpu {
+    bool amd;   /* vendor AuthenticAMD */
+    int family; /* display family (base + extended) */
+    bool avx2, fma, avx512f, avx512bw, avx512vl, avx512dq, avx512cd, avx512bf16;
+} gj_rt_cpu;
+void gj_rt_cpu_detect(gj_rt_cpu *c);
+/* The core for c ("Cooperlake", "SkylakeX", "Zen", "Haswell") or NULL. */
+const char *gj_rt_blas_core_for(const gj_rt_cpu *c);
+/* The OPENBLAS_CORETYPE that gj_rt_blas_init sets from cpuid:
+ * gj_rt_blas_core_for(this CPU), or NULL to let OpenBLAS decide. */
 const char *gj_rt_blas_pick_coretype(void);
 /* Sets OpenBLAS's thread count if it is loaded (gj_rt_set_num_threads calls
  * it; gj_rt_blas_init applies gj_rt_num_threads() after loading). */

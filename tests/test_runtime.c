@@ -917,6 +917,70 @@ static void test_blas_info(void **state) {
     gj_get_info(NULL);
 }
 
+/* The instruction-set level an OpenBLAS 0.3.21 x86-64 kernel set needs:
+ * 1 SSE*, 2 AVX, 3 AVX2+FMA, 4 AVX-512; 0 for a name it does not ship. */
+static int core_level(const char *core) {
+    static const struct { const char *name; int level; } cores[] = {
+        {"Prescott", 1}, {"Core2", 1}, {"Penryn", 1}, {"Dunnington", 1}, {"Nehalem", 1},
+        {"Atom", 1}, {"Opteron", 1}, {"Opteron_SSE3", 1}, {"Barcelona", 1}, {"Nano", 1},
+        {"Sandybridge", 2}, {"Bulldozer", 2}, {"Piledriver", 2}, {"Steamroller", 2},
+        {"Excavator", 2}, {"Haswell", 3}, {"Zen", 3}, {"SkylakeX", 4}, {"Cooperlake", 4},
+        {"SapphireRapids", 4},
+    };
+    for (size_t i = 0; core && i < sizeof cores / sizeof cores[0]; i++)
+        if (strcasecmp(core, cores[i].name) == 0)
+            return cores[i].level;
+    return 0;
+}
+
+/* The rule over CPU descriptions, not over this machine: every CPU family
+ * the project's machines may be maps to a kernel set OpenBLAS ships and the
+ * CPU can run, and never to the generic one when AVX2 is there. */
+static void test_blas_coretype_table(void **state) {
+    (void)state;
+    enum { F = 1, BW = 2, VL = 4, DQ = 8, CD = 16, BF = 32 };
+    static const struct {
+        const char *cpu;
+        bool amd;
+        int family;
+        bool avx2, fma;
+        int avx512;
+        const char *want;
+    } table[] = {
+        {"Intel Haswell (family 6 model 63)", false, 6, true, true, 0, "Haswell"},
+        {"Intel Skylake-SP (6/85)", false, 6, true, true, F | BW | VL | DQ | CD, "SkylakeX"},
+        {"Intel Cooper Lake (6/85 bf16)", false, 6, true, true, F | BW | VL | DQ | CD | BF, "Cooperlake"},
+        {"Intel Emerald Rapids (6/207)", false, 6, true, true, F | BW | VL | DQ | CD | BF, "Cooperlake"},
+        {"Intel Knights Landing (6/87: no BW/VL/DQ)", false, 6, true, true, F | CD, "Haswell"},
+        {"Intel Sandy Bridge (no AVX2)", false, 6, false, false, 0, NULL},
+        {"AMD Zen 2 (family 0x17)", true, 0x17, true, true, 0, "Zen"},
+        {"AMD Zen 3 (family 0x19 model 1)", true, 0x19, true, true, 0, "Zen"},
+        {"AMD Zen 4 (family 0x19 model 0x11)", true, 0x19, true, true, F | BW | VL | DQ | CD | BF, "Cooperlake"},
+        {"AMD Zen 5 (family 0x1a)", true, 0x1a, true, true, F | BW | VL | DQ | CD | BF, "Cooperlake"},
+        {"AMD Excavator (family 0x15)", true, 0x15, true, true, 0, "Haswell"},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        gj_rt_cpu c = {.amd = table[i].amd, .family = table[i].family, .avx2 = table[i].avx2,
+                       .fma = table[i].fma, .avx512f = table[i].avx512 & F,
+                       .avx512bw = table[i].avx512 & BW, .avx512vl = table[i].avx512 & VL,
+                       .avx512dq = table[i].avx512 & DQ, .avx512cd = table[i].avx512 & CD,
+                       .avx512bf16 = table[i].avx512 & BF};
+        const char *got = gj_rt_blas_core_for(&c);
+        if (!table[i].want) {
+            if (got)
+                fail_msg("%s: want no choice, got %s", table[i].cpu, got);
+            continue;
+        }
+        if (!got || strcmp(got, table[i].want) != 0)
+            fail_msg("%s: want %s, got %s", table[i].cpu, table[i].want, got ? got : "(none)");
+        int need = (c.avx512f && c.avx512bw && c.avx512vl && c.avx512dq && c.avx512cd) ? 4 : 3;
+        assert_int_equal(core_level(got), need); /* shipped, and runnable here */
+    }
+}
+
+/* On this machine, whatever it is: the core in use is the rule's choice, it
+ * is a kernel set at least as wide as OpenBLAS's own detection, and it is
+ * never the generic SSE one on an AVX2 CPU. */
 static void test_blas_coretype_rule(void **state) {
     (void)state;
     const char *pick = gj_rt_blas_pick_coretype();
@@ -925,11 +989,19 @@ static void test_blas_coretype_rule(void **state) {
         skip();
     }
     assert_true(g_probe_core[0] != '\0');
+    assert_int_equal(gj_rt_blas_init(), 0);
+    const char *used = gj_rt_blas_corename();
     print_message("cpuid rule: %s, OpenBLAS's own detection: %s, in use: %s\n",
-                  pick ? pick : "(none)", g_probe_core, gj_rt_blas_corename());
+                  pick ? pick : "(none)", g_probe_core, used);
+    gj_rt_cpu c;
+    gj_rt_cpu_detect(&c);
     if (pick) {
-        assert_int_equal(strcasecmp(pick, g_probe_core), 0);
-        assert_int_equal(strcasecmp(pick, gj_rt_blas_corename()), 0);
+        assert_int_equal(strcasecmp(pick, used), 0);
+        assert_true(core_level(used) >= core_level(g_probe_core));
+    }
+    if (c.avx2 && c.fma) {
+        assert_non_null(pick);
+        assert_true(core_level(used) >= 3);
     }
 }
 
@@ -985,6 +1057,7 @@ int main(void) {
         cmocka_unit_test(test_parallel_for_concurrent_callers),
         cmocka_unit_test(test_gemm),
         cmocka_unit_test(test_blas_info),
+        cmocka_unit_test(test_blas_coretype_table),
         cmocka_unit_test(test_blas_coretype_rule),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
