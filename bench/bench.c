@@ -36,7 +36,6 @@
 #include <strings.h>
 #include <time.h>
 
-#define BENCH_SEED 20240611u
 #define BENCH_MAX_STEPS 100000
 
 typedef enum { MODE_EAGER = 1, MODE_COMPILED = 2, MODE_BOTH = 3 } bench_mode;
@@ -52,6 +51,7 @@ typedef struct bench_opts {
     const char *json_path, *png_path;
     bool compare_torch;
     const char *python, *torch_script;
+    int pairs; /* --paired N: interleaved eager/compiled pairs (0: off) */
 } bench_opts;
 
 /* Everything measured for one workload in one mode. */
@@ -644,7 +644,10 @@ static void usage(FILE *f) {
                "                     [--steps N] [--warmup N] [--threads N] [--json FILE] "
                "[--png FILE]\n"
                "                     [--grads none|keep] "
-               "[--compare torch [--python PATH] [--torch-script PATH]]\n");
+               "[--compare torch [--python PATH] [--torch-script PATH]]\n"
+               "                     [--paired N]   N >= 30 interleaved eager/compiled pairs "
+               "(ABBA), median ratio and IQR\n"
+               "  workloads: W1 W2 W3 W4 W4n W5 F1 (all); FILE \"-\": no file\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -747,6 +750,11 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                 return -1;
             }
             g_keep_grads = !strcmp(v, "keep");
+        } else if (!strcmp(a, "--paired")) {
+            if (parse_int(v, 30, BENCH_MAX_STEPS, &o->pairs)) {
+                fprintf(stderr, "gradjit-bench: --paired must be 30..%d pairs\n", BENCH_MAX_STEPS);
+                return -1;
+            }
         } else if (!strcmp(a, "--python")) {
             o->python = v;
         } else if (!strcmp(a, "--torch-script")) {
@@ -763,6 +771,76 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
     return 0;
 }
 
+/* --paired: every selected workload interleaved, one table, optional JSON. */
+static int paired_main(const bench_opts *o, const char *cpu, const gj_info *info) {
+    printf("gradjit %s | CPU: %s | threads: %d | BLAS core: %s\n", info->version, cpu,
+           info->num_threads, info->blas_core ? info->blas_core : "?");
+    printf("%d pairs (ABBA) after %d warm-up steps per mode; ratio = eager / compiled backward "
+           "(> 1: compiled faster), median [interquartile range]\n",
+           o->pairs, o->warmup);
+    bench_ceiling ceil;
+    bench_ceiling_measure(&ceil, info->num_threads);
+    bench_ceiling_print(&ceil);
+    bench_paired_print_header();
+    bench_paired_result res[16];
+    int n = 0, failed = 0;
+    for (int w = 0; w < bench_n_workloads && n < 16; w++) {
+        if (!(o->workloads & (1u << w)))
+            continue;
+        bench_paired_run(&bench_workloads[w], o->pairs, o->warmup, &res[n]);
+        if (res[n].ok)
+            bench_ceiling_bound(&ceil, &res[n]);
+        bench_paired_print_row(&res[n]);
+        fflush(stdout);
+        failed |= !res[n].ok;
+        n++;
+    }
+    bench_ceiling_print_shapes(&ceil);
+    if (o->json_path && strcmp(o->json_path, "-") != 0) {
+        FILE *f = fopen(o->json_path, "w");
+        if (!f) {
+            fprintf(stderr, "gradjit-bench: cannot write %s\n", o->json_path);
+            return 1;
+        }
+        fprintf(f, "{\n  \"cpu\": ");
+        json_str(f, cpu);
+        fprintf(f, ",\n  \"threads\": %d,\n  \"blas_core\": ", info->num_threads);
+        json_str(f, info->blas_core ? info->blas_core : "");
+        fprintf(f, ",\n  \"pairs\": %d,\n  \"ceiling\": ", o->pairs);
+        bench_ceiling_json(f, &ceil);
+        fprintf(f, ",\n  \"workloads\": [\n");
+        for (int i = 0; i < n; i++) {
+            const bench_paired_result *r = &res[i];
+            fprintf(f, "    {\"id\": \"%s\", \"ok\": %s, \"ratio_median\": ", r->wl->id,
+                    r->ok ? "true" : "false");
+            json_num(f, r->ratio_med);
+            fprintf(f, ", \"ratio_q1\": ");
+            json_num(f, r->ratio_q1);
+            fprintf(f, ", \"ratio_q3\": ");
+            json_num(f, r->ratio_q3);
+            fprintf(f, ", \"step_ratio_median\": ");
+            json_num(f, r->step_ratio_med);
+            fprintf(f, ", \"eager_bwd_ms\": ");
+            json_num(f, r->eager_ms);
+            fprintf(f, ", \"compiled_bwd_ms\": ");
+            json_num(f, r->compiled_ms);
+            fprintf(f, ", \"bound_ms\": ");
+            json_num(f, r->bound_ms);
+            fprintf(f, ", \"gemm_gflop\": ");
+            json_num(f, r->gemm_gflop);
+            fprintf(f, ", \"timed_fallbacks\": %lld, \"timed_compiles\": %lld}%s\n",
+                    r->timed_fallbacks, r->timed_compiles, i + 1 < n ? "," : "");
+        }
+        fprintf(f, "  ]\n}\n");
+        if (fclose(f) != 0)
+            failed = 1;
+        else
+            printf("wrote %s\n", o->json_path);
+    }
+    bench_ceiling_free(&ceil);
+    return failed ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     bench_opts o;
     if (parse_opts(argc, argv, &o) != 0) {
@@ -774,6 +852,8 @@ int main(int argc, char **argv) {
     gj_get_info(&info);
     char cpu[256];
     cpu_model(cpu, sizeof cpu);
+    if (o.pairs > 0)
+        return paired_main(&o, cpu, &info);
     print_header(cpu, &info, &o);
 
     bench_result res[2 * 8];

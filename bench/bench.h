@@ -14,6 +14,8 @@
 
 #include "gradjit.h"
 
+#include <stdio.h>
+
 #define BENCH_MAX_PARAMS 64
 #define BENCH_MAX_OWNED 96
 
@@ -47,6 +49,55 @@ typedef struct bench_workload {
 /* Registry of the five workloads, in order W1..W5. */
 extern const bench_workload bench_workloads[];
 extern const int bench_n_workloads;
+
+#define BENCH_SEED 20240611u /* every workload's weights and data */
+
+/* One workload's --paired result (paired.c). Ratios are eager / compiled
+ * backward time per pair; quantiles over the pairs. */
+typedef struct bench_paired_result {
+    const bench_workload *wl;
+    bool ok;
+    char error[384];
+    int pairs;
+    double ratio_med, ratio_q1, ratio_q3; /* backward, eager / compiled */
+    double step_ratio_med;                /* forward + backward */
+    double eager_ms, compiled_ms;         /* median backward times */
+    double compile_ms;                    /* spent compiling during warm-up */
+    long long timed_compiles, timed_fallbacks, timed_backwards;
+    /* the machine's ceiling for this backward (ceiling.c), 0 if unknown */
+    double gemm_gflop, bytes_mb, bound_ms;
+} bench_paired_result;
+
+/* Interleaves eager and compiled steps of wl (ABBA), after `warmup` steps
+ * of each; fills r (r->ok false with r->error on failure). */
+void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_paired_result *r);
+void bench_paired_print_header(void);
+void bench_paired_print_row(const bench_paired_result *r);
+/* The q-quantile of v[0..n) (sorts v). */
+double bench_quantile(double *v, int n, double q);
+
+/* The machine's ceiling (ceiling.c): copy bandwidth, and the GEMM rates of
+ * the compiled programs' GEMM steps at 1 and all threads. */
+#define BENCH_MAX_SHAPES 256
+typedef struct bench_gemm_rate {
+    char workload[8];
+    gj_ca_gemm g;
+    double gflops_1, gflops_n;
+} bench_gemm_rate;
+typedef struct bench_ceiling {
+    int threads;
+    double copy_gbs;
+    bench_gemm_rate shapes[BENCH_MAX_SHAPES];
+    int n_shapes;
+} bench_ceiling;
+void bench_ceiling_measure(bench_ceiling *c, int threads);
+/* Sets r's bound from the last compiled program of this thread (the
+ * workload r just ran); records its GEMM rates in c. */
+void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r);
+void bench_ceiling_print(const bench_ceiling *c);
+void bench_ceiling_print_shapes(const bench_ceiling *c);
+void bench_ceiling_json(FILE *f, const bench_ceiling *c);
+void bench_ceiling_free(bench_ceiling *c);
 
 /* Releases every owned tensor and resets s. */
 void bench_state_free(bench_state *s);

@@ -118,6 +118,13 @@ def w1_setup(args):
     return p, lambda: mlp3_loss(p, x, labels), None
 
 
+def f1_setup(args):  # the Fashion-MNIST MLP of the main job
+    p = linear(784, 512) + linear(512, 256) + linear(256, 10)
+    x = torch.randn(128, 784)
+    labels = torch.randint(0, 10, (128,))
+    return p, lambda: mlp3_loss(p, x, labels), None
+
+
 def w2_setup(args):
     x, w, b = (torch.randn(4194304).requires_grad_() for _ in range(3))
 
@@ -201,7 +208,8 @@ def w5_setup(args):
 
 WORKLOADS = {"W1": ("mlp", w1_setup), "W2": ("pointwise", w2_setup), "W3": ("block", w3_setup),
              "W4": ("deep-mlp-ckpt", w4_setup), "W5": ("bf16-mlp", w5_setup),
-             "W4N": ("deep-mlp", lambda args: w4_setup(args, checkpointed=False))}
+             "W4N": ("deep-mlp", lambda args: w4_setup(args, checkpointed=False)),
+             "F1": ("fashion-mlp", f1_setup)}
 
 
 # ------------------------------------------------------------------ driver

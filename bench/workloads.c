@@ -126,6 +126,23 @@ static int w1_setup(bench_state *s) {
 
 static gj_tensor *w1_forward(bench_state *s) { return mlp3_loss(s->params, s->in[0], s->in[1]); }
 
+/* ---------------------------------------------------- F1 fashion-mlp */
+
+enum { F1_N = 128, F1_IN = 784, F1_H1 = 512, F1_H2 = 256, F1_K = 10 };
+
+/* The main job's MLP (examples/train_fashion_mnist.c): x[128,784] ->
+ * Linear(784,512) -> GELU -> Linear(512,256) -> GELU -> Linear(256,10) ->
+ * cross_entropy, on random data of the dataset's shape. */
+static int f1_setup(bench_state *s) {
+    int64_t xs[2] = {F1_N, F1_IN};
+    if (add_linear(s, F1_IN, F1_H1, GJ_F32) || add_linear(s, F1_H1, F1_H2, GJ_F32) ||
+        add_linear(s, F1_H2, F1_K, GJ_F32))
+        return -1;
+    s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
+    s->in[1] = own(s, random_labels(F1_N, F1_K));
+    return s->in[0] && s->in[1] ? 0 : -1;
+}
+
 /* -------------------------------------------------------- W2 pointwise */
 
 enum { W2_N = 4194304 };
@@ -332,5 +349,7 @@ const bench_workload bench_workloads[] = {
      w4_plain_forward, NULL, false},
     {"W5", "bf16-mlp", "W1, bf16 params, f32 masters+math", "SGD step untimed", w5_setup,
      w5_forward, w5_after_backward, false},
+    {"F1", "fashion-mlp", "x[128,784] 784-512-256-10 GELU, CE(i64)", NULL, f1_setup, w1_forward,
+     NULL, false},
 };
 const int bench_n_workloads = (int)(sizeof bench_workloads / sizeof bench_workloads[0]);

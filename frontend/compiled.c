@@ -44,6 +44,19 @@ void gj_compiled_autograd_stats(gj_ca_stats *out) {
     out->backwards = atomic_load(&g_backwards);
 }
 
+int gj_compiled_autograd_last_program(gj_ca_program_info *out) {
+    if (!out) {
+        gj_rt_set_error("gj_compiled_autograd_last_program: out is NULL");
+        return -1;
+    }
+    if (!gj_jit_last_program_info(out)) {
+        gj_rt_set_error("gj_compiled_autograd_last_program: no compiled backward ran on this "
+                        "thread yet");
+        return -1;
+    }
+    return 0;
+}
+
 void gj_compiled_autograd_reset_stats(void) {
     atomic_store(&g_backwards, 0);
     gj_jit_reset_stats();

@@ -305,6 +305,29 @@ void gj_compiled_autograd_set_quiet(bool quiet);
  * one site). Default 8; n < 0: no limit; 0: nothing new compiles. */
 void gj_compiled_autograd_set_recompile_limit(int n);
 
+/* What the compiled program of the calling thread's last compiled backward
+ * does (for profiles and benchmarks' lower bounds). gemms[] lists its BLAS
+ * steps in order (at most GJ_CA_MAX_GEMMS; n_gemms counts them all). */
+#define GJ_CA_MAX_GEMMS 64
+typedef struct gj_ca_gemm {
+    gj_dtype dtype;
+    bool ta, tb;                /* operand transposes passed to BLAS */
+    int64_t M, N, K, batch;     /* C[M,N] (+)= op(A)[M,K] op(B)[K,N], batch times */
+    bool accumulate;            /* beta = 1: into an existing .grad */
+} gj_ca_gemm;
+typedef struct gj_ca_program_info {
+    int steps, kernel_steps, gemm_steps, other_steps;
+    int parallel_groups;        /* groups of steps the program runs side by side */
+    double gemm_flops;          /* 2*M*N*K*batch over the GEMM steps */
+    int64_t input_bytes;        /* graph inputs read (saved tensors, seeds, .grad) */
+    int64_t output_bytes;       /* new .grad written */
+    int n_gemms;
+    gj_ca_gemm gemms[GJ_CA_MAX_GEMMS];
+} gj_ca_program_info;
+/* 0 and *out filled, or -1 (error set) when this thread has run no
+ * compiled backward yet. */
+int gj_compiled_autograd_last_program(gj_ca_program_info *out);
+
 /* ------------------------------------- runtime effects (helper "hooks") */
 /* Hooks, streams, set_, custom ops and anomaly mode: the runtime effects
  * that compiled autograd must respect (docs/fallbacks.md). */

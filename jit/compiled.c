@@ -82,6 +82,13 @@ static gj_ca_stats g_stats;
 static atomic_bool g_quiet;
 static atomic_int g_recompile_limit = 8;
 static _Thread_local char g_last_reason[400];
+/* The last program this thread ran (compared by address and cache
+ * generation, never dereferenced after a clear) and its description. */
+static atomic_uint g_cache_gen;
+static _Thread_local const gj_jit_program *g_last_prog;
+static _Thread_local unsigned g_last_gen;
+static _Thread_local gj_ca_program_info g_last_info;
+static _Thread_local bool g_have_last;
 
 static void fallback(gj_ca_reason code, const char *reason, bool first_for_key);
 
@@ -108,6 +115,22 @@ void gj_jit_reset_stats(void) {
 }
 
 const char *gj_jit_last_fallback_reason(void) { return g_last_reason; }
+
+bool gj_jit_last_program_info(gj_ca_program_info *out) {
+    if (g_have_last) *out = g_last_info;
+    return g_have_last;
+}
+
+/* Remembers prog as this thread's last program (its description is made
+ * once per program and cache generation). */
+static void note_last_program(const gj_jit_program *prog) {
+    unsigned gen = atomic_load(&g_cache_gen);
+    if (g_have_last && prog == g_last_prog && gen == g_last_gen) return;
+    gj_jit_plan_info(&prog->plan, &g_last_info);
+    g_last_prog = prog;
+    g_last_gen = gen;
+    g_have_last = true;
+}
 
 const char *gj_jit_last_fallback(void) { return g_last_reason; }
 
@@ -138,6 +161,7 @@ static gj_ca_reason build_reason(const char *why) {
 
 void gj_jit_clear_cache(void) {
     pthread_mutex_lock(&g_lock);
+    atomic_fetch_add(&g_cache_gen, 1);
     for (int i = 0; i < g_n_cache; i++) {
         gj_jit_program_free(g_cache[i].prog);
         gj_rt_free(g_cache[i].key);
@@ -718,6 +742,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         for (int i = 0; i < w.n; i++) custom |= gj_ag_custom_of(w.nodes[i]->op) != NULL;
         prog = w.n_hooks > 0 || custom ? NULL : gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
         if (prog) {
+            gj_jit_schedule_groups(&prog->plan); /* not stored: derived from the order */
             if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
                 pthread_mutex_unlock(&g_lock);
                 snprintf(why, sizeof why, "out of memory in the cache");
@@ -808,6 +833,7 @@ run:
         if (r == 2) goto out; /* nothing written: the eager engine runs this backward */
     }
     if (r == 0) {
+        note_last_program(prog);
         pthread_mutex_lock(&g_lock);
         g_stats.run_ms += now_ms() - t1;
         pthread_mutex_unlock(&g_lock);

@@ -16,6 +16,9 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
 
 /* Counters of gj_ca_stats (frontend/ adds `backwards`). */
 void gj_jit_stats(gj_ca_stats *out);
+/* The info of the program the calling thread's last compiled backward ran;
+ * false if none. */
+bool gj_jit_last_program_info(gj_ca_program_info *out);
 void gj_jit_reset_stats(void);
 
 /* Appended by helper "jit". The reason of this thread's last fallback

@@ -1311,12 +1311,13 @@ static int plan_memory(gj_jit_plan *p) {
         }
         p->by_last[j + 1] = v;
     }
-    size_t live = 0, peak = 0;
-    for (int s = 0, i = 0, j = 0; s < p->n_steps; s++) {
-        for (; i < n && p->bufs[p->by_first[i]].first_step == s; i++)
+    size_t live = 0, peak = 0; /* a group's buffers are all live while it runs */
+    for (int s = 0, i = 0, j = 0; s < p->n_steps; s = p->steps[s].group_end) {
+        int e = p->steps[s].group_end;
+        for (; i < n && p->bufs[p->by_first[i]].first_step < e; i++)
             if (p->bufs[p->by_first[i]].kind == GJ_JIT_BUF_TEMP) live += p->bufs[p->by_first[i]].nbytes;
         if (live > peak) peak = live;
-        for (; j < m && p->bufs[p->by_last[j]].last_step == s; j++) live -= p->bufs[p->by_last[j]].nbytes;
+        for (; j < m && p->bufs[p->by_last[j]].last_step < e; j++) live -= p->bufs[p->by_last[j]].nbytes;
     }
     p->peak_temp_bytes = peak;
     return 0;
@@ -1482,6 +1483,8 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             goto done;
         }
     }
+    gj_jit_schedule_order(p);
+    gj_jit_schedule_groups(p);
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
             snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
@@ -1580,11 +1583,16 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
         }
         if (st->kind == GJ_JIT_STEP_MATMUL) {
             const gj_jit_matmul *m = &st->mm;
-            fprintf(f, "  step %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d\n", s,
+            int g0 = s;
+            while (g0 > 0 && p->steps[g0 - 1].group_end == st->group_end) g0--;
+            char grp[48] = "";
+            if (st->group_end - g0 > 1)
+                snprintf(grp, sizeof grp, "  [side by side: steps %d..%d]", g0, st->group_end - 1);
+            fprintf(f, "  step %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d%s\n", s,
                     m->dtype == GJ_F64 ? "dgemm" : "sgemm", m->c_buf, m->accumulate ? "+=" : "=",
                     m->a_buf, m->ta ? "^T" : "",
                     m->b_buf, m->tb ? "^T" : "", (long long)m->M, (long long)m->N,
-                    (long long)m->K, m->nb);
+                    (long long)m->K, m->nb, grp);
             continue;
         }
         const gj_jit_kernel *k = &st->k;

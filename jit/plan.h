@@ -178,7 +178,8 @@ typedef enum gj_jit_step_kind {
 
 typedef struct gj_jit_step {
     gj_jit_step_kind kind;
-    int64_t pos; /* ordering key while planning */
+    int64_t pos;   /* ordering key while planning */
+    int group_end; /* steps [first of its group, group_end) run side by side (schedule.c) */
     gj_jit_kernel k;
     gj_jit_matmul mm;
     gj_jit_index ix;
@@ -203,7 +204,15 @@ typedef struct gj_jit_plan {
     int n_rt_params;      /* run-time (seed, offset) pairs */
     int *rt_param_node;   /* pair k comes from this canonical (dropout) node's attrs */
     int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
+    int n_par_groups;     /* groups of steps run side by side (schedule.c) */
 } gj_jit_plan;
+
+/* schedule.c: pairs independent GEMM steps (see its contract). order runs
+ * once before the memory plan; groups sets group_end (also after a plan is
+ * read back from the disk cache). */
+#define GJ_JIT_MAX_GROUP 2
+void gj_jit_schedule_order(gj_jit_plan *p);
+void gj_jit_schedule_groups(gj_jit_plan *p);
 
 /* Builds the plan of g (after gj_jit_pass_cse_dce). Returns 0; or -1 with
  * why[] set ("no lowering for X", or an OOM message) and the error set. */

@@ -106,25 +106,57 @@ void gj_jit_program_free(gj_jit_program *pr) {
     gj_rt_free(pr);
 }
 
+static int64_t meta_bytes(const gj_rt_meta *m) {
+    int64_t n = 1;
+    for (int d = 0; d < m->ndim; d++) n *= m->shape[d];
+    return n * (int64_t)gj_rt_dtype_size(m->dtype);
+}
+
+/* The public description of plan p (gradjit.h: gj_ca_program_info). */
+void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
+    memset(out, 0, sizeof *out);
+    out->steps = p->n_steps;
+    out->parallel_groups = p->n_par_groups;
+    for (int s = 0; s < p->n_steps; s++) {
+        const gj_jit_step *st = &p->steps[s];
+        if (st->kind == GJ_JIT_STEP_KERNEL) {
+            out->kernel_steps++;
+        } else if (st->kind == GJ_JIT_STEP_MATMUL) {
+            const gj_jit_matmul *m = &st->mm;
+            int64_t batch = 1;
+            for (int k = 0; k < m->nb; k++) batch *= m->bshape[k];
+            out->gemm_steps++;
+            out->gemm_flops += 2.0 * (double)m->M * (double)m->N * (double)m->K * (double)batch;
+            if (out->n_gemms < GJ_CA_MAX_GEMMS)
+                out->gemms[out->n_gemms] = (gj_ca_gemm){m->dtype, m->ta, m->tb, m->M, m->N,
+                                                        m->K, batch, m->accumulate};
+            out->n_gemms++;
+        } else {
+            out->other_steps++;
+        }
+    }
+    for (int i = 0; i < p->n_inputs; i++) out->input_bytes += meta_bytes(&p->in_meta[i]);
+    for (int o = 0; o < p->n_outputs; o++)
+        if (p->bufs[p->out_buf[o]].kind == GJ_JIT_BUF_OUTPUT)
+            out->output_bytes += meta_bytes(&p->out_meta[o]);
+}
+
 /* ---------------------------------------------------------------- run */
 
-/* gj_k_mat_layout of the eager matmul: operand storage (rows r, cols c,
- * strides sr, sc) as row-major (flip false) or as its transpose. */
-static void run_matmul(const gj_jit_matmul *m, void *const *bp) {
-    size_t el = gj_rt_dtype_size(m->dtype);
-    int64_t M = m->M, N = m->N, K = m->K;
-    char *C = bp[m->c_buf];
-    int64_t nbatch = 1;
-    for (int k = 0; k < m->nb; k++) nbatch *= m->bshape[k];
-    if (nbatch == 0 || M == 0 || N == 0) return;
-    if (K == 0) {
-        if (!m->accumulate) memset(C, 0, (size_t)(nbatch * M * N) * el);
-        return;
-    }
-    bool collapse = nbatch > 1 && !m->ta;
+/* ------------------------------------------------------ matmul steps */
+
+/* The eager matmul kernel's batch collapsing rule (gj_k_mat_layout): a
+ * batch of A row blocks stacked in memory against one shared B is one GEMM
+ * with M * nbatch rows. Sets *M, *nbatch. */
+static void mm_collapse(const gj_jit_matmul *m, int64_t *M, int64_t *nbatch) {
+    int64_t nb = 1;
+    for (int k = 0; k < m->nb; k++) nb *= m->bshape[k];
+    *M = m->M;
+    *nbatch = nb;
+    bool collapse = nb > 1 && !m->ta;
     for (int k = 0; collapse && k < m->nb; k++) collapse = m->b_bstr[k] == 0 || m->bshape[k] == 1;
     if (collapse) {
-        int64_t want = M * m->lda;
+        int64_t want = m->M * m->lda;
         for (int k = m->nb - 1; collapse && k >= 0; k--) {
             if (m->bshape[k] == 1) continue;
             collapse = m->a_bstr[k] == want;
@@ -132,31 +164,127 @@ static void run_matmul(const gj_jit_matmul *m, void *const *bp) {
         }
     }
     if (collapse) {
-        M *= nbatch;
-        nbatch = 1;
+        *M = m->M * nb;
+        *nbatch = 1;
     }
+}
+
+/* One BLAS call's worth of a matmul step: batches [b0, b1), and in each the
+ * block rows [r0, r1) x cols [c0, c1) of C. Every element of C is computed
+ * by BLAS over the whole K, as the eager kernel computes it. */
+typedef struct mm_piece {
+    const gj_jit_matmul *m;
+    int64_t M, nbatch;
+    int64_t b0, b1, r0, r1, c0, c1;
+} mm_piece;
+
+static void mm_run_piece(const mm_piece *pc, void *const *bp) {
+    const gj_jit_matmul *m = pc->m;
+    int64_t el = (int64_t)gj_rt_dtype_size(m->dtype), M = pc->M, N = m->N, K = m->K;
     const char *A = bp[m->a_buf], *B = bp[m->b_buf];
-    int64_t idx[GJ_MAX_DIMS] = {0};
-    for (int64_t bi = 0; bi < nbatch; bi++) {
-        int64_t ao = m->a_off, bo = m->b_off;
-        for (int k = 0; k < m->nb; k++) {
-            ao += idx[k] * m->a_bstr[k];
-            bo += idx[k] * m->b_bstr[k];
+    char *C = bp[m->c_buf];
+    int64_t rows = pc->r1 - pc->r0, cols = pc->c1 - pc->c0;
+    int64_t a_blk = m->ta ? pc->r0 : pc->r0 * m->lda, b_blk = m->tb ? pc->c0 * m->ldb : pc->c0;
+    for (int64_t bi = pc->b0; bi < pc->b1; bi++) {
+        int64_t ao = m->a_off, bo = m->b_off, rest = bi;
+        for (int k = m->nb - 1; k >= 0 && pc->nbatch > 1; k--) { /* unravel bi */
+            int64_t ik = rest % m->bshape[k];
+            rest /= m->bshape[k];
+            ao += ik * m->a_bstr[k];
+            bo += ik * m->b_bstr[k];
         }
-        char *cp = C + (size_t)(bi * M * N) * el;
+        char *cp = C + (bi * M * N + pc->r0 * N + pc->c0) * el;
         if (m->dtype == GJ_F32)
-            gj_rt_sgemm(m->ta, m->tb, M, N, K, 1.0f, (const float *)(const void *)(A + ao * (int64_t)el),
-                        m->lda, (const float *)(const void *)(B + bo * (int64_t)el), m->ldb,
+            gj_rt_sgemm(m->ta, m->tb, rows, cols, K, 1.0f,
+                        (const float *)(const void *)(A + (ao + a_blk) * el), m->lda,
+                        (const float *)(const void *)(B + (bo + b_blk) * el), m->ldb,
                         m->accumulate ? 1.0f : 0.0f, (float *)(void *)cp, N);
         else
-            gj_rt_dgemm(m->ta, m->tb, M, N, K, 1.0, (const double *)(const void *)(A + ao * (int64_t)el),
-                        m->lda, (const double *)(const void *)(B + bo * (int64_t)el), m->ldb,
+            gj_rt_dgemm(m->ta, m->tb, rows, cols, K, 1.0,
+                        (const double *)(const void *)(A + (ao + a_blk) * el), m->lda,
+                        (const double *)(const void *)(B + (bo + b_blk) * el), m->ldb,
                         m->accumulate ? 1.0 : 0.0, (double *)(void *)cp, N);
-        for (int k = m->nb - 1; k >= 0; k--) {
-            if (++idx[k] < m->bshape[k]) break;
-            idx[k] = 0;
-        }
     }
+}
+
+/* Below this many multiply-adds a GEMM is one piece: splitting costs more
+ * than it returns. */
+#define GJ_JIT_MM_SPLIT_MIN (1 << 18)
+#define GJ_JIT_MM_MIN_BLOCK 16 /* rows or columns of a piece, at least */
+#define GJ_JIT_MM_MAX_PIECES 64
+
+/* Appends the pieces of matmul m to pcs (at most `parts` of them): whole
+ * batches when there are enough, else blocks of rows or columns of C,
+ * whichever dimension is longer. Returns the new count. K == 0 and empty
+ * products are handled by the caller. */
+static int mm_split(const gj_jit_matmul *m, int parts, mm_piece *pcs, int n) {
+    int64_t M, nbatch;
+    mm_collapse(m, &M, &nbatch);
+    mm_piece whole = {m, M, nbatch, 0, nbatch, 0, M, 0, m->N};
+    double madds = (double)M * (double)m->N * (double)m->K * (double)nbatch;
+    if (parts > (GJ_JIT_MM_MAX_PIECES - n)) parts = (GJ_JIT_MM_MAX_PIECES - n);
+    if (parts <= 1 || madds < GJ_JIT_MM_SPLIT_MIN) {
+        pcs[n++] = whole;
+        return n;
+    }
+    if (nbatch >= parts) {
+        for (int i = 0; i < parts; i++) {
+            mm_piece pc = whole;
+            pc.b0 = nbatch * i / parts;
+            pc.b1 = nbatch * (i + 1) / parts;
+            pcs[n++] = pc;
+        }
+        return n;
+    }
+    bool by_rows = M >= m->N;
+    int64_t len = by_rows ? M : m->N;
+    if (len / parts < GJ_JIT_MM_MIN_BLOCK) parts = (int)(len / GJ_JIT_MM_MIN_BLOCK);
+    if (parts <= 1) {
+        pcs[n++] = whole;
+        return n;
+    }
+    for (int i = 0; i < parts; i++) {
+        mm_piece pc = whole;
+        int64_t lo = len * i / parts, hi = len * (i + 1) / parts;
+        if (by_rows) pc.r0 = lo, pc.r1 = hi;
+        else pc.c0 = lo, pc.c1 = hi;
+        pcs[n++] = pc;
+    }
+    return n;
+}
+
+typedef struct mm_job {
+    mm_piece pcs[GJ_JIT_MM_MAX_PIECES];
+    int n;
+    void *const *bp;
+} mm_job;
+
+static void mm_job_range(void *vctx, int64_t b, int64_t e) {
+    const mm_job *j = vctx;
+    for (int64_t i = b; i < e; i++) mm_run_piece(&j->pcs[i], j->bp);
+}
+
+/* Runs the matmul steps [s, e) of p (one step, or a group of independent
+ * ones): each GEMM as one piece per thread of the pool when the group has
+ * one GEMM, or one piece per GEMM otherwise, the pieces side by side with
+ * BLAS single-threaded (the caller has set that). */
+static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int threads) {
+    mm_job job;
+    job.n = 0;
+    job.bp = bp;
+    for (int t = s; t < e; t++) {
+        const gj_jit_matmul *m = &p->steps[t].mm;
+        int64_t nbatch = 1;
+        for (int k = 0; k < m->nb; k++) nbatch *= m->bshape[k];
+        if (nbatch == 0 || m->M == 0 || m->N == 0) continue;
+        if (m->K == 0) {
+            if (!m->accumulate)
+                memset(bp[m->c_buf], 0, (size_t)(nbatch * m->M * m->N) * gj_rt_dtype_size(m->dtype));
+            continue;
+        }
+        job.n = mm_split(m, e - s > 1 ? 1 : threads, job.pcs, job.n);
+    }
+    if (job.n > 0) gj_rt_parallel_for(job.n, 1, mm_job_range, &job);
 }
 
 /* ------------------------------------------------------- index steps */
@@ -280,7 +408,8 @@ int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t
 int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            gj_jit_custom_call call, void *hctx) {
-    int max_params = 1, rc = -1;
+    int max_params = 1, rc = -1, threads = gj_rt_num_threads();
+    bool blas1 = false; /* OpenBLAS set to one thread for the run's GEMMs */
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
             max_params = p->steps[s].k.n_params;
@@ -294,9 +423,16 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         else if (x->kind == GJ_JIT_BUF_OUTPUT) bp[b] = out[x->index];
         else if (x->kind == GJ_JIT_BUF_PARAMS) bp[b] = (void *)(uintptr_t)params;
     }
+    /* GEMM steps run as pieces on the pool with BLAS single-threaded
+     * (schedule.c); user code (hooks, custom calls) sees the usual count. */
+    if (threads > 1 && gj_rt_blas_init() == 0) {
+        gj_rt_blas_set_num_threads(1);
+        blas1 = true;
+    }
     int fi = 0, li = 0;
-    for (int s = 0; s < p->n_steps; s++) {
-        for (; fi < p->n_by_first && p->bufs[p->by_first[fi]].first_step == s; fi++) {
+    for (int s = 0, e; s < p->n_steps; s = e) {
+        e = p->steps[s].group_end > s ? p->steps[s].group_end : s + 1;
+        for (; fi < p->n_by_first && p->bufs[p->by_first[fi]].first_step < e; fi++) {
             int b = p->by_first[fi];
             const gj_jit_buffer *x = &p->bufs[b];
             if (x->kind == GJ_JIT_BUF_OUTPUT) {
@@ -311,7 +447,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         const gj_jit_step *st = &p->steps[s];
         double t0 = prof ? prof_now() : 0;
         if (st->kind == GJ_JIT_STEP_MATMUL) {
-            run_matmul(&st->mm, bp);
+            run_matmuls(p, s, e, bp, blas1 ? threads : 1);
         } else if (st->kind == GJ_JIT_STEP_INDEX) {
             if (run_index(&st->ix, bp) != 0) goto done;
         } else if (st->kind == GJ_JIT_STEP_CALL) {
@@ -322,7 +458,9 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             void *src[GJ_JIT_CALL_MAX_IN], *dst[GJ_RT_MAX_OUTPUTS];
             for (int k = 0; k < st->cs.n_in; k++) src[k] = bp[st->cs.src_buf[k]];
             for (int k = 0; k < st->cs.n_out; k++) dst[k] = bp[st->cs.out_buf[k]];
+            if (blas1) gj_rt_blas_set_num_threads(threads);
             int cr = call(hctx, &st->cs, src, dst);
+            if (blas1) gj_rt_blas_set_num_threads(1);
             if (cr != 0) {
                 rc = cr;
                 goto done;
@@ -332,7 +470,9 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                 gj_rt_set_error("compiled backward: a hook step without a hook runner");
                 goto done;
             }
+            if (blas1) gj_rt_blas_set_num_threads(threads);
             int hr = hook(hctx, &st->hk, bp[st->hk.src_buf], bp[st->hk.out_buf]);
+            if (blas1) gj_rt_blas_set_num_threads(1);
             if (hr != 0) {
                 rc = hr;
                 goto done;
@@ -343,14 +483,14 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             gj_rt_parallel_for(k->rows, k->grain, k->fn, ctx);
         }
         if (prof)
-            fprintf(stderr, "[gradjit prof] step %d %s: %.3f ms\n", s,
+            fprintf(stderr, "[gradjit prof] step %d%s %s: %.3f ms\n", s, e - s > 1 ? "+" : "",
                     st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
                     : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
                     : st->kind == GJ_JIT_STEP_CALL  ? "custom"
                     : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter" : "gather")
                                                     : st->k.name,
                     prof_now() - t0);
-        for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_step == s; li++) {
+        for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_step < e; li++) {
             int b = p->by_last[li];
             if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
             bp[b] = NULL;
@@ -363,6 +503,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
     }
     rc = 0;
 done:
+    if (blas1) gj_rt_blas_set_num_threads(threads);
     if (rc != 0) {
         if ((!bp || !ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
         for (int b = 0; bp && b < p->n_bufs; b++)

@@ -36,6 +36,8 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
                                      size_t *obj_size, char *why, size_t why_cap,
                                      bool *permanent);
 void gj_jit_program_free(gj_jit_program *pr);
+/* The public description of plan p (gradjit.h: gj_ca_program_info). */
+void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out);
 
 /* Allocates the data of a new .grad for graph output o (ctx: the
  * caller's); NULL on OOM (error set). */

@@ -1,0 +1,164 @@
+/*
+ * paired.c - gradjit-bench --paired: eager and compiled backward steps of one
+ * workload interleaved in one process (BENCHMARKS.md, "How to measure").
+ *
+ * Invariants: both modes run on the same parameters and inputs (one setup);
+ * pairs alternate their order ABBA (eager first in even pairs, compiled
+ * first in odd ones), so a drift of the machine's speed during a pair
+ * weighs on both sides alike; a pair's ratio is eager / compiled backward
+ * time (> 1: compiled is faster). Every step checks that each parameter got
+ * a .grad, and the compiled steps must neither compile nor fall back once
+ * warm (the row says so when they do). Nothing here is public API beyond
+ * gradjit.h.
+ */
+#include "bench.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double p_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The q-quantile (0..1) of v[0..n) by linear interpolation; sorts v. */
+double bench_quantile(double *v, int n, double q) {
+    if (n <= 0)
+        return NAN;
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    double pos = q * (n - 1);
+    int lo = (int)floor(pos), hi = lo + 1 < n ? lo + 1 : lo;
+    return v[lo] + (pos - lo) * (v[hi] - v[lo]);
+}
+
+/* One step of wl in the current mode: forward, backward (timed: *bwd_ms,
+ * and forward+backward *step_ms), every parameter must hold a .grad, then
+ * the untimed after_backward and the grads set to none. 0, or -1 with err. */
+static int paired_step(const bench_workload *wl, bench_state *s, double *bwd_ms, double *step_ms,
+                       char *err, size_t cap) {
+    int rc = -1;
+    gj_scope_push();
+    double t0 = p_now_ms();
+    gj_tensor *loss = wl->forward(s);
+    double t1 = p_now_ms();
+    if (!loss) {
+        snprintf(err, cap, "forward failed: %s", gj_last_error());
+        goto out;
+    }
+    if (gj_backward(loss, NULL) != 0) {
+        snprintf(err, cap, "backward failed: %s", gj_last_error());
+        goto out;
+    }
+    double t2 = p_now_ms();
+    *bwd_ms = t2 - t1;
+    *step_ms = t2 - t0;
+    for (int i = 0; i < s->n_params; i++)
+        if (!gj_tensor_grad(s->params[i])) {
+            snprintf(err, cap, "backward left parameter %d without a .grad", i);
+            goto out;
+        }
+    if (wl->after_backward && wl->after_backward(s) != 0) {
+        snprintf(err, cap, "after-backward step failed: %s", gj_last_error());
+        goto out;
+    }
+    rc = 0;
+out:
+    for (int i = 0; i < s->n_params; i++)
+        gj_tensor_set_grad(s->params[i], NULL);
+    gj_scope_pop();
+    return rc;
+}
+
+void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_paired_result *r) {
+    memset(r, 0, sizeof *r);
+    r->wl = wl;
+    r->pairs = pairs;
+    double *ratio = calloc((size_t)pairs, sizeof *ratio);
+    double *sratio = calloc((size_t)pairs, sizeof *sratio);
+    double *eb = calloc((size_t)pairs, sizeof *eb), *cb = calloc((size_t)pairs, sizeof *cb);
+    bench_state s = {0};
+    if (!ratio || !sratio || !eb || !cb) {
+        snprintf(r->error, sizeof r->error, "out of memory");
+        goto done;
+    }
+    gj_compiled_autograd_reset_stats();
+    gj_manual_seed(BENCH_SEED);
+    if (wl->setup(&s) != 0) {
+        snprintf(r->error, sizeof r->error, "setup failed: %s", gj_last_error());
+        goto done;
+    }
+    double b, st;
+    for (int i = 0; i < warmup; i++)
+        for (int m = 0; m < 2; m++) {
+            gj_set_compiled_autograd(m == 1);
+            if (paired_step(wl, &s, &b, &st, r->error, sizeof r->error) != 0)
+                goto done;
+        }
+    gj_ca_stats warm, end;
+    gj_compiled_autograd_stats(&warm);
+    r->compile_ms = warm.compile_ms;
+    for (int i = 0; i < pairs; i++) {
+        double bw[2], sw[2];
+        for (int j = 0; j < 2; j++) {
+            int m = (i & 1) ? 1 - j : j; /* ABBA: E C | C E | E C ... */
+            gj_set_compiled_autograd(m == 1);
+            if (paired_step(wl, &s, &bw[m], &sw[m], r->error, sizeof r->error) != 0)
+                goto done;
+        }
+        eb[i] = bw[0];
+        cb[i] = bw[1];
+        ratio[i] = bw[0] / bw[1];
+        sratio[i] = sw[0] / sw[1];
+    }
+    gj_compiled_autograd_stats(&end);
+    r->timed_compiles = end.compiles - warm.compiles;
+    r->timed_fallbacks = end.fallbacks - warm.fallbacks;
+    r->timed_backwards = end.backwards - warm.backwards;
+    r->ratio_q1 = bench_quantile(ratio, pairs, 0.25);
+    r->ratio_med = bench_quantile(ratio, pairs, 0.5);
+    r->ratio_q3 = bench_quantile(ratio, pairs, 0.75);
+    r->step_ratio_med = bench_quantile(sratio, pairs, 0.5);
+    r->eager_ms = bench_quantile(eb, pairs, 0.5);
+    r->compiled_ms = bench_quantile(cb, pairs, 0.5);
+    r->ok = true;
+done:
+    gj_set_compiled_autograd(false);
+    bench_state_free(&s);
+    free(ratio);
+    free(sratio);
+    free(eb);
+    free(cb);
+}
+
+void bench_paired_print_header(void) {
+    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s  %s\n", "id", "name", "pairs",
+           "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd", "step",
+           "checks");
+}
+
+void bench_paired_print_row(const bench_paired_result *r) {
+    if (!r->ok) {
+        printf("%-4s %-13s FAILED: %s\n", r->wl->id, r->wl->name, r->error);
+        return;
+    }
+    char bound[32] = "-", rel[32] = "-";
+    if (r->bound_ms > 0) {
+        snprintf(bound, sizeof bound, "%.3f", r->bound_ms);
+        snprintf(rel, sizeof rel, "%.2f", r->compiled_ms / r->bound_ms);
+    }
+    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %7.3fx  %s\n", r->wl->id,
+           r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms, r->compiled_ms, bound, rel, r->step_ratio_med,
+           r->timed_fallbacks ? "FALLBACKS in timed steps"
+           : r->timed_compiles ? "compiles in timed steps"
+           : r->timed_backwards != r->pairs ? "compiled path not engaged"
+                                             : "ok");
+}
