@@ -319,7 +319,7 @@ typedef struct gj_ca_program_info {
     int steps, kernel_steps, gemm_steps, other_steps;
     int parallel_groups;        /* groups of steps the program runs side by side */
     double gemm_flops;          /* 2*M*N*K*batch over the GEMM steps */
-    int64_t input_bytes;        /* graph inputs read (saved tensors, seeds, .grad) */
+    int64_t input_bytes;        /* graph inputs some step reads (saved tensors, seeds, .grad) */
     int64_t output_bytes;       /* new .grad written */
     int n_gemms;
     gj_ca_gemm gemms[GJ_CA_MAX_GEMMS];

@@ -135,7 +135,9 @@ void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
             out->other_steps++;
         }
     }
-    for (int i = 0; i < p->n_inputs; i++) out->input_bytes += meta_bytes(&p->in_meta[i]);
+    for (int b = 0; b < p->n_bufs; b++) /* inputs some step reads */
+        if (p->bufs[b].kind == GJ_JIT_BUF_INPUT && p->bufs[b].first_step >= 0)
+            out->input_bytes += meta_bytes(&p->in_meta[p->bufs[b].index]);
     for (int o = 0; o < p->n_outputs; o++)
         if (p->bufs[p->out_buf[o]].kind == GJ_JIT_BUF_OUTPUT)
             out->output_bytes += meta_bytes(&p->out_meta[o]);
@@ -169,122 +171,75 @@ static void mm_collapse(const gj_jit_matmul *m, int64_t *M, int64_t *nbatch) {
     }
 }
 
-/* One BLAS call's worth of a matmul step: batches [b0, b1), and in each the
- * block rows [r0, r1) x cols [c0, c1) of C. Every element of C is computed
- * by BLAS over the whole K, as the eager kernel computes it. */
-typedef struct mm_piece {
-    const gj_jit_matmul *m;
-    int64_t M, nbatch;
-    int64_t b0, b1, r0, r1, c0, c1;
-} mm_piece;
-
-static void mm_run_piece(const mm_piece *pc, void *const *bp) {
-    const gj_jit_matmul *m = pc->m;
-    int64_t el = (int64_t)gj_rt_dtype_size(m->dtype), M = pc->M, N = m->N, K = m->K;
-    const char *A = bp[m->a_buf], *B = bp[m->b_buf];
-    char *C = bp[m->c_buf];
-    int64_t rows = pc->r1 - pc->r0, cols = pc->c1 - pc->c0;
-    int64_t a_blk = m->ta ? pc->r0 : pc->r0 * m->lda, b_blk = m->tb ? pc->c0 * m->ldb : pc->c0;
-    for (int64_t bi = pc->b0; bi < pc->b1; bi++) {
-        int64_t ao = m->a_off, bo = m->b_off, rest = bi;
-        for (int k = m->nb - 1; k >= 0 && pc->nbatch > 1; k--) { /* unravel bi */
-            int64_t ik = rest % m->bshape[k];
-            rest /= m->bshape[k];
-            ao += ik * m->a_bstr[k];
-            bo += ik * m->b_bstr[k];
-        }
-        char *cp = C + (bi * M * N + pc->r0 * N + pc->c0) * el;
-        if (m->dtype == GJ_F32)
-            gj_rt_sgemm(m->ta, m->tb, rows, cols, K, 1.0f,
-                        (const float *)(const void *)(A + (ao + a_blk) * el), m->lda,
-                        (const float *)(const void *)(B + (bo + b_blk) * el), m->ldb,
-                        m->accumulate ? 1.0f : 0.0f, (float *)(void *)cp, N);
-        else
-            gj_rt_dgemm(m->ta, m->tb, rows, cols, K, 1.0,
-                        (const double *)(const void *)(A + (ao + a_blk) * el), m->lda,
-                        (const double *)(const void *)(B + (bo + b_blk) * el), m->ldb,
-                        m->accumulate ? 1.0 : 0.0, (double *)(void *)cp, N);
-    }
-}
-
-/* Below this many multiply-adds a GEMM is one piece: splitting costs more
- * than it returns. */
-#define GJ_JIT_MM_SPLIT_MIN (1 << 18)
-#define GJ_JIT_MM_MIN_BLOCK 16 /* rows or columns of a piece, at least */
-#define GJ_JIT_MM_MAX_PIECES 64
-
-/* Appends the pieces of matmul m to pcs (at most `parts` of them): whole
- * batches when there are enough, else blocks of rows or columns of C,
- * whichever dimension is longer. Returns the new count. K == 0 and empty
- * products are handled by the caller. */
-static int mm_split(const gj_jit_matmul *m, int parts, mm_piece *pcs, int n) {
-    int64_t M, nbatch;
-    mm_collapse(m, &M, &nbatch);
-    mm_piece whole = {m, M, nbatch, 0, nbatch, 0, M, 0, m->N};
-    double madds = (double)M * (double)m->N * (double)m->K * (double)nbatch;
-    if (parts > (GJ_JIT_MM_MAX_PIECES - n)) parts = (GJ_JIT_MM_MAX_PIECES - n);
-    if (parts <= 1 || madds < GJ_JIT_MM_SPLIT_MIN) {
-        pcs[n++] = whole;
-        return n;
-    }
-    if (nbatch >= parts) {
-        for (int i = 0; i < parts; i++) {
-            mm_piece pc = whole;
-            pc.b0 = nbatch * i / parts;
-            pc.b1 = nbatch * (i + 1) / parts;
-            pcs[n++] = pc;
-        }
-        return n;
-    }
-    bool by_rows = M >= m->N;
-    int64_t len = by_rows ? M : m->N;
-    if (len / parts < GJ_JIT_MM_MIN_BLOCK) parts = (int)(len / GJ_JIT_MM_MIN_BLOCK);
-    if (parts <= 1) {
-        pcs[n++] = whole;
-        return n;
-    }
-    for (int i = 0; i < parts; i++) {
-        mm_piece pc = whole;
-        int64_t lo = len * i / parts, hi = len * (i + 1) / parts;
-        if (by_rows) pc.r0 = lo, pc.r1 = hi;
-        else pc.c0 = lo, pc.c1 = hi;
-        pcs[n++] = pc;
-    }
-    return n;
-}
-
-typedef struct mm_job {
-    mm_piece pcs[GJ_JIT_MM_MAX_PIECES];
+/* The GEMMs of a group of matmul steps as one list of blocks: step t
+ * contributes nbatch[t] * split[t].parts blocks, block (batch, part) being
+ * block `part` of gj_rt_gemm_split_of for that batch's GEMM -- the very
+ * blocks the eager matmul kernel's gj_rt_sgemm call runs, so the bits are
+ * the same, but all of them in one pass over the pool. */
+typedef struct mm_group {
+    const gj_jit_matmul *m[GJ_JIT_MAX_GROUP];
+    int64_t M[GJ_JIT_MAX_GROUP], nbatch[GJ_JIT_MAX_GROUP], first[GJ_JIT_MAX_GROUP + 1];
+    gj_rt_gemm_split split[GJ_JIT_MAX_GROUP];
     int n;
     void *const *bp;
-} mm_job;
+} mm_group;
 
-static void mm_job_range(void *vctx, int64_t b, int64_t e) {
-    const mm_job *j = vctx;
-    for (int64_t i = b; i < e; i++) mm_run_piece(&j->pcs[i], j->bp);
+/* The GEMM of batch bi of matmul m (M rows after collapsing). */
+static void mm_call(const gj_jit_matmul *m, int64_t M, int64_t nbatch, int64_t bi, void *const *bp,
+                    gj_rt_gemm_call *c) {
+    int64_t el = (int64_t)gj_rt_dtype_size(m->dtype);
+    int64_t ao = m->a_off, bo = m->b_off, rest = bi;
+    for (int k = m->nb - 1; k >= 0 && nbatch > 1; k--) { /* unravel bi */
+        int64_t ik = rest % m->bshape[k];
+        rest /= m->bshape[k];
+        ao += ik * m->a_bstr[k];
+        bo += ik * m->b_bstr[k];
+    }
+    *c = (gj_rt_gemm_call){m->dtype == GJ_F64, m->ta, m->tb, M, m->N, m->K, 1.0,
+                           (const char *)bp[m->a_buf] + ao * el, m->lda,
+                           (const char *)bp[m->b_buf] + bo * el, m->ldb,
+                           m->accumulate ? 1.0 : 0.0, (char *)bp[m->c_buf] + bi * M * m->N * el,
+                           m->N};
+}
+
+static void mm_group_range(void *vctx, int64_t b, int64_t e) {
+    const mm_group *g = vctx;
+    int t = 0;
+    for (int64_t i = b; i < e; i++) {
+        while (i >= g->first[t + 1]) t++;
+        int64_t r = i - g->first[t];
+        int parts = g->split[t].parts;
+        gj_rt_gemm_call c;
+        mm_call(g->m[t], g->M[t], g->nbatch[t], r / parts, g->bp, &c);
+        gj_rt_gemm_block(&c, &g->split[t], (int)(r % parts));
+    }
 }
 
 /* Runs the matmul steps [s, e) of p (one step, or a group of independent
- * ones): each GEMM as one piece per thread of the pool when the group has
- * one GEMM, or one piece per GEMM otherwise, the pieces side by side with
- * BLAS single-threaded (the caller has set that). */
+ * ones, schedule.c) as one pass of GEMM blocks over the pool. */
 static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int threads) {
-    mm_job job;
-    job.n = 0;
-    job.bp = bp;
+    mm_group g;
+    g.n = 0;
+    g.bp = bp;
+    g.first[0] = 0;
     for (int t = s; t < e; t++) {
         const gj_jit_matmul *m = &p->steps[t].mm;
-        int64_t nbatch = 1;
-        for (int k = 0; k < m->nb; k++) nbatch *= m->bshape[k];
-        if (nbatch == 0 || m->M == 0 || m->N == 0) continue;
+        int64_t M, nbatch;
+        mm_collapse(m, &M, &nbatch);
+        if (nbatch == 0 || M == 0 || m->N == 0) continue;
         if (m->K == 0) {
             if (!m->accumulate)
-                memset(bp[m->c_buf], 0, (size_t)(nbatch * m->M * m->N) * gj_rt_dtype_size(m->dtype));
+                memset(bp[m->c_buf], 0, (size_t)(nbatch * M * m->N) * gj_rt_dtype_size(m->dtype));
             continue;
         }
-        job.n = mm_split(m, e - s > 1 ? 1 : threads, job.pcs, job.n);
+        int k = g.n++;
+        g.m[k] = m;
+        g.M[k] = M;
+        g.nbatch[k] = nbatch;
+        gj_rt_gemm_split_of(M, m->N, m->K, threads, &g.split[k]);
+        g.first[k + 1] = g.first[k] + nbatch * g.split[k].parts;
     }
-    if (job.n > 0) gj_rt_parallel_for(job.n, 1, mm_job_range, &job);
+    if (g.n > 0) gj_rt_parallel_for(g.first[g.n], 1, mm_group_range, &g);
 }
 
 /* ------------------------------------------------------- index steps */
@@ -409,7 +364,6 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            gj_jit_custom_call call, void *hctx) {
     int max_params = 1, rc = -1, threads = gj_rt_num_threads();
-    bool blas1 = false; /* OpenBLAS set to one thread for the run's GEMMs */
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
             max_params = p->steps[s].k.n_params;
@@ -422,12 +376,6 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         if (x->kind == GJ_JIT_BUF_INPUT) bp[b] = in[x->index];
         else if (x->kind == GJ_JIT_BUF_OUTPUT) bp[b] = out[x->index];
         else if (x->kind == GJ_JIT_BUF_PARAMS) bp[b] = (void *)(uintptr_t)params;
-    }
-    /* GEMM steps run as pieces on the pool with BLAS single-threaded
-     * (schedule.c); user code (hooks, custom calls) sees the usual count. */
-    if (threads > 1 && gj_rt_blas_init() == 0) {
-        gj_rt_blas_set_num_threads(1);
-        blas1 = true;
     }
     int fi = 0, li = 0;
     for (int s = 0, e; s < p->n_steps; s = e) {
@@ -447,7 +395,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         const gj_jit_step *st = &p->steps[s];
         double t0 = prof ? prof_now() : 0;
         if (st->kind == GJ_JIT_STEP_MATMUL) {
-            run_matmuls(p, s, e, bp, blas1 ? threads : 1);
+            run_matmuls(p, s, e, bp, threads);
         } else if (st->kind == GJ_JIT_STEP_INDEX) {
             if (run_index(&st->ix, bp) != 0) goto done;
         } else if (st->kind == GJ_JIT_STEP_CALL) {
@@ -458,9 +406,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             void *src[GJ_JIT_CALL_MAX_IN], *dst[GJ_RT_MAX_OUTPUTS];
             for (int k = 0; k < st->cs.n_in; k++) src[k] = bp[st->cs.src_buf[k]];
             for (int k = 0; k < st->cs.n_out; k++) dst[k] = bp[st->cs.out_buf[k]];
-            if (blas1) gj_rt_blas_set_num_threads(threads);
             int cr = call(hctx, &st->cs, src, dst);
-            if (blas1) gj_rt_blas_set_num_threads(1);
             if (cr != 0) {
                 rc = cr;
                 goto done;
@@ -470,9 +416,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                 gj_rt_set_error("compiled backward: a hook step without a hook runner");
                 goto done;
             }
-            if (blas1) gj_rt_blas_set_num_threads(threads);
             int hr = hook(hctx, &st->hk, bp[st->hk.src_buf], bp[st->hk.out_buf]);
-            if (blas1) gj_rt_blas_set_num_threads(1);
             if (hr != 0) {
                 rc = hr;
                 goto done;
@@ -503,7 +447,6 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
     }
     rc = 0;
 done:
-    if (blas1) gj_rt_blas_set_num_threads(threads);
     if (rc != 0) {
         if ((!bp || !ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
         for (int b = 0; bp && b < p->n_bufs; b++)

@@ -13,7 +13,18 @@
  *   - If OpenBLAS cannot be loaded, gj_rt_blas_init returns -1 and sets the
  *     error on every call; the GEMM wrappers then compute with a plain loop
  *     (slow but correct) rather than leave C unwritten.
- *   - OpenBLAS threads follow gj_rt_num_threads().
+ *   - OpenBLAS runs single-threaded, always: its own worker threads spin
+ *     (sched_yield) for about 2^28 cycles after each call, and on a small
+ *     machine they then take cores from gradjit's pool and from the
+ *     compiled program's concurrent steps. A large GEMM is split instead
+ *     into row or column blocks of C run on gradjit's pool (gemm_split),
+ *     each block a single-threaded BLAS call. The blocks are a pure function
+ *     of the shape and the thread count (gj_rt_gemm_split_of), so the
+ *     compiled program, which runs the same blocks itself, gets the same
+ *     bits. (OpenBLAS's kernels do not sum every element in one order
+ *     whatever the block: a 256x1024x10 sgemm split into two column halves
+ *     differs from one call in about 3% of its elements.) A GEMM called
+ *     from inside a pool task runs as one call on that thread.
  */
 #include "runtime/rt.h"
 
@@ -94,6 +105,11 @@ static void gj_rt_blas_load(void) {
         if (core)
             setenv("OPENBLAS_CORETYPE", core, 0);
     }
+    /* no OpenBLAS worker threads at all (see the invariants); the variable
+     * is taken back after loading so that child processes do not inherit it */
+    bool set_nt = !getenv("OPENBLAS_NUM_THREADS");
+    if (set_nt)
+        setenv("OPENBLAS_NUM_THREADS", "1", 0);
     char err0[320] = "";
     void *h = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
     if (!h) {
@@ -101,6 +117,8 @@ static void gj_rt_blas_load(void) {
         snprintf(err0, sizeof err0, "%s", e ? e : "unknown dlopen error");
         h = dlopen("libopenblas.so", RTLD_NOW | RTLD_LOCAL);
     }
+    if (set_nt)
+        unsetenv("OPENBLAS_NUM_THREADS");
     if (!h) {
         const char *e = dlerror();
         snprintf(g_load_error, sizeof g_load_error,
@@ -123,8 +141,9 @@ static void gj_rt_blas_load(void) {
     g_corename = (gj_str_fn)dlsym(h, "openblas_get_corename");
     g_config = (gj_str_fn)dlsym(h, "openblas_get_config");
     g_set_threads = (gj_set_threads_fn)dlsym(h, "openblas_set_num_threads");
+    if (g_set_threads)
+        g_set_threads(1);
     atomic_store(&g_loaded, true);
-    gj_rt_blas_set_num_threads(gj_rt_num_threads());
 }
 
 int gj_rt_blas_init(void) {
@@ -136,8 +155,7 @@ int gj_rt_blas_init(void) {
 }
 
 void gj_rt_blas_set_num_threads(int n) {
-    if (atomic_load(&g_loaded) && g_set_threads && n > 0)
-        g_set_threads(n);
+    (void)n; /* OpenBLAS stays single-threaded; gemm_split uses the pool */
 }
 
 const char *gj_rt_blas_corename(void) {
@@ -174,6 +192,94 @@ static bool gj_rt_gemm_args_ok(const char *op, bool ta, bool tb, int64_t M, int6
     return true;
 }
 
+/* ------------------------------------------------- GEMM on the pool */
+
+/* Below this many multiply-adds a GEMM is one call (OpenBLAS's own
+ * threshold for going multi-threaded: 4 * 65536). */
+#define GJ_RT_GEMM_SPLIT_MIN (1 << 18)
+#define GJ_RT_GEMM_MIN_BLOCK 16 /* rows or columns of a block, at least */
+
+void gj_rt_gemm_split_of(int64_t M, int64_t N, int64_t K, int threads, gj_rt_gemm_split *sp) {
+    sp->by_rows = M >= N;
+    sp->len = sp->by_rows ? M : N;
+    int64_t parts = threads;
+    if ((double)M * (double)N * (double)K < GJ_RT_GEMM_SPLIT_MIN)
+        parts = 1;
+    if (parts > sp->len / GJ_RT_GEMM_MIN_BLOCK)
+        parts = sp->len / GJ_RT_GEMM_MIN_BLOCK;
+    sp->parts = parts < 1 ? 1 : (int)parts;
+}
+
+void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i) {
+    int64_t el = c->f64 ? 8 : 4;
+    int64_t lo = sp->len * i / sp->parts, hi = sp->len * (i + 1) / sp->parts;
+    int64_t M = c->M, N = c->N, ao = 0, bo = 0, co;
+    if (sp->by_rows) {
+        M = hi - lo;
+        ao = c->ta ? lo : lo * c->lda;
+        co = lo * c->ldc;
+    } else {
+        N = hi - lo;
+        bo = c->tb ? lo * c->ldb : lo;
+        co = lo;
+    }
+    int ta = c->ta ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS;
+    int tb = c->tb ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS;
+    const char *A = c->A, *B = c->B;
+    char *C = c->C;
+    if (M == 0 || N == 0)
+        return;
+    if (gj_rt_blas_init() != 0) { /* the plain loop of GJ_RT_GEMM_BODY */
+        if (c->f64)
+            gj_rt_dgemm(c->ta, c->tb, M, N, c->K, c->alpha, (const double *)(const void *)(A + ao * el),
+                        c->lda, (const double *)(const void *)(B + bo * el), c->ldb, c->beta,
+                        (double *)(void *)(C + co * el), c->ldc);
+        else
+            gj_rt_sgemm(c->ta, c->tb, M, N, c->K, (float)c->alpha,
+                        (const float *)(const void *)(A + ao * el), c->lda,
+                        (const float *)(const void *)(B + bo * el), c->ldb, (float)c->beta,
+                        (float *)(void *)(C + co * el), c->ldc);
+        return;
+    }
+    if (c->f64)
+        g_dgemm(GJ_CBLAS_ROW_MAJOR, ta, tb, (int)M, (int)N, (int)c->K, c->alpha,
+                (const double *)(const void *)(A + ao * el), (int)c->lda,
+                (const double *)(const void *)(B + bo * el), (int)c->ldb, c->beta,
+                (double *)(void *)(C + co * el), (int)c->ldc);
+    else
+        g_sgemm(GJ_CBLAS_ROW_MAJOR, ta, tb, (int)M, (int)N, (int)c->K, (float)c->alpha,
+                (const float *)(const void *)(A + ao * el), (int)c->lda,
+                (const float *)(const void *)(B + bo * el), (int)c->ldb, (float)c->beta,
+                (float *)(void *)(C + co * el), (int)c->ldc);
+}
+
+typedef struct gemm_split_ctx {
+    const gj_rt_gemm_call *c;
+    const gj_rt_gemm_split *sp;
+} gemm_split_ctx;
+
+static void gemm_split_range(void *vctx, int64_t b, int64_t e) {
+    const gemm_split_ctx *x = vctx;
+    for (int64_t i = b; i < e; i++)
+        gj_rt_gemm_block(x->c, x->sp, (int)i);
+}
+
+/* Runs a loaded-BLAS GEMM (arguments already checked) as the blocks of
+ * gj_rt_gemm_split_of on the pool (one call when that is one block, or
+ * when called from a pool task). */
+static void gemm_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
+                       const void *A, int64_t lda, const void *B, int64_t ldb, double beta,
+                       void *C, int64_t ldc) {
+    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
+    gj_rt_gemm_split sp;
+    gj_rt_gemm_split_of(M, N, K, gj_rt_in_pool_task() ? 1 : gj_rt_num_threads(), &sp);
+    gemm_split_ctx x = {&c, &sp};
+    if (sp.parts == 1)
+        gemm_split_range(&x, 0, 1);
+    else
+        gj_rt_parallel_for(sp.parts, 1, gemm_split_range, &x);
+}
+
 /* One body for both precisions: the K == 0 case, and the plain loop used
  * when OpenBLAS is unavailable. */
 #define GJ_RT_GEMM_BODY(T, BLASFN)                                                          \
@@ -186,9 +292,7 @@ static bool gj_rt_gemm_args_ok(const char *op, bool ta, bool tb, int64_t M, int6
         return;                                                                             \
     }                                                                                       \
     if (gj_rt_blas_init() == 0) {                                                           \
-        BLASFN(GJ_CBLAS_ROW_MAJOR, ta ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS,                 \
-               tb ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS, (int)M, (int)N, (int)K, alpha, A,   \
-               (int)lda, B, (int)ldb, beta, C, (int)ldc);                                   \
+        gemm_split(sizeof(T) == 8, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  \
         return;                                                                             \
     }                                                                                       \
     for (int64_t i = 0; i < M; i++)                                                         \

@@ -119,6 +119,8 @@ void gj_rt_set_num_threads(int n) {
     gj_rt_blas_set_num_threads(t);
 }
 
+bool gj_rt_in_pool_task(void) { return t_in_task; }
+
 /* Bounds of chunk i of n elements in k chunks (sizes differ by <= 1). */
 static inline void gj_rt_chunk(int64_t n, int k, int i, int64_t *b, int64_t *e) {
     int64_t base = n / k, rem = n % k;

@@ -188,6 +188,34 @@ const char *gj_rt_blas_pick_coretype(void);
 /* Sets OpenBLAS's thread count if it is loaded (gj_rt_set_num_threads calls
  * it; gj_rt_blas_init applies gj_rt_num_threads() after loading). */
 void gj_rt_blas_set_num_threads(int n);
+/* A GEMM as gj_rt_sgemm/dgemm take it (row-major; alpha, beta in double). */
+typedef struct gj_rt_gemm_call {
+    bool f64, ta, tb;
+    int64_t M, N, K;
+    double alpha;
+    const void *A;
+    int64_t lda;
+    const void *B;
+    int64_t ldb;
+    double beta;
+    void *C;
+    int64_t ldc;
+} gj_rt_gemm_call;
+/* How gj_rt_sgemm/dgemm split a GEMM on `threads` threads: `parts` blocks
+ * of rows (by_rows) or of columns of C, block i covering
+ * [len*i/parts, len*(i+1)/parts). A pure function of its arguments. */
+typedef struct gj_rt_gemm_split {
+    int parts;
+    bool by_rows;
+    int64_t len;
+} gj_rt_gemm_split;
+void gj_rt_gemm_split_of(int64_t M, int64_t N, int64_t K, int threads, gj_rt_gemm_split *sp);
+/* Computes block i of split sp of GEMM c on the calling thread (one
+ * single-threaded BLAS call; arguments already valid). */
+void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i);
+/* Whether the calling thread is running a task of gj_rt_parallel_for (work
+ * it starts then runs inline). */
+bool gj_rt_in_pool_task(void);
 
 /* ------------------------------------------------------- math bitcode */
 

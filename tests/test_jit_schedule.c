@@ -1,0 +1,280 @@
+/*
+ * test_jit_schedule.c - the compiled program's schedule (jit/schedule.c) and
+ * GEMMs on the pool (runtime/blas.c: gemm_split).
+ *
+ *   - A GEMM split into row or column blocks on the pool gives bit for bit
+ *     what its blocks (gj_rt_gemm_split_of, gj_rt_gemm_block) give run one
+ *     by one, which is what the compiled program runs, and is close to a
+ *     double-precision reference: f32 and f64, every transpose, beta 0 and
+ *     1, padded leading dimensions, 2 and 3 threads.
+ *   - The Fashion-MNIST-shaped MLP (F1, smaller batch) compiles to a program
+ *     whose independent dX and dW GEMMs run side by side (counted through
+ *     gj_compiled_autograd_last_program: parallel groups, GEMM steps and
+ *     FLOPs), and its compiled gradients equal eager's bit for bit at 1, 2
+ *     and 3 threads.
+ *   - A tensor hook between two GEMMs is never crossed: the hook sees the
+ *     gradient it sees eagerly, and the gradients still match.
+ *   - gj_compiled_autograd_last_program fails with a message before any
+ *     compiled backward on the calling thread, and for NULL.
+ */
+#include "gjtest.h"
+#include "runtime/rt.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------ GEMM splitting */
+
+/* C = op(A) op(B) + beta C on `threads` threads (split on the pool) must be
+ * bit for bit the blocks of gj_rt_gemm_split_of run one by one on this
+ * thread (what the compiled program runs), and close to a double-precision
+ * reference. (One unsplit call is not the reference for bits: OpenBLAS's
+ * kernels round some elements differently when the block changes.) */
+static void check_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t pad,
+                        double beta, int threads) {
+    gjt_rng r;
+    gjt_rng_seed(&r, (uint64_t)(M * 131 + N * 17 + K + ta * 2 + tb + pad * 7));
+    int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    int64_t lda = ac + pad, ldb = bc + pad, ldc = N + pad;
+    size_t el = f64 ? 8 : 4;
+    char *A = malloc((size_t)(ar * lda) * el), *B = malloc((size_t)(br * ldb) * el);
+    char *C1 = malloc((size_t)(M * ldc) * el), *C2 = malloc((size_t)(M * ldc) * el);
+    double *ref = malloc((size_t)(M * N) * sizeof *ref);
+    assert_true(A && B && C1 && C2 && ref);
+#define GET(p, i) (f64 ? ((const double *)(const void *)(p))[i] : (double)((const float *)(const void *)(p))[i])
+#define SET(p, i, v)                                  \
+    do {                                              \
+        if (f64) ((double *)(void *)(p))[i] = (v);    \
+        else ((float *)(void *)(p))[i] = (float)(v); \
+    } while (0)
+    for (int64_t i = 0; i < ar * lda; i++) SET(A, i, gjt_rng_uniform(&r, -1, 1));
+    for (int64_t i = 0; i < br * ldb; i++) SET(B, i, gjt_rng_uniform(&r, -1, 1));
+    for (int64_t i = 0; i < M * ldc; i++) SET(C1, i, gjt_rng_uniform(&r, -1, 1));
+    memcpy(C2, C1, (size_t)(M * ldc) * el);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double acc = 0;
+            for (int64_t k = 0; k < K; k++)
+                acc += GET(A, ta ? k * lda + i : i * lda + k) * GET(B, tb ? j * ldb + k : k * ldb + j);
+            ref[i * N + j] = acc + beta * GET(C1, i * ldc + j);
+        }
+    gj_set_num_threads(threads);
+    if (f64)
+        gj_rt_dgemm(ta, tb, M, N, K, 1.0, (const double *)(const void *)A, lda,
+                    (const double *)(const void *)B, ldb, beta, (double *)(void *)C1, ldc);
+    else
+        gj_rt_sgemm(ta, tb, M, N, K, 1.0f, (const float *)(const void *)A, lda,
+                    (const float *)(const void *)B, ldb, (float)beta, (float *)(void *)C1, ldc);
+    gj_rt_gemm_split sp;
+    gj_rt_gemm_split_of(M, N, K, threads, &sp);
+    assert_true(sp.parts >= 1 && sp.parts <= threads);
+    assert_int_equal(sp.len, sp.by_rows ? M : N);
+    if (sp.parts > 1) assert_true(sp.len / sp.parts >= 16);
+    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, 1.0, A, lda, B, ldb, beta, C2, ldc};
+    for (int i = sp.parts - 1; i >= 0; i--) gj_rt_gemm_block(&c, &sp, i); /* any order */
+    if (memcmp(C1, C2, (size_t)(M * ldc) * el) != 0)
+        fail_msg("split GEMM differs from its blocks: %s ta=%d tb=%d M=%lld N=%lld K=%lld pad=%lld "
+                 "beta=%g threads=%d",
+                 f64 ? "dgemm" : "sgemm", ta, tb, (long long)M, (long long)N, (long long)K,
+                 (long long)pad, beta, threads);
+    double tol = f64 ? 1e-12 : 1e-5;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double got = GET(C1, i * ldc + j), want = ref[i * N + j];
+            if (fabs(got - want) > tol * (1 + fabs(want)) * (1 + K / 16.0))
+                fail_msg("GEMM M=%lld N=%lld K=%lld at [%lld,%lld]: %g, want %g", (long long)M,
+                         (long long)N, (long long)K, (long long)i, (long long)j, got, want);
+        }
+    for (int64_t i = 0; i < M; i++) /* the padding of C is untouched */
+        for (int64_t j = N; j < ldc; j++) assert_true(memcmp(C1 + (i * ldc + j) * (int64_t)el, C2 + (i * ldc + j) * (int64_t)el, el) == 0);
+#undef GET
+#undef SET
+    free(A), free(B), free(C1), free(C2), free(ref);
+}
+
+static void test_gemm_split_bit_exact(void **state) {
+    (void)state;
+    static const int64_t shapes[][3] = {
+        {128, 512, 256}, {512, 128, 256}, {256, 1024, 10}, {10, 1024, 256}, {97, 301, 129},
+        {64, 64, 2048},  {1000, 33, 65},
+    };
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int v = 0; v < 8; v++) {
+            bool f64 = v & 1, ta = v & 2, tb = v & 4;
+            int threads = 2 + (int)(s % 2);
+            check_split(f64, ta, tb, shapes[s][0], shapes[s][1], shapes[s][2], s % 3 == 0 ? 3 : 0,
+                        (s + (size_t)v) % 2 ? 1.0 : 0.0, threads);
+        }
+    gj_set_num_threads(0);
+}
+
+/* ------------------------------------------------- MLP program schedule */
+
+enum { B = 64, IN = 784, H1 = 512, H2 = 256, K = 10 };
+
+typedef struct mlp {
+    gj_linear_layer l[3];
+    gj_tensor *x, *y;
+} mlp;
+
+static void mlp_init(mlp *m) {
+    gj_manual_seed(77);
+    assert_int_equal(gj_linear_init(&m->l[0], IN, H1, true, GJ_F32), 0);
+    assert_int_equal(gj_linear_init(&m->l[1], H1, H2, true, GJ_F32), 0);
+    assert_int_equal(gj_linear_init(&m->l[2], H2, K, true, GJ_F32), 0);
+    gjt_rng r;
+    gjt_rng_seed(&r, 5);
+    m->x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){B, IN}, -1, 1);
+    m->y = gjt_labels(&r, 1, (int64_t[]){B}, K);
+    assert_non_null(m->x);
+    assert_non_null(m->y);
+}
+
+static void mlp_free(mlp *m) {
+    for (int i = 0; i < 3; i++) gj_linear_free(&m->l[i]);
+    gj_release(m->x);
+    gj_release(m->y);
+}
+
+static gj_tensor *mlp_param(mlp *m, int i) { return i % 2 ? m->l[i / 2].bias : m->l[i / 2].weight; }
+
+/* The hook of the hook test: doubles the gradient (a new tensor). */
+static int g_hook_calls;
+static gj_tensor *double_it(gj_tensor *grad, void *ctx) {
+    (void)ctx;
+    g_hook_calls++;
+    return gj_mul_scalar(grad, 2.0);
+}
+
+/* One backward in the given mode; returns the six gradients (malloc'd,
+ * concatenated) and their count in *n. */
+static double *mlp_grads(mlp *m, bool compiled, bool hook, int64_t *n) {
+    gj_set_compiled_autograd(compiled);
+    gj_scope_push();
+    gj_tensor *h1 = gj_gelu(gj_linear_forward(&m->l[0], m->x));
+    if (hook) assert_true(gj_register_hook(h1, double_it, NULL) >= 0);
+    gj_tensor *h2 = gj_gelu(gj_linear_forward(&m->l[1], h1));
+    gj_tensor *loss = gj_cross_entropy(gj_linear_forward(&m->l[2], h2), m->y);
+    assert_non_null(loss);
+    assert_int_equal(gj_backward(loss, NULL), 0);
+    int64_t total = 0;
+    for (int i = 0; i < 6; i++) total += gj_tensor_numel(mlp_param(m, i));
+    double *out = malloc((size_t)total * sizeof *out);
+    assert_non_null(out);
+    int64_t at = 0;
+    for (int i = 0; i < 6; i++) {
+        gj_tensor *g = gj_tensor_grad(mlp_param(m, i));
+        assert_non_null(g);
+        double *v = gjt_values(g);
+        assert_non_null(v);
+        memcpy(out + at, v, (size_t)gj_tensor_numel(g) * sizeof *v);
+        at += gj_tensor_numel(g);
+        free(v);
+        gj_tensor_set_grad(mlp_param(m, i), NULL);
+    }
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    *n = total;
+    return out;
+}
+
+static void test_mlp_pairs_and_bit_exact(void **state) {
+    (void)state;
+    mlp m;
+    mlp_init(&m);
+    for (int threads = 1; threads <= 3; threads++) {
+        gj_set_num_threads(threads);
+        int64_t n1, n2;
+        double *e = mlp_grads(&m, false, false, &n1);
+        gj_ca_stats before, after;
+        gj_compiled_autograd_stats(&before);
+        double *c = mlp_grads(&m, true, false, &n2);
+        gj_compiled_autograd_stats(&after);
+        assert_int_equal(after.fallbacks, before.fallbacks);
+        assert_int_equal(after.backwards, before.backwards + 1);
+        assert_int_equal(n1, n2);
+        if (memcmp(e, c, (size_t)n1 * sizeof *e) != 0) {
+            int64_t worst;
+            double d = gjt_max_abs_diff(e, c, n1, &worst);
+            fail_msg("threads %d: compiled differs from eager (max |d| %g at %lld)", threads, d,
+                     (long long)worst);
+        }
+        free(e);
+        free(c);
+        gj_ca_program_info pi;
+        assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
+        /* dX, dW of layers 3 and 2, dW of layer 1 (x needs no gradient) */
+        assert_int_equal(pi.gemm_steps, 5);
+        assert_int_equal(pi.n_gemms, 5);
+        assert_int_equal(pi.parallel_groups, 2);
+        double flops = 2.0 * (2.0 * B * H2 * K + 2.0 * B * H1 * H2 + (double)B * IN * H1);
+        assert_true(fabs(pi.gemm_flops - flops) < 0.5);
+        assert_true(pi.output_bytes == 4 * (int64_t)(IN * H1 + H1 + H1 * H2 + H2 + H2 * K + K));
+        assert_true(pi.input_bytes > 0);
+    }
+    gj_set_num_threads(0);
+    mlp_free(&m);
+}
+
+static void test_hook_between_gemms(void **state) {
+    (void)state;
+    mlp m;
+    mlp_init(&m);
+    gj_set_num_threads(2);
+    int64_t n1, n2;
+    g_hook_calls = 0;
+    double *e = mlp_grads(&m, false, true, &n1);
+    assert_int_equal(g_hook_calls, 1);
+    gj_ca_stats before, after;
+    gj_compiled_autograd_stats(&before);
+    double *c = mlp_grads(&m, true, true, &n2); /* compile */
+    free(c);
+    c = mlp_grads(&m, true, true, &n2); /* cache hit */
+    gj_compiled_autograd_stats(&after);
+    assert_int_equal(g_hook_calls, 3);
+    assert_int_equal(after.fallbacks, before.fallbacks);
+    assert_int_equal(n1, n2);
+    assert_true(gjt_allclose("hook between GEMMs", c, e, n1, 0, 1e-6));
+    free(e);
+    free(c);
+    gj_ca_program_info pi;
+    assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
+    assert_int_equal(pi.other_steps, 1); /* the hook step */
+    gj_set_num_threads(0);
+    mlp_free(&m);
+}
+
+static void *no_program_thread(void *arg) {
+    int *rc = arg;
+    gj_ca_program_info pi;
+    rc[0] = gj_compiled_autograd_last_program(&pi);
+    rc[1] = strstr(gj_last_error(), "no compiled backward") != NULL;
+    return NULL;
+}
+
+static void test_last_program_errors(void **state) {
+    (void)state;
+    int rc[2] = {0, 0};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, no_program_thread, rc), 0);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_int_equal(rc[0], -1);
+    assert_true(rc[1]);
+    assert_int_equal(gj_compiled_autograd_last_program(NULL), -1);
+    assert_true(gjt_error_has("out is NULL"));
+}
+
+int main(void) {
+    gjt_setup();
+    gj_compiled_autograd_set_quiet(true);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_gemm_split_bit_exact),
+        cmocka_unit_test(test_mlp_pairs_and_bit_exact),
+        cmocka_unit_test(test_hook_between_gemms),
+        cmocka_unit_test(test_last_program_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
