@@ -692,6 +692,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     gj_ca_reason code = GJ_CA_OTHER;
     int rc = 0;
     unsigned fl = gj_jit_log_flags();
+    double tp0 = (fl & GJ_JIT_LOG_PROF) ? now_ms() : 0, tp1 = 0, tp2 = 0;
     if (gj_jit_walk_build(&w, n_roots, roots, seeds) != 0) {
         gj_jit_walk_free(&w);
         fallback(GJ_CA_OTHER, "out of memory while computing the key", false);
@@ -824,9 +825,11 @@ run:
         memcpy(tensors, cap.tensors, (size_t)prog->n_inputs * sizeof *tensors);
     }
     double t1 = now_ms();
+    tp1 = t1;
     hook_ctx hc;
     memset(&hc, 0, sizeof hc);
     int r = run_program(prog, &w, tensors, why, sizeof why, &hc);
+    tp2 = now_ms();
     if (r == 1) goto fall;
     if (r == 2 || (r == 0 && hc.tripped)) { /* a hook guard: eager-only from now on */
         fallback(hc.code, hc.why, demote(&w, hc.code, hc.why));
@@ -841,6 +844,11 @@ run:
     rc = r == 0 ? 0 : -1;
     *handled = true;
     if (rc == 0 && !retain_graph) gj_ag_release_graph(n_roots, roots);
+    if ((fl & GJ_JIT_LOG_PROF) && rc == 0)
+        fprintf(stderr,
+                "[gradjit prof] backward %.3f ms: key and lookup %.3f, program %.3f (steps and "
+                "buffers), graph release %.3f\n",
+                now_ms() - tp0, tp1 - tp0, tp2 - tp1, now_ms() - tp2);
     goto out;
 fall:
     fallback(code, why, false);
