@@ -1,17 +1,22 @@
 /*
- * test_diskcache.c - the disk cache trusts nothing it reads (DESIGN.md,
- * "The cache trusts nothing it reads").
+ * test_diskcache.c - the disk cache trusts nothing it reads, and the
+ * environment variables are parsed strictly (docs/guide.md, section 5).
  *
- * A cache file whose bytes are altered and re-checksummed is rejected,
- * never run; the directory is created 0700, and a directory or entry
- * writable by group or others (or another user's) is refused with one
- * message; an entry that is a FIFO, a directory or a huge file is rejected
- * without blocking or reading it; a cache directory path of any length
- * either works or is refused, and no file ever lands outside it; the
- * temporary file is unique (a symlink planted at the old pid-based name is
- * never followed). Every refused or rejected entry means a compile, and the
- * backward still gives the eager gradients. Some checks run this binary
- * again (fork + exec with a --child-* argument) for a fresh process.
+ * Disk cache (DESIGN.md, "The cache trusts nothing it reads"): a cache file
+ * whose bytes are altered and re-checksummed is rejected, never run; the
+ * directory is created 0700, and a directory or entry writable by group or
+ * others (or another user's) is refused with one message; an entry that is
+ * a FIFO, a directory or a huge file is rejected without blocking or
+ * reading it; a cache directory path of any length either works or is
+ * refused, and no file ever lands outside it; the temporary file is unique
+ * (a symlink planted at the old pid-based name is never followed). Every
+ * refused or rejected entry means a compile, and the backward still gives
+ * the eager gradients.
+ *
+ * Environment: GRADJIT_COMPILED_AUTOGRAD, GRADJIT_LOG and
+ * GRADJIT_NUM_THREADS are read once per process, so those tests run this
+ * binary again (fork + exec with the variable set and a --child-* argument)
+ * and look at the child's exit status and stderr.
  */
 #include "gjtest.h"
 
@@ -755,10 +760,103 @@ static void test_tmp_name(void **st) {
     remove_tree(dir);
 }
 
+/* ------------------------------------------------- B: environment */
+
+/* GRADJIT_COMPILED_AUTOGRAD: 1/on/true/yes in any case turn it on;
+ * 0/off/false/no/empty and unset leave it off, silently; anything else
+ * leaves it off with one warning naming the variable and the value. */
+static void test_env_compiled(void **st) {
+    (void)st;
+    static const char *on[] = {"1", "on", "ON", "true", "True", "yes", "YES"};
+    static const char *off[] = {"0", "off", "OFF", "Off", "false", "FALSE", "no", "No", ""};
+    char *err;
+    for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
+        assert_int_equal(run_child("--child-ca", "GRADJIT_COMPILED_AUTOGRAD", on[i], &err), 1);
+        assert_string_equal(err, "");
+        free(err);
+    }
+    for (size_t i = 0; i < sizeof off / sizeof off[0]; i++) {
+        int rc = run_child("--child-ca", "GRADJIT_COMPILED_AUTOGRAD", off[i], &err);
+        if (rc != 0) print_error("GRADJIT_COMPILED_AUTOGRAD='%s' turned it on\n", off[i]);
+        assert_int_equal(rc, 0);
+        assert_string_equal(err, "");
+        free(err);
+    }
+    assert_int_equal(run_child("--child-ca", "GRADJIT_COMPILED_AUTOGRAD", NULL, &err), 0);
+    assert_string_equal(err, "");
+    free(err);
+    assert_int_equal(run_child("--child-ca", "GRADJIT_COMPILED_AUTOGRAD", "maybe", &err), 0);
+    assert_int_equal(count_of(err, "GRADJIT_COMPILED_AUTOGRAD"), 1);
+    assert_non_null(strstr(err, "maybe"));
+    free(err);
+}
+
+/* GRADJIT_LOG: words in any case; an unknown word warns once (naming the
+ * variable and the word) and the known ones still count; "help" prints the
+ * list of words once. */
+static void test_env_log(void **st) {
+    (void)st;
+    char *err;
+    assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "cache", &err), GJ_JIT_LOG_CACHE);
+    assert_string_equal(err, "");
+    free(err);
+    assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "Cache, GRAPH", &err),
+                     GJ_JIT_LOG_CACHE | GJ_JIT_LOG_GRAPH);
+    assert_string_equal(err, "");
+    free(err);
+    assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "ALL", &err), 0xff);
+    free(err);
+    assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "plan,bogus", &err),
+                     GJ_JIT_LOG_PLAN);
+    assert_int_equal(count_of(err, "GRADJIT_LOG"), 1);
+    assert_int_equal(count_of(err, "bogus"), 1);
+    free(err);
+    assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "help", &err), 0);
+    static const char *words[] = {"graph", "ir", "plan", "cache", "fallback", "prof", "all", "help"};
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
+        if (!strstr(err, words[i])) print_error("help lacks '%s': %s\n", words[i], err);
+        assert_non_null(strstr(err, words[i]));
+    }
+    assert_int_equal(count_of(err, "fallback"), 1);
+    free(err);
+}
+
+/* GRADJIT_NUM_THREADS: a number sets the pool size; anything else warns
+ * once (naming the variable and the value) and keeps the default. */
+static void test_env_threads(void **st) {
+    (void)st;
+    char *err;
+    assert_int_equal(run_child("--child-threads", "GRADJIT_NUM_THREADS", "3", &err), 3);
+    assert_string_equal(err, "");
+    free(err);
+    int dflt = run_child("--child-threads", "GRADJIT_NUM_THREADS", NULL, NULL);
+    assert_true(dflt >= 1);
+    assert_int_equal(run_child("--child-threads", "GRADJIT_NUM_THREADS", "four", &err), dflt);
+    assert_int_equal(count_of(err, "GRADJIT_NUM_THREADS"), 1);
+    assert_non_null(strstr(err, "four"));
+    free(err);
+    assert_int_equal(run_child("--child-threads", "GRADJIT_NUM_THREADS", "2x", &err), dflt);
+    assert_int_equal(count_of(err, "GRADJIT_NUM_THREADS"), 1);
+    free(err);
+}
+
 /* ------------------------------------------------------------ main */
 
-/* The child modes answer through the exit status. */
+/* The child modes: each reads its variable twice (a warning must come
+ * once) and answers through the exit status. */
 static int child(const char *mode) {
+    if (strcmp(mode, "--child-ca") == 0) {
+        bool a = gj_compiled_autograd_enabled(), b = gj_compiled_autograd_enabled();
+        return a != b ? 2 : a ? 1 : 0;
+    }
+    if (strcmp(mode, "--child-log") == 0) {
+        unsigned a = gj_jit_log_flags(), b = gj_jit_log_flags();
+        return a != b ? 254 : (int)(a & 0xff);
+    }
+    if (strcmp(mode, "--child-threads") == 0) {
+        int a = gj_get_num_threads(), b = gj_get_num_threads();
+        return a != b ? 254 : a & 0xff;
+    }
     if (strcmp(mode, "--child-backward") == 0) { /* one compiled backward, cache from the env */
         gj_jit_set_quiet(true);
         mlp m;
@@ -785,7 +883,8 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forged_plan), cmocka_unit_test(test_modes),
         cmocka_unit_test(test_entry_kinds), cmocka_unit_test(test_long_dir),
-        cmocka_unit_test(test_tmp_name),
+        cmocka_unit_test(test_tmp_name),    cmocka_unit_test(test_env_compiled),
+        cmocka_unit_test(test_env_log),     cmocka_unit_test(test_env_threads),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_jit_clear_cache();
