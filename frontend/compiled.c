@@ -11,20 +11,37 @@
 #include "fe.h"
 #include "../jit/jit.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 static atomic_int g_flag = -1; /* -1: not decided yet */
 static atomic_llong g_backwards;
 
-static bool env_true(const char *v) {
-    return v && *v && strcmp(v, "0") != 0 && strcmp(v, "false") != 0 && strcmp(v, "off") != 0;
+/* The switch named by environment value v (NULL: unset): true for 1, on,
+ * true, yes; false for 0, off, false, no, empty or unset (any case).
+ * Anything else is false with one warning on stderr per process. */
+static bool env_switch(const char *v) {
+    static const char *on[] = {"1", "on", "true", "yes"}, *off[] = {"0", "off", "false", "no"};
+    static atomic_bool warned;
+    if (!v || !*v) return false;
+    for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
+        if (strcasecmp(v, on[i]) == 0) return true;
+        if (strcasecmp(v, off[i]) == 0) return false;
+    }
+    if (!atomic_exchange(&warned, true))
+        fprintf(stderr,
+                "gradjit: GRADJIT_COMPILED_AUTOGRAD='%s' is not 1/on/true/yes or "
+                "0/off/false/no: compiled autograd stays off\n",
+                v);
+    return false;
 }
 
 bool gj_fe_compiled_enabled(void) {
     int f = atomic_load(&g_flag);
     if (f < 0) {
-        int want = env_true(getenv("GRADJIT_COMPILED_AUTOGRAD")) ? 1 : 0;
+        int want = env_switch(getenv("GRADJIT_COMPILED_AUTOGRAD")) ? 1 : 0;
         atomic_compare_exchange_strong(&g_flag, &f, want);
         f = atomic_load(&g_flag);
     }

@@ -9,9 +9,11 @@
  *   - The cache maps a key (full canonical text, indexed by its 128-bit
  *     hash) to a program or to "eager-only" with the reason. Entries live
  *     until gj_jit_clear_cache. A lookup compares the whole text. A memory
- *     miss asks the disk cache (diskcache.c) before capturing; a compiled
- *     program is written there (its kernels are named after the key's hash,
- *     so object code from another process links without clashes).
+ *     miss captures and plans, then asks the disk cache (diskcache.c) for
+ *     object code compiled for exactly that plan (the file's plan is never
+ *     run, only compared); a compiled program is written there (its kernels
+ *     are named after the key's hash, so object code from another process
+ *     links without clashes).
  *   - One mutex guards the cache and the statistics; compiling holds it
  *     (compiles are rare); running a program does not.
  *   - Inputs of a run come from the walk (canonical origins) unless the
@@ -735,30 +737,6 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
             goto out;
         }
         double t0 = now_ms();
-        bool found = false;
-        char dwhy[300];
-        /* programs with hook or custom calls live in memory only (the
-         * functions they call are addresses of this process) */
-        bool custom = false;
-        for (int i = 0; i < w.n; i++) custom |= gj_ag_custom_of(w.nodes[i]->op) != NULL;
-        prog = w.n_hooks > 0 || custom ? NULL : gj_jit_disk_load(&w, &found, dwhy, sizeof dwhy);
-        if (prog) {
-            gj_jit_schedule_groups(&prog->plan); /* not stored: derived from the order */
-            if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
-                pthread_mutex_unlock(&g_lock);
-                snprintf(why, sizeof why, "out of memory in the cache");
-                goto fall;
-            }
-            g_stats.disk_hits++;
-            if (fl & GJ_JIT_LOG_CACHE)
-                fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
-                        (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
-                        now_ms() - t0);
-            goto run;
-        }
-        if (found && (fl & GJ_JIT_LOG_CACHE))
-            fprintf(stderr, "[gradjit cache] disk entry %016llx%016llx not used: %s\n",
-                    (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
         have_cap = true;
         if (gj_jit_capture_run(&cap, &w, n_roots, roots, seeds) != 0) {
             snprintf(why, sizeof why, "%s", cap.reason);
@@ -777,8 +755,35 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
                  (unsigned long long)w.hash[1]);
         void *obj = NULL;
         size_t obj_size = 0;
-        prog = gj_jit_program_build(&cap.g, prefix, disk ? &obj : NULL, &obj_size, why, sizeof why,
-                                    &permanent);
+        prog = gj_jit_program_plan(&cap.g, why, sizeof why, &permanent);
+        /* the disk cache answers only for the plan made here: its file's
+         * plan must be this one byte for byte (programs with hook or custom
+         * calls live in memory only: they call addresses of this process) */
+        bool found = false, loaded = false;
+        char dwhy[300] = "";
+        if (prog && disk && w.n_hooks == 0 && prog->n_hooks == 0 && prog->n_calls == 0)
+            loaded = gj_jit_disk_load(&w, prog, prefix, &found, dwhy, sizeof dwhy) == 0;
+        if (found && !loaded && (fl & GJ_JIT_LOG_CACHE))
+            fprintf(stderr, "[gradjit cache] disk entry %016llx%016llx not used: %s\n",
+                    (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
+        if (loaded) {
+            if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
+                pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
+                snprintf(why, sizeof why, "out of memory in the cache");
+                goto fall;
+            }
+            g_stats.disk_hits++;
+            if (fl & GJ_JIT_LOG_CACHE)
+                fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
+                        (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
+                        now_ms() - t0);
+            goto run;
+        }
+        if (prog && gj_jit_program_compile(prog, prefix, disk ? &obj : NULL, &obj_size, why,
+                                           sizeof why, &permanent) != 0) {
+            gj_jit_program_free(prog);
+            prog = NULL;
+        }
         if (!prog) {
             code = build_reason(why);
             if (permanent) cache_insert(&w, NULL, code, why);

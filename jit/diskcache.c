@@ -1,11 +1,11 @@
 /*
- * diskcache.c - serialisation of programs (plan + roles + object code) to
- * the on-disk cache and back.
+ * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC03"                     magic and format version (bumped whenever
+ *   "GJJITC04"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
- *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels)
+ *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels;
+ *                                  04: the plan written field by field, see put_plan)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -13,64 +13,204 @@
  *   u64[2] checksum                gj_jit_hash128 of everything before
  * (str and blob: u64 length, then the bytes.)
  *
- * Invariants: a load checks everything above and then every index inside
- * the plan (buffers, accesses, expressions, steps) before anything uses it;
- * on any failure the partial program is freed and NULL returned. Pointers
- * inside serialised structs are never trusted: they are rebuilt.
+ * Invariants (DESIGN.md, "The cache trusts nothing it reads"):
+ *   - The plan in a file is never parsed. A load gets the program the
+ *     caller planned from this run's captured graph and accepts the file
+ *     only if its plan blob is byte for byte the serialisation of that
+ *     plan: what runs is always the plan of this process, and the object
+ *     code was compiled for exactly that plan. Any other field is bounds-
+ *     checked (rbuf) before use; on any failure the caller compiles.
+ *   - The directory is opened one component at a time (openat, so its
+ *     path may have any length) and created 0700; it is used only if it is
+ *     a directory owned by this user and not writable by group or others.
+ *     An entry is opened without blocking or following a symlink
+ *     (O_RDONLY|O_NONBLOCK|O_NOFOLLOW|O_CLOEXEC) and used only if it is a
+ *     regular file of at most GJ_DISK_MAX_BYTES with the same owner and
+ *     mode rules. A refusal for ownership or mode is reported on stderr
+ *     once per message and process.
+ *   - Entries are written to a temporary file of a new random name created
+ *     with O_CREAT|O_EXCL|O_NOFOLLOW, 0600, then renamed over the entry, so
+ *     readers never see half a file and two writers never share a file.
+ *   - Nothing here sets the thread's error message: a cache problem is
+ *     never the caller's error.
  */
 #include "diskcache.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '3'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '4'};
+
+/* Largest entry read: a bigger file is rejected without being read. */
+#define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
 
 /* ------------------------------------------------------------ the dir */
 
-static char g_dir_override[1024];
-static int g_dir_mode = -1; /* -1: environment, 0: off, 1: override */
+static pthread_mutex_t g_dir_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *g_dir_override; /* gj_rt_malloc'd */
+static int g_dir_mode = -1;  /* -1: environment, 0: off, 1: override */
+static char *g_dir_default;  /* $XDG_CACHE_HOME/gradjit or $HOME/.cache/gradjit */
 
 void gj_jit_set_disk_cache(const char *dir) {
-    if (!dir || !*dir) {
-        g_dir_mode = 0;
-    } else {
-        snprintf(g_dir_override, sizeof g_dir_override, "%s", dir);
-        g_dir_mode = 1;
+    pthread_mutex_lock(&g_dir_lock);
+    gj_rt_free(g_dir_override);
+    g_dir_override = NULL;
+    g_dir_mode = 0;
+    if (dir && *dir) {
+        size_t n = strlen(dir);
+        g_dir_override = gj_rt_malloc(n + 1);
+        if (g_dir_override) { /* out of memory: the disk cache stays off */
+            memcpy(g_dir_override, dir, n + 1);
+            g_dir_mode = 1;
+        }
     }
+    pthread_mutex_unlock(&g_dir_lock);
 }
 
+/* The default directory is built once per process (on first use) from
+ * XDG_CACHE_HOME or HOME; the result stays valid until exit. */
 const char *gj_jit_disk_dir(void) {
-    static char dflt[1024];
-    if (g_dir_mode == 0) return NULL;
-    if (g_dir_mode == 1) return g_dir_override;
-    const char *e = getenv("GRADJIT_CACHE_DIR");
-    if (e) return (*e && strcmp(e, "off") != 0) ? e : NULL;
-    const char *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
-    if (x && *x) snprintf(dflt, sizeof dflt, "%s/gradjit", x);
-    else if (h && *h) snprintf(dflt, sizeof dflt, "%s/.cache/gradjit", h);
-    else return NULL;
-    return dflt;
-}
-
-/* mkdir -p. 0 or -1. */
-static int make_dirs(const char *dir) {
-    char tmp[1024];
-    snprintf(tmp, sizeof tmp, "%s", dir);
-    for (char *q = tmp + 1; *q; q++) {
-        if (*q != '/') continue;
-        *q = '\0';
-        if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
-        *q = '/';
+    const char *r = NULL;
+    pthread_mutex_lock(&g_dir_lock);
+    if (g_dir_mode == 1) {
+        r = g_dir_override;
+    } else if (g_dir_mode < 0) {
+        const char *e = getenv("GRADJIT_CACHE_DIR");
+        if (e) {
+            r = (*e && strcmp(e, "off") != 0) ? e : NULL;
+        } else if (g_dir_default) {
+            r = g_dir_default;
+        } else {
+            const char *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
+            const char *root = x && *x ? x : h && *h ? h : NULL;
+            const char *tail = x && *x ? "/gradjit" : "/.cache/gradjit";
+            if (root) {
+                size_t n = strlen(root) + strlen(tail) + 1;
+                g_dir_default = gj_rt_malloc(n);
+                if (g_dir_default) snprintf(g_dir_default, n, "%s%s", root, tail);
+            }
+            r = g_dir_default;
+        }
     }
-    return (mkdir(tmp, 0755) == 0 || errno == EEXIST) ? 0 : -1;
+    pthread_mutex_unlock(&g_dir_lock);
+    return r;
 }
 
-static void file_name(char *out, size_t cap, const char *dir, const uint64_t h[2]) {
-    snprintf(out, cap, "%s/%016llx%016llx.gjc", dir, (unsigned long long)h[0],
-             (unsigned long long)h[1]);
+/* Prints "gradjit: <message>" on stderr unless this process printed the
+ * same message before (the last 64 distinct ones are remembered). */
+static void warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void warn_once(const char *fmt, ...) {
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    static uint64_t seen[64];
+    static int n_seen;
+    char small[512], *msg = small;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((size_t)n >= sizeof small) {
+        msg = gj_rt_malloc((size_t)n + 1);
+        if (!msg) {
+            msg = small; /* print it truncated */
+        } else {
+            va_start(ap, fmt);
+            vsnprintf(msg, (size_t)n + 1, fmt, ap);
+            va_end(ap);
+        }
+    }
+    uint64_t h[2];
+    gj_jit_hash128(msg, strlen(msg), h);
+    pthread_mutex_lock(&lock);
+    bool fresh = true;
+    for (int i = 0; i < n_seen && i < 64; i++) fresh &= seen[i] != h[0];
+    if (fresh) {
+        seen[n_seen % 64] = h[0];
+        n_seen = n_seen < 64 ? n_seen + 1 : 64 + (n_seen + 1) % 64;
+        fprintf(stderr, "gradjit: %s\n", msg);
+    }
+    pthread_mutex_unlock(&lock);
+    if (msg != small) gj_rt_free(msg);
+}
+
+/* Whether the file of st (what: "directory" or "entry", at path dir[/name])
+ * may be trusted: owned by this user, not writable by group or others.
+ * If not, why[] says so and the reason is reported once on stderr. */
+static bool owner_ok(const struct stat *st, const char *what, const char *dir, const char *name,
+                     char *why, size_t why_cap) {
+    const char *sep = name ? "/" : "";
+    if (!name) name = "";
+    if (st->st_uid != geteuid()) {
+        snprintf(why, why_cap, "%s owned by another user", what);
+        warn_once("disk cache %s %s%s%s is owned by uid %u, not by this user (uid %u): not "
+                  "used, compiling instead",
+                  what, dir, sep, name, (unsigned)st->st_uid, (unsigned)geteuid());
+        return false;
+    }
+    if (st->st_mode & (S_IWGRP | S_IWOTH)) {
+        snprintf(why, why_cap, "%s writable by group or others", what);
+        warn_once("disk cache %s %s%s%s is writable by group or others (mode %03o): not used, "
+                  "compiling instead (chmod go-w it to use it)",
+                  what, dir, sep, name, (unsigned)(st->st_mode & 0777));
+        return false;
+    }
+    return true;
+}
+
+/* Opens directory dir one component at a time (no length limit), creating
+ * missing components 0700 when create is true, and checks that the last one
+ * may be trusted (owner_ok). Returns its descriptor, or -1 with why[] set
+ * (why[0] == '\0': it does not exist and create is false). */
+static int open_dir(const char *dir, bool create, char *why, size_t why_cap) {
+    why[0] = '\0';
+    size_t n = strlen(dir);
+    char *copy = gj_rt_malloc(n + 1);
+    int fd = -1;
+    if (!copy) {
+        snprintf(why, why_cap, "out of memory");
+        goto fail;
+    }
+    memcpy(copy, dir, n + 1);
+    fd = open(dir[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) goto sys_fail;
+    for (char *c = copy; *c;) {
+        size_t len = strcspn(c, "/");
+        char *next = c + len + (c[len] == '/');
+        c[len] = '\0';
+        if (len > 0) {
+            if (create && mkdirat(fd, c, 0700) != 0 && errno != EEXIST) goto sys_fail;
+            int sub = openat(fd, c, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            if (sub < 0) {
+                if (errno == ENOENT && !create) goto fail; /* no cache yet */
+                goto sys_fail;
+            }
+            close(fd);
+            fd = sub;
+        }
+        c = next;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) goto sys_fail;
+    if (!owner_ok(&st, "directory", dir, NULL, why, why_cap)) goto fail;
+    gj_rt_free(copy);
+    return fd;
+sys_fail:
+    snprintf(why, why_cap, "cannot open the directory: %s", strerror(errno));
+fail:
+    if (fd >= 0) close(fd);
+    gj_rt_free(copy);
+    return -1;
+}
+
+static void entry_name(char out[40], const uint64_t h[2]) {
+    snprintf(out, 40, "%016llx%016llx.gjc", (unsigned long long)h[0], (unsigned long long)h[1]);
 }
 
 /* ------------------------------------------------------------ buffers */
@@ -99,10 +239,26 @@ static void put(wbuf *b, const void *src, size_t n) {
 }
 
 static void put_u64(wbuf *b, uint64_t v) { put(b, &v, sizeof v); }
+static void put_i64(wbuf *b, int64_t v) { put_u64(b, (uint64_t)v); }
+static void put_f64(wbuf *b, double v) { put(b, &v, sizeof v); }
 
 static void put_blob(wbuf *b, const void *src, size_t n) {
     put_u64(b, n);
     put(b, src, n);
+}
+
+static void put_ints(wbuf *b, const int *v, int n) {
+    put_i64(b, n);
+    for (int i = 0; i < n; i++) put_i64(b, v[i]);
+}
+
+/* v[0..n) of a GJ_MAX_DIMS array (n clamped to it): entries past the rank
+ * may be left uninitialised by the planner, so they are not part of the
+ * plan's bytes. */
+static void put_dims(wbuf *b, const int64_t *v, int n) {
+    n = n < 0 ? 0 : n > GJ_MAX_DIMS ? GJ_MAX_DIMS : n;
+    put_i64(b, n);
+    for (int i = 0; i < n; i++) put_i64(b, v[i]);
 }
 
 typedef struct rbuf {
@@ -111,33 +267,19 @@ typedef struct rbuf {
     bool bad;
 } rbuf;
 
-static void get(rbuf *b, void *dst, size_t n) {
-    if (b->bad || n > b->n - b->pos) {
-        b->bad = true;
-        if (n) memset(dst, 0, n);
-        return;
-    }
-    memcpy(dst, b->p + b->pos, n);
-    b->pos += n;
-}
-
 static uint64_t get_u64(rbuf *b) {
     uint64_t v = 0;
-    get(b, &v, sizeof v);
-    return v;
-}
-
-/* A count that must fit in the rest of the buffer at elsize bytes each. */
-static int get_count(rbuf *b, size_t elsize) {
-    uint64_t v = get_u64(b);
-    if (b->bad || v > (uint64_t)INT32_MAX || (elsize && v > (b->n - b->pos) / elsize)) {
+    if (b->bad || sizeof v > b->n - b->pos) {
         b->bad = true;
         return 0;
     }
-    return (int)v;
+    memcpy(&v, b->p + b->pos, sizeof v);
+    b->pos += sizeof v;
+    return v;
 }
 
-/* A blob in place (pointer into the buffer). */
+/* A blob in place (pointer into the buffer; NULL and b->bad if its length
+ * runs past the end). */
 static const unsigned char *get_blob(rbuf *b, size_t *n) {
     uint64_t len = get_u64(b);
     if (b->bad || len > b->n - b->pos) {
@@ -149,19 +291,6 @@ static const unsigned char *get_blob(rbuf *b, size_t *n) {
     b->pos += (size_t)len;
     *n = (size_t)len;
     return q;
-}
-
-/* n elements of size sz into a new gj_rt_malloc'd array (NULL if n == 0). */
-static void *get_array(rbuf *b, int n, size_t sz, bool *oom) {
-    if (n <= 0) return NULL;
-    void *a = gj_rt_malloc((size_t)n * sz);
-    if (!a) {
-        *oom = true;
-        b->bad = true;
-        return NULL;
-    }
-    get(b, a, (size_t)n * sz);
-    return a;
 }
 
 static uint64_t layout_signature(void) {
@@ -176,188 +305,206 @@ static uint64_t layout_signature(void) {
 
 /* --------------------------------------------------------------- plan */
 
-static void put_plan(wbuf *b, const gj_jit_program *pr) {
-    const gj_jit_plan *p = &pr->plan;
-    put_u64(b, (uint64_t)p->n_inputs);
-    put_u64(b, (uint64_t)p->n_outputs);
-    put_u64(b, pr->recapture);
-    put(b, p->in_meta, (size_t)p->n_inputs * sizeof *p->in_meta);
-    put(b, p->out_meta, (size_t)p->n_outputs * sizeof *p->out_meta);
-    put(b, p->out_buf, (size_t)p->n_outputs * sizeof *p->out_buf);
-    put(b, pr->inputs, (size_t)pr->n_inputs * sizeof *pr->inputs);
-    put(b, pr->outputs, (size_t)pr->n_outputs * sizeof *pr->outputs);
-    put_u64(b, (uint64_t)p->n_bufs);
-    put(b, p->bufs, (size_t)p->n_bufs * sizeof *p->bufs);
-    put_u64(b, (uint64_t)p->n_steps);
-    for (int s = 0; s < p->n_steps; s++) {
-        const gj_jit_step *st = &p->steps[s];
-        put_u64(b, st->kind);
-        if (st->kind == GJ_JIT_STEP_MATMUL) {
-            put(b, &st->mm, sizeof st->mm);
-            continue;
-        }
-        if (st->kind == GJ_JIT_STEP_INDEX) {
-            put(b, &st->ix, sizeof st->ix);
-            continue;
-        }
-        const gj_jit_kernel *k = &st->k;
-        put(b, k, sizeof *k);
-        put(b, k->acc, (size_t)k->n_acc * sizeof *k->acc);
-        put(b, k->ex, (size_t)k->n_ex * sizeof *k->ex);
-        put(b, k->st, (size_t)k->n_st * sizeof *k->st);
-        put(b, k->param_buf, (size_t)k->n_params * sizeof *k->param_buf);
-    }
-    put_u64(b, (uint64_t)p->n_rt_params);
-    put(b, p->rt_param_node, (size_t)p->n_rt_params * sizeof *p->rt_param_node);
-    put_u64(b, (uint64_t)(int64_t)p->params_buf);
-    put_u64(b, p->peak_temp_bytes);
-    put_u64(b, (uint64_t)p->n_by_first);
-    put(b, p->by_first, (size_t)p->n_by_first * sizeof *p->by_first);
-    put_u64(b, (uint64_t)p->n_by_last);
-    put(b, p->by_last, (size_t)p->n_by_last * sizeof *p->by_last);
+static void put_meta(wbuf *b, const gj_rt_meta *m) {
+    put_i64(b, m->dtype);
+    put_i64(b, m->ndim);
+    put_dims(b, m->shape, m->ndim);
 }
 
-static bool idx_ok(int v, int n) { return v >= 0 && v < n; }
+static void put_inst(wbuf *b, const gj_rt_inst *x) {
+    put_i64(b, x->prim);
+    put_i64(b, x->n_in);
+    put_f64(b, x->scalar);
+    put_i64(b, x->dtype);
+    put_u64(b, x->axes);
+    put_u64(b, (uint64_t)x->keepdim | (uint64_t)x->ta << 1 | (uint64_t)x->tb << 2);
+    put_i64(b, x->axis);
+    put_i64(b, x->start);
+    put_i64(b, x->len);
+    put_u64(b, x->seed);
+    put_u64(b, x->rng_offset);
+    put_i64(b, x->ndim);
+    put_dims(b, x->shape, x->ndim);
+}
 
-/* Every index inside the plan is in range. */
-static bool plan_sane(const gj_jit_program *pr) {
-    const gj_jit_plan *p = &pr->plan;
-    for (int b = 0; b < p->n_bufs; b++) {
-        const gj_jit_buffer *x = &p->bufs[b];
-        if (x->kind > GJ_JIT_BUF_PARAMS || !gj_rt_dtype_valid((int)x->dtype) || x->numel < 0) return false;
-        if (x->kind == GJ_JIT_BUF_DROPOUT && x->gen_param >= p->n_rt_params) return false;
-        if (x->kind == GJ_JIT_BUF_PARAMS && b != p->params_buf) return false;
-        if (x->kind == GJ_JIT_BUF_INPUT && !idx_ok(x->index, p->n_inputs)) return false;
-        if (x->kind == GJ_JIT_BUF_OUTPUT && !idx_ok(x->index, p->n_outputs)) return false;
-        if (x->kind == GJ_JIT_BUF_IOTA && (x->gen_inner < 1 || x->gen_len < 1)) return false;
+static void put_kernel(wbuf *b, const gj_jit_kernel *k) {
+    put_i64(b, k->nd);
+    put_dims(b, k->dims, k->nd);
+    put_u64(b, k->red);
+    put_i64(b, k->n_acc);
+    for (int a = 0; a < k->n_acc; a++) {
+        const gj_jit_access *x = &k->acc[a];
+        put_i64(b, x->buf);
+        put_i64(b, x->dtype);
+        put_i64(b, x->offset);
+        put_dims(b, x->strides, k->nd);
     }
-    for (int o = 0; o < p->n_outputs; o++)
-        if (!idx_ok(p->out_buf[o], p->n_bufs)) return false;
-    if (p->n_rt_params > 0 && !idx_ok(p->params_buf, p->n_bufs)) return false;
-    for (int k = 0; k < p->n_rt_params; k++)
-        if (p->rt_param_node[k] < 0) return false;
-    for (int i = 0; i < p->n_by_first; i++)
-        if (!idx_ok(p->by_first[i], p->n_bufs)) return false;
-    for (int i = 0; i < p->n_by_last; i++)
-        if (!idx_ok(p->by_last[i], p->n_bufs)) return false;
-    for (int i = 0; i < pr->n_inputs; i++)
-        if ((unsigned)pr->inputs[i].role > GJ_JIT_IN_OTHER) return false;
-    for (int o = 0; o < pr->n_outputs; o++)
-        if (pr->outputs[o].grad_input >= pr->n_inputs || pr->outputs[o].acc_node < 0) return false;
+    put_i64(b, k->n_ex);
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        put_i64(b, x->kind);
+        put_i64(b, x->dtype);
+        put_i64(b, x->access);
+        put_f64(b, x->cval);
+        put_inst(b, &x->inst);
+        for (int q = 0; q < 3; q++) put_i64(b, x->args[q]);
+    }
+    put_i64(b, k->n_st);
+    for (int q = 0; q < k->n_st; q++) {
+        const gj_jit_store *x = &k->st[q];
+        put_i64(b, x->access);
+        put_i64(b, x->expr);
+        put_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
+    }
+    put_i64(b, k->block);
+    put_i64(b, k->nblk);
+    put_i64(b, k->rows);
+    put_i64(b, k->grain);
+    put_ints(b, k->param_buf, k->n_params);
+    put_blob(b, k->name, strnlen(k->name, sizeof k->name));
+}
+
+static void put_matmul(wbuf *b, const gj_jit_matmul *m) {
+    put_i64(b, m->dtype);
+    put_u64(b, (uint64_t)m->accumulate | (uint64_t)m->ta << 1 | (uint64_t)m->tb << 2);
+    put_i64(b, m->a_buf);
+    put_i64(b, m->b_buf);
+    put_i64(b, m->c_buf);
+    put_i64(b, m->M);
+    put_i64(b, m->N);
+    put_i64(b, m->K);
+    put_i64(b, m->lda);
+    put_i64(b, m->ldb);
+    put_i64(b, m->a_off);
+    put_i64(b, m->b_off);
+    put_i64(b, m->nb);
+    put_dims(b, m->bshape, m->nb);
+    put_dims(b, m->a_bstr, m->nb);
+    put_dims(b, m->b_bstr, m->nb);
+}
+
+static void put_index(wbuf *b, const gj_jit_index *x) {
+    put_u64(b, x->scatter);
+    put_i64(b, x->dtype);
+    put_i64(b, x->src_buf);
+    put_i64(b, x->idx_buf);
+    put_i64(b, x->out_buf);
+    put_i64(b, x->n);
+    put_i64(b, x->D);
+    put_i64(b, x->V);
+    put_i64(b, x->src_off);
+    put_i64(b, x->src_s0);
+    put_i64(b, x->src_s1);
+}
+
+/* The canonical serialisation of program pr (no hook or call steps): every
+ * field that the plan's execution or its object code depends on, one
+ * 8-byte word each (no padding, no pointers), so the same graph
+ * planned by the same library on the same host gives the same bytes. The
+ * file holds it, and a load compares it with this process's plan. */
+static void put_plan(wbuf *b, const gj_jit_program *pr) {
+    const gj_jit_plan *p = &pr->plan;
+    put_i64(b, p->n_inputs);
+    for (int i = 0; i < p->n_inputs; i++) put_meta(b, &p->in_meta[i]);
+    put_i64(b, p->n_outputs);
+    for (int o = 0; o < p->n_outputs; o++) put_meta(b, &p->out_meta[o]);
+    put_ints(b, p->out_buf, p->n_outputs);
+    put_u64(b, pr->recapture);
+    put_i64(b, pr->n_inputs);
+    for (int i = 0; i < pr->n_inputs; i++) {
+        const gj_jit_input *x = &pr->inputs[i];
+        put_i64(b, x->role);
+        put_i64(b, x->value);
+        put_i64(b, x->node);
+        put_i64(b, x->slot);
+        put_dims(b, x->strides, i < p->n_inputs ? p->in_meta[i].ndim : 0);
+    }
+    put_i64(b, pr->n_outputs);
+    for (int o = 0; o < pr->n_outputs; o++) {
+        put_i64(b, pr->outputs[o].value);
+        put_i64(b, pr->outputs[o].acc_node);
+        put_i64(b, pr->outputs[o].grad_input);
+    }
+    put_i64(b, p->n_bufs);
+    for (int i = 0; i < p->n_bufs; i++) {
+        const gj_jit_buffer *x = &p->bufs[i];
+        put_i64(b, x->kind);
+        put_i64(b, x->index);
+        put_i64(b, x->dtype);
+        put_i64(b, x->numel);
+        put_u64(b, x->nbytes);
+        put_i64(b, x->first_step);
+        put_i64(b, x->last_step);
+        put_i64(b, x->gen_inner);
+        put_i64(b, x->gen_len);
+        put_u64(b, x->gen_seed);
+        put_u64(b, x->gen_offset);
+        put_i64(b, x->gen_param);
+        put_f64(b, x->gen_p);
+    }
+    put_i64(b, p->n_steps);
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_step *st = &p->steps[s];
-        if (st->kind == GJ_JIT_STEP_MATMUL) {
-            const gj_jit_matmul *m = &st->mm;
-            if (!idx_ok(m->a_buf, p->n_bufs) || !idx_ok(m->b_buf, p->n_bufs) ||
-                !idx_ok(m->c_buf, p->n_bufs) || m->nb < 0 || m->nb > GJ_MAX_DIMS ||
-                (m->dtype != GJ_F32 && m->dtype != GJ_F64))
-                return false;
-            continue;
-        }
-        if (st->kind == GJ_JIT_STEP_INDEX) {
-            const gj_jit_index *x = &st->ix;
-            if (!idx_ok(x->src_buf, p->n_bufs) || !idx_ok(x->idx_buf, p->n_bufs) ||
-                !idx_ok(x->out_buf, p->n_bufs) || x->n < 0 || x->D < 0 || x->V < 0 ||
-                x->dtype == GJ_I64 || !gj_rt_dtype_valid((int)x->dtype) ||
-                p->bufs[x->idx_buf].dtype != GJ_I64 || p->bufs[x->idx_buf].numel < x->n ||
-                p->bufs[x->out_buf].numel < (x->scatter ? x->V * x->D : x->n * x->D) ||
-                (x->scatter && p->bufs[x->src_buf].numel < x->n * x->D))
-                return false;
-            continue;
-        }
-        const gj_jit_kernel *k = &st->k;
-        if (k->nd < 1 || k->nd > GJ_MAX_DIMS || k->rows < 0 || k->grain < 1) return false;
-        for (int a = 0; a < k->n_acc; a++)
-            if (!idx_ok(k->acc[a].buf, p->n_bufs)) return false;
-        for (int q = 0; q < k->n_params; q++)
-            if (!idx_ok(k->param_buf[q], p->n_bufs)) return false;
-        for (int e = 0; e < k->n_ex; e++) {
-            const gj_jit_expr *x = &k->ex[e];
-            if (x->kind == GJ_JIT_E_LOAD && !idx_ok(x->access, k->n_acc)) return false;
-            if (x->kind == GJ_JIT_E_OP) {
-                if (x->inst.n_in < 0 || x->inst.n_in > 3 || (unsigned)x->inst.prim >= GJ_P_COUNT)
-                    return false;
-                for (int q = 0; q < x->inst.n_in; q++)
-                    if (!idx_ok(x->args[q], e)) return false;
-            }
-            if (x->kind > GJ_JIT_E_OP) return false;
-        }
-        for (int q = 0; q < k->n_st; q++)
-            if (!idx_ok(k->st[q].access, k->n_acc) || !idx_ok(k->st[q].expr, k->n_ex)) return false;
+        put_i64(b, st->kind);
+        if (st->kind == GJ_JIT_STEP_MATMUL) put_matmul(b, &st->mm);
+        else if (st->kind == GJ_JIT_STEP_INDEX) put_index(b, &st->ix);
+        else put_kernel(b, &st->k);
+    }
+    put_ints(b, p->rt_param_node, p->n_rt_params);
+    put_i64(b, p->params_buf);
+    put_u64(b, p->peak_temp_bytes);
+    put_ints(b, p->by_first, p->n_by_first);
+    put_ints(b, p->by_last, p->n_by_last);
+}
+
+/* Whether pr can live on disk: no hook or custom call steps (they call
+ * addresses of this process) and no step kind put_plan does not know. */
+static bool disk_able(const gj_jit_program *pr) {
+    if (pr->n_hooks > 0 || pr->n_calls > 0) return false;
+    for (int s = 0; s < pr->plan.n_steps; s++) {
+        gj_jit_step_kind k = pr->plan.steps[s].kind;
+        if (k != GJ_JIT_STEP_KERNEL && k != GJ_JIT_STEP_MATMUL && k != GJ_JIT_STEP_INDEX)
+            return false;
     }
     return true;
 }
 
-/* Reads a plan blob into pr. 0, or -1 (bad data or OOM). */
-static int get_plan(rbuf *b, gj_jit_program *pr, bool *oom) {
-    gj_jit_plan *p = &pr->plan;
-    p->n_inputs = pr->n_inputs = get_count(b, sizeof(gj_rt_meta));
-    p->n_outputs = pr->n_outputs = get_count(b, sizeof(gj_rt_meta));
-    pr->recapture = get_u64(b) != 0;
-    p->in_meta = get_array(b, p->n_inputs, sizeof *p->in_meta, oom);
-    p->out_meta = get_array(b, p->n_outputs, sizeof *p->out_meta, oom);
-    p->out_buf = get_array(b, p->n_outputs, sizeof *p->out_buf, oom);
-    pr->inputs = get_array(b, pr->n_inputs, sizeof *pr->inputs, oom);
-    pr->outputs = get_array(b, pr->n_outputs, sizeof *pr->outputs, oom);
-    p->n_bufs = get_count(b, sizeof(gj_jit_buffer));
-    p->bufs = get_array(b, p->n_bufs, sizeof *p->bufs, oom);
-    p->cap_bufs = p->n_bufs;
-    int ns = get_count(b, sizeof(uint64_t));
-    if (ns > 0) {
-        p->steps = gj_rt_calloc((size_t)ns, sizeof *p->steps);
-        if (!p->steps) {
-            *oom = true;
-            return -1;
-        }
-        p->cap_steps = ns;
+/* ------------------------------------------------------ random names */
+
+/* A fresh temporary entry name ".gjc-<16 hex>" (not guessable from the
+ * pid: the time, a counter and the address of a local go in too). */
+static void tmp_name(char out[32]) {
+    static atomic_ullong counter;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t seed[5] = {(uint64_t)getpid(), (uint64_t)ts.tv_sec, (uint64_t)ts.tv_nsec,
+                        atomic_fetch_add(&counter, 1), (uint64_t)(uintptr_t)&ts};
+    uint64_t h[2];
+    gj_jit_hash128(seed, sizeof seed, h);
+    snprintf(out, 32, ".gjc-%016llx", (unsigned long long)(h[0] ^ h[1]));
+}
+
+/* Writes n bytes to fd. 0 or -1. */
+static int write_all(int fd, const unsigned char *p, size_t n) {
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
     }
-    for (int s = 0; s < ns && !b->bad; s++) {
-        gj_jit_step *st = &p->steps[s];
-        p->n_steps = s + 1;
-        uint64_t kind = get_u64(b);
-        if (kind == GJ_JIT_STEP_MATMUL) {
-            st->kind = GJ_JIT_STEP_MATMUL;
-            get(b, &st->mm, sizeof st->mm);
-            continue;
-        }
-        if (kind == GJ_JIT_STEP_INDEX) {
-            st->kind = GJ_JIT_STEP_INDEX;
-            get(b, &st->ix, sizeof st->ix);
-            continue;
-        }
-        if (kind != GJ_JIT_STEP_KERNEL) return -1;
-        st->kind = GJ_JIT_STEP_KERNEL;
-        gj_jit_kernel *k = &st->k;
-        get(b, k, sizeof *k);
-        k->acc = NULL;
-        k->ex = NULL;
-        k->st = NULL;
-        k->param_buf = NULL;
-        k->fn = NULL;
-        if (k->n_acc < 0 || k->n_ex < 0 || k->n_st < 0 || k->n_params < 0 ||
-            (size_t)k->n_acc > b->n || (size_t)k->n_ex > b->n || (size_t)k->n_st > b->n ||
-            (size_t)k->n_params > b->n) {
-            k->n_acc = k->n_ex = k->n_st = k->n_params = 0;
-            return -1;
-        }
-        k->acc = get_array(b, k->n_acc, sizeof *k->acc, oom);
-        k->ex = get_array(b, k->n_ex, sizeof *k->ex, oom);
-        k->st = get_array(b, k->n_st, sizeof *k->st, oom);
-        k->param_buf = get_array(b, k->n_params, sizeof *k->param_buf, oom);
-        k->cap_acc = k->n_acc;
-        k->cap_ex = k->n_ex;
-        k->cap_st = k->n_st;
-        k->name[sizeof k->name - 1] = '\0';
+    return 0;
+}
+
+/* Reads n bytes from fd. 0, or -1 (error or end of file first). */
+static int read_all(int fd, unsigned char *p, size_t n) {
+    while (n > 0) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r;
+        n -= (size_t)r;
     }
-    p->n_rt_params = get_count(b, sizeof(int));
-    p->rt_param_node = get_array(b, p->n_rt_params, sizeof *p->rt_param_node, oom);
-    p->params_buf = (int)(int64_t)get_u64(b);
-    p->peak_temp_bytes = (size_t)get_u64(b);
-    p->n_by_first = get_count(b, sizeof(int));
-    p->by_first = get_array(b, p->n_by_first, sizeof *p->by_first, oom);
-    p->n_by_last = get_count(b, sizeof(int));
-    p->by_last = get_array(b, p->n_by_last, sizeof *p->by_last, oom);
-    if (b->bad || !plan_sane(pr)) return -1;
     return 0;
 }
 
@@ -368,11 +515,10 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
     const char *dir = gj_jit_disk_dir();
     const char *host = gj_jit_host_id();
     bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
-    if (!dir || !host[0] || !obj) return -1;
+    if (!dir || !host[0] || !obj || !disk_able(pr)) return -1;
     wbuf b = {0}, pb = {0};
-    int rc = -1;
-    FILE *f = NULL;
-    char path[1200], tmp[1300];
+    int rc = -1, dfd = -1, fd = -1;
+    char name[40], tmp[32] = "", why[300] = "";
     put(&b, g_magic, sizeof g_magic);
     put_u64(&b, layout_signature());
     put_blob(&b, GJ_VERSION_STR, strlen(GJ_VERSION_STR));
@@ -387,61 +533,112 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
     uint64_t h[2];
     gj_jit_hash128(b.p, b.n, h);
     put(&b, h, sizeof h);
-    if (b.oom || make_dirs(dir) != 0) goto done;
-    file_name(path, sizeof path, dir, w->hash);
-    snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
-    f = fopen(tmp, "wb");
-    if (!f) goto done;
-    bool ok = fwrite(b.p, 1, b.n, f) == b.n;
-    ok = (fclose(f) == 0) && ok;
-    f = NULL;
-    if (!ok || rename(tmp, path) != 0) {
-        remove(tmp);
+    if (b.oom) goto done;
+    if ((uint64_t)b.n > (uint64_t)GJ_DISK_MAX_BYTES) { /* a load would reject it */
+        snprintf(why, sizeof why, "%zu bytes, more than the limit", b.n);
         goto done;
     }
+    dfd = open_dir(dir, true, why, sizeof why);
+    if (dfd < 0) goto done;
+    entry_name(name, w->hash);
+    for (int tries = 0; fd < 0 && tries < 16; tries++) {
+        tmp_name(tmp);
+        fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd < 0) {
+        tmp[0] = '\0';
+        snprintf(why, sizeof why, "cannot create a temporary file: %s", strerror(errno));
+        goto done;
+    }
+    bool ok = fchmod(fd, 0600) == 0 && write_all(fd, b.p, b.n) == 0;
+    ok = close(fd) == 0 && ok;
+    fd = -1;
+    if (!ok || renameat(dfd, tmp, dfd, name) != 0) {
+        snprintf(why, sizeof why, "cannot write: %s", strerror(errno));
+        goto done;
+    }
+    tmp[0] = '\0';
     rc = 0;
-    if (log) fprintf(stderr, "[gradjit cache] saved %s (%zu bytes)\n", path, b.n);
+    if (log) fprintf(stderr, "[gradjit cache] saved %s/%s (%zu bytes)\n", dir, name, b.n);
 done:
-    if (rc != 0 && log) fprintf(stderr, "[gradjit cache] could not save to %s\n", dir);
+    if (fd >= 0) close(fd);
+    if (tmp[0]) unlinkat(dfd, tmp, 0);
+    if (dfd >= 0) close(dfd);
+    if (rc != 0 && log)
+        fprintf(stderr, "[gradjit cache] could not save to %s%s%s\n", dir, why[0] ? ": " : "",
+                why);
     gj_rt_free(b.p);
     gj_rt_free(pb.p);
     return rc;
 }
 
-gj_jit_program *gj_jit_disk_load(const gj_jit_walk *w, bool *found, char *why, size_t why_cap) {
+int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
+                     char *why, size_t why_cap) {
     *found = false;
     why[0] = '\0';
     const char *dir = gj_jit_disk_dir();
-    if (!dir) return NULL;
-    char path[1200];
-    file_name(path, sizeof path, dir, w->hash);
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    *found = true;
-    gj_jit_program *pr = NULL;
+    if (!dir || pr->code || !disk_able(pr)) return -1;
+    char name[40];
+    entry_name(name, w->hash);
     unsigned char *data = NULL;
-    long len = -1;
-    if (fseek(f, 0, SEEK_END) == 0) len = ftell(f);
-    if (len < (long)(sizeof g_magic + 16) || fseek(f, 0, SEEK_SET) != 0) {
+    wbuf mine = {0};
+    int fd = -1, dfd = open_dir(dir, false, why, why_cap);
+    if (dfd < 0) {
+        *found = why[0] != '\0'; /* a directory that exists but is refused */
+        goto fail;
+    }
+    fd = openat(dfd, name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT) goto fail;
+        *found = true;
+        snprintf(why, why_cap, "cannot open: %s", strerror(errno)); /* ELOOP: a symlink */
+        goto fail;
+    }
+    *found = true;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        snprintf(why, why_cap, "cannot stat: %s", strerror(errno));
+        goto fail;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(why, why_cap, "not a regular file");
+        goto fail;
+    }
+    if (!owner_ok(&st, "entry", dir, name, why, why_cap)) goto fail;
+    if (st.st_size > GJ_DISK_MAX_BYTES) {
+        snprintf(why, why_cap, "too large (%lld bytes, the limit is %lld)",
+                 (long long)st.st_size, (long long)GJ_DISK_MAX_BYTES);
+        goto fail;
+    }
+    size_t len = (size_t)st.st_size;
+    if (len < sizeof g_magic + 16) {
         snprintf(why, why_cap, "damaged (truncated)");
         goto fail;
     }
-    data = gj_rt_malloc((size_t)len);
-    if (!data || fread(data, 1, (size_t)len, f) != (size_t)len) {
-        snprintf(why, why_cap, data ? "damaged (read error)" : "out of memory");
+    data = gj_rt_malloc(len);
+    if (!data) {
+        snprintf(why, why_cap, "out of memory");
+        goto fail;
+    }
+    if (read_all(fd, data, len) != 0) {
+        snprintf(why, why_cap, "damaged (read error)");
         goto fail;
     }
     uint64_t h[2], want[2];
     memcpy(want, data + len - 16, 16);
-    gj_jit_hash128(data, (size_t)len - 16, h);
+    gj_jit_hash128(data, len - 16, h);
     if (h[0] != want[0] || h[1] != want[1]) {
         snprintf(why, why_cap, "damaged (checksum)");
         goto fail;
     }
-    rbuf b = {data, (size_t)len - 16, 0, false};
-    char magic[8];
-    get(&b, magic, sizeof magic);
-    if (memcmp(magic, g_magic, sizeof magic) != 0 || get_u64(&b) != layout_signature()) {
+    rbuf b = {data, len - 16, 0, false};
+    if (memcmp(data, g_magic, sizeof g_magic) != 0) {
+        snprintf(why, why_cap, "stale (format)");
+        goto fail;
+    }
+    b.pos = sizeof g_magic;
+    if (get_u64(&b) != layout_signature()) {
         snprintf(why, why_cap, "stale (format)");
         goto fail;
     }
@@ -462,31 +659,25 @@ gj_jit_program *gj_jit_disk_load(const gj_jit_walk *w, bool *found, char *why, s
         snprintf(why, why_cap, "another key with the same hash");
         goto fail;
     }
-    size_t plen;
-    const unsigned char *pfx = get_blob(&b, &plen);
-    char prefix[64];
-    if (b.bad || plen == 0 || plen >= sizeof prefix) {
-        snprintf(why, why_cap, "damaged (prefix)");
+    s = get_blob(&b, &n);
+    if (b.bad || n != strlen(prefix) || memcmp(s, prefix, n) != 0) {
+        snprintf(why, why_cap, "damaged (symbol prefix)");
         goto fail;
     }
-    memcpy(prefix, pfx, plen);
-    prefix[plen] = '\0';
     size_t pn, on;
     const unsigned char *pdata = get_blob(&b, &pn);
     const unsigned char *obj = get_blob(&b, &on);
-    if (b.bad || b.pos != b.n) {
+    if (b.bad || b.pos != b.n || on == 0) {
         snprintf(why, why_cap, "damaged (layout)");
         goto fail;
     }
-    pr = gj_rt_calloc(1, sizeof *pr);
-    if (!pr) {
+    put_plan(&mine, pr);
+    if (mine.oom) {
         snprintf(why, why_cap, "out of memory");
         goto fail;
     }
-    rbuf pb = {pdata, pn, 0, false};
-    bool oom = false;
-    if (get_plan(&pb, pr, &oom) != 0 || pb.pos != pb.n) {
-        snprintf(why, why_cap, oom ? "out of memory" : "damaged (plan)");
+    if (pn != mine.n || memcmp(pdata, mine.p, pn) != 0) {
+        snprintf(why, why_cap, "damaged or stale (its plan is not this graph's plan)");
         goto fail;
     }
     char lwhy[300];
@@ -495,12 +686,15 @@ gj_jit_program *gj_jit_disk_load(const gj_jit_walk *w, bool *found, char *why, s
         snprintf(why, why_cap, "%s", lwhy);
         goto fail;
     }
-    fclose(f);
+    close(fd);
+    close(dfd);
     gj_rt_free(data);
-    return pr;
+    gj_rt_free(mine.p);
+    return 0;
 fail:
-    if (f) fclose(f);
+    if (fd >= 0) close(fd);
+    if (dfd >= 0) close(dfd);
     gj_rt_free(data);
-    gj_jit_program_free(pr);
-    return NULL;
+    gj_rt_free(mine.p);
+    return -1;
 }

@@ -7,7 +7,11 @@
  * code of its kernels, guarded by the library version, the LLVM version,
  * target triple, CPU name and features (gj_jit_host_id), the sizes of the
  * serialised structures, and a 128-bit checksum. A file that fails any
- * check is reported as stale or damaged and recompiled, never trusted.
+ * check, whose plan is not the plan this process made for the key, that is
+ * not a regular file of bounded size, or that (or whose directory) is not
+ * the user's own and private, is reported as stale, damaged or refused and
+ * recompiled, never trusted (DESIGN.md, "The cache trusts nothing it
+ * reads").
  */
 #ifndef GJ_JIT_DISKCACHE_H
 #define GJ_JIT_DISKCACHE_H
@@ -17,18 +21,25 @@
 
 /* The cache directory, or NULL when the disk cache is off. Default:
  * $GRADJIT_CACHE_DIR if set ("" or "off": off), else
- * $XDG_CACHE_HOME/gradjit, else $HOME/.cache/gradjit. */
+ * $XDG_CACHE_HOME/gradjit, else $HOME/.cache/gradjit (any length). */
 const char *gj_jit_disk_dir(void);
 
-/* Writes program pr of key w with its object code (written to a temporary
- * file, then renamed, so readers never see half a file). 0, or -1 (the
- * reason logged under GRADJIT_LOG=cache; never an error for the caller). */
+/* Writes program pr (planned for key w, no hook or call steps) with its
+ * object code: to a new temporary file (O_EXCL, 0600), then renamed, so
+ * readers never see half a file. Creates the directory 0700 if needed;
+ * refuses one not private to the user (message on stderr, once). 0, or -1
+ * (the reason logged under GRADJIT_LOG=cache; never an error for the
+ * caller). */
 int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
                      const void *obj, size_t obj_size);
 
-/* The program of key w from disk, compiled code loaded and ready, or NULL:
- * *found false if there is no file, true if there was one that could not
- * be used (why[] says why: stale, damaged, or an LLVM error). */
-gj_jit_program *gj_jit_disk_load(const gj_jit_walk *w, bool *found, char *why, size_t why_cap);
+/* Looks up key w for pr, the program this process planned for it
+ * (gj_jit_program_plan; no code yet): if the entry is usable and its plan
+ * is byte for byte pr's, loads its object code into pr (pr->code set) and
+ * returns 0. Otherwise -1 and pr unchanged: *found false if there is no
+ * entry, true if there was one that could not be used (why[] says why:
+ * stale, damaged, refused, or an LLVM error). Sets no error. */
+int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
+                     char *why, size_t why_cap);
 
 #endif /* GJ_JIT_DISKCACHE_H */

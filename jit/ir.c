@@ -9,6 +9,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 void gj_jit_graph_init(gj_jit_graph *g) { memset(g, 0, sizeof *g); }
 
@@ -301,24 +302,48 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
     }
 }
 
+/* GRADJIT_LOG, parsed once per process: comma/space separated words,
+ * matched whole and in any case. An unknown word is reported once on
+ * stderr (the known ones still count); "help" prints the words. */
 unsigned gj_jit_log_flags(void) {
     static _Atomic int cached = -1;
     int v = atomic_load(&cached);
     if (v >= 0) return (unsigned)v;
+    static const struct {
+        const char *word, *what;
+        unsigned flag;
+    } words[] = {
+        {"graph", "the captured graph, before and after CSE/DCE", GJ_JIT_LOG_GRAPH},
+        {"ir", "the LLVM IR of each compiled module", GJ_JIT_LOG_IR},
+        {"plan", "buffers, kernels and steps of each plan", GJ_JIT_LOG_PLAN},
+        {"cache", "memory/disk hits, compiles, saves, rejected disk entries", GJ_JIT_LOG_CACHE},
+        {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
+        {"prof", "compile phases and the time of every step of every run", GJ_JIT_LOG_PROF},
+        {"all", "all of the above", 0xffu},
+    };
+    static atomic_bool reported;
+    bool report = !atomic_exchange(&reported, true); /* one parse prints */
     unsigned fl = 0;
     const char *e = getenv("GRADJIT_LOG");
-    static const struct {
-        const char *word;
-        unsigned flag;
-    } words[] = {{"graph", GJ_JIT_LOG_GRAPH}, {"ir", GJ_JIT_LOG_IR},
-                 {"cache", GJ_JIT_LOG_CACHE}, {"fallback", GJ_JIT_LOG_FALLBACK},
-                 {"plan", GJ_JIT_LOG_PLAN},   {"prof", GJ_JIT_LOG_PROF},
-                 {"all", 0xffu}};
-    while (e && *e) { /* comma/space separated words, matched whole */
+    while (e && *e) {
         size_t n = strcspn(e, ", ");
+        bool known = n == 4 && strncasecmp(e, "help", 4) == 0;
+        if (known && report) {
+            fprintf(stderr, "gradjit: GRADJIT_LOG takes comma- or space-separated words "
+                            "(any case), output on stderr:\n");
+            for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
+                fprintf(stderr, "  %-8s %s\n", words[k].word, words[k].what);
+            fprintf(stderr, "  %-8s this list\n", "help");
+        }
         for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
-            if (n == strlen(words[k].word) && strncmp(e, words[k].word, n) == 0)
+            if (n == strlen(words[k].word) && strncasecmp(e, words[k].word, n) == 0) {
                 fl |= words[k].flag;
+                known = true;
+            }
+        if (!known && report)
+            fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
+                            "graph, ir, plan, cache, fallback, prof, all, help)\n",
+                    (int)n, e);
         e += n;
         e += strspn(e, ", ");
     }

@@ -28,16 +28,9 @@ static double prof_now(void) {
 
 static atomic_llong g_next_prefix;
 
-gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void **obj_out,
-                                     size_t *obj_size, char *why, size_t why_cap,
-                                     bool *permanent) {
+gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap,
+                                    bool *permanent) {
     *permanent = false;
-    char auto_prefix[32];
-    if (!prefix) {
-        snprintf(auto_prefix, sizeof auto_prefix, "gjp%lld",
-                 (long long)atomic_fetch_add(&g_next_prefix, 1));
-        prefix = auto_prefix;
-    }
     why[0] = '\0';
     gj_jit_program *pr = gj_rt_calloc(1, sizeof *pr);
     if (!pr) {
@@ -85,15 +78,39 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
         pr->n_hooks = g->n_hooks;
     }
     for (int s = 0; s < pr->plan.n_steps; s++) pr->n_calls += pr->plan.steps[s].kind == GJ_JIT_STEP_CALL;
-    pr->code = gj_jit_code_compile(&pr->plan, prefix, obj_out, obj_size, why, why_cap);
-    if (!pr->code) {
-        *permanent = strncmp(why, "LLVM", 4) == 0;
-        goto fail;
-    }
     return pr;
 fail:
     gj_jit_program_free(pr);
     return NULL;
+}
+
+int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, void **obj_out,
+                           size_t *obj_size, char *why, size_t why_cap, bool *permanent) {
+    *permanent = false;
+    why[0] = '\0';
+    char auto_prefix[32];
+    if (!prefix) {
+        snprintf(auto_prefix, sizeof auto_prefix, "gjp%lld",
+                 (long long)atomic_fetch_add(&g_next_prefix, 1));
+        prefix = auto_prefix;
+    }
+    pr->code = gj_jit_code_compile(&pr->plan, prefix, obj_out, obj_size, why, why_cap);
+    if (!pr->code) {
+        *permanent = strncmp(why, "LLVM", 4) == 0;
+        return -1;
+    }
+    return 0;
+}
+
+gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void **obj_out,
+                                     size_t *obj_size, char *why, size_t why_cap,
+                                     bool *permanent) {
+    gj_jit_program *pr = gj_jit_program_plan(g, why, why_cap, permanent);
+    if (pr && gj_jit_program_compile(pr, prefix, obj_out, obj_size, why, why_cap, permanent) != 0) {
+        gj_jit_program_free(pr);
+        pr = NULL;
+    }
+    return pr;
 }
 
 void gj_jit_program_free(gj_jit_program *pr) {

@@ -32,6 +32,13 @@ typedef struct gj_jit_program {
  * as gj_jit_code_compile. Returns the program, or NULL with why[] set;
  * *permanent tells whether the failure depends only on the graph (no
  * lowering, LLVM error) rather than on this run (out of memory). */
+/* gj_jit_program_build in two halves: the program of g with its plan and
+ * no code yet (NULL with why[] and *permanent as below), ... */
+gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap, bool *permanent);
+/* ... and its compilation: sets pr->code. 0, or -1 with why[] set and
+ * *permanent true for an LLVM error (pr keeps its plan, no code). */
+int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, void **obj_out,
+                           size_t *obj_size, char *why, size_t why_cap, bool *permanent);
 gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void **obj_out,
                                      size_t *obj_size, char *why, size_t why_cap,
                                      bool *permanent);

@@ -22,8 +22,10 @@
 #define _GNU_SOURCE
 #include "runtime/rt.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -92,14 +94,23 @@ static void gj_rt_pool_atfork_child(void) {
     t_in_task = false;
 }
 
+/* Reads GRADJIT_NUM_THREADS once (pthread_once): a whole number sets the
+ * thread count (<= 0: one per core); anything else is reported on stderr
+ * and the default kept. */
 static void gj_rt_pool_config(void) {
     long n = 0;
     const char *env = getenv("GRADJIT_NUM_THREADS");
     if (env && *env) {
         char *end;
+        errno = 0;
         n = strtol(env, &end, 10);
-        if (*end != '\0')
+        if (*end != '\0' || end == env || errno != 0) {
+            fprintf(stderr,
+                    "gradjit: GRADJIT_NUM_THREADS='%s' is not a number: using the default "
+                    "(one thread per core)\n",
+                    env);
             n = 0;
+        }
     }
     atomic_store(&g_nthreads, gj_rt_clamp_threads(n));
     pthread_atfork(NULL, NULL, gj_rt_pool_atfork_child);
