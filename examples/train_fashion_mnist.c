@@ -28,9 +28,12 @@
  *
  * Invariants: every training step and every evaluation chunk runs inside
  * gj_scope_push/pop; the model, the optimizer and the data are released
- * before exit. With --both the two runs reseed everything (gj_manual_seed
- * and the shuffle generator), so their loss curves agree up to rounding; the
- * largest relative difference is printed.
+ * before exit. With --both the two runs start from the same seed (model and
+ * shuffle generator) and advance in turn, one step each, in ABBA order, so
+ * that their timings share the machine's state and its drift; their loss
+ * curves agree up to rounding (the largest relative difference is
+ * printed) and each epoch prints the median paired backward ratio. Without
+ * a terminal, progress is printed at every tenth of an epoch.
  */
 #include "gradjit.h"
 #include "plot.h"
@@ -315,116 +318,269 @@ static void run_out_free(run_out *r) {
     *r = (run_out){0};
 }
 
-/* One full training run in the given mode; fills r. 0 on success, else 1
- * with a message on stderr. */
-static int train(const opts *o, bool compiled, const dataset *tr, const dataset *te,
-                 run_out *r) {
-    const char *tag = compiled ? "compiled" : "eager";
-    int64_t per_epoch = tr->n / o->batch;
-    int rc = 1;
+/* One training run's state: the model, its optimizer, its shuffle and what
+ * it measured so far. --both keeps two and steps them in turn. */
+typedef struct trainer {
+    const opts *o;
+    bool compiled;
+    const char *tag;
     model m;
-    gj_optim *opt = NULL;
-    int64_t *order = malloc((size_t)tr->n * sizeof *order);
-    float *xb = malloc((size_t)o->batch * IN * sizeof *xb);
-    int64_t *yb = malloc((size_t)o->batch * sizeof *yb);
+    gj_optim *opt;
+    int64_t *order; /* [n] shuffled example indices */
+    float *xb;      /* [batch, IN] */
+    int64_t *yb;    /* [batch] */
+    uint64_t rng;
+    int64_t per_epoch, step;
+    double train_s, bwd_total, loss_total; /* this epoch */
+    run_out *r;
+} trainer;
+
+static void trainer_free(trainer *t) {
+    gj_optim_free(t->opt);
+    model_free(&t->m);
+    free(t->order);
+    free(t->xb);
+    free(t->yb);
+    t->opt = NULL;
+    t->order = NULL;
+    t->xb = NULL;
+    t->yb = NULL;
+}
+
+/* A fresh model from o->seed (so two trainers start bit-identical), its
+ * AdamW and the run's buffers. 0, or 1 with a message on stderr. */
+static int trainer_init(trainer *t, const opts *o, bool compiled, const dataset *tr, run_out *r) {
+    memset(t, 0, sizeof *t);
+    t->o = o;
+    t->compiled = compiled;
+    t->tag = compiled ? "compiled" : "eager";
+    t->r = r;
+    t->per_epoch = tr->n / o->batch;
+    t->rng = o->seed;
+    t->order = malloc((size_t)tr->n * sizeof *t->order);
+    t->xb = malloc((size_t)o->batch * IN * sizeof *t->xb);
+    t->yb = malloc((size_t)o->batch * sizeof *t->yb);
     memset(r, 0, sizeof *r);
-    r->n_steps = per_epoch * o->epochs;
+    r->n_steps = t->per_epoch * o->epochs;
     r->loss = calloc((size_t)r->n_steps, sizeof *r->loss);
     r->acc = calloc((size_t)o->epochs, sizeof *r->acc);
     r->epoch_s = calloc((size_t)o->epochs, sizeof *r->epoch_s);
     r->bwd_ms = calloc((size_t)o->epochs, sizeof *r->bwd_ms);
     r->train_loss = calloc((size_t)o->epochs, sizeof *r->train_loss);
-    memset(&m, 0, sizeof m);
-    if (!order || !xb || !yb || !r->loss || !r->acc || !r->epoch_s || !r->bwd_ms ||
+    if (!t->order || !t->xb || !t->yb || !r->loss || !r->acc || !r->epoch_s || !r->bwd_ms ||
         !r->train_loss) {
         fprintf(stderr, "train_fashion_mnist: out of memory\n");
-        goto done;
+        return 1;
     }
-
-    gj_set_compiled_autograd(compiled);
-    gj_compiled_autograd_reset_stats();
     gj_manual_seed(o->seed);
-    uint64_t rng = o->seed;
-    if (model_init(&m) != 0)
-        goto gj_fail;
     gj_tensor *params[6];
+    if (model_init(&t->m) != 0)
+        goto gj_fail;
     for (int i = 0; i < 3; i++) {
-        params[2 * i] = m.l[i].weight;
-        params[2 * i + 1] = m.l[i].bias;
+        params[2 * i] = t->m.l[i].weight;
+        params[2 * i + 1] = t->m.l[i].bias;
     }
-    if (!(opt = gj_adamw_new(6, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
+    if (!(t->opt = gj_adamw_new(6, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
         goto gj_fail;
     for (int64_t i = 0; i < tr->n; i++)
-        order[i] = i;
-
+        t->order[i] = i;
     if (!o->quiet)
-        printf("[%s] %lld steps per epoch of %d examples\n", tag, (long long)per_epoch, o->batch);
-    int64_t step = 0;
+        printf("[%s] %lld steps per epoch of %d examples\n", t->tag, (long long)t->per_epoch,
+               o->batch);
+    return 0;
+gj_fail:
+    fprintf(stderr, "train_fashion_mnist (%s): %s\n", t->tag, gj_last_error());
+    return 1;
+}
+
+static void trainer_epoch_begin(trainer *t, const dataset *tr) {
+    shuffle(t->order, tr->n, &t->rng);
+    t->train_s = t->bwd_total = t->loss_total = 0.0;
+}
+
+/* Batch b of the epoch: forward, backward (timed: *bwd_ms), AdamW step, in
+ * this trainer's mode. 0, or 1 with a message on stderr. */
+static int trainer_step(trainer *t, const dataset *tr, int64_t b, double *bwd_ms) {
+    const opts *o = t->o;
+    gj_set_compiled_autograd(t->compiled);
+    double ts = now_s();
+    gather(tr, t->order, b * o->batch, o->batch, t->xb, t->yb);
+    gj_scope_push();
+    int64_t xs[2] = {o->batch, IN}, ys = o->batch;
+    gj_tensor *x = gj_from_data(GJ_F32, 2, xs, t->xb);
+    gj_tensor *y = gj_from_data(GJ_I64, 1, &ys, t->yb);
+    gj_tensor *logits = x && y ? model_forward(&t->m, x) : NULL;
+    gj_tensor *loss = logits ? gj_cross_entropy(logits, y) : NULL;
+    int ok = loss != NULL;
+    double t0 = now_s();
+    ok = ok && gj_backward(loss, NULL) == 0;
+    *bwd_ms = (now_s() - t0) * 1e3;
+    ok = ok && gj_optim_step(t->opt) == 0;
+    double lv = ok ? gj_tensor_item(loss) : NAN;
+    gj_optim_zero_grad(t->opt);
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    if (!ok) {
+        fprintf(stderr, "train_fashion_mnist (%s): %s\n", t->tag, gj_last_error());
+        return 1;
+    }
+    t->r->loss[t->step++] = lv;
+    t->bwd_total += *bwd_ms;
+    t->loss_total += lv;
+    t->train_s += now_s() - ts;
+    return 0;
+}
+
+/* Closes epoch e: its figures and the test accuracy. 0, or 1. */
+static int trainer_epoch_end(trainer *t, int e, const dataset *te) {
+    run_out *r = t->r;
+    r->epoch_s[e] = t->train_s;
+    r->bwd_ms[e] = t->bwd_total / (double)t->per_epoch;
+    r->train_loss[e] = t->loss_total / (double)t->per_epoch;
+    r->acc[e] = evaluate(&t->m, te);
+    if (r->acc[e] < 0) {
+        fprintf(stderr, "train_fashion_mnist (%s): %s\n", t->tag, gj_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+static void progress_bar(char *bar, int64_t b, int64_t n) {
+    int fill = (int)((b + 1) * BAR_W / n);
+    for (int k = 0; k < BAR_W; k++)
+        bar[k] = k < fill ? '#' : '.';
+    bar[BAR_W] = 0;
+}
+
+/* Whether batch b of n gets a progress line: every 10 steps on a terminal;
+ * otherwise at every tenth of the epoch. */
+static bool progress_due(const opts *o, int64_t b, int64_t n) {
+    if (o->quiet)
+        return false;
+    if (o->tty)
+        return b % 10 == 9 || b + 1 == n;
+    int64_t tenth = n / 10 > 0 ? n / 10 : 1;
+    return (b + 1) % tenth == 0 && b + 1 != n;
+}
+
+/* One training run in the given mode; fills r. 0, or 1 with a message. */
+static int train(const opts *o, bool compiled, const dataset *tr, const dataset *te,
+                 run_out *r) {
+    trainer t;
+    int rc = 1;
+    gj_compiled_autograd_reset_stats();
+    if (trainer_init(&t, o, compiled, tr, r) != 0)
+        goto done;
     for (int e = 0; e < o->epochs; e++) {
-        shuffle(order, tr->n, &rng);
-        double t_epoch = now_s(), bwd_total = 0.0, loss_total = 0.0;
-        for (int64_t b = 0; b < per_epoch; b++, step++) {
-            gather(tr, order, b * o->batch, o->batch, xb, yb);
-            gj_scope_push();
-            int64_t xs[2] = {o->batch, IN}, ys = o->batch;
-            gj_tensor *x = gj_from_data(GJ_F32, 2, xs, xb);
-            gj_tensor *y = gj_from_data(GJ_I64, 1, &ys, yb);
-            gj_tensor *logits = x && y ? model_forward(&m, x) : NULL;
-            gj_tensor *loss = logits ? gj_cross_entropy(logits, y) : NULL;
-            int ok = loss != NULL;
-            double t0 = now_s();
-            ok = ok && gj_backward(loss, NULL) == 0;
-            double bwd = (now_s() - t0) * 1e3;
-            ok = ok && gj_optim_step(opt) == 0;
-            double lv = ok ? gj_tensor_item(loss) : NAN;
-            gj_optim_zero_grad(opt);
-            gj_scope_pop();
-            if (!ok)
-                goto gj_fail;
-            r->loss[step] = lv;
-            bwd_total += bwd;
-            loss_total += lv;
-            if (o->tty && !o->quiet && (b % 10 == 9 || b + 1 == per_epoch)) {
-                double el = now_s() - t_epoch;
+        trainer_epoch_begin(&t, tr);
+        for (int64_t b = 0; b < t.per_epoch; b++) {
+            double bwd;
+            if (trainer_step(&t, tr, b, &bwd) != 0)
+                goto done;
+            if (progress_due(o, b, t.per_epoch)) {
                 char bar[BAR_W + 1];
-                int fill = (int)((b + 1) * BAR_W / per_epoch);
-                for (int k = 0; k < BAR_W; k++)
-                    bar[k] = k < fill ? '#' : '.';
-                bar[BAR_W] = 0;
-                printf("\r[%s] epoch %d/%d [%s] %lld/%lld loss %.4f  %.0f examples/s  "
-                       "backward %.2f ms ",
-                       tag, e + 1, o->epochs, bar, (long long)(b + 1), (long long)per_epoch, lv,
-                       (double)((b + 1) * o->batch) / el, bwd_total / (double)(b + 1));
+                progress_bar(bar, b, t.per_epoch);
+                printf("%s[%s] epoch %d/%d [%s] %lld/%lld loss %.4f  %.0f examples/s  "
+                       "backward %.2f ms%s",
+                       o->tty ? "\r" : "", t.tag, e + 1, o->epochs, bar, (long long)(b + 1),
+                       (long long)t.per_epoch, r->loss[t.step - 1],
+                       (double)((b + 1) * o->batch) / t.train_s, t.bwd_total / (double)(b + 1),
+                       o->tty ? " " : "\n");
                 fflush(stdout);
             }
         }
-        r->epoch_s[e] = now_s() - t_epoch;
-        r->bwd_ms[e] = bwd_total / (double)per_epoch;
-        r->train_loss[e] = loss_total / (double)per_epoch;
-        r->acc[e] = evaluate(&m, te);
-        if (r->acc[e] < 0)
-            goto gj_fail;
+        if (trainer_epoch_end(&t, e, te) != 0)
+            goto done;
         if (o->tty && !o->quiet)
             printf("\r%*s\r", 120, "");
         if (!o->quiet)
             printf("[%s] epoch %d/%d: train loss %.4f, test accuracy %.4f, %.1f s "
                    "(%.0f examples/s), backward %.2f ms/step\n",
-                   tag, e + 1, o->epochs, r->train_loss[e], r->acc[e], r->epoch_s[e],
-                   (double)(per_epoch * o->batch) / r->epoch_s[e], r->bwd_ms[e]);
+                   t.tag, e + 1, o->epochs, r->train_loss[e], r->acc[e], r->epoch_s[e],
+                   (double)(t.per_epoch * o->batch) / r->epoch_s[e], r->bwd_ms[e]);
         fflush(stdout);
     }
     gj_compiled_autograd_stats(&r->ca);
     rc = 0;
-    goto done;
-gj_fail:
-    fprintf(stderr, "train_fashion_mnist (%s): %s\n", tag, gj_last_error());
 done:
-    gj_optim_free(opt);
-    model_free(&m);
-    gj_set_compiled_autograd(false);
-    free(order);
-    free(xb);
-    free(yb);
+    trainer_free(&t);
+    return rc;
+}
+
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* --both: the eager and the compiled run side by side, one step of each in
+ * turn (ABBA: eager first on even steps, compiled first on odd ones), so a
+ * change of the machine's speed weighs on both alike. ratio[e] receives the
+ * median of epoch e's per-step backward ratios eager / compiled, q1/q3
+ * its quartiles. 0, or 1 with a message. */
+static int train_both(const opts *o, const dataset *tr, const dataset *te, run_out *a,
+                      run_out *c, double *ratio, double *q1, double *q3) {
+    trainer te_, tc;
+    int rc = 1;
+    bool ia = false, ic = false;
+    double *pr = NULL;
+    gj_compiled_autograd_reset_stats();
+    if (trainer_init(&te_, o, false, tr, a) != 0)
+        goto done;
+    ia = true;
+    if (trainer_init(&tc, o, true, tr, c) != 0)
+        goto done;
+    ic = true;
+    pr = malloc((size_t)(te_.per_epoch + 1) * sizeof *pr);
+    if (!pr) {
+        fprintf(stderr, "train_fashion_mnist: out of memory\n");
+        goto done;
+    }
+    for (int e = 0; e < o->epochs; e++) {
+        trainer_epoch_begin(&te_, tr);
+        trainer_epoch_begin(&tc, tr);
+        for (int64_t b = 0; b < te_.per_epoch; b++) {
+            double be, bc;
+            trainer *first = b % 2 ? &tc : &te_, *second = b % 2 ? &te_ : &tc;
+            double *bf = b % 2 ? &bc : &be, *bs = b % 2 ? &be : &bc;
+            if (trainer_step(first, tr, b, bf) != 0 || trainer_step(second, tr, b, bs) != 0)
+                goto done;
+            pr[b] = be / bc;
+            if (progress_due(o, b, te_.per_epoch)) {
+                char bar[BAR_W + 1];
+                progress_bar(bar, b, te_.per_epoch);
+                printf("%s[both] epoch %d/%d [%s] %lld/%lld loss %.4f / %.4f  backward %.2f / "
+                       "%.2f ms (eager / compiled)%s",
+                       o->tty ? "\r" : "", e + 1, o->epochs, bar, (long long)(b + 1),
+                       (long long)te_.per_epoch, a->loss[te_.step - 1], c->loss[tc.step - 1],
+                       te_.bwd_total / (double)(b + 1), tc.bwd_total / (double)(b + 1),
+                       o->tty ? " " : "\n");
+                fflush(stdout);
+            }
+        }
+        if (trainer_epoch_end(&te_, e, te) != 0 || trainer_epoch_end(&tc, e, te) != 0)
+            goto done;
+        int64_t n = te_.per_epoch;
+        qsort(pr, (size_t)n, sizeof *pr, cmp_dbl);
+        ratio[e] = pr[n / 2];
+        q1[e] = pr[n / 4];
+        q3[e] = pr[(3 * n) / 4];
+        if (o->tty && !o->quiet)
+            printf("\r%*s\r", 120, "");
+        if (!o->quiet)
+            printf("[both] epoch %d/%d: test accuracy %.4f / %.4f, backward %.2f / %.2f "
+                   "ms/step (eager / compiled), paired ratio %.3fx [%.2f-%.2f]\n",
+                   e + 1, o->epochs, a->acc[e], c->acc[e], a->bwd_ms[e], c->bwd_ms[e], ratio[e],
+                   q1[e], q3[e]);
+        fflush(stdout);
+    }
+    gj_compiled_autograd_stats(&c->ca);
+    rc = 0;
+done:
+    free(pr);
+    if (ia)
+        trainer_free(&te_);
+    if (ic)
+        trainer_free(&tc);
     return rc;
 }
 
@@ -662,13 +818,17 @@ int main(int argc, char **argv) {
         goto out;
     }
 
-    if (train(&o, false, &tr, &te, &a) != 0 || train(&o, true, &tr, &te, &b) != 0)
+    double ratio[1000], q1[1000], q3[1000];
+    if (train_both(&o, &tr, &te, &a, &b, ratio, q1, q3) != 0)
         goto out;
-    printf("\n%5s  %10s  %10s  %12s  %12s  %9s  %9s\n", "epoch", "acc eager", "acc compl",
-           "bwd ms eager", "bwd ms compl", "s eager", "s compl");
+    printf("\nsteps interleaved ABBA (eager, compiled, compiled, eager, ...); ratio = eager / "
+           "compiled backward per step pair, median [interquartile range]\n");
+    printf("%5s  %10s  %10s  %12s  %12s  %9s  %9s  %18s\n", "epoch", "acc eager", "acc compl",
+           "bwd ms eager", "bwd ms compl", "s eager", "s compl", "bwd ratio [IQR]");
     for (int e = 0; e < o.epochs; e++)
-        printf("%5d  %10.4f  %10.4f  %12.3f  %12.3f  %9.1f  %9.1f\n", e + 1, a.acc[e], b.acc[e],
-               a.bwd_ms[e], b.bwd_ms[e], a.epoch_s[e], b.epoch_s[e]);
+        printf("%5d  %10.4f  %10.4f  %12.3f  %12.3f  %9.1f  %9.1f  %7.3fx [%.2f-%.2f]\n", e + 1,
+               a.acc[e], b.acc[e], a.bwd_ms[e], b.bwd_ms[e], a.epoch_s[e], b.epoch_s[e], ratio[e],
+               q1[e], q3[e]);
     double maxrel = 0.0;
     for (int64_t s = 0; s < a.n_steps; s++) {
         double rel = fabs(b.loss[s] - a.loss[s]) / fmax(fabs(a.loss[s]), 1e-30);

@@ -11,10 +11,12 @@
  * Contract:
  *   - gj_jit_schedule_order moves a GEMM step up to right after an earlier
  *     GEMM step when it is independent of it and of every step in between
- *     (no buffer one writes is read or written by the other), and never
- *     across a hook or custom call step (user code sees values in the
- *     engine's order). It runs once, before the memory plan, and only
- *     permutes steps: what each step computes is unchanged.
+ *     (no buffer one writes is read or written by the other), never across
+ *     a hook or custom call step (user code sees values in the engine's
+ *     order), and only when the move does not raise the most bytes of
+ *     temporaries and new .grad alive at once (compiled never needs more
+ *     memory than the engine's order). It runs once, before the memory
+ *     plan, and only permutes steps: what each step computes is unchanged.
  *   - gj_jit_schedule_groups sets group_end of every step from the order:
  *     adjacent independent GEMM steps form a group of at most
  *     GJ_JIT_MAX_GROUP; every other step is a group of one. It depends only
@@ -24,6 +26,7 @@
  */
 #include "plan.h"
 
+#include <stdint.h>
 #include <string.h>
 
 #define GJ_JIT_SCHED_WINDOW 8 /* steps a GEMM may move up past, at most */
@@ -85,7 +88,53 @@ static bool independent(const gj_jit_step *x, const gj_jit_step *y) {
            !any_common(yw, nyw, xr, nxr);
 }
 
+/* Most bytes of temporaries and new .grad buffers alive at once when p
+ * runs in its current order and groups (sets group_end): a buffer lives
+ * from the group of its first use to the group of its last use (a .grad to
+ * the end). SIZE_MAX when out of memory. */
+static size_t plan_peak(gj_jit_plan *p) {
+    gj_jit_schedule_groups(p);
+    int *first = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *first);
+    int *last = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *last);
+    size_t *delta = gj_rt_calloc((size_t)p->n_steps + 2, sizeof *delta);
+    size_t *drop = gj_rt_calloc((size_t)p->n_steps + 2, sizeof *drop);
+    size_t peak = SIZE_MAX;
+    if (!first || !last || !delta || !drop) goto out;
+    for (int b = 0; b < p->n_bufs; b++) first[b] = last[b] = -1;
+    for (int s = 0; s < p->n_steps; s++) {
+        int g0 = s; /* first step of s's group */
+        while (g0 > 0 && p->steps[g0 - 1].group_end == p->steps[s].group_end) g0--;
+        int r[GJ_JIT_SCHED_CAP], w[GJ_JIT_SCHED_CAP], nr, nw;
+        step_bufs(&p->steps[s], r, &nr, w, &nw, GJ_JIT_SCHED_CAP);
+        for (int k = 0; k < nr + nw; k++) {
+            int b = k < nr ? r[k] : w[k - nr];
+            if (first[b] < 0 || g0 < first[b]) first[b] = g0;
+            if (p->steps[s].group_end - 1 > last[b]) last[b] = p->steps[s].group_end - 1;
+        }
+    }
+    for (int b = 0; b < p->n_bufs; b++) {
+        const gj_jit_buffer *x = &p->bufs[b];
+        if (first[b] < 0 || (x->kind != GJ_JIT_BUF_TEMP && x->kind != GJ_JIT_BUF_OUTPUT)) continue;
+        delta[first[b]] += x->nbytes;
+        if (x->kind == GJ_JIT_BUF_TEMP) drop[last[b]] += x->nbytes;
+    }
+    size_t live = 0;
+    peak = 0;
+    for (int s = 0; s < p->n_steps; s++) {
+        live += delta[s];
+        if (live > peak) peak = live;
+        live -= drop[s];
+    }
+out:
+    gj_rt_free(first);
+    gj_rt_free(last);
+    gj_rt_free(delta);
+    gj_rt_free(drop);
+    return peak;
+}
+
 void gj_jit_schedule_order(gj_jit_plan *p) {
+    size_t peak = plan_peak(p);
     for (int s = 0; s + 1 < p->n_steps; s++) {
         if (p->steps[s].kind != GJ_JIT_STEP_MATMUL) continue;
         if (p->steps[s + 1].kind == GJ_JIT_STEP_MATMUL &&
@@ -104,6 +153,14 @@ void gj_jit_schedule_order(gj_jit_plan *p) {
             gj_jit_step moved = *y;
             memmove(&p->steps[s + 2], &p->steps[s + 1], (size_t)(t - s - 1) * sizeof *p->steps);
             p->steps[s + 1] = moved;
+            size_t np = plan_peak(p);
+            if (np > peak) { /* never more memory than the engine's order: undo */
+                moved = p->steps[s + 1];
+                memmove(&p->steps[s + 1], &p->steps[s + 2], (size_t)(t - s - 1) * sizeof *p->steps);
+                p->steps[t] = moved;
+                continue;
+            }
+            peak = np;
             s++;
             break;
         }
