@@ -86,7 +86,8 @@ typedef struct bench_gemm_rate {
 } bench_gemm_rate;
 typedef struct bench_ceiling {
     int threads;
-    double copy_gbs;
+    double copy_gbs, read_gbs, write_gbs; /* GB/s, all threads */
+    uint64_t sink;                         /* keeps the read pass */
     bench_gemm_rate shapes[BENCH_MAX_SHAPES];
     int n_shapes;
 } bench_ceiling;

@@ -6,8 +6,9 @@
  * bound = sum over the compiled program's GEMM steps of the best time this
  *         machine does that GEMM in: on all threads, or single-threaded
  *         with every core doing one such GEMM at once (time / cores)
- *       + the program's compulsory bytes (inputs read once, new .grad
- *         written once) at the measured copy bandwidth.
+ *       + the program's compulsory bytes: the inputs some step reads, once,
+ *         at the measured read bandwidth, and the new .grad, once, at the
+ *         write bandwidth (all threads).
  * The GEMM list comes from the program itself (gj_compiled_autograd_
  * last_program), so the bound follows whatever the compiler emits. GEMMs
  * run through gj_matmul (eager, no grad), with the same transposes; a shape
@@ -15,6 +16,9 @@
  */
 #include "bench.h"
 
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,10 +30,68 @@ static double c_now_ms(void) {
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
+typedef struct bw_part {
+    char *dst;       /* NULL: read only */
+    const char *src; /* NULL: write only */
+    size_t n;
+    uint64_t sum;
+} bw_part;
+
+static void *bw_thread(void *arg) {
+    bw_part *p = arg;
+    if (p->dst && p->src) {
+        memcpy(p->dst, p->src, p->n);
+    } else if (p->dst) {
+        memset(p->dst, (int)(p->n & 0x7f), p->n);
+    } else {
+        const uint64_t *v = (const uint64_t *)(const void *)p->src;
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (size_t i = 0; i + 4 <= p->n / 8; i += 4) {
+            s0 += v[i];
+            s1 += v[i + 1];
+            s2 += v[i + 2];
+            s3 += v[i + 3];
+        }
+        p->sum = s0 + s1 + s2 + s3;
+    }
+    return NULL;
+}
+
+/* Best of 5 GB/s of `nt` threads each doing its slice of one 64 MiB pass:
+ * kind 0 copy (read + write bytes), 1 read, 2 write. */
+static double bandwidth(int kind, int nt, char *a, char *b, size_t n, uint64_t *sink) {
+    double best = 1e30;
+    for (int r = 0; r < 5; r++) {
+        pthread_t th[64];
+        bw_part parts[64];
+        bool started[64] = {false};
+        double t0 = c_now_ms();
+        for (int i = 0; i < nt; i++) {
+            size_t lo = n * (size_t)i / (size_t)nt, hi = n * (size_t)(i + 1) / (size_t)nt;
+            parts[i] = (bw_part){kind == 1 ? NULL : b + lo, kind == 2 ? NULL : a + lo, hi - lo, 0};
+            if (i > 0) started[i] = pthread_create(&th[i], NULL, bw_thread, &parts[i]) == 0;
+        }
+        bw_thread(&parts[0]);
+        for (int i = 1; i < nt; i++) {
+            if (started[i]) pthread_join(th[i], NULL);
+            else bw_thread(&parts[i]);
+        }
+        double t = c_now_ms() - t0;
+        for (int i = 0; i < nt; i++)
+            *sink += parts[i].sum;
+        if (t < best)
+            best = t;
+    }
+    return (kind == 0 ? 2.0 : 1.0) * (double)n / (best * 1e6);
+}
+
+/* Copy, read and write bandwidth of all threads over 64 MiB (well past the
+ * caches), as the kernels use all threads. */
 void bench_ceiling_measure(bench_ceiling *c, int threads) {
     memset(c, 0, sizeof *c);
     c->threads = threads;
-    size_t n = (size_t)64 << 20; /* 64 MiB each way: well past the caches */
+    int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
+    size_t n = (size_t)64 << 20;
     char *a = malloc(n), *b = malloc(n);
     if (!a || !b) {
         free(a);
@@ -38,17 +100,11 @@ void bench_ceiling_measure(bench_ceiling *c, int threads) {
     }
     memset(a, 1, n);
     memset(b, 2, n);
-    double best = 1e30;
-    for (int r = 0; r < 5; r++) {
-        double t0 = c_now_ms();
-        memcpy(b, a, n);
-        double t = c_now_ms() - t0;
-        if (t < best)
-            best = t;
-        a[r] = b[n - 1 - (size_t)r]; /* keep the copies */
-    }
-    /* a copy reads n and writes n bytes */
-    c->copy_gbs = 2.0 * (double)n / (best * 1e6);
+    uint64_t sink = 0;
+    c->copy_gbs = bandwidth(0, nt, a, b, n, &sink);
+    c->read_gbs = bandwidth(1, nt, a, b, n, &sink);
+    c->write_gbs = bandwidth(2, nt, a, b, n, &sink);
+    c->sink = sink;
     free(a);
     free(b);
 }
@@ -129,16 +185,18 @@ void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r) {
             s->gflops_n = fl / (tn * 1e6);
         }
     }
-    double bytes = (double)(pi.input_bytes + pi.output_bytes);
+    double in = (double)pi.input_bytes, out = (double)pi.output_bytes;
     r->gemm_gflop = pi.gemm_flops * 1e-9;
-    r->bytes_mb = bytes * 1e-6;
-    r->bound_ms = gemm_ms + (c->copy_gbs > 0 ? bytes / (c->copy_gbs * 1e6) : 0);
+    r->bytes_mb = (in + out) * 1e-6;
+    r->bound_ms = gemm_ms + (c->read_gbs > 0 ? in / (c->read_gbs * 1e6) : 0) +
+                  (c->write_gbs > 0 ? out / (c->write_gbs * 1e6) : 0);
 }
 
 void bench_ceiling_print(const bench_ceiling *c) {
-    printf("ceiling: copy bandwidth %.1f GB/s (memcpy of 64 MiB, best of 5); GEMM rates per "
-           "workload shape follow the table\n\n",
-           c->copy_gbs);
+    printf("ceiling (%d threads, 64 MiB, best of 5): copy %.1f GB/s, read %.1f GB/s, write %.1f "
+           "GB/s; bound = GEMM steps at the best measured rate (GFLOP/s table below) + inputs "
+           "at read + new .grad at write bandwidth\n\n",
+           c->threads, c->copy_gbs, c->read_gbs, c->write_gbs);
 }
 
 void bench_ceiling_print_shapes(const bench_ceiling *c) {
@@ -156,7 +214,8 @@ void bench_ceiling_print_shapes(const bench_ceiling *c) {
 }
 
 void bench_ceiling_json(FILE *f, const bench_ceiling *c) {
-    fprintf(f, "{\"copy_gbs\": %.3f, \"gemms\": [", c->copy_gbs);
+    fprintf(f, "{\"copy_gbs\": %.3f, \"read_gbs\": %.3f, \"write_gbs\": %.3f, \"gemms\": [",
+            c->copy_gbs, c->read_gbs, c->write_gbs);
     for (int i = 0; i < c->n_shapes; i++) {
         const bench_gemm_rate *s = &c->shapes[i];
         fprintf(f,

@@ -140,9 +140,9 @@ done:
 }
 
 void bench_paired_print_header(void) {
-    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s  %s\n", "id", "name", "pairs",
-           "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd", "step",
-           "checks");
+    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %8s  %s\n", "id", "name", "pairs",
+           "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd", "GFLOP",
+           "MB", "checks");
 }
 
 void bench_paired_print_row(const bench_paired_result *r) {
@@ -155,8 +155,9 @@ void bench_paired_print_row(const bench_paired_result *r) {
         snprintf(bound, sizeof bound, "%.3f", r->bound_ms);
         snprintf(rel, sizeof rel, "%.2f", r->compiled_ms / r->bound_ms);
     }
-    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %7.3fx  %s\n", r->wl->id,
-           r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms, r->compiled_ms, bound, rel, r->step_ratio_med,
+    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8.3f %8.1f  %s\n",
+           r->wl->id, r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms,
+           r->compiled_ms, bound, rel, r->gemm_gflop, r->bytes_mb,
            r->timed_fallbacks ? "FALLBACKS in timed steps"
            : r->timed_compiles ? "compiles in timed steps"
            : r->timed_backwards != r->pairs ? "compiled path not engaged"
