@@ -811,23 +811,18 @@ static int paired_main(const bench_opts *o, const char *cpu, const gj_info *info
         fprintf(f, ",\n  \"workloads\": [\n");
         for (int i = 0; i < n; i++) {
             const bench_paired_result *r = &res[i];
-            fprintf(f, "    {\"id\": \"%s\", \"ok\": %s, \"ratio_median\": ", r->wl->id,
-                    r->ok ? "true" : "false");
-            json_num(f, r->ratio_med);
-            fprintf(f, ", \"ratio_q1\": ");
-            json_num(f, r->ratio_q1);
-            fprintf(f, ", \"ratio_q3\": ");
-            json_num(f, r->ratio_q3);
-            fprintf(f, ", \"step_ratio_median\": ");
-            json_num(f, r->step_ratio_med);
-            fprintf(f, ", \"eager_bwd_ms\": ");
-            json_num(f, r->eager_ms);
-            fprintf(f, ", \"compiled_bwd_ms\": ");
-            json_num(f, r->compiled_ms);
-            fprintf(f, ", \"bound_ms\": ");
-            json_num(f, r->bound_ms);
-            fprintf(f, ", \"gemm_gflop\": ");
-            json_num(f, r->gemm_gflop);
+            fprintf(f, "    {\"id\": \"%s\", \"ok\": %s", r->wl->id, r->ok ? "true" : "false");
+            const struct { const char *key; double v; } nums[] = {
+                {"ratio_median", r->ratio_med}, {"ratio_q1", r->ratio_q1},
+                {"ratio_q3", r->ratio_q3},      {"step_ratio_median", r->step_ratio_med},
+                {"eager_bwd_ms", r->eager_ms},  {"compiled_bwd_ms", r->compiled_ms},
+                {"bound_ms", r->bound_ms},      {"gemm_gflop", r->gemm_gflop},
+                {"bytes_mb", r->bytes_mb},
+            };
+            for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
+                fprintf(f, ", \"%s\": ", nums[k].key);
+                json_num(f, nums[k].v);
+            }
             fprintf(f, ", \"timed_fallbacks\": %lld, \"timed_compiles\": %lld}%s\n",
                     r->timed_fallbacks, r->timed_compiles, i + 1 < n ? "," : "");
         }

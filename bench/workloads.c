@@ -114,15 +114,19 @@ static gj_tensor *mlp3_loss(gj_tensor *const *p, gj_tensor *x, gj_tensor *labels
     return logits ? gj_cross_entropy(logits, labels) : NULL;
 }
 
-static int w1_setup(bench_state *s) {
-    int64_t xs[2] = {W1_N, W1_IN};
-    if (add_linear(s, W1_IN, W1_H, GJ_F32) || add_linear(s, W1_H, W1_H, GJ_F32) ||
-        add_linear(s, W1_H, W1_K, GJ_F32))
+/* Parameters of an n-row MLP in -> h1 -> h2 -> k (f32) and its inputs:
+ * x[n, in] ~ N(0, 1), labels[n] in [0, k). */
+static int mlp3_setup(bench_state *s, int64_t n, int64_t in, int64_t h1, int64_t h2, int k) {
+    int64_t xs[2] = {n, in};
+    if (add_linear(s, in, h1, GJ_F32) || add_linear(s, h1, h2, GJ_F32) ||
+        add_linear(s, h2, k, GJ_F32))
         return -1;
     s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
-    s->in[1] = own(s, random_labels(W1_N, W1_K));
+    s->in[1] = own(s, random_labels(n, k));
     return s->in[0] && s->in[1] ? 0 : -1;
 }
+
+static int w1_setup(bench_state *s) { return mlp3_setup(s, W1_N, W1_IN, W1_H, W1_H, W1_K); }
 
 static gj_tensor *w1_forward(bench_state *s) { return mlp3_loss(s->params, s->in[0], s->in[1]); }
 
@@ -133,15 +137,7 @@ enum { F1_N = 128, F1_IN = 784, F1_H1 = 512, F1_H2 = 256, F1_K = 10 };
 /* The main job's MLP (examples/train_fashion_mnist.c): x[128,784] ->
  * Linear(784,512) -> GELU -> Linear(512,256) -> GELU -> Linear(256,10) ->
  * cross_entropy, on random data of the dataset's shape. */
-static int f1_setup(bench_state *s) {
-    int64_t xs[2] = {F1_N, F1_IN};
-    if (add_linear(s, F1_IN, F1_H1, GJ_F32) || add_linear(s, F1_H1, F1_H2, GJ_F32) ||
-        add_linear(s, F1_H2, F1_K, GJ_F32))
-        return -1;
-    s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
-    s->in[1] = own(s, random_labels(F1_N, F1_K));
-    return s->in[0] && s->in[1] ? 0 : -1;
-}
+static int f1_setup(bench_state *s) { return mlp3_setup(s, F1_N, F1_IN, F1_H1, F1_H2, F1_K); }
 
 /* -------------------------------------------------------- W2 pointwise */
 
