@@ -142,7 +142,9 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
 /* torch.autograd.grad: gradients of outputs w.r.t. inputs, without touching
  * any .grad. seeds may be NULL (ones for each scalar output) or hold NULLs.
  * grads_out[i] receives a new reference (zeros if input i is unreachable
- * and allow_unused, else an error). */
+ * and allow_unused, else an error), a tensor of its own: an input given
+ * twice gets two distinct tensors (sharing storage), each to be released
+ * once, and never is it the caller's seed pointer. */
 int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds,
             int n_inputs, gj_tensor *const *inputs, gj_tensor **grads_out,
             bool retain_graph, bool allow_unused);

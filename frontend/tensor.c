@@ -480,6 +480,19 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
     rc = 0;
     for (int i = 0; i < n_inputs; i++) {
         gj_tensor *g = gj_ag_val_tensor(gv[i]); /* a reference kept for us */
+        if (g && rc == 0 && atomic_load(&g->refcount) > 1) {
+            /* Someone else holds this tensor too: another slot (the same
+             * input twice), the caller (its own seed flowing through), a
+             * saved tensor. Each slot gets a header of its own, so each
+             * reference is registered once and released once. */
+            gj_tensor *a = gj_rt_tensor_alias(g);
+            gj_rt_tensor_release(g);
+            g = a;
+            if (!g) {
+                rc = -1;
+                continue;
+            }
+        }
         if (!g) {
             if (allow_unused) {
                 g = gj_rt_tensor_new(inputs[i]->dtype, inputs[i]->ndim, inputs[i]->shape);
