@@ -368,8 +368,8 @@ int gj_ag_run_post_hooks(gj_ag_builder *b, gj_tensor *leaf);
 /* Appended by helper "hookjit": runs tensor hook h on g (borrowed) exactly
  * as the eager builder does (user scope, no_grad, shape/dtype check) and
  * returns the tensor to use from now on as a new reference (g itself,
- * retained, when the hook returned NULL), or NULL with the error set. The
- * compiled backward calls hooks through it. */
+ * retained, when the hook returned NULL or g), or NULL with the error set.
+ * The compiled backward calls hooks through it. */
 gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g);
 /* The eager builder's call_hook / call_post_hook. */
 gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad);

@@ -235,6 +235,7 @@ gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g) {
     g_in_hook--;
     gj_ag_no_grad_exit();
     gj_tensor *out = NULL;
+    if (r == g) r = NULL; /* `lambda g: g`: g is borrowed, returning it means "keep it" */
     if (!r) {
         gj_rt_tensor_retain(g);
         out = g;

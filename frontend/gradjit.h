@@ -335,8 +335,10 @@ int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * that compiled autograd must respect (docs/fallbacks.md). */
 
 /* Tensor hook: called with the total gradient of the tensor it was
- * registered on (borrowed) before that gradient flows on; returns NULL to
- * keep it, or a new reference to a replacement of the same shape and dtype
+ * registered on (borrowed: do not release it) before that gradient flows
+ * on; returns NULL or grad itself (as PyTorch's `lambda g: g`; no
+ * reference is transferred, do not gj_retain it) to keep it, or a new
+ * reference to a replacement of the same shape and dtype
  * (as everywhere, a tensor created while a scope is open belongs to the
  * scope: returning it is fine). Hooks run in registration order, under
  * no_grad, inside a scope of their own (their temporaries die when they
