@@ -401,15 +401,21 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
  * most 4 float and 12 int/bool arguments, and 1 or 2 Tensor results.
  * Calling convention (through libffi):
  *   forward:  int fwd(<arguments in schema order>, gj_tensor **out0 [, **out1])
- *             writes a new reference to each output; returns 0, or non-zero
- *             on failure. Runs under no_grad in a scope of its own.
+ *             writes a new reference to each output (or one of its
+ *             borrowed arguments, as is or after gj_retain: that means
+ *             "this value", and the op's output is a new tensor sharing its
+ *             storage); returns 0, or non-zero on failure. Runs under
+ *             no_grad in a scope of its own.
  *   backward: int bwd(gj_tensor *grad_out0 [, *grad_out1],
  *                     <arguments in schema order>,
  *                     gj_tensor **grad_in0, ..., one per Tensor argument)
  *             grad_out are borrowed (zeros when an output got no gradient);
  *             writes a new reference (or leaves NULL: no gradient) for each
- *             Tensor argument, of that argument's shape and dtype; returns 0
- *             or non-zero. Runs under no_grad in a scope of its own.
+ *             Tensor argument, of that argument's shape and dtype; writing
+ *             a borrowed grad_out or argument itself, as is or after
+ *             gj_retain, means "this value" (a straight-through estimator:
+ *             *grad_in0 = grad_out0);
+ *             returns 0 or non-zero. Runs under no_grad in a scope of its own.
  * backward_fn may be NULL (the op is then not differentiable: calling it on
  * inputs that require grad is an error). A name can be defined once; the op
  * lives until the process exits. NULL with an error on a bad schema. */

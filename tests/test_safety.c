@@ -7,7 +7,8 @@
  *   - a tensor hook returning the gradient it was given (`lambda g: g`);
  *   - a custom op whose backward hands back its borrowed grad_out (a
  *     straight-through estimator), also when that grad_out is the zeros the
- *     engine made for an output that got no gradient;
+ *     engine made for an output that got no gradient, and one whose
+ *     forward hands back its borrowed argument (the identity);
  *   - gj_backward / gj_grad called from a hook on the graph that runs;
  *   - gj_release on the borrowed pointer of gj_tensor_grad;
  *   - an op failing inside a hook that then returns NULL.
@@ -147,12 +148,101 @@ static void test_hook_returns_its_grad(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+/* ---------------------------------------- 3. straight-through backward */
+
+static int g_ste_calls;
+
+/* y = round(x) as x rounded through a cast to i64 and back. */
+static int ste_fwd(gj_tensor *x, gj_tensor **out) {
+    *out = gj_cast(gj_cast(gj_add_scalar(x, 0.5), GJ_I64), GJ_F64);
+    return *out ? 0 : 1;
+}
+
+/* Straight-through: the gradient of x is grad_out itself (borrowed). */
+static int ste_bwd(gj_tensor *grad_out, gj_tensor *x, gj_tensor **gx) {
+    (void)x;
+    g_ste_calls++;
+    *gx = grad_out;
+    return 0;
+}
+
+/* The identity, handing back its borrowed argument as the output. */
+static int ident_fwd(gj_tensor *x, gj_tensor **out) {
+    *out = x;
+    return 0;
+}
+
+static int two_fwd(gj_tensor *x, gj_tensor **o0, gj_tensor **o1) {
+    *o0 = gj_mul_scalar(x, 2.0);
+    *o1 = gj_mul_scalar(x, 5.0);
+    return *o0 && *o1 ? 0 : 1;
+}
+
+/* The gradient of x is grad_out1 alone: the zeros the engine made when
+ * output 1 got no gradient. */
+static int two_bwd(gj_tensor *g0, gj_tensor *g1, gj_tensor *x, gj_tensor **gx) {
+    (void)g0;
+    (void)x;
+    g_ste_calls++;
+    *gx = g1;
+    return 0;
+}
+
+/* l = sum((ste(w) + ident(w)) * c) -> w.grad = 2 c, ident's forward
+ * returning its argument; l2 = sum(two(w)[0]) -> the gradient is output
+ * 1's (zeros), adding nothing. Two steps each; compiled equals eager and
+ * runs compiled. */
+static void test_custom_backward_returns_grad_out(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    gj_custom_op *ste = gj_custom_op_define("safety::ste(Tensor x) -> Tensor", (void *)ste_fwd,
+                                            (void *)ste_bwd);
+    gj_custom_op *two = gj_custom_op_define("safety::two(Tensor x) -> (Tensor, Tensor)",
+                                            (void *)two_fwd, (void *)two_bwd);
+    gj_custom_op *ident = gj_custom_op_define("safety::ident(Tensor x) -> Tensor",
+                                              (void *)ident_fwd, (void *)ste_bwd);
+    assert_non_null(ste);
+    assert_non_null(two);
+    assert_non_null(ident);
+    static const double C[NW] = {1.0, 2.0, -3.0, 0.5, 4.0, -1.5};
+    double res[2][NW];
+    for (int mode = 0; mode < 2; mode++) {
+        set_mode(mode == 1);
+        g_ste_calls = 0;
+        gj_tensor *w = leaf_w();
+        for (int step = 0; step < 2; step++) {
+            gj_scope_push();
+            gj_tensor *y = NULL, *z = NULL, *o[2] = {NULL, NULL};
+            assert_int_equal(gj_custom_op_call(ste, &w, NULL, &y), 0);
+            assert_int_equal(gj_custom_op_call(ident, &w, NULL, &z), 0);
+            assert_ptr_not_equal(z, w);
+            gj_tensor *c = gjt_tensor(GJ_F64, 2, WSHAPE, C);
+            assert_int_equal(gjt_backward(sum_all(gj_mul(gj_add(y, z), c)), NULL, false), 0);
+            assert_int_equal(gj_custom_op_call(two, &w, NULL, o), 0);
+            assert_int_equal(gjt_backward(sum_all(o[0]), NULL, false), 0);
+            gj_release(c);
+            gj_scope_pop();
+        }
+        assert_int_equal(g_ste_calls, 6);
+        values_of(gj_tensor_grad(w), res[mode]);
+        double want[NW];
+        for (int i = 0; i < NW; i++) want[i] = 4.0 * C[i];
+        assert_true(gjt_allclose(mode ? "compiled" : "eager", res[mode], want, NW, 1e-12, 0));
+        gj_release(w);
+    }
+    assert_true(gjt_same_as_eager("straight-through", res[1], res[0], NW,
+                                  gjt_compiled_rel_tol(GJ_F64)));
+    set_mode(false);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 int main(void) {
     gj_jit_set_quiet(true);
     gj_jit_set_disk_cache(NULL);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_grad_same_input_twice),
         cmocka_unit_test(test_hook_returns_its_grad),
+        cmocka_unit_test(test_custom_backward_returns_grad_out),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_jit_clear_cache();
