@@ -135,7 +135,11 @@ gj_tensor *gj_detach(gj_tensor *t);
 
 /* Backward from root. seed: gradient of root (NULL: ones, root must then
  * have one element). Accumulates into .grad of every leaf that requires
- * grad, in that .grad's dtype. Frees the graph unless retain_graph. */
+ * grad, in that .grad's dtype. Frees the graph unless retain_graph.
+ * Called from user code (a hook, a custom op's function) while a backward
+ * runs on this thread, it fails (-1, an error naming gj_backward and
+ * saying the graph's backward is running) if its graph shares a node with
+ * the running one; so does gj_grad. Unrelated graphs are fine. */
 int gj_backward(gj_tensor *root, gj_tensor *seed);
 int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
 
