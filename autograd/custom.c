@@ -376,8 +376,16 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
     ffi_call((ffi_cif *)&op->bwd_cif, op->bwd, &ret, values);
     gj_ag_no_grad_exit();
     ref_lent_outs(res, op->n_tensors, lent, before, n_lent);
-    if ((int)ret != 0) {
-        user_failed(op, "backward", (long)(int)ret);
+    if ((int)ret != 0 || gj_last_error()[0]) { /* an error raised inside fails it too */
+        if ((int)ret != 0) {
+            user_failed(op, "backward", (long)(int)ret);
+        } else {
+            char why[512];
+            snprintf(why, sizeof why, "%s", gj_last_error());
+            gj_rt_set_error("custom op %s: backward function returned 0 with an error set "
+                            "inside it (clear it with gj_clear_error if it was handled): %s",
+                            op->name, why);
+        }
         drop_user_outs(res, op->n_tensors, scope);
         gj_ag_user_scope_pop();
         goto done;

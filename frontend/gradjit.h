@@ -349,7 +349,10 @@ int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * return). Non-leaf: when the gradient of that output of its grad_fn is
  * complete, before the grad_fn runs; leaf: before accumulation into .grad
  * (also for the inputs of gj_grad). The hook stays with the graph even if
- * the tensor is released, as in PyTorch. */
+ * the tensor is released, as in PyTorch. A hook that keeps the gradient
+ * (NULL or grad) while an error raised inside it is still set (an op it
+ * called failed; gj_last_error() non-empty) fails the backward with that
+ * error: call gj_clear_error() for an error the hook handled. */
 typedef gj_tensor *(*gj_grad_hook_fn)(gj_tensor *grad, void *user);
 /* t must require grad. Returns a handle > 0, or -1 with an error. */
 int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
@@ -418,8 +421,10 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
  *             Tensor argument, of that argument's shape and dtype; writing
  *             a borrowed grad_out or argument itself, as is or after
  *             gj_retain, means "this value" (a straight-through estimator:
- *             *grad_in0 = grad_out0);
- *             returns 0 or non-zero. Runs under no_grad in a scope of its own.
+ *             *grad_in0 = grad_out0); returns 0 or non-zero (returning 0
+ *             while an error raised inside is still set, gj_last_error()
+ *             non-empty, fails as well). Runs under no_grad in a scope of
+ *             its own.
  * backward_fn may be NULL (the op is then not differentiable: calling it on
  * inputs that require grad is an error). A name can be defined once; the op
  * lives until the process exits. NULL with an error on a bad schema. */

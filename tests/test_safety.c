@@ -11,7 +11,8 @@
  *     forward hands back its borrowed argument (the identity);
  *   - gj_backward / gj_grad called from a hook on the graph that runs;
  *   - gj_release on the borrowed pointer of gj_tensor_grad;
- *   - an op failing inside a hook that then returns NULL.
+ *   - an op failing inside a hook that then returns NULL, or inside a
+ *     custom backward that then returns 0.
  * In compiled mode a backward that succeeds must have run compiled (no
  * fallback) and give the eager run's gradients; one that fails must fail
  * the same way eagerly (gjt_backward / gjt_backward_fails). Every test
@@ -236,6 +237,180 @@ static void test_custom_backward_returns_grad_out(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+/* ------------------------------------------- 4. re-entrant backward */
+
+typedef struct reenter {
+    gj_tensor *root;  /* the loss of the running backward (borrowed) */
+    gj_tensor *w;     /* the leaf (borrowed) */
+    bool use_grad;    /* call gj_grad instead of gj_backward */
+    bool clear;       /* clear the inner error before returning NULL */
+    int calls, inner_rc;
+    char inner_err[512];
+} reenter;
+
+static gj_tensor *hook_reenter(gj_tensor *grad, void *user) {
+    (void)grad;
+    reenter *r = user;
+    r->calls++;
+    if (r->calls > 8) return NULL; /* the old recursion: stop it ourselves */
+    if (r->use_grad) {
+        gj_tensor *g = NULL;
+        r->inner_rc = gj_grad(1, &r->root, NULL, 1, &r->w, &g, true, false);
+        gj_release(g);
+    } else {
+        r->inner_rc = gj_backward(r->root, NULL);
+    }
+    snprintf(r->inner_err, sizeof r->inner_err, "%s", gj_last_error());
+    if (r->clear) gj_clear_error();
+    return NULL;
+}
+
+/* One backward of l = sum(tanh(w) * w) whose hook on h = tanh(w) calls a
+ * backward of l itself: the inner call fails at once naming its function
+ * and the reason; the outer one then fails with that error (the hook left
+ * it set) or, when the hook cleared it, finishes with the right .grad. */
+static void reenter_run(bool compiled, bool use_grad, bool clear, double *out) {
+    set_mode(compiled);
+    gj_tensor *w = leaf_w();
+    gj_scope_push();
+    gj_tensor *h = gj_tanh(w);
+    gj_tensor *l = sum_all(gj_mul(h, w));
+    reenter r = {.root = l, .w = w, .use_grad = use_grad, .clear = clear};
+    assert_true(gj_register_hook(h, hook_reenter, &r) > 0);
+    const char *fn = use_grad ? "gj_grad" : "gj_backward";
+    if (clear) {
+        assert_int_equal(gjt_backward(l, NULL, false), 0);
+        assert_int_equal(r.calls, 1);
+        values_of(gj_tensor_grad(w), out);
+        double want[NW];
+        for (int i = 0; i < NW; i++) {
+            double t = tanh(W0[i]);
+            want[i] = t + W0[i] * (1.0 - t * t);
+        }
+        assert_true(gjt_allclose("outer backward", out, want, NW, 1e-12, 1e-12));
+    } else {
+        assert_true(gjt_backward_fails(l, NULL, false));
+        assert_true(gjt_error_has(fn));
+        assert_true(gjt_error_has("running"));
+        assert_true(r.calls >= 1 && r.calls <= 3); /* compiled: again in the eager rerun(s) */
+    }
+    assert_int_not_equal(r.inner_rc, 0);
+    if (!strstr(r.inner_err, fn) || !strstr(r.inner_err, "running")) {
+        print_error("inner error: '%s'\n", r.inner_err);
+        fail();
+    }
+    gj_scope_pop();
+    gj_release(w);
+}
+
+static void test_backward_from_hook(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    double e[NW], c[NW];
+    for (int use_grad = 0; use_grad < 2; use_grad++) {
+        reenter_run(false, use_grad, true, e);
+        reenter_run(true, use_grad, true, c);
+        assert_true(gjt_same_as_eager("outer backward", c, e, NW, gjt_compiled_rel_tol(GJ_F64)));
+        reenter_run(false, use_grad, false, NULL);
+        reenter_run(true, use_grad, false, NULL);
+    }
+    set_mode(false);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* --------------------------------------------- 6. errors inside hooks */
+
+static int g_failing_calls;
+
+/* An op fails inside the hook (shapes do not broadcast); it returns NULL
+ * ("keep the gradient") with the op's error still set. */
+static gj_tensor *hook_op_fails(gj_tensor *grad, void *user) {
+    (void)user;
+    g_failing_calls++;
+    gj_tensor *bad = gj_zeros(GJ_F64, 1, (int64_t[]){5});
+    gj_tensor *r = gj_add(grad, bad);
+    assert_null(r);
+    return NULL;
+}
+
+/* A custom backward in which an op fails; it returns 0 and no gradient. */
+static int quiet_fail_bwd(gj_tensor *grad_out, gj_tensor *x, gj_tensor **gx) {
+    (void)x;
+    (void)gx;
+    g_failing_calls++;
+    gj_tensor *r = gj_matmul(grad_out, grad_out); /* [2, 3] @ [2, 3] */
+    assert_null(r);
+    return 0;
+}
+
+static int copy_fwd(gj_tensor *x, gj_tensor **out) {
+    *out = gj_mul_scalar(x, 1.0);
+    return *out ? 0 : 1;
+}
+
+/* The same for a custom op's backward that returns 0 after an op failed
+ * inside it: the backward fails with the op's error in both modes. */
+static void test_error_inside_custom_backward(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    gj_custom_op *op = gj_custom_op_define("safety::quietfail(Tensor x) -> Tensor",
+                                           (void *)copy_fwd, (void *)quiet_fail_bwd);
+    assert_non_null(op);
+    for (int mode = 0; mode < 2; mode++) {
+        set_mode(mode == 1);
+        g_failing_calls = 0;
+        gj_tensor *w = leaf_w();
+        gj_scope_push();
+        gj_tensor *y = NULL;
+        assert_int_equal(gj_custom_op_call(op, &w, NULL, &y), 0);
+        assert_true(gjt_backward_fails(sum_all(gj_mul(y, w)), NULL, false));
+        GJT_ASSERT_ERROR("safety::quietfail");
+        GJT_ASSERT_ERROR("matmul");
+        assert_true(g_failing_calls >= 1);
+        assert_null(gj_tensor_grad(w));
+        gj_scope_pop();
+        gj_release(w);
+    }
+    set_mode(false);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* The backward fails with the op's error in both modes, .grad untouched
+ * by the failed call; once the hook is replaced by one returning its
+ * gradient without an error, a backward of a fresh graph succeeds. */
+static void test_error_inside_hook(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    for (int mode = 0; mode < 2; mode++) {
+        set_mode(mode == 1);
+        g_failing_calls = 0;
+        gj_tensor *w = leaf_w();
+        gj_scope_push();
+        gj_tensor *h = gj_mul_scalar(w, 2.0);
+        assert_true(gj_register_hook(h, hook_op_fails, NULL) > 0);
+        gj_tensor *l = sum_all(gj_mul(h, w));
+        assert_true(gjt_backward_fails(l, NULL, false));
+        GJT_ASSERT_ERROR("gj_add");
+        assert_true(gjt_error_has("hook"));
+        assert_true(g_failing_calls >= 1);
+        assert_null(gj_tensor_grad(w));
+        gj_scope_pop();
+        gj_jit_clear_cache(); /* the failed compiled run made the key eager-only */
+        gj_scope_push();
+        h = gj_mul_scalar(w, 2.0);
+        assert_true(gj_register_hook(h, hook_identity, NULL) > 0);
+        assert_int_equal(gjt_backward(sum_all(gj_mul(h, w)), NULL, false), 0);
+        double got[NW], want[NW];
+        values_of(gj_tensor_grad(w), got);
+        for (int i = 0; i < NW; i++) want[i] = 4.0 * W0[i];
+        assert_true(gjt_allclose("after the failed backward", got, want, NW, 1e-12, 0));
+        gj_scope_pop();
+        gj_release(w);
+    }
+    set_mode(false);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 int main(void) {
     gj_jit_set_quiet(true);
     gj_jit_set_disk_cache(NULL);
@@ -243,6 +418,9 @@ int main(void) {
         cmocka_unit_test(test_grad_same_input_twice),
         cmocka_unit_test(test_hook_returns_its_grad),
         cmocka_unit_test(test_custom_backward_returns_grad_out),
+        cmocka_unit_test(test_backward_from_hook),
+        cmocka_unit_test(test_error_inside_hook),
+        cmocka_unit_test(test_error_inside_custom_backward),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_jit_clear_cache();
