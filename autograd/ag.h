@@ -221,6 +221,17 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
                        gj_val *const *seeds, int n_inputs, gj_tensor *const *inputs,
                        gj_val **grads_out, bool retain_graph, bool accumulate);
 
+/* Public backwards (gj_backward, gj_grad; named fn in errors) bracket
+ * their whole run, eager or compiled, with enter/exit. enter refuses (-1,
+ * error naming fn and saying the graph's backward is running) a backward
+ * started from user code inside a running backward of this thread when
+ * its graph shares a node with that one: it would run the same hooks
+ * again without end, and free saved tensors the outer one still reads.
+ * A backward of an unrelated graph is allowed. 0 on success: call exit
+ * once the backward returns. */
+int gj_ag_backward_enter(int n_roots, gj_tensor *const *roots, const char *fn);
+void gj_ag_backward_exit(void);
+
 /* Free the saved tensors of every node reachable from roots (what a
  * backward without retain_graph does at its end). */
 void gj_ag_release_graph(int n_roots, gj_tensor *const *roots);
@@ -368,8 +379,8 @@ int gj_ag_run_post_hooks(gj_ag_builder *b, gj_tensor *leaf);
 /* Appended by helper "hookjit": runs tensor hook h on g (borrowed) exactly
  * as the eager builder does (user scope, no_grad, shape/dtype check) and
  * returns the tensor to use from now on as a new reference (g itself,
- * retained, when the hook returned NULL), or NULL with the error set. The
- * compiled backward calls hooks through it. */
+ * retained, when the hook returned NULL or g), or NULL with the error set.
+ * The compiled backward calls hooks through it. */
 gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g);
 /* The eager builder's call_hook / call_post_hook. */
 gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad);

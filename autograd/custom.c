@@ -291,6 +291,37 @@ static gj_tensor *own_user_tensor(const gj_custom_op *op, gj_tensor *t, void *sc
     return gj_ag_take_user_ref(t, scope, arg);
 }
 
+/* User code may write to an out-pointer a tensor it was lent rather than
+ * one it made: its borrowed grad_out (a straight-through estimator), an
+ * argument (the identity), or the zeros the engine made for an output that
+ * got no gradient. Written as is, such a pointer carries no reference of
+ * its own; written after gj_retain (the documented way to return an
+ * argument), it carries one. Which it is shows in the tensor's reference
+ * count against before[k], taken just before the call: every use beyond
+ * the references user code added is given one here, so that afterwards
+ * each non-NULL out[i] holds a reference for own_user_tensor to take (or
+ * drop_user_outs to drop), and handing back a lent tensor means "this
+ * value" either way. lent[0..n_lent) were lent to the call. */
+static void ref_lent_outs(gj_tensor **out, int n_out, gj_tensor *const *lent,
+                          const long *before, int n_lent) {
+    for (int k = 0; k < n_lent; k++) {
+        bool seen = false;
+        for (int j = 0; j < k; j++) seen |= lent[j] == lent[k];
+        if (seen || !lent[k]) continue; /* lent twice: counted at its first entry */
+        long extra = atomic_load(&lent[k]->refcount) - before[k];
+        for (int i = 0; i < n_out; i++) {
+            if (out[i] != lent[k]) continue;
+            if (extra > 0) extra--; /* a reference user code took for this slot */
+            else gj_rt_tensor_retain(out[i]);
+        }
+    }
+}
+
+/* Reference counts of lent[0..n) into before (see ref_lent_outs). */
+static void count_lent(gj_tensor *const *lent, int n, long *before) {
+    for (int k = 0; k < n; k++) before[k] = lent[k] ? atomic_load(&lent[k]->refcount) : 0;
+}
+
 /* Releases what user code wrote to out-pointers after a failure. */
 static void drop_user_outs(gj_tensor **ts, int n, void *scope) {
     for (int k = 0; k < n; k++) {
@@ -332,14 +363,29 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
         pres[i] = &res[i];
         values[op->n_out + op->n_args + i] = &pres[i];
     }
+    gj_tensor *lent[CUSTOM_MAX_OUT + CUSTOM_MAX_TENSORS];
+    long before[CUSTOM_MAX_OUT + CUSTOM_MAX_TENSORS];
+    int n_lent = 0;
+    for (int k = 0; k < op->n_out; k++) lent[n_lent++] = go[k];
+    for (int i = 0; i < op->n_tensors; i++) lent[n_lent++] = inputs[i];
+    count_lent(lent, n_lent, before);
     ffi_arg ret = 0;
     void *scope = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     gj_clear_error();
     ffi_call((ffi_cif *)&op->bwd_cif, op->bwd, &ret, values);
     gj_ag_no_grad_exit();
-    if ((int)ret != 0) {
-        user_failed(op, "backward", (long)(int)ret);
+    ref_lent_outs(res, op->n_tensors, lent, before, n_lent);
+    if ((int)ret != 0 || gj_last_error()[0]) { /* an error raised inside fails it too */
+        if ((int)ret != 0) {
+            user_failed(op, "backward", (long)(int)ret);
+        } else {
+            char why[512];
+            snprintf(why, sizeof why, "%s", gj_last_error());
+            gj_rt_set_error("custom op %s: backward function returned 0 with an error set "
+                            "inside it (clear it with gj_clear_error if it was handled): %s",
+                            op->name, why);
+        }
         drop_user_outs(res, op->n_tensors, scope);
         gj_ag_user_scope_pop();
         goto done;
@@ -398,7 +444,7 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
                         op->n_tensors);
         return -1;
     }
-    gj_tensor *tin[CUSTOM_MAX_TENSORS];
+    gj_tensor *tin[CUSTOM_MAX_TENSORS] = {0};
     for (int i = 0; i < n_in; i++) tin[i] = gj_ag_val_tensor(in[i]);
     gj_tensor *res[CUSTOM_MAX_OUT] = {0};
     gj_tensor **pres[CUSTOM_MAX_OUT];
@@ -409,6 +455,8 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
         pres[k] = &res[k];
         values[op->n_args + k] = &pres[k];
     }
+    long before[CUSTOM_MAX_TENSORS];
+    count_lent(tin, n_in, before);
     ffi_arg ret = 0;
     int rc = -1;
     void *scope = gj_ag_user_scope_push();
@@ -416,6 +464,7 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
     gj_clear_error();
     ffi_call(&op->fwd_cif, op->fwd, &ret, values);
     gj_ag_no_grad_exit();
+    ref_lent_outs(res, op->n_out, tin, before, n_in);
     if ((int)ret != 0) {
         user_failed(op, "forward", (long)(int)ret);
         drop_user_outs(res, op->n_out, scope);
@@ -431,7 +480,14 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
     }
     rc = op->n_out;
     for (int k = 0; k < op->n_out; k++) {
+        bool lent = false;
+        for (int i = 0; i < n_in; i++) lent |= res[k] == tin[i];
         gj_tensor *t = own_user_tensor(op, res[k], scope, "an output of the forward");
+        if (t && lent && t == res[k]) { /* an output is a tensor of its own, never an input */
+            gj_tensor *al = gj_rt_tensor_alias(t);
+            gj_rt_tensor_release(t);
+            t = al;
+        }
         res[k] = NULL;
         outs[k] = t ? gj_ag_eager_adopt(t) : NULL; /* the step owns it now */
         if (!outs[k]) {

@@ -436,6 +436,85 @@ done:
     return rc;
 }
 
+/* ------------------------------------------------- running backwards */
+
+/* The backwards running on this thread (entered with gj_ag_backward_enter
+ * and not yet left), innermost last: each holds strong references to the
+ * nodes its roots' gradients flow into, so that a backward started from
+ * user code they call (a hook, a custom op's function) can be compared
+ * with them while their own roots may already be released. */
+#define RUNNING_MAX 32
+typedef struct running {
+    gj_ag_node **nodes; /* strong references */
+    int n;
+} running;
+static _Thread_local running g_running[RUNNING_MAX];
+static _Thread_local int g_n_running;
+
+static void running_free(running *r) {
+    for (int i = 0; i < r->n; i++) gj_ag_node_release(r->nodes[i]);
+    gj_rt_free(r->nodes);
+    r->nodes = NULL;
+    r->n = 0;
+}
+
+/* The first node of g (a discovered graph) that is also reachable from
+ * the nodes of r, or NULL (and *oom set when discovery ran out of
+ * memory). */
+static gj_ag_node *running_overlap(const graph *g, const running *r, bool *oom) {
+    graph o = {0};
+    gj_ag_node *hit = NULL;
+    if (graph_discover(&o, r->n, r->nodes) != 0) {
+        *oom = true;
+    } else {
+        for (int64_t i = 0; i < g->n && !hit; i++)
+            if (graph_find(&o, g->tasks[i].node) >= 0) hit = g->tasks[i].node;
+    }
+    gj_rt_free(o.tasks);
+    gj_rt_free(o.slots);
+    return hit;
+}
+
+int gj_ag_backward_enter(int n_roots, gj_tensor *const *roots, const char *fn) {
+    if (g_n_running == RUNNING_MAX) {
+        gj_rt_set_error("%s: called from user code inside %d nested backwards running on this "
+                        "thread (at most %d)",
+                        fn, RUNNING_MAX, RUNNING_MAX);
+        return -1;
+    }
+    running r = {gj_rt_calloc((size_t)n_roots + 1, sizeof *r.nodes), 0};
+    if (!r.nodes) return -1;
+    for (int i = 0; i < n_roots; i++) {
+        gj_ag_edge e = gj_ag_edge_of(roots[i]);
+        if (e.node) r.nodes[r.n++] = e.node; /* no node: the backward reports it */
+    }
+    if (g_n_running > 0 && r.n > 0) { /* nested: refuse a graph that is running */
+        graph g = {0};
+        gj_ag_node *hit = NULL;
+        bool oom = graph_discover(&g, r.n, r.nodes) != 0;
+        for (int k = 0; k < g_n_running && !hit && !oom; k++)
+            hit = running_overlap(&g, &g_running[k], &oom);
+        gj_rt_free(g.tasks);
+        gj_rt_free(g.slots);
+        if (hit)
+            gj_rt_set_error("%s: called (from a hook or a custom op's function) on a graph whose "
+                            "backward is running on this thread (node %s is in both): a graph "
+                            "cannot be differentiated again before its running backward "
+                            "returns",
+                            fn, hit->kind == GJ_AG_OP ? hit->op->name : "AccumulateGrad");
+        if (hit || oom) {
+            running_free(&r);
+            return -1;
+        }
+    }
+    g_running[g_n_running++] = r;
+    return 0;
+}
+
+void gj_ag_backward_exit(void) {
+    if (g_n_running > 0) running_free(&g_running[--g_n_running]);
+}
+
 void gj_ag_release_graph(int n_roots, gj_tensor *const *roots) {
     graph g = {0};
     gj_ag_node *start[64];

@@ -22,6 +22,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -231,11 +232,22 @@ gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g) {
     void *scope = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     g_in_hook++;
+    gj_clear_error();
     gj_tensor *r = h->fn(g, h->user);
     g_in_hook--;
     gj_ag_no_grad_exit();
     gj_tensor *out = NULL;
-    if (!r) {
+    if (r == g) r = NULL; /* `lambda g: g`: g is borrowed, returning it means "keep it" */
+    if (!r && gj_last_error()[0]) {
+        /* An op failed inside the hook and the hook kept the gradient
+         * anyway: what it meant to do did not happen, so the backward
+         * fails with that error rather than going on silently. */
+        char why[512];
+        snprintf(why, sizeof why, "%s", gj_last_error());
+        gj_rt_set_error("hooks: hook #%lld returned NULL (keep the gradient) with an error set "
+                        "inside it (clear it with gj_clear_error if it was handled): %s",
+                        (long long)h->handle, why);
+    } else if (!r) {
         gj_rt_tensor_retain(g);
         out = g;
     } else if (!gj_rt_check_tensor(r, "hooks", "the tensor returned by a hook")) {

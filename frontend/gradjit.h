@@ -135,14 +135,20 @@ gj_tensor *gj_detach(gj_tensor *t);
 
 /* Backward from root. seed: gradient of root (NULL: ones, root must then
  * have one element). Accumulates into .grad of every leaf that requires
- * grad, in that .grad's dtype. Frees the graph unless retain_graph. */
+ * grad, in that .grad's dtype. Frees the graph unless retain_graph.
+ * Called from user code (a hook, a custom op's function) while a backward
+ * runs on this thread, it fails (-1, an error naming gj_backward and
+ * saying the graph's backward is running) if its graph shares a node with
+ * the running one; so does gj_grad. Unrelated graphs are fine. */
 int gj_backward(gj_tensor *root, gj_tensor *seed);
 int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
 
 /* torch.autograd.grad: gradients of outputs w.r.t. inputs, without touching
  * any .grad. seeds may be NULL (ones for each scalar output) or hold NULLs.
  * grads_out[i] receives a new reference (zeros if input i is unreachable
- * and allow_unused, else an error). */
+ * and allow_unused, else an error), a tensor of its own: an input given
+ * twice gets two distinct tensors (sharing storage), each to be released
+ * once, and never is it the caller's seed pointer. */
 int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds,
             int n_inputs, gj_tensor *const *inputs, gj_tensor **grads_out,
             bool retain_graph, bool allow_unused);
@@ -333,15 +339,20 @@ int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * that compiled autograd must respect (docs/fallbacks.md). */
 
 /* Tensor hook: called with the total gradient of the tensor it was
- * registered on (borrowed) before that gradient flows on; returns NULL to
- * keep it, or a new reference to a replacement of the same shape and dtype
+ * registered on (borrowed: do not release it) before that gradient flows
+ * on; returns NULL or grad itself (as PyTorch's `lambda g: g`; no
+ * reference is transferred, do not gj_retain it) to keep it, or a new
+ * reference to a replacement of the same shape and dtype
  * (as everywhere, a tensor created while a scope is open belongs to the
  * scope: returning it is fine). Hooks run in registration order, under
  * no_grad, inside a scope of their own (their temporaries die when they
  * return). Non-leaf: when the gradient of that output of its grad_fn is
  * complete, before the grad_fn runs; leaf: before accumulation into .grad
  * (also for the inputs of gj_grad). The hook stays with the graph even if
- * the tensor is released, as in PyTorch. */
+ * the tensor is released, as in PyTorch. A hook that keeps the gradient
+ * (NULL or grad) while an error raised inside it is still set (an op it
+ * called failed; gj_last_error() non-empty) fails the backward with that
+ * error: call gj_clear_error() for an error the hook handled. */
 typedef gj_tensor *(*gj_grad_hook_fn)(gj_tensor *grad, void *user);
 /* t must require grad. Returns a handle > 0, or -1 with an error. */
 int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
@@ -397,15 +408,23 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
  * most 4 float and 12 int/bool arguments, and 1 or 2 Tensor results.
  * Calling convention (through libffi):
  *   forward:  int fwd(<arguments in schema order>, gj_tensor **out0 [, **out1])
- *             writes a new reference to each output; returns 0, or non-zero
- *             on failure. Runs under no_grad in a scope of its own.
+ *             writes a new reference to each output (or one of its
+ *             borrowed arguments, as is or after gj_retain: that means
+ *             "this value", and the op's output is a new tensor sharing its
+ *             storage); returns 0, or non-zero on failure. Runs under
+ *             no_grad in a scope of its own.
  *   backward: int bwd(gj_tensor *grad_out0 [, *grad_out1],
  *                     <arguments in schema order>,
  *                     gj_tensor **grad_in0, ..., one per Tensor argument)
  *             grad_out are borrowed (zeros when an output got no gradient);
  *             writes a new reference (or leaves NULL: no gradient) for each
- *             Tensor argument, of that argument's shape and dtype; returns 0
- *             or non-zero. Runs under no_grad in a scope of its own.
+ *             Tensor argument, of that argument's shape and dtype; writing
+ *             a borrowed grad_out or argument itself, as is or after
+ *             gj_retain, means "this value" (a straight-through estimator:
+ *             *grad_in0 = grad_out0); returns 0 or non-zero (returning 0
+ *             while an error raised inside is still set, gj_last_error()
+ *             non-empty, fails as well). Runs under no_grad in a scope of
+ *             its own.
  * backward_fn may be NULL (the op is then not differentiable: calling it on
  * inputs that require grad is an error). A name can be defined once; the op
  * lives until the process exits. NULL with an error on a bad schema. */

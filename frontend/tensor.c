@@ -426,6 +426,10 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
     bool made;
     gj_tensor *s = make_seed(root, seed, "gj_backward", 0, &made);
     if (!s) return -1;
+    if (gj_ag_backward_enter(1, &root, "gj_backward") != 0) { /* re-entered from a hook */
+        if (made) gj_rt_tensor_release(s);
+        return -1;
+    }
     int rc = -1;
     bool handled = false;
     if (gj_fe_compiled_enabled()) {
@@ -442,6 +446,7 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
          * gj_compiled_autograd_last_fallback, not gj_last_error. */
         if (rc == 0) gj_clear_error();
     }
+    gj_ag_backward_exit();
     if (made) gj_rt_tensor_release(s);
     return rc;
 }
@@ -473,13 +478,28 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
         if (!sd[i]) goto done;
         sv[i] = gj_ag_tensor_val(sd[i]);
     }
+    if (gj_ag_backward_enter(n_outputs, outputs, "gj_grad") != 0) goto done;
     gj_ag_builder *b = gj_ag_eager_builder();
-    if (gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
-                           false) != 0)
-        goto done;
+    int brc = gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
+                                 false);
+    gj_ag_backward_exit();
+    if (brc != 0) goto done;
     rc = 0;
     for (int i = 0; i < n_inputs; i++) {
         gj_tensor *g = gj_ag_val_tensor(gv[i]); /* a reference kept for us */
+        if (g && rc == 0 && atomic_load(&g->refcount) > 1) {
+            /* Someone else holds this tensor too: another slot (the same
+             * input twice), the caller (its own seed flowing through), a
+             * saved tensor. Each slot gets a header of its own, so each
+             * reference is registered once and released once. */
+            gj_tensor *a = gj_rt_tensor_alias(g);
+            gj_rt_tensor_release(g);
+            g = a;
+            if (!g) {
+                rc = -1;
+                continue;
+            }
+        }
         if (!g) {
             if (allow_unused) {
                 g = gj_rt_tensor_new(inputs[i]->dtype, inputs[i]->ndim, inputs[i]->shape);
