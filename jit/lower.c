@@ -61,6 +61,7 @@ typedef struct kg {
     bool collect;         /* reduce stores hand their value to coll[] */
     bool inner_mode;
     bool plain_loops; /* small kernel: loops marked "do not vectorize or unroll" */
+    int vec_width;    /* > 0: the contiguous loop of an f32 reduction kernel asks for this width */
     char *why;
     size_t why_cap;
     bool failed;
@@ -145,6 +146,21 @@ static LLVMValueRef plain_loop_id(kg *g) {
     LLVMMetadataRef unr = LLVMMDStringInContext2(g->C, "llvm.loop.unroll.disable", 24);
     LLVMMetadataRef ops[3] = {self, LLVMMDNodeInContext2(g->C, vec, 2),
                               LLVMMDNodeInContext2(g->C, &unr, 1)};
+    LLVMMetadataRef id = LLVMMDNodeInContext2(g->C, ops, 3);
+    LLVMMetadataReplaceAllUsesWith(self, id);
+    return LLVMMetadataAsValue(g->C, id);
+}
+
+/* A fresh loop ID !{self, vectorize.width = w, vectorize.enable = true}. */
+static LLVMValueRef width_loop_id(kg *g, int w) {
+    LLVMMetadataRef self = LLVMTemporaryMDNode(g->C, NULL, 0);
+    LLVMMetadataRef wv[2] = {LLVMMDStringInContext2(g->C, "llvm.loop.vectorize.width", 25),
+                             LLVMValueAsMetadata(LLVMConstInt(LLVMInt32TypeInContext(g->C),
+                                                              (unsigned long long)w, 0))};
+    LLVMMetadataRef en[2] = {LLVMMDStringInContext2(g->C, "llvm.loop.vectorize.enable", 26),
+                             LLVMValueAsMetadata(LLVMConstInt(g->i1, 1, 0))};
+    LLVMMetadataRef ops[3] = {self, LLVMMDNodeInContext2(g->C, wv, 2),
+                              LLVMMDNodeInContext2(g->C, en, 2)};
     LLVMMetadataRef id = LLVMMDNodeInContext2(g->C, ops, 3);
     LLVMMetadataReplaceAllUsesWith(self, id);
     return LLVMMetadataAsValue(g->C, id);
@@ -439,7 +455,16 @@ static void outer_inner(kg *g, void *vctx) {
     loop_open(g, &l, c->j0, c->j1, 1, "j");
     g->idx[L] = l.iv;
     gen_body(g, LLVMBuildNSWSub(g->B, l.iv, c->j0, ""));
-    loop_close(g, &l);
+    if (g->vec_width > 0 && !g->plain_loops) { /* loop_close with a width hint */
+        LLVMValueRef next = LLVMBuildNSWAdd(g->B, l.iv, c64(g, l.step), "");
+        LLVMBuildStore(g->B, next, l.var);
+        LLVMValueRef br = LLVMBuildBr(g->B, l.hdr);
+        LLVMSetMetadata(br, LLVMGetMDKindIDInContext(g->C, "llvm.loop", 9),
+                        width_loop_id(g, g->vec_width));
+        LLVMPositionBuilderAtEnd(g->B, l.exit);
+    } else {
+        loop_close(g, &l);
+    }
     g->idx[L] = NULL;
 }
 
@@ -655,6 +680,17 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     int64_t work = 1;
     for (int d = 0; d < k->nd; d++) work *= k->dims[d];
     g->plain_loops = work <= GJ_JIT_SMALL_KERNEL;
+    /* A reduction over outer dims keeps one double accumulator per column,
+     * and LLVM's cost model then vectorises the whole column loop at the
+     * width of doubles (4 on AVX2), halving the f32 math's throughput. Ask
+     * for the width of floats instead; every lane is its own column, so the
+     * order of each sum is unchanged. */
+    g->vec_width = 0;
+    bool f32_red = false;
+    for (int s2 = 0; s2 < k->n_st; s2++)
+        f32_red |= k->st[s2].reduce && k->acc[k->st[s2].access].dtype != GJ_F64;
+    if (f32_red && k->red && !((k->red >> (k->nd - 1)) & 1u))
+        g->vec_width = strstr(features, "+avx512f") ? 16 : strstr(features, "+avx2") ? 8 : 0;
     for (int a = 0; a < k->n_acc; a++) {
         g->acc_param[a] = -1;
         for (int q = 0; q < np; q++)
