@@ -189,12 +189,19 @@ typedef struct gj_ag_tensor_meta {
     gj_ag_node *node;   /* grad_fn (strong), NULL for leaves */
     int output_nr;
     gj_ag_node *acc;    /* leaves: weak pointer to the accumulate node */
-    gj_tensor *grad;    /* leaves: accumulated .grad (owned) */
+    gj_tensor *grad;    /* leaves: accumulated .grad (owned, pinned; set it with
+                           gj_ag_meta_set_grad) */
     gj_ag_hook *hooks;      /* leaves: tensor hooks (owned; non-leaves: in the node) */
     gj_ag_hook *post_hooks; /* leaves: post-accumulate hooks (owned) */
 } gj_ag_tensor_meta;
 
 gj_ag_tensor_meta *gj_ag_meta_get(gj_tensor *t, bool create); /* NULL if none / OOM */
+/* The only way to change m->grad: g (a reference, stolen; NULL clears)
+ * replaces the old .grad, whose reference is released. The slot pins the
+ * reference it holds (gj_tensor.pinned), so that the public gj_release of
+ * the borrowed pointer gj_tensor_grad hands out is refused instead of
+ * freeing a .grad still installed. */
+void gj_ag_meta_set_grad(gj_ag_tensor_meta *m, gj_tensor *g);
 void gj_ag_node_retain(gj_ag_node *n);
 void gj_ag_node_release(gj_ag_node *n);
 /* The edge a gradient for t flows into (node NULL if t needs no grad),

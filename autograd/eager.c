@@ -129,7 +129,7 @@ static int eager_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
             }
         }
         if (!ng) return -1;
-        m->grad = ng;
+        gj_ag_meta_set_grad(m, ng);
         return 0;
     }
     gj_tensor *grad = m->grad;

@@ -22,7 +22,7 @@ static void meta_free(gj_tensor *t) {
     gj_ag_tensor_meta *m = t->ag;
     t->ag = NULL;
     if (!m) return;
-    if (m->grad) gj_rt_tensor_release(m->grad);
+    gj_ag_meta_set_grad(m, NULL);
     if (m->node) gj_ag_node_release(m->node);
     gj_ag_hooks_free(&m->hooks); /* a leaf's hooks die with it (autograd/hooks.c) */
     gj_ag_hooks_free(&m->post_hooks);
@@ -31,6 +31,16 @@ static void meta_free(gj_tensor *t) {
 }
 
 static void ag_init(void) { gj_rt_set_ag_free(meta_free); }
+
+void gj_ag_meta_set_grad(gj_ag_tensor_meta *m, gj_tensor *g) {
+    gj_tensor *old = m->grad;
+    if (g) atomic_fetch_add(&g->pinned, 1);
+    m->grad = g;
+    if (old) {
+        atomic_fetch_sub(&old->pinned, 1);
+        gj_rt_tensor_release(old);
+    }
+}
 
 gj_ag_tensor_meta *gj_ag_meta_get(gj_tensor *t, bool create) {
     if (t->ag || !create) return t->ag;

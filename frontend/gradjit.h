@@ -44,13 +44,16 @@ typedef struct gj_tensor gj_tensor;
 
 /* ---------------------------------------------------------------- errors */
 
-/* The message of the last failed call on this thread ("" if none). */
+/* The message of the last failed call on this thread ("" if none).
+ * Borrowed: a thread-local buffer overwritten by the next error; copy it
+ * to keep it. */
 const char *gj_last_error(void);
 void gj_clear_error(void);
 
 /* ------------------------------------------------------- library / info */
 
-/* Library version, BLAS core in use (e.g. "SkylakeX"), thread count. */
+/* Library version, BLAS core in use (e.g. "SkylakeX"), thread count. The
+ * strings are borrowed (static; do not free). */
 typedef struct gj_info {
     const char *version;
     const char *blas_core;    /* openblas_get_corename() */
@@ -90,7 +93,11 @@ gj_tensor *gj_scalar(gj_dtype dtype, double value); /* 0-d tensor */
 /* Seeds every random draw (randn, rand, dropout) of this process. */
 void gj_manual_seed(uint64_t seed);
 
-/* Drop one reference (NULL is ignored). */
+/* Drop one reference (NULL is ignored). Only for references you own: never
+ * for a borrowed pointer. Releasing the borrowed .grad of gj_tensor_grad
+ * (when the .grad slot holds the only reference left) is detected and
+ * refused: nothing is freed, gj_last_error() says why and a line goes to
+ * stderr. Other borrowed pointers cannot be told apart. */
 void gj_release(gj_tensor *t);
 /* Add one reference; returns t. The extra reference is the caller's, never a scope's. */
 gj_tensor *gj_retain(gj_tensor *t);
@@ -102,14 +109,17 @@ void gj_scope_push(void);
 void gj_scope_pop(void);
 gj_tensor *gj_scope_keep(gj_tensor *t);
 
-/* Accessors (borrowed views of metadata; never fail on a valid tensor). */
+/* Accessors (borrowed views of metadata; never fail on a valid tensor).
+ * The shape and strides arrays are borrowed: they live in t and are valid
+ * while t lives (do not free them). */
 gj_dtype gj_tensor_dtype(const gj_tensor *t);
 int gj_tensor_ndim(const gj_tensor *t);
 const int64_t *gj_tensor_shape(const gj_tensor *t);
 const int64_t *gj_tensor_strides(const gj_tensor *t); /* in elements */
 int64_t gj_tensor_numel(const gj_tensor *t);
 bool gj_tensor_is_contiguous(const gj_tensor *t);
-/* Pointer to the first element (of the view), or NULL on error. */
+/* Pointer to the first element (of the view), or NULL on error. Borrowed:
+ * valid while t's storage lives and is not swapped (gj_tensor_set_). */
 void *gj_tensor_data(gj_tensor *t);
 /* Copy the tensor's values, converted to f64/f32, into out (numel entries,
  * row-major order of the view). 0 on success. */
@@ -126,9 +136,14 @@ int64_t gj_tensor_version(const gj_tensor *t);
 int gj_set_requires_grad(gj_tensor *t, bool requires_grad); /* leaves only */
 bool gj_requires_grad(const gj_tensor *t);
 bool gj_is_leaf(const gj_tensor *t);
-/* The accumulated .grad of t: borrowed, NULL if none yet. */
+/* The accumulated .grad of t, or NULL if none yet. Borrowed: the .grad
+ * slot holds the reference; do not gj_release it (refused, see
+ * gj_release). It stays valid until .grad is replaced or cleared
+ * (gj_tensor_set_grad, gj_optim_zero_grad) or t dies; gj_retain it to
+ * keep it longer (then release that reference once). */
 gj_tensor *gj_tensor_grad(const gj_tensor *t);
-/* Replace .grad (g borrowed, may be NULL to clear). */
+/* Replace .grad (g borrowed: the slot takes a reference of its own; may be
+ * NULL to clear). */
 int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g);
 /* New reference sharing t's storage, cut from the graph. */
 gj_tensor *gj_detach(gj_tensor *t);
@@ -228,8 +243,8 @@ int gj_copy_(gj_tensor *dst, gj_tensor *src); /* src broadcast to dst, cast */
 /* ------------------------------------------------------------------- nn */
 
 typedef struct gj_linear_layer {
-    gj_tensor *weight; /* [out, in], owned */
-    gj_tensor *bias;   /* [out] or NULL, owned */
+    gj_tensor *weight; /* [out, in], owned by the layer (borrowed for users) */
+    gj_tensor *bias;   /* [out] or NULL, owned by the layer (borrowed for users) */
     int64_t in_features, out_features;
 } gj_linear_layer;
 /* Kaiming-uniform like torch.nn.Linear. 0 on success. */
@@ -238,7 +253,7 @@ gj_tensor *gj_linear_forward(gj_linear_layer *l, gj_tensor *x);
 void gj_linear_free(gj_linear_layer *l);
 
 typedef struct gj_layer_norm_layer {
-    gj_tensor *weight, *bias; /* [C], owned */
+    gj_tensor *weight, *bias; /* [C], owned by the layer (borrowed for users) */
     int64_t features;
     double eps;
 } gj_layer_norm_layer;
@@ -247,7 +262,7 @@ gj_tensor *gj_layer_norm_forward(gj_layer_norm_layer *l, gj_tensor *x);
 void gj_layer_norm_free(gj_layer_norm_layer *l);
 
 typedef struct gj_embedding_layer {
-    gj_tensor *weight; /* [V, D], owned */
+    gj_tensor *weight; /* [V, D], owned by the layer (borrowed for users) */
     int64_t num, dim;
 } gj_embedding_layer;
 int gj_embedding_init(gj_embedding_layer *l, int64_t num, int64_t dim, gj_dtype dtype);
@@ -285,7 +300,7 @@ typedef enum gj_ca_reason {
     GJ_CA_OTHER,
     GJ_CA_N_REASONS
 } gj_ca_reason;
-const char *gj_ca_reason_name(gj_ca_reason r);
+const char *gj_ca_reason_name(gj_ca_reason r); /* borrowed (static) */
 
 typedef struct gj_ca_stats {
     int64_t backwards;    /* backward calls while the flag was on */
@@ -299,7 +314,8 @@ typedef struct gj_ca_stats {
 } gj_ca_stats;
 void gj_compiled_autograd_stats(gj_ca_stats *out);
 void gj_compiled_autograd_reset_stats(void);
-/* The message of the last fallback ("" if none): reason and detail. */
+/* The message of the last fallback ("" if none): reason and detail.
+ * Borrowed: overwritten by the next fallback; copy it to keep it. */
 const char *gj_compiled_autograd_last_fallback(void);
 /* Quiet mode: no stderr line per fallback key (counters still count). */
 void gj_compiled_autograd_set_quiet(bool quiet);
@@ -357,8 +373,9 @@ typedef gj_tensor *(*gj_grad_hook_fn)(gj_tensor *grad, void *user);
 /* t must require grad. Returns a handle > 0, or -1 with an error. */
 int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
 /* Post-accumulate hook: called after .grad of leaf was written by a
- * backward (leaf borrowed; it may read or replace .grad, e.g. with
- * gj_tensor_set_ on it). Leaves that require grad only. */
+ * backward (leaf borrowed, and so is its gj_tensor_grad; it may read or
+ * replace .grad, e.g. with gj_tensor_set_ on it). Leaves that require grad
+ * only. */
 typedef void (*gj_post_accumulate_hook_fn)(gj_tensor *leaf, void *user);
 int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
                                               void *user);
@@ -430,7 +447,9 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
  * lives until the process exits. NULL with an error on a bad schema. */
 typedef struct gj_custom_op gj_custom_op;
 gj_custom_op *gj_custom_op_define(const char *schema, void *forward_fn, void *backward_fn);
-/* The op defined under "ns::name", or NULL. */
+/* The op defined under "ns::name", or NULL. Borrowed, like the pointer
+ * gj_custom_op_define returns: the op lives until the process exits and
+ * is never freed by the caller. */
 gj_custom_op *gj_custom_op_find(const char *name);
 /* tensor_args: the Tensor arguments in schema order; scalar_args: the
  * other arguments in schema order, as doubles (int must be integral, bool

@@ -132,6 +132,21 @@ gj_tensor *gj_scope_keep(gj_tensor *t) {
 void gj_release(gj_tensor *t) {
     if (!t) return;
     if (!gj_rt_check_tensor(t, "gj_release", "t")) return;
+    int pinned = atomic_load(&t->pinned);
+    if (pinned > 0 && atomic_load(&t->refcount) <= pinned) {
+        /* Every reference left is held by a .grad slot: the caller holds
+         * none, so this is the borrowed pointer of gj_tensor_grad. Freeing
+         * it would leave the slot dangling; refuse, loudly. */
+        char sh[96];
+        gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
+        gj_rt_set_error("gj_release: refused: this %s %s tensor is the .grad of a leaf and the "
+                        "caller holds no reference to it (gj_tensor_grad returns a borrowed "
+                        "pointer: do not release it; gj_tensor_set_grad(leaf, NULL) clears "
+                        ".grad)",
+                        gj_rt_dtype_name(t->dtype), sh);
+        fprintf(stderr, "gradjit: %s\n", gj_last_error());
+        return;
+    }
     scope_unregister(t);
     gj_rt_tensor_release(t);
 }
@@ -360,8 +375,7 @@ int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g) {
     gj_ag_tensor_meta *m = gj_ag_meta_get(t, g != NULL);
     if (!m) return g ? -1 : 0;
     if (g) gj_rt_tensor_retain(g);
-    if (m->grad) gj_rt_tensor_release(m->grad);
-    m->grad = g;
+    gj_ag_meta_set_grad(m, g);
     return 0;
 }
 

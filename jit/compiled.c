@@ -613,8 +613,7 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         gj_ag_tensor_meta *lm = gj_ag_meta_get(leaf, true);
         if (!lm) goto done; /* earlier outputs are already set: an OOM error */
         if (!news[o]) continue; /* an empty gradient no step wrote: not expected */
-        if (lm->grad) gj_rt_tensor_release(lm->grad);
-        lm->grad = news[o];
+        gj_ag_meta_set_grad(lm, news[o]);
         news[o] = NULL;
     }
     if (hooks) run_post_hooks(hc);

@@ -80,6 +80,11 @@ struct gj_tensor {
     void *ag;     /* autograd metadata, owned by autograd/ */
     void *scope;  /* the scope owning one reference, or NULL */
     int64_t scope_slot;
+    /* References held by owners that lend the tensor out as borrowed
+     * pointers (a leaf's .grad slot): the public gj_release refuses to
+     * drop refcount to this level, since those references are not the
+     * caller's to drop. Changed only through their owners. */
+    atomic_int pinned;
 };
 
 size_t gj_rt_dtype_size(gj_dtype dt);

@@ -318,6 +318,52 @@ static void test_backward_from_hook(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+/* ------------------------------------------ 5. release of a borrowed .grad */
+
+/* gj_release(gj_tensor_grad(w)) is refused with an error naming
+ * gj_release; .grad stays valid and later backwards accumulate into it.
+ * Releasing a reference the caller did take (gj_retain) stays legal. */
+static void test_release_borrowed_grad(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    double res[2][NW];
+    for (int mode = 0; mode < 2; mode++) {
+        set_mode(mode == 1);
+        gj_tensor *w = leaf_w();
+        for (int step = 0; step < 3; step++) {
+            gj_scope_push();
+            assert_int_equal(gjt_backward(sum_all(gj_mul(w, w)), NULL, false), 0);
+            gj_scope_pop();
+            gj_tensor *g = gj_tensor_grad(w);
+            assert_non_null(g);
+            gj_clear_error();
+            gj_release(g); /* the bug: a borrowed pointer */
+            GJT_ASSERT_ERROR("gj_release");
+            assert_true(gjt_error_has("borrowed"));
+            assert_ptr_equal(gj_tensor_grad(w), g);
+        }
+        values_of(gj_tensor_grad(w), res[mode]);
+        double want[NW];
+        for (int i = 0; i < NW; i++) want[i] = 3.0 * 2.0 * W0[i];
+        assert_true(gjt_allclose(mode ? "compiled" : "eager", res[mode], want, NW, 1e-12, 0));
+        /* a reference of the caller's own: released, the .grad lives on */
+        gj_tensor *mine = gj_retain(gj_tensor_grad(w));
+        gj_clear_error();
+        gj_release(mine);
+        assert_string_equal(gj_last_error(), "");
+        /* cleared, then the retained former .grad is the caller's to free */
+        mine = gj_retain(gj_tensor_grad(w));
+        assert_int_equal(gj_tensor_set_grad(w, NULL), 0);
+        gj_release(mine);
+        assert_string_equal(gj_last_error(), "");
+        gj_release(w);
+    }
+    assert_true(gjt_same_as_eager("after refused releases", res[1], res[0], NW,
+                                  gjt_compiled_rel_tol(GJ_F64)));
+    set_mode(false);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 /* --------------------------------------------- 6. errors inside hooks */
 
 static int g_failing_calls;
@@ -419,6 +465,7 @@ int main(void) {
         cmocka_unit_test(test_hook_returns_its_grad),
         cmocka_unit_test(test_custom_backward_returns_grad_out),
         cmocka_unit_test(test_backward_from_hook),
+        cmocka_unit_test(test_release_borrowed_grad),
         cmocka_unit_test(test_error_inside_hook),
         cmocka_unit_test(test_error_inside_custom_backward),
     };
