@@ -37,9 +37,12 @@
  *
  * Invariants: every training step, evaluation batch and generated character
  * runs inside gj_scope_push/pop; model, optimizer and text are released
- * before exit. With --both the two runs reseed everything (gj_manual_seed,
- * the batch and the sampling generators), so their loss curves agree up to
- * rounding; the largest relative difference is printed.
+ * before exit. With --both the two runs start from the same seed (model,
+ * batch and sampling generators) and advance one step each in turn, in ABBA
+ * order, so their timings share the machine's state; their loss curves
+ * agree up to rounding (the largest relative difference is printed) and
+ * the median per-step forward and backward ratios are printed. Without a
+ * terminal, progress is printed at every tenth of the run.
  */
 #include "gradjit.h"
 #include "plot.h"
@@ -523,106 +526,246 @@ static double lr_at(const opts *o, int64_t s) {
     return o->lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(M_PI * t)));
 }
 
-/* One full training run in the given mode; fills r. 0 on success, else 1
- * with a message on stderr. */
-static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
-    const char *tag = compiled ? "compiled" : "eager";
-    int64_t BT = (int64_t)o->batch * o->ctx;
-    int rc = 1;
+/* One run's state; --both keeps two and steps them in turn. */
+typedef struct trainer {
+    const opts *o;
+    const corpus *c;
+    bool compiled;
+    const char *tag;
     model m;
-    gj_optim *opt = NULL;
-    gj_tensor *mask = NULL;
-    int64_t *x = malloc((size_t)BT * sizeof *x), *y = malloc((size_t)BT * sizeof *y);
+    gj_optim *opt;
+    gj_tensor *mask;
+    int64_t *x, *y; /* [B*T] */
+    uint64_t rng;
+    double t_train, bwd_total, fwd_total;
+    run_out *r;
+} trainer;
+
+static void trainer_free(trainer *t) {
+    gj_release(t->mask);
+    gj_optim_free(t->opt);
+    model_free(&t->m);
+    free(t->x);
+    free(t->y);
+    t->mask = NULL;
+    t->opt = NULL;
+    t->x = t->y = NULL;
+}
+
+/* A fresh model from o->seed (two trainers start bit-identical) and its
+ * AdamW. 0, or 1 with a message on stderr. */
+static int trainer_init(trainer *t, const opts *o, bool compiled, const corpus *c, run_out *r) {
+    int64_t BT = (int64_t)o->batch * o->ctx;
+    memset(t, 0, sizeof *t);
+    t->o = o;
+    t->c = c;
+    t->compiled = compiled;
+    t->tag = compiled ? "compiled" : "eager";
+    t->r = r;
+    t->rng = o->seed;
+    t->x = malloc((size_t)BT * sizeof *t->x);
+    t->y = malloc((size_t)BT * sizeof *t->y);
     memset(r, 0, sizeof *r);
-    memset(&m, 0, sizeof m);
     r->loss = calloc((size_t)o->steps, sizeof *r->loss);
     r->val = malloc((size_t)o->steps * sizeof *r->val);
-    if (!x || !y || !r->loss || !r->val) {
+    if (!t->x || !t->y || !r->loss || !r->val) {
         fprintf(stderr, "train_charlm: out of memory\n");
-        goto done;
+        return 1;
     }
     for (int64_t s = 0; s < o->steps; s++)
         r->val[s] = NAN;
-
-    gj_set_compiled_autograd(compiled);
-    gj_compiled_autograd_reset_stats();
     gj_manual_seed(o->seed);
-    uint64_t rng = o->seed;
     gj_tensor *params[N_PARAMS];
-    if (model_init(&m, c->vocab, o->ctx) != 0 || !(mask = causal_mask(o->ctx)))
+    if (model_init(&t->m, c->vocab, o->ctx) != 0 || !(t->mask = causal_mask(o->ctx)))
         goto gj_fail;
-    model_params(&m, params);
-    if (!(opt = gj_adamw_new(N_PARAMS, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
+    model_params(&t->m, params);
+    if (!(t->opt = gj_adamw_new(N_PARAMS, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
         goto gj_fail;
+    return 0;
+gj_fail:
+    fprintf(stderr, "train_charlm (%s): %s\n", t->tag, gj_last_error());
+    return 1;
+}
 
-    double t_start = now_s(), bwd_total = 0.0, fwd_total = 0.0;
-    for (int64_t s = 0; s < o->steps; s++) {
-        get_batch(c, 0, c->n_train, o->batch, o->ctx, &rng, x, y);
-        gj_optim_set_lr(opt, lr_at(o, s));
-        gj_scope_push();
-        double t0 = now_s();
-        gj_tensor *loss = model_loss(&m, x, y, o->batch, o->ctx, mask);
-        double t1 = now_s();
-        int ok = loss && gj_backward(loss, NULL) == 0;
-        double t2 = now_s();
-        ok = ok && gj_optim_step(opt) == 0;
-        double lv = ok ? gj_tensor_item(loss) : NAN;
-        gj_optim_zero_grad(opt);
-        gj_scope_pop();
-        if (!ok)
+/* Training step s in this trainer's mode (forward and backward timed:
+ * *fwd_ms, *bwd_ms), then the validation loss when s is an evaluation step
+ * (not timed). 0, or 1 with a message on stderr. */
+static int trainer_step(trainer *t, int64_t s, double *fwd_ms, double *bwd_ms) {
+    const opts *o = t->o;
+    run_out *r = t->r;
+    gj_set_compiled_autograd(t->compiled);
+    double ts = now_s();
+    get_batch(t->c, 0, t->c->n_train, o->batch, o->ctx, &t->rng, t->x, t->y);
+    gj_optim_set_lr(t->opt, lr_at(o, s));
+    gj_scope_push();
+    double t0 = now_s();
+    gj_tensor *loss = model_loss(&t->m, t->x, t->y, o->batch, o->ctx, t->mask);
+    double t1 = now_s();
+    int ok = loss && gj_backward(loss, NULL) == 0;
+    double t2 = now_s();
+    ok = ok && gj_optim_step(t->opt) == 0;
+    double lv = ok ? gj_tensor_item(loss) : NAN;
+    gj_optim_zero_grad(t->opt);
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    if (!ok)
+        goto gj_fail;
+    r->loss[s] = lv;
+    *fwd_ms = (t1 - t0) * 1e3;
+    *bwd_ms = (t2 - t1) * 1e3;
+    t->fwd_total += *fwd_ms;
+    t->bwd_total += *bwd_ms;
+    t->t_train += now_s() - ts;
+    if ((s + 1) % EVAL_EVERY == 0 || s + 1 == o->steps) {
+        r->val[s] = evaluate(&t->m, t->c, o, t->mask, t->x, t->y);
+        if (!isfinite(r->val[s]))
             goto gj_fail;
-        r->loss[s] = lv;
-        fwd_total += (t1 - t0) * 1e3;
-        bwd_total += (t2 - t1) * 1e3;
-        if (o->tty && !o->quiet && (s % 5 == 4 || s + 1 == o->steps)) {
-            char bar[BAR_W + 1];
-            int fill = (int)((s + 1) * BAR_W / o->steps);
-            for (int k = 0; k < BAR_W; k++)
-                bar[k] = k < fill ? '#' : '.';
-            bar[BAR_W] = 0;
-            printf("\r[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  backward %.2f ms ", tag,
-                   bar, (long long)(s + 1), (long long)o->steps, lv,
-                   (double)((s + 1) * o->batch) / (now_s() - t_start),
-                   bwd_total / (double)(s + 1));
-            fflush(stdout);
-        }
-        if ((s + 1) % EVAL_EVERY == 0 || s + 1 == o->steps) {
-            double ts = now_s();
-            r->val[s] = evaluate(&m, c, o, mask, x, y);
-            t_start += now_s() - ts; /* evaluation is not training time */
-            if (!isfinite(r->val[s]))
-                goto gj_fail;
-            if (o->tty && !o->quiet)
-                printf("\r%*s\r", 110, "");
-            if (!o->quiet)
-                printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, "
-                       "backward %.2f ms/step\n",
-                       tag, (long long)(s + 1), (long long)o->steps, lv, r->val[s],
-                       bwd_total / (double)(s + 1));
-            fflush(stdout);
-        }
     }
-    r->train_s = now_s() - t_start;
-    r->bwd_ms = bwd_total / (double)o->steps;
-    r->fwd_ms = fwd_total / (double)o->steps;
+    return 0;
+gj_fail:
+    fprintf(stderr, "train_charlm (%s): %s\n", t->tag, gj_last_error());
+    return 1;
+}
+
+/* The run's totals and its sample. 0, or 1. */
+static int trainer_finish(trainer *t) {
+    const opts *o = t->o;
+    run_out *r = t->r;
+    r->train_s = t->t_train;
+    r->bwd_ms = t->bwd_total / (double)o->steps;
+    r->fwd_ms = t->fwd_total / (double)o->steps;
     r->final_val = r->val[o->steps - 1];
     int64_t tail = o->steps < 20 ? o->steps : 20;
     for (int64_t s = o->steps - tail; s < o->steps; s++)
         r->final_train += r->loss[s] / (double)tail;
+    if (o->sample > 0 && !(r->sample = generate(&t->m, t->c, o, o->seed))) {
+        fprintf(stderr, "train_charlm (%s): %s\n", t->tag, gj_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether step s gets a progress line: every 5 steps on a terminal, else
+ * at every tenth of the run. */
+static bool progress_due(const opts *o, int64_t s) {
+    if (o->quiet)
+        return false;
+    if (o->tty)
+        return s % 5 == 4 || s + 1 == o->steps;
+    int64_t tenth = o->steps / 10 > 0 ? o->steps / 10 : 1;
+    return (s + 1) % tenth == 0 && s + 1 != o->steps;
+}
+
+static void progress_bar(char *bar, int64_t s, int64_t n) {
+    int fill = (int)((s + 1) * BAR_W / n);
+    for (int k = 0; k < BAR_W; k++)
+        bar[k] = k < fill ? '#' : '.';
+    bar[BAR_W] = 0;
+}
+
+/* One training run in the given mode; fills r. 0, or 1 with a message. */
+static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
+    trainer t;
+    int rc = 1;
+    gj_compiled_autograd_reset_stats();
+    if (trainer_init(&t, o, compiled, c, r) != 0)
+        goto done;
+    for (int64_t s = 0; s < o->steps; s++) {
+        double f, b;
+        if (trainer_step(&t, s, &f, &b) != 0)
+            goto done;
+        if (progress_due(o, s)) {
+            char bar[BAR_W + 1];
+            progress_bar(bar, s, o->steps);
+            printf("%s[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  backward %.2f ms%s",
+                   o->tty ? "\r" : "", t.tag, bar, (long long)(s + 1), (long long)o->steps,
+                   r->loss[s], (double)((s + 1) * o->batch) / t.t_train,
+                   t.bwd_total / (double)(s + 1), o->tty ? " " : "\n");
+            fflush(stdout);
+        }
+        if (!isnan(r->val[s]) && !o->quiet) {
+            if (o->tty)
+                printf("\r%*s\r", 110, "");
+            printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, backward %.2f "
+                   "ms/step\n",
+                   t.tag, (long long)(s + 1), (long long)o->steps, r->loss[s], r->val[s],
+                   t.bwd_total / (double)(s + 1));
+            fflush(stdout);
+        }
+    }
     gj_compiled_autograd_stats(&r->ca);
-    if (o->sample > 0 && !(r->sample = generate(&m, c, o, o->seed)))
-        goto gj_fail;
-    rc = 0;
-    goto done;
-gj_fail:
-    fprintf(stderr, "train_charlm (%s): %s\n", tag, gj_last_error());
+    rc = trainer_finish(&t);
 done:
-    gj_release(mask);
-    gj_optim_free(opt);
-    model_free(&m);
-    gj_set_compiled_autograd(false);
-    free(x);
-    free(y);
+    trainer_free(&t);
+    return rc;
+}
+
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* --both: eager and compiled runs from the same seed, one step each in turn
+ * (ABBA: eager first on even steps), so both meet the same machine state.
+ * q[0..2] / fq[0..2]: quartiles of the per-step backward / forward ratios
+ * eager / compiled. 0, or 1 with a message. */
+static int train_both(const opts *o, const corpus *c, run_out *a, run_out *b, double *q,
+                      double *fq) {
+    trainer te, tc;
+    int rc = 1;
+    bool ia = false, ic = false;
+    double *br = malloc((size_t)o->steps * sizeof *br), *fr = malloc((size_t)o->steps * sizeof *fr);
+    gj_compiled_autograd_reset_stats();
+    if (!br || !fr) {
+        fprintf(stderr, "train_charlm: out of memory\n");
+        goto done;
+    }
+    if (trainer_init(&te, o, false, c, a) != 0)
+        goto done;
+    ia = true;
+    if (trainer_init(&tc, o, true, c, b) != 0)
+        goto done;
+    ic = true;
+    for (int64_t s = 0; s < o->steps; s++) {
+        double fe, be, fc, bc;
+        int err = s % 2 ? trainer_step(&tc, s, &fc, &bc) || trainer_step(&te, s, &fe, &be)
+                        : trainer_step(&te, s, &fe, &be) || trainer_step(&tc, s, &fc, &bc);
+        if (err)
+            goto done;
+        br[s] = be / bc;
+        fr[s] = fe / fc;
+        if (progress_due(o, s)) {
+            char bar[BAR_W + 1];
+            progress_bar(bar, s, o->steps);
+            printf("%s[both] [%s] step %lld/%lld loss %.4f / %.4f  backward %.2f / %.2f ms "
+                   "(eager / compiled)%s",
+                   o->tty ? "\r" : "", bar, (long long)(s + 1), (long long)o->steps, a->loss[s],
+                   b->loss[s], te.bwd_total / (double)(s + 1), tc.bwd_total / (double)(s + 1),
+                   o->tty ? " " : "\n");
+            fflush(stdout);
+        }
+        if (!isnan(a->val[s]) && !o->quiet) {
+            if (o->tty)
+                printf("\r%*s\r", 110, "");
+            printf("[both] step %lld/%lld: validation loss %.4f / %.4f (eager / compiled)\n",
+                   (long long)(s + 1), (long long)o->steps, a->val[s], b->val[s]);
+            fflush(stdout);
+        }
+    }
+    gj_compiled_autograd_stats(&b->ca);
+    int64_t n = o->steps;
+    qsort(br, (size_t)n, sizeof *br, cmp_dbl);
+    qsort(fr, (size_t)n, sizeof *fr, cmp_dbl);
+    q[0] = br[n / 4], q[1] = br[n / 2], q[2] = br[(3 * n) / 4];
+    fq[0] = fr[n / 4], fq[1] = fr[n / 2], fq[2] = fr[(3 * n) / 4];
+    rc = trainer_finish(&te) || trainer_finish(&tc);
+done:
+    free(br);
+    free(fr);
+    if (ia)
+        trainer_free(&te);
+    if (ic)
+        trainer_free(&tc);
     return rc;
 }
 
@@ -909,7 +1052,8 @@ int main(int argc, char **argv) {
         if (o.png && write_png(o.png, &o, &a, NULL, o.compiled, h_uni) != 0)
             goto out;
     } else {
-        if (train(&o, false, &c, &a) != 0 || train(&o, true, &c, &b) != 0)
+        double q[3], fq[3];
+        if (train_both(&o, &c, &a, &b, q, fq) != 0)
             goto out;
         double maxrel = 0.0;
         for (int64_t s = 0; s < o.steps; s++) {
@@ -923,6 +1067,9 @@ int main(int argc, char **argv) {
                a.fwd_ms, a.bwd_ms, a.train_s);
         printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "compiled", b.final_train,
                b.final_val, b.fwd_ms, b.bwd_ms, b.train_s);
+        printf("steps interleaved ABBA; per-step ratio eager / compiled, median [interquartile "
+               "range]: backward %.3fx [%.2f-%.2f], forward %.3fx [%.2f-%.2f]\n",
+               q[1], q[0], q[2], fq[1], fq[0], fq[2]);
         print_ca("compiled", &b.ca);
         printf("max relative loss-curve difference (compiled vs eager, %lld steps): %.3e\n",
                (long long)o.steps, maxrel);
