@@ -339,6 +339,7 @@ typedef struct gj_ca_gemm {
 } gj_ca_gemm;
 typedef struct gj_ca_program_info {
     int steps, kernel_steps, gemm_steps, other_steps;
+    int kernel_functions;       /* distinct compiled kernels (identical ones are shared) */
     int parallel_groups;        /* groups of steps the program runs side by side */
     double gemm_flops;          /* 2*M*N*K*batch over the GEMM steps */
     int64_t input_bytes;        /* graph inputs some step reads (saved tensors, seeds, .grad) */

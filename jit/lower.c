@@ -776,7 +776,11 @@ int gj_jit_lower_plan(LLVMModuleRef M, const gj_jit_plan *p, const char *prefix,
     int rc = 0;
     for (int s = 0; s < p->n_steps && rc == 0; s++) {
         if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
-        if (lower_kernel(&g, &p->steps[s].k, prefix, cpu, features) != 0) rc = -1;
+        bool seen = false; /* a kernel shared with an earlier step (dedupe.c) */
+        for (int t = 0; t < s && !seen; t++)
+            seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&
+                   strcmp(p->steps[t].k.name, p->steps[s].k.name) == 0;
+        if (!seen && lower_kernel(&g, &p->steps[s].k, prefix, cpu, features) != 0) rc = -1;
     }
     LLVMDisposeBuilder(g.B);
     return rc;

@@ -1488,7 +1488,7 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
             snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
-    if (plan_memory(p) != 0) {
+    if (gj_jit_dedupe_kernels(p) != 0 || plan_memory(p) != 0) {
         oom(&pl);
         goto done;
     }

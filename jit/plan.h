@@ -214,6 +214,10 @@ typedef struct gj_jit_plan {
 void gj_jit_schedule_order(gj_jit_plan *p);
 void gj_jit_schedule_groups(gj_jit_plan *p);
 
+/* dedupe.c: every kernel whose description equals an earlier kernel's takes
+ * that kernel's name (one function per distinct kernel). 0, or -1 on OOM. */
+int gj_jit_dedupe_kernels(gj_jit_plan *p);
+
 /* Builds the plan of g (after gj_jit_pass_cse_dce). Returns 0; or -1 with
  * why[] set ("no lowering for X", or an OOM message) and the error set. */
 int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap);

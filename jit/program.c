@@ -138,6 +138,11 @@ void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
         const gj_jit_step *st = &p->steps[s];
         if (st->kind == GJ_JIT_STEP_KERNEL) {
             out->kernel_steps++;
+            bool seen = false;
+            for (int t = 0; t < s && !seen; t++)
+                seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&
+                       strcmp(p->steps[t].k.name, st->k.name) == 0;
+            out->kernel_functions += !seen;
         } else if (st->kind == GJ_JIT_STEP_MATMUL) {
             const gj_jit_matmul *m = &st->mm;
             int64_t batch = 1;

@@ -16,6 +16,8 @@
  *     gradient it sees eagerly, and the gradients still match.
  *   - gj_compiled_autograd_last_program fails with a message before any
  *     compiled backward on the calling thread, and for NULL.
+ *   - Identical layers share their fused kernels (jit/dedupe.c: counted as
+ *     kernel_functions), with eager's gradients bit for bit.
  */
 #include "gjtest.h"
 #include "runtime/rt.h"
@@ -247,6 +249,71 @@ static void test_hook_between_gemms(void **state) {
     mlp_free(&m);
 }
 
+/* Four identical residual layers y = y + Linear(GELU(Linear(y))): their
+ * fused kernels are compiled once each (kernel_functions counts distinct
+ * ones), and the shared kernels give eager's gradients bit for bit. */
+enum { DL = 4, DB = 32, DC = 48, DH = 96 };
+
+static double *deep_grads(gj_linear_layer *l, gj_tensor *x, bool compiled, int64_t *n) {
+    gj_set_compiled_autograd(compiled);
+    gj_scope_push();
+    gj_tensor *y = x;
+    for (int i = 0; i < DL; i++)
+        y = gj_add(y, gj_linear_forward(&l[2 * i + 1], gj_gelu(gj_linear_forward(&l[2 * i], y))));
+    gj_tensor *loss = gj_mean(gj_mul(y, y), 0, NULL, false);
+    assert_non_null(loss);
+    assert_int_equal(gj_backward(loss, NULL), 0);
+    int64_t total = 0;
+    for (int i = 0; i < 2 * DL; i++) total += gj_tensor_numel(l[i].weight) + gj_tensor_numel(l[i].bias);
+    double *out = malloc((size_t)total * sizeof *out);
+    assert_non_null(out);
+    int64_t at = 0;
+    for (int i = 0; i < 2 * DL; i++)
+        for (int w = 0; w < 2; w++) {
+            gj_tensor *p = w ? l[i].bias : l[i].weight;
+            double *v = gjt_values(gj_tensor_grad(p));
+            assert_non_null(v);
+            memcpy(out + at, v, (size_t)gj_tensor_numel(p) * sizeof *v);
+            at += gj_tensor_numel(p);
+            free(v);
+            gj_tensor_set_grad(p, NULL);
+        }
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    *n = total;
+    return out;
+}
+
+static void test_identical_layers_share_kernels(void **state) {
+    (void)state;
+    gj_manual_seed(9);
+    gj_linear_layer l[2 * DL];
+    for (int i = 0; i < DL; i++) {
+        assert_int_equal(gj_linear_init(&l[2 * i], DC, DH, true, GJ_F32), 0);
+        assert_int_equal(gj_linear_init(&l[2 * i + 1], DH, DC, true, GJ_F32), 0);
+    }
+    gjt_rng r;
+    gjt_rng_seed(&r, 11);
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){DB, DC}, -1, 1);
+    int64_t n1, n2;
+    double *e = deep_grads(l, x, false, &n1);
+    double *c = deep_grads(l, x, true, &n2);
+    assert_int_equal(n1, n2);
+    assert_true(memcmp(e, c, (size_t)n1 * sizeof *e) == 0);
+    gj_ca_program_info pi;
+    assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
+    print_message("  %d layers: %d kernel steps, %d distinct kernel functions\n", DL,
+                  pi.kernel_steps, pi.kernel_functions);
+    assert_true(pi.kernel_steps >= 2 * DL);
+    /* the layers' kernels are shared (here 9 steps, 4 functions): at least
+     * half of the steps call a function another step already has */
+    assert_true(2 * pi.kernel_functions <= pi.kernel_steps);
+    free(e);
+    free(c);
+    gj_release(x);
+    for (int i = 0; i < 2 * DL; i++) gj_linear_free(&l[i]);
+}
+
 static void *no_program_thread(void *arg) {
     int *rc = arg;
     gj_ca_program_info pi;
@@ -275,6 +342,7 @@ int main(void) {
         cmocka_unit_test(test_mlp_pairs_and_bit_exact),
         cmocka_unit_test(test_hook_between_gemms),
         cmocka_unit_test(test_last_program_errors),
+        cmocka_unit_test(test_identical_layers_share_kernels),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
