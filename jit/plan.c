@@ -58,9 +58,19 @@ typedef struct pgroup {
 } pgroup;
 
 /* A step while planning: a group or a matmul, with its dependencies. */
+/* What a planned step will be. */
+typedef enum pstep_kind {
+    PS_GROUP = 0,   /* a fused elementwise group: a kernel */
+    PS_MATMUL = 1,  /* a BLAS call */
+    PS_BARRIER = 2, /* no code: joins several writers of one value */
+    PS_DEAD = 3,    /* merged into another group */
+    PS_INDEX = 4,   /* gather / scatter-add of rows */
+    PS_HOOK = 5,    /* a tensor hook call */
+    PS_CALL = 6     /* a custom op's backward call */
+} pstep_kind;
+
 typedef struct pstep {
-    int kind; /* 0: group, 1: matmul, 2: barrier (no code: joins several writers), 3: dead,
-                 4: index op (gather / scatter), 5: hook call, 6: custom call */
+    pstep_kind kind;
     int idx;  /* group or matmul index */
     int64_t pos;
     int *deps;
@@ -161,7 +171,7 @@ static bool buf_virtual(const gj_jit_buffer *b) {
 }
 
 /* New pstep; returns its id or -1 (OOM). */
-static int new_pstep(planner *pl, int kind, int idx, int64_t pos) {
+static int new_pstep(planner *pl, pstep_kind kind, int idx, int64_t pos) {
     int old_cap = pl->cap_ps;
     if (grow((void **)&pl->ps, pl->n_ps, &pl->cap_ps, sizeof *pl->ps) != 0) return -1;
     if (pl->cap_ps != old_cap || !pl->stack) {
@@ -241,7 +251,7 @@ static int new_group(planner *pl, int ndim, const int64_t *shape, int first, int
     G->pos = pos;
     G->copy_src = -1;
     G->copy_dst = -1;
-    G->step = new_pstep(pl, 0, pl->n_groups, pos);
+    G->step = new_pstep(pl, PS_GROUP, pl->n_groups, pos);
     if (G->step < 0) return -1;
     return pl->n_groups++;
 }
@@ -439,7 +449,7 @@ static int merge_groups(planner *pl, int a, int b) {
     for (int k = 0; k < pl->ps[sb].n_deps; k++)
         if (add_dep(pl, sa, pl->ps[sb].deps[k]) != 0) return oom(pl);
     pl->ps[sb].n_deps = 0;
-    pl->ps[sb].kind = 3;
+    pl->ps[sb].kind = PS_DEAD;
     for (int s2 = 0; s2 < pl->n_ps; s2++) {
         pstep *x = &pl->ps[s2];
         int w = 0;
@@ -638,7 +648,7 @@ static int plan_matmul(planner *pl, int i) {
     mm.c_buf = new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (mm.c_buf < 0) return oom(pl);
     if (grow((void **)&pl->mms, pl->n_mm, &pl->cap_mm, sizeof *pl->mms) != 0) return oom(pl);
-    int sid = new_pstep(pl, 1, pl->n_mm, 2 * (int64_t)i + 1);
+    int sid = new_pstep(pl, PS_MATMUL, pl->n_mm, 2 * (int64_t)i + 1);
     if (sid < 0) return oom(pl);
     pl->mms[pl->n_mm++] = mm;
     if (add_dep(pl, sid, pl->p->bufs[mm.a_buf].writer) != 0 ||
@@ -742,7 +752,7 @@ static int plan_index(planner *pl, int i) {
     ix.out_buf = new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (ix.out_buf < 0) return oom(pl);
     if (grow((void **)&pl->ixs, pl->n_ix, &pl->cap_ix, sizeof *pl->ixs) != 0) return oom(pl);
-    int sid = new_pstep(pl, 4, pl->n_ix, 2 * (int64_t)i + 1);
+    int sid = new_pstep(pl, PS_INDEX, pl->n_ix, 2 * (int64_t)i + 1);
     if (sid < 0) return oom(pl);
     pl->ixs[pl->n_ix++] = ix;
     if (add_dep(pl, sid, pl->p->bufs[ix.src_buf].writer) != 0 ||
@@ -771,7 +781,7 @@ static int plan_hook(planner *pl, int i) {
                          numel_of(hk.meta.ndim, hk.meta.shape));
     if (hk.out_buf < 0) return oom(pl);
     if (grow((void **)&pl->hks, pl->n_hk, &pl->cap_hk, sizeof *pl->hks) != 0) return oom(pl);
-    int sid = new_pstep(pl, 5, pl->n_hk, 2 * (int64_t)i + 1);
+    int sid = new_pstep(pl, PS_HOOK, pl->n_hk, 2 * (int64_t)i + 1);
     if (sid < 0) return oom(pl);
     pl->hks[pl->n_hk++] = hk;
     if (add_dep(pl, sid, pl->p->bufs[hk.src_buf].writer) != 0 ||
@@ -815,7 +825,7 @@ static int plan_custom(planner *pl, int i) {
         if (cs.out_buf[k] < 0) return oom(pl);
     }
     if (grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return oom(pl);
-    int sid = new_pstep(pl, 6, pl->n_cl, 2 * (int64_t)i + 1);
+    int sid = new_pstep(pl, PS_CALL, pl->n_cl, 2 * (int64_t)i + 1);
     if (sid < 0) return oom(pl);
     pl->cls[pl->n_cl++] = cs;
     for (int k = 0; k < cs.n_in; k++)
@@ -844,7 +854,7 @@ static int plan_pad_cat(planner *pl, int i) {
     if (ax < 0 || ax >= om->ndim) return no_lowering(pl, n, "(axis)");
     int b = new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (b < 0) return oom(pl);
-    int barrier = new_pstep(pl, 2, -1, 2 * (int64_t)i + 1);
+    int barrier = new_pstep(pl, PS_BARRIER, -1, 2 * (int64_t)i + 1);
     if (barrier < 0) return oom(pl);
     int64_t cs[GJ_MAX_DIMS];
     contig_strides(om->ndim, om->shape, cs);
@@ -952,7 +962,7 @@ static bool gemm_accumulate(planner *pl, const gj_jit_output *o, int dst) {
     mm->accumulate = true;
     pl->p->bufs[dst].writer = w;
     G->dead = true;
-    pl->ps[G->step].kind = 3;
+    pl->ps[G->step].kind = PS_DEAD;
     pl->ps[G->step].n_deps = 0;
     return true;
 }
@@ -1252,77 +1262,6 @@ static int build_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
 
 /* ------------------------------------------------------- memory plan */
 
-static void touch(gj_jit_plan *p, int b, int s) {
-    gj_jit_buffer *x = &p->bufs[b];
-    if (x->first_step < 0 || s < x->first_step) x->first_step = s;
-    if (s > x->last_step) x->last_step = s;
-}
-
-/* Liveness of every buffer (first and last step using it), the run's
- * allocation and release order, and the peak of temporary bytes. */
-static int plan_memory(gj_jit_plan *p) {
-    for (int s = 0; s < p->n_steps; s++) {
-        gj_jit_step *st = &p->steps[s];
-        if (st->kind == GJ_JIT_STEP_KERNEL) {
-            for (int q = 0; q < st->k.n_params; q++) touch(p, st->k.param_buf[q], s);
-        } else if (st->kind == GJ_JIT_STEP_MATMUL) {
-            touch(p, st->mm.a_buf, s);
-            touch(p, st->mm.b_buf, s);
-            touch(p, st->mm.c_buf, s);
-        } else if (st->kind == GJ_JIT_STEP_HOOK) {
-            touch(p, st->hk.src_buf, s);
-            touch(p, st->hk.out_buf, s);
-        } else if (st->kind == GJ_JIT_STEP_CALL) {
-            for (int k = 0; k < st->cs.n_in; k++) touch(p, st->cs.src_buf[k], s);
-            for (int k = 0; k < st->cs.n_out; k++) touch(p, st->cs.out_buf[k], s);
-        } else {
-            touch(p, st->ix.src_buf, s);
-            touch(p, st->ix.idx_buf, s);
-            touch(p, st->ix.out_buf, s);
-        }
-    }
-    p->by_first = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *p->by_first);
-    p->by_last = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *p->by_last);
-    if (!p->by_first || !p->by_last) return -1;
-    int n = 0, m = 0;
-    for (int b = 0; b < p->n_bufs; b++) {
-        const gj_jit_buffer *x = &p->bufs[b];
-        if ((x->kind != GJ_JIT_BUF_TEMP && x->kind != GJ_JIT_BUF_OUTPUT) || x->first_step < 0)
-            continue;
-        p->by_first[n++] = b;
-        if (x->kind == GJ_JIT_BUF_TEMP) p->by_last[m++] = b;
-    }
-    p->n_by_first = n;
-    p->n_by_last = m;
-    /* insertion sorts (stable) by first / last step */
-    for (int i = 1; i < n; i++) {
-        int v = p->by_first[i], j = i - 1;
-        while (j >= 0 && p->bufs[p->by_first[j]].first_step > p->bufs[v].first_step) {
-            p->by_first[j + 1] = p->by_first[j];
-            j--;
-        }
-        p->by_first[j + 1] = v;
-    }
-    for (int i = 1; i < m; i++) {
-        int v = p->by_last[i], j = i - 1;
-        while (j >= 0 && p->bufs[p->by_last[j]].last_step > p->bufs[v].last_step) {
-            p->by_last[j + 1] = p->by_last[j];
-            j--;
-        }
-        p->by_last[j + 1] = v;
-    }
-    size_t live = 0, peak = 0; /* a group's buffers are all live while it runs */
-    for (int s = 0, i = 0, j = 0; s < p->n_steps; s = p->steps[s].group_end) {
-        int e = p->steps[s].group_end;
-        for (; i < n && p->bufs[p->by_first[i]].first_step < e; i++)
-            if (p->bufs[p->by_first[i]].kind == GJ_JIT_BUF_TEMP) live += p->bufs[p->by_first[i]].nbytes;
-        if (live > peak) peak = live;
-        for (; j < m && p->bufs[p->by_last[j]].last_step < e; j++) live -= p->bufs[p->by_last[j]].nbytes;
-    }
-    p->peak_temp_bytes = peak;
-    return 0;
-}
-
 /* ------------------------------------------------------------ driver */
 
 static atomic_int g_refused_prim = -1;
@@ -1425,7 +1364,7 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     }
     int n_live = 0;
     for (int c = 0; c < pl.n_ps; c++) {
-        if (pl.ps[c].kind == 3) is_placed[c] = true; /* merged away */
+        if (pl.ps[c].kind == PS_DEAD) is_placed[c] = true; /* merged away */
         else n_live++;
     }
     for (int t = 0; t < n_live; t++) {
@@ -1453,25 +1392,25 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     }
     for (int t = 0; t < n_live; t++) {
         const pstep *ps = &pl.ps[order[t]];
-        if (ps->kind == 2) continue; /* barrier */
+        if (ps->kind == PS_BARRIER) continue;
         gj_jit_step *st = &p->steps[p->n_steps++];
         st->pos = ps->pos;
-        if (ps->kind == 1) {
+        if (ps->kind == PS_MATMUL) {
             st->kind = GJ_JIT_STEP_MATMUL;
             st->mm = pl.mms[ps->idx];
             continue;
         }
-        if (ps->kind == 4) {
+        if (ps->kind == PS_INDEX) {
             st->kind = GJ_JIT_STEP_INDEX;
             st->ix = pl.ixs[ps->idx];
             continue;
         }
-        if (ps->kind == 5) {
+        if (ps->kind == PS_HOOK) {
             st->kind = GJ_JIT_STEP_HOOK;
             st->hk = pl.hks[ps->idx];
             continue;
         }
-        if (ps->kind == 6) {
+        if (ps->kind == PS_CALL) {
             st->kind = GJ_JIT_STEP_CALL;
             st->cs = pl.cls[ps->idx];
             continue;
@@ -1488,7 +1427,7 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
             snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
-    if (gj_jit_dedupe_kernels(p) != 0 || plan_memory(p) != 0) {
+    if (gj_jit_dedupe_kernels(p) != 0 || gj_jit_plan_memory(p) != 0) {
         oom(&pl);
         goto done;
     }

@@ -214,6 +214,11 @@ typedef struct gj_jit_plan {
 void gj_jit_schedule_order(gj_jit_plan *p);
 void gj_jit_schedule_groups(gj_jit_plan *p);
 
+/* memplan.c: liveness of every buffer, the run's allocation and release
+ * order, and the peak of temporary bytes (see its contract). 0, or -1 on
+ * OOM. */
+int gj_jit_plan_memory(gj_jit_plan *p);
+
 /* dedupe.c: every kernel whose description equals an earlier kernel's takes
  * that kernel's name (one function per distinct kernel). 0, or -1 on OOM. */
 int gj_jit_dedupe_kernels(gj_jit_plan *p);
