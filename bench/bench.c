@@ -37,6 +37,7 @@
 #include <time.h>
 
 #define BENCH_MAX_STEPS 100000
+#define BENCH_MAX_ROUNDS 64 /* --compare torch --rounds */
 
 typedef enum { MODE_EAGER = 1, MODE_COMPILED = 2, MODE_BOTH = 3 } bench_mode;
 
@@ -51,7 +52,8 @@ typedef struct bench_opts {
     const char *json_path, *png_path;
     bool compare_torch;
     const char *python, *torch_script;
-    int pairs; /* --paired N: interleaved eager/compiled pairs (0: off) */
+    int pairs;  /* --paired N: interleaved eager/compiled pairs (0: off) */
+    int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
 
 /* Everything measured for one workload in one mode. */
@@ -644,9 +646,11 @@ static void usage(FILE *f) {
                "                     [--steps N] [--warmup N] [--threads N] [--json FILE] "
                "[--png FILE]\n"
                "                     [--grads none|keep] "
-               "[--compare torch [--python PATH] [--torch-script PATH]]\n"
+               "[--compare torch [--rounds R] [--python PATH] [--torch-script PATH]]\n"
                "                     [--paired N]   N >= 30 interleaved eager/compiled pairs "
                "(ABBA), median ratio and IQR\n"
+               "  --compare torch: one side-by-side table, then R (default 5) rounds "
+               "alternating gradjit and PyTorch, median ratio\n"
                "  workloads: W1 W2 W3 W4 W4n W5 F1 (all); FILE \"-\": no file\n");
 }
 
@@ -690,6 +694,7 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                       .steps = 10,
                       .warmup = 3,
                       .threads = 0,
+                      .rounds = 5,
                       .python = "/usr/bin/python3"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -750,6 +755,11 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                 return -1;
             }
             g_keep_grads = !strcmp(v, "keep");
+        } else if (!strcmp(a, "--rounds")) {
+            if (parse_int(v, 1, BENCH_MAX_ROUNDS, &o->rounds)) {
+                fprintf(stderr, "gradjit-bench: --rounds must be 1..%d\n", BENCH_MAX_ROUNDS);
+                return -1;
+            }
         } else if (!strcmp(a, "--paired")) {
             if (parse_int(v, 30, BENCH_MAX_STEPS, &o->pairs)) {
                 fprintf(stderr, "gradjit-bench: --paired must be 30..%d pairs\n", BENCH_MAX_STEPS);
@@ -769,6 +779,65 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
     if (o->compare_torch && !o->png_path)
         o->png_path = "gradjit-bench-compare.png";
     return 0;
+}
+
+/* --compare torch with rounds > 1: the gradjit side (eager and compiled
+ * runs of every selected workload, in this process) and the PyTorch process
+ * take turns, gradjit first in even rounds and PyTorch first in odd ones;
+ * each round gives a backward ratio PyTorch / gradjit per workload, and the
+ * median over the rounds with its range is printed. */
+static void compare_rounds(const bench_opts *o, const torch_request *req) {
+    static double re[BENCH_MAX_ROUNDS][16], rc[BENCH_MAX_ROUNDS][16];
+    int R = o->rounds, ids[16], nw = 0;
+    for (int w = 0; w < bench_n_workloads && nw < 16; w++)
+        if (o->workloads & (1u << w))
+            ids[nw++] = w;
+    printf("\n%d rounds alternating gradjit (this process) and PyTorch (a child process), each "
+           "round %d steps after %d warm-up per side; ratio = PyTorch backward ms / gradjit "
+           "backward ms (medians of the round)\n",
+           R, o->steps, o->warmup);
+    for (int r = 0; r < R; r++) {
+        torch_run t = {0};
+        bool torch_first = r % 2 == 1;
+        bench_result e, c;
+        double eb[16], cb[16];
+        if (torch_first)
+            bench_torch_run(req, &t);
+        for (int k = 0; k < nw; k++) {
+            run_workload(&bench_workloads[ids[k]], false, o, &e);
+            run_workload(&bench_workloads[ids[k]], true, o, &c);
+            eb[k] = e.ok ? e.bwd_med : NAN;
+            cb[k] = c.ok ? c.bwd_med : NAN;
+        }
+        if (!torch_first)
+            bench_torch_run(req, &t);
+        if (!t.available) {
+            printf("PyTorch rounds stopped: %s\n", t.why);
+            bench_torch_free(&t);
+            return;
+        }
+        for (int k = 0; k < nw; k++) {
+            const torch_row *tr = bench_torch_find(&t, bench_workloads[ids[k]].id);
+            double tb = tr && tr->ok ? tr->bwd_med : NAN;
+            re[r][k] = tb / eb[k];
+            rc[r][k] = tb / cb[k];
+        }
+        printf("  round %d/%d done (%s first)\n", r + 1, R, torch_first ? "PyTorch" : "gradjit");
+        fflush(stdout);
+        bench_torch_free(&t);
+    }
+    printf("%-4s %-13s %26s %26s\n", "id", "name", "PyTorch/gj eager [range]",
+           "PyTorch/gj compiled [range]");
+    for (int k = 0; k < nw; k++) {
+        double ve[BENCH_MAX_ROUNDS], vc[BENCH_MAX_ROUNDS];
+        for (int r = 0; r < R; r++) {
+            ve[r] = re[r][k];
+            vc[r] = rc[r][k];
+        }
+        double me = bench_quantile(ve, R, 0.5), mc = bench_quantile(vc, R, 0.5);
+        printf("%-4s %-13s %9.3fx [%.2f-%.2f] %12.3fx [%.2f-%.2f]\n", bench_workloads[ids[k]].id,
+               bench_workloads[ids[k]].name, me, ve[0], ve[R - 1], mc, vc[0], vc[R - 1]);
+    }
 }
 
 /* --paired: every selected workload interleaved, one table, optional JSON. */
@@ -913,6 +982,8 @@ int main(int argc, char **argv) {
         if (!torch.available)
             printf("PyTorch comparison skipped: %s\n", torch.why);
         print_compare(&o, res, n, &torch, &info, cpu, date);
+        if (torch.available && o.rounds > 1)
+            compare_rounds(&o, &req);
     }
     if (o.json_path) {
         if (write_json(o.json_path, cpu, date, &info, &o, res, n,
