@@ -91,7 +91,6 @@ bool gj_rt_check_shape(int ndim, const int64_t *shape, gj_dtype dt, const char *
         gj_rt_set_error("%s: shape is NULL with ndim %d", op, ndim);
         return false;
     }
-    bool has_zero = false;
     for (int k = 0; k < ndim; k++) {
         if (shape[k] < 0) {
             gj_rt_set_error("%s: negative dimension %lld (axis %d) in shape %s %s", op,
@@ -99,12 +98,14 @@ bool gj_rt_check_shape(int ndim, const int64_t *shape, gj_dtype dt, const char *
                             gj_rt_dtype_name(dt));
             return false;
         }
-        has_zero |= shape[k] == 0;
     }
-    if (has_zero)
-        return true;
+    /* The byte size of the non-zero dims must fit even when a zero dim
+     * makes the tensor empty: strides, views and reshapes of [0, 2^62,
+     * 2^62] would overflow otherwise. */
     int64_t bytes = (int64_t)gj_rt_dtype_size(dt);
     for (int k = 0; k < ndim; k++) {
+        if (shape[k] == 0)
+            continue;
         if (__builtin_mul_overflow(bytes, shape[k], &bytes)) {
             gj_rt_set_error("%s: shape %s %s is too large (byte size overflows)", op,
                             gj_rt_fmt_shape(buf, sizeof buf, ndim, shape), gj_rt_dtype_name(dt));
