@@ -58,13 +58,24 @@ static inline int64_t gj_rt_f_to_i64(double x) {
 bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
     if (!t) {
         /* A NULL here is usually the result of an earlier failed call in a
-         * chain such as gj_gelu(gj_matmul(a, b)): keep that first message,
-         * which names the real problem. */
+         * chain such as gj_cross_entropy(gj_linear(gj_gelu(gj_linear(x, ..)))):
+         * carry the innermost cause forward however deep the chain is. The
+         * message before this one is either "<op>: <arg> is NULL (caused by:
+         * <cause>)", whose cause is the innermost one already, or itself the
+         * first failure (possibly a NULL the caller passed). */
         const char *prev = gj_last_error();
-        if (prev[0] && !strstr(prev, " is NULL")) {
-            char first[768];
-            snprintf(first, sizeof first, "%s", prev);
-            gj_rt_set_error("%s: %s is NULL (the error before it: %s)", op, arg, first);
+        if (prev[0]) {
+            char cause[768];
+            const char *c = strstr(prev, " (caused by: ");
+            if (c) {
+                c += strlen(" (caused by: ");
+                size_t n = strlen(c);
+                if (n > 0 && c[n - 1] == ')') n--; /* its own closing parenthesis */
+                snprintf(cause, sizeof cause, "%.*s", (int)(n < 767 ? n : 767), c);
+            } else {
+                snprintf(cause, sizeof cause, "%s", prev);
+            }
+            gj_rt_set_error("%s: %s is NULL (caused by: %s)", op, arg, cause);
         } else {
             gj_rt_set_error("%s: %s is NULL", op, arg);
         }
