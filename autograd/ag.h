@@ -228,6 +228,12 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
                        gj_val *const *seeds, int n_inputs, gj_tensor *const *inputs,
                        gj_val **grads_out, bool retain_graph, bool accumulate);
 
+/* Whether a gradient of meta g (the shape op `op` saw in the forward; op
+ * may be NULL) fits leaf now: gj_tensor_set_ may have given the leaf
+ * another shape since the forward. If not, sets the error naming the
+ * leaf's old and new shapes (the backward is an error, as in PyTorch). */
+bool gj_ag_leaf_grad_fits(const gj_tensor *leaf, const gj_rt_meta *g, const char *op);
+
 /* Public backwards (gj_backward, gj_grad; named fn in errors) bracket
  * their whole run, eager or compiled, with enter/exit. enter refuses (-1,
  * error naming fn and saying the graph's backward is running) a backward

@@ -224,13 +224,35 @@ static bool same_meta(const gj_rt_meta *a, const gj_rt_meta *b) {
            memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof a->shape[0]) == 0;
 }
 
+bool gj_ag_leaf_grad_fits(const gj_tensor *leaf, const gj_rt_meta *g, const char *op) {
+    if (leaf->ndim == g->ndim &&
+        memcmp(leaf->shape, g->shape, (size_t)g->ndim * sizeof g->shape[0]) == 0)
+        return true;
+    char was[96], now[96];
+    gj_rt_fmt_shape(was, sizeof was, g->ndim, g->shape);
+    gj_rt_fmt_shape(now, sizeof now, leaf->ndim, leaf->shape);
+    gj_rt_set_error("backward: the gradient of a leaf tensor has shape %s%s%s%s, but the leaf "
+                    "is now %s %s: gj_tensor_set_ changed its shape after the forward used it "
+                    "(AccumulateGrad expects a gradient of the leaf's shape)",
+                    was, op ? " (the shape op " : "", op ? op : "", op ? " saw in the forward)" : "",
+                    gj_rt_dtype_name(leaf->dtype), now);
+    return false;
+}
+
 /* Checks every needed node can run: graph not freed, saved tensors not
- * modified in place since they were saved. */
+ * modified in place since they were saved, leaves still of the shape the
+ * forward saw (a gj_tensor_set_ between forward and backward). */
 static int graph_validate(const graph *g) {
     for (int64_t i = 0; i < g->n; i++) {
         const task *t = &g->tasks[i];
         const gj_ag_node *n = t->node;
         if (!t->needed || n->kind != GJ_AG_OP) continue;
+        for (int k = 0; k < n->n_in; k++) {
+            const gj_ag_node *nx = n->next[k].node;
+            if (nx && nx->kind == GJ_AG_ACCUMULATE && nx->leaf &&
+                !gj_ag_leaf_grad_fits(nx->leaf, &n->in_meta[k], n->op->name))
+                return -1;
+        }
         if (n->released) {
             gj_rt_set_error("backward: trying to backward through the graph a second time "
                             "(op %s): its saved tensors were freed by the previous backward; "
@@ -280,6 +302,9 @@ static int run_node(gj_ag_builder *b, graph *g, task *t, bool accumulate) {
     gj_ag_node *n = t->node;
     if (n->kind == GJ_AG_ACCUMULATE) {
         if (!accumulate || !t->buf[0]) return 0;
+        gj_rt_meta gm;
+        b->meta(b, t->buf[0], &gm);
+        if (!gj_ag_leaf_grad_fits(n->leaf, &gm, NULL)) return -1; /* set_ during backward */
         if (b->accumulate(b, n->leaf, t->buf[0]) != 0) return -1;
         return gj_ag_run_post_hooks(b, n->leaf); /* after .grad was written */
     }

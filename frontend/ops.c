@@ -27,6 +27,7 @@
 #include "fe.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 /* ----------------------------------------------------------- helpers */
@@ -564,10 +565,9 @@ gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis) {
         return NULL;
     }
     for (int k = 0; k < n; k++) {
-        if (!fe_check(xs[k], op, "xs[k]")) {
-            gj_rt_set_error("%s: xs[%d] is NULL or not a live tensor", op, k);
-            return NULL;
-        }
+        char arg[32]; /* "xs[2] is NULL (caused by: ...)": the cause is kept */
+        snprintf(arg, sizeof arg, "xs[%d]", k);
+        if (!fe_check(xs[k], op, arg)) return NULL;
     }
     int ax;
     if (!fe_axis(axis, xs[0]->ndim, op, xs[0], &ax))

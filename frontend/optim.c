@@ -23,6 +23,7 @@
 #include "../runtime/gj_math.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 typedef enum opt_kind { OPT_SGD = 0, OPT_ADAMW = 1 } opt_kind;
@@ -159,10 +160,9 @@ static gj_optim *opt_new(const char *op, opt_kind kind, int n, gj_tensor *const 
     }
     for (int k = 0; k < n; k++) {
         const gj_tensor *p = params[k];
-        if (!p || p->magic != GJ_RT_TENSOR_MAGIC) {
-            gj_rt_set_error("%s: params[%d] is NULL or not a live tensor", op, k);
-            return NULL;
-        }
+        char arg[32]; /* "params[1] is NULL (caused by: ...)": the cause is kept */
+        snprintf(arg, sizeof arg, "params[%d]", k);
+        if (!gj_rt_check_tensor(p, op, arg)) return NULL;
         if (!gj_rt_dtype_is_float(p->dtype)) {
             gj_rt_set_error("%s: params[%d] must be a float tensor, got %s", op, k,
                             gj_rt_dtype_name(p->dtype));

@@ -455,11 +455,12 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
         gj_ag_builder *b = gj_ag_eager_builder();
         gj_val *sv = gj_ag_tensor_val(s);
         rc = gj_ag_run_backward(b, 1, &root, &sv, 0, NULL, NULL, retain_graph, true);
-        /* A fallback that ended well is not a failure of this call: the
-         * compiler's message stays readable through
-         * gj_compiled_autograd_last_fallback, not gj_last_error. */
-        if (rc == 0) gj_clear_error();
     }
+    /* A backward that succeeded leaves no error, however it ran (eager,
+     * compiled, or a fallback that ended well: the compiler's message stays
+     * readable through gj_compiled_autograd_last_fallback, not
+     * gj_last_error), so a stale message never outlives a good step. */
+    if (rc == 0) gj_clear_error();
     gj_ag_backward_exit();
     if (made) gj_rt_tensor_release(s);
     return rc;

@@ -30,22 +30,27 @@
  *     `limit` programs in the cache is marked eager-only instead of being
  *     captured; keys compiled before keep running compiled.
  *   - Hooks: a tensor hook is a hook step of the plan, a post-accumulate
- *     hook runs after every .grad of the run is written (in the engine's
- *     order). A hook never sees a buffer of the plan: it gets a fresh tensor
+ *     hook runs once the plan ran, while the .grads are written in the
+ *     engine's order, right after its leaf's (write_outputs). A hook never
+ *     sees a buffer of the plan: it gets a fresh tensor
  *     holding a copy of the gradient, and what it returns (or the tensor it
  *     kept, with its in-place changes) is copied into the plan's buffer. A
  *     program with hooks also updates existing .grads through private
  *     copies, written back only once every step ran, so a run abandoned by
  *     a guard has written no .grad.
- *   - Guards after each hook call: record_stream called (the run finishes,
- *     the key becomes eager-only: GJ_CA_RECORD_STREAM); a graph input or
- *     .grad whose dtype/shape changed (GJ_CA_SET_MISMATCH), whose storage
- *     was swapped (a saved tensor or seed), a .grad replaced or created, or
- *     a failing hook (GJ_CA_HOOK_GUARD): a tensor hook's trip abandons the
- *     run, the eager engine runs the whole backward again (so the tensor
- *     hooks called before the trip run twice in that step); a post hook's
- *     trip keeps the finished run. Either way the key becomes eager-only
- *     (a demoted entry keeps its program alive until gj_jit_clear_cache).
+ *   - Guards after each hook call and custom call: record_stream called
+ *     (the run finishes, the key becomes eager-only: GJ_CA_RECORD_STREAM);
+ *     a graph input (saved tensor, seed, .grad) or a leaf whose .grad the
+ *     program writes, whose dtype, shape or storage user code changed with
+ *     set_ (GJ_CA_SET_MISMATCH; a .grad swapped for one of the same meta
+ *     before the plan touched it is followed instead); a .grad replaced or
+ *     created, or failing user code (GJ_CA_HOOK_GUARD). A tensor hook's or
+ *     custom call's trip abandons the run, the eager engine runs the whole
+ *     backward again (so the user code called before the trip runs twice
+ *     in that step); a post hook's trip keeps the run, and the .grads not
+ *     yet written get what the eager accumulate makes of them (a leaf now
+ *     bf16: a bf16 .grad). Either way the key becomes eager-only (a demoted
+ *     entry keeps its program alive until gj_jit_clear_cache).
  *   - Custom ops: a custom op's backward is a call step of the plan; its C
  *     function gets fresh tensors holding copies of the output gradients
  *     and saved arguments, and the gradients it returns are copied into
@@ -271,6 +276,8 @@ typedef struct hook_ctx {
     gj_tensor *const *tensors;   /* the run's inputs (borrowed) */
     void **data0;                /* their data pointers when the run started */
     gj_tensor **priv;            /* GRAD inputs: the private copy the plan updates */
+    gj_rt_meta *leaf_meta;       /* per output: its leaf's dtype and shape at the start */
+    const void **leaf_data;      /* per output: its leaf's data pointer at the start */
     const gj_ag_hook **hooks;    /* per hook reference, resolved at the start */
     bool tripped;                /* a guard tripped (first reason kept) */
     gj_ca_reason code;
@@ -280,7 +287,9 @@ typedef struct hook_ctx {
 static void trip(hook_ctx *hc, gj_ca_reason code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void trip(hook_ctx *hc, gj_ca_reason code, const char *fmt, ...) {
-    if (hc->tripped) return;
+    /* the first reason is kept, but a guard that abandons the run names it
+     * rather than an earlier record_stream that let it go on */
+    if (hc->tripped && (hc->code != GJ_CA_RECORD_STREAM || code == GJ_CA_RECORD_STREAM)) return;
     hc->tripped = true;
     hc->code = code;
     va_list ap;
@@ -294,38 +303,70 @@ static gj_tensor *output_leaf(const hook_ctx *hc, int o) {
     return hc->w->nodes[hc->pr->outputs[o].acc_node]->leaf;
 }
 
-/* Checks, after hook h ran at step `step`, that the tensors the program
- * reads and writes are still those it was compiled for. A .grad whose
- * storage a hook swapped (set_, same dtype and shape) before the plan first
+/* Trips GJ_CA_SET_MISMATCH if user code `who` changed the dtype, shape or
+ * storage of a leaf whose .grad the program writes (a parameter set_ to a
+ * bf16 copy in the middle of the backward: eager then makes its .grad
+ * bf16). 1 if it tripped, else 0. */
+static int guard_leaves(hook_ctx *hc, const char *who) {
+    char a[96], b[96];
+    for (int o = 0; o < hc->pr->n_outputs; o++) {
+        gj_tensor *leaf = output_leaf(hc, o);
+        gj_rt_meta m;
+        gj_rt_meta_of(leaf, &m);
+        if (!gj_jit_meta_equal(&m, &hc->leaf_meta[o])) {
+            trip(hc, GJ_CA_SET_MISMATCH, "%s changed leaf %s (whose .grad is output #%d) to "
+                 "%s (set_) during a compiled run", who,
+                 gj_jit_fmt_meta(a, sizeof a, &hc->leaf_meta[o]), o,
+                 gj_jit_fmt_meta(b, sizeof b, &m));
+            return 1;
+        }
+        if (gj_rt_data_ptr(leaf) != hc->leaf_data[o]) {
+            trip(hc, GJ_CA_SET_MISMATCH, "%s swapped the storage of leaf %s (whose .grad is "
+                 "output #%d) (set_) during a compiled run", who,
+                 gj_jit_fmt_meta(a, sizeof a, &m), o);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Checks, after user code `who` ("hook #3", "custom op ns::f") ran at
+ * step `step` (a tensor hook or a custom call), that every tensor the
+ * program reads or writes is still the one it was compiled for: inputs
+ * (saved tensors, seeds, .grads) and the leaves whose .grad it writes. A
+ * set_ that changed the dtype, shape or storage of one of them trips
+ * GJ_CA_SET_MISMATCH, whichever user code made it; except that a .grad
+ * whose storage was swapped (same dtype and shape) before the plan first
  * touched it is read again from its new storage, as the eager accumulation
- * would. 0, 1 (tripped: abandon) or -1 (error). */
-static int guard_inputs(hook_ctx *hc, const gj_ag_hook *h, int step) {
+ * would. A .grad replaced or created trips GJ_CA_HOOK_GUARD.
+ * 0, 1 (tripped: abandon) or -1 (error). */
+static int guard_inputs(hook_ctx *hc, const char *who, int step) {
     const gj_jit_plan *p = &hc->pr->plan;
+    char a[96], b[96];
     for (int i = 0; i < hc->pr->n_inputs; i++) {
         gj_tensor *t = hc->tensors[i];
         const gj_jit_input *in = &hc->pr->inputs[i];
         gj_rt_meta m;
         gj_rt_meta_of(t, &m);
-        char a[96], b[96];
         if (!gj_jit_meta_equal(&m, &p->in_meta[i])) {
             trip(hc, GJ_CA_SET_MISMATCH,
-                 "hook #%lld changed %s #%d from %s to %s (set_) during a compiled run",
-                 (long long)h->handle, in->role == GJ_JIT_IN_GRAD ? "the .grad of input" : "input",
-                 i, gj_jit_fmt_meta(a, sizeof a, &p->in_meta[i]), gj_jit_fmt_meta(b, sizeof b, &m));
+                 "%s changed %s #%d from %s to %s (set_) during a compiled run", who,
+                 in->role == GJ_JIT_IN_GRAD ? "the .grad of input" : "input", i,
+                 gj_jit_fmt_meta(a, sizeof a, &p->in_meta[i]), gj_jit_fmt_meta(b, sizeof b, &m));
             return 1;
         }
         if (in->role == GJ_JIT_IN_GRAD) {
             gj_tensor *leaf = hc->w->nodes[in->node]->leaf;
             gj_ag_tensor_meta *lm = leaf ? leaf->ag : NULL;
             if (!lm || lm->grad != t) {
-                trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld replaced the .grad of a leaf during a "
-                     "compiled run", (long long)h->handle);
+                trip(hc, GJ_CA_HOOK_GUARD, "%s replaced the .grad of a leaf during a "
+                     "compiled run", who);
                 return 1;
             }
             if (gj_rt_data_ptr(t) != hc->data0[i]) {
                 if (p->bufs[i].first_step >= 0 && p->bufs[i].first_step <= step) {
-                    trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld swapped the storage of a .grad "
-                         "(set_) after the compiled run had updated it", (long long)h->handle);
+                    trip(hc, GJ_CA_SET_MISMATCH, "%s swapped the storage of a .grad (set_) "
+                         "after the compiled run had updated it", who);
                     return 1;
                 }
                 if (gj_rt_copy_into(hc->priv[i], t) != 0) return -1;
@@ -334,17 +375,17 @@ static int guard_inputs(hook_ctx *hc, const gj_ag_hook *h, int step) {
             continue; /* the sum is written back to its (new) storage at the end */
         }
         if (gj_rt_data_ptr(t) != hc->data0[i]) {
-            trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld swapped the storage of input #%d (set_) "
-                 "during a compiled run", (long long)h->handle, i);
+            trip(hc, GJ_CA_SET_MISMATCH, "%s swapped the storage of input #%d (set_) "
+                 "during a compiled run", who, i);
             return 1;
         }
     }
+    if (guard_leaves(hc, who) != 0) return 1;
     for (int o = 0; o < hc->pr->n_outputs; o++) {
         if (hc->pr->outputs[o].grad_input >= 0) continue;
         gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
         if (lm && lm->grad) {
-            trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld gave a leaf a .grad during a compiled run",
-                 (long long)h->handle);
+            trip(hc, GJ_CA_HOOK_GUARD, "%s gave a leaf a .grad during a compiled run", who);
             return 1;
         }
     }
@@ -391,7 +432,9 @@ static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
     if (rc == 0) {
         const gj_jit_step *st = (const gj_jit_step *)(const void *)((const char *)hs -
                                                                      offsetof(gj_jit_step, hk));
-        rc = guard_inputs(hc, h, (int)(st - hc->pr->plan.steps));
+        char who[48];
+        snprintf(who, sizeof who, "hook #%lld", (long long)h->handle);
+        rc = guard_inputs(hc, who, (int)(st - hc->pr->plan.steps));
     }
     return rc;
 }
@@ -458,7 +501,13 @@ static int call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
         if (c != gin[i]) gj_rt_tensor_release(c);
         j++;
     }
-    rc = 0;
+    {
+        const gj_jit_step *st = (const gj_jit_step *)(const void *)((const char *)cs -
+                                                                     offsetof(gj_jit_step, cs));
+        char who[160];
+        snprintf(who, sizeof who, "custom op %s", od->name);
+        rc = guard_inputs(hc, who, (int)(st - hc->pr->plan.steps));
+    }
 done:
     for (int k = 0; k < GJ_JIT_CALL_MAX_IN; k++) {
         if (ts[k]) gj_rt_tensor_release(ts[k]);
@@ -467,35 +516,96 @@ done:
     return rc;
 }
 
-/* Runs the post-accumulate hooks once every .grad is written; trips (never
- * abandons: the gradients are final) on record_stream or a .grad whose
- * dtype or shape a hook changed. */
-static void run_post_hooks(hook_ctx *hc) {
+/* Writes graph output o into its leaf's .grad (news[o] or, for an existing
+ * .grad, its private or contiguous copy contig[] written back). A leaf that
+ * user code changed with set_ during the run (another dtype, or a .grad a
+ * post-accumulate hook gave it) gets what the eager accumulate makes of the
+ * program's gradient: a new .grad in the leaf's dtype, or the gradient
+ * added into the .grad it has. A leaf of another shape is an error, as in
+ * the eager engine. 0, or -1 (error set; earlier outputs stay written, as
+ * with an eager backward that fails half-way). */
+static int write_output(const gj_jit_program *pr, const gj_jit_walk *w,
+                        gj_tensor *const *tensors, gj_tensor **contig, gj_tensor **news, int o) {
+    const gj_jit_output *oo = &pr->outputs[o];
+    const gj_rt_meta *om = &pr->plan.out_meta[o];
+    gj_tensor *leaf = w->nodes[oo->acc_node]->leaf;
+    if (!gj_ag_leaf_grad_fits(leaf, om, NULL)) return -1;
+    if (oo->grad_input >= 0) {
+        gj_tensor *g = tensors[oo->grad_input], *c = contig[oo->grad_input];
+        if (c != g && gj_rt_copy_into(g, c) != 0) return -1; /* a strided or private .grad */
+        gj_rt_bump_version(g);
+        return 0;
+    }
+    gj_ag_tensor_meta *lm = gj_ag_meta_get(leaf, true);
+    if (!lm) return -1;
+    if (!news[o]) return 0; /* an empty gradient no step wrote: not expected */
+    if (lm->grad || leaf->dtype != om->dtype) {
+        gj_ag_builder *eb = gj_ag_eager_builder();
+        int rc = eb->accumulate(eb, leaf, gj_ag_tensor_val(news[o]));
+        gj_rt_tensor_release(news[o]);
+        news[o] = NULL;
+        return rc;
+    }
+    gj_ag_meta_set_grad(lm, news[o]); /* the slot takes the reference */
+    news[o] = NULL;
+    return 0;
+}
+
+/* Runs post-accumulate hook i of the program (its leaf's .grad is written)
+ * and its guards, which trip but never abandon (the .grads written so far
+ * are final): record_stream, a .grad whose dtype or shape changed, a leaf
+ * of an output changed by set_ (the outputs not yet written then get the
+ * eager accumulate's result, see write_output), a .grad given to a leaf
+ * whose output is not yet written. */
+static void run_post_hook(hook_ctx *hc, int i, int written) {
     gj_ag_builder *eb = gj_ag_eager_builder();
-    for (int i = 0; i < hc->pr->n_hooks; i++) {
-        const gj_jit_hookref *ref = &hc->pr->hooks[i];
-        const gj_ag_hook *h = hc->hooks[i];
-        if (!ref->post || h->removed) continue;
-        gj_tensor *leaf = hc->w->nodes[ref->node]->leaf;
-        uint64_t rs0 = gj_rt_record_stream_calls();
-        gj_ag_eager_call_post_hook(eb, h, leaf);
-        if (gj_rt_record_stream_calls() != rs0)
-            trip(hc, GJ_CA_RECORD_STREAM, "post-accumulate hook #%lld called "
-                 "gj_tensor_record_stream during a compiled run", (long long)h->handle);
-        for (int o = 0; o < hc->pr->n_outputs; o++) {
-            gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
-            gj_rt_meta m;
-            if (!lm || !lm->grad) continue;
-            gj_rt_meta_of(lm->grad, &m);
-            if (!gj_jit_meta_equal(&m, &hc->pr->plan.out_meta[o])) {
-                char a[96], b[96];
-                trip(hc, GJ_CA_SET_MISMATCH, "post-accumulate hook #%lld changed a .grad from "
-                     "%s to %s (set_) during a compiled run", (long long)h->handle,
-                     gj_jit_fmt_meta(a, sizeof a, &hc->pr->plan.out_meta[o]),
-                     gj_jit_fmt_meta(b, sizeof b, &m));
-            }
+    const gj_jit_hookref *ref = &hc->pr->hooks[i];
+    const gj_ag_hook *h = hc->hooks[i];
+    gj_tensor *leaf = hc->w->nodes[ref->node]->leaf;
+    uint64_t rs0 = gj_rt_record_stream_calls();
+    gj_ag_eager_call_post_hook(eb, h, leaf);
+    if (gj_rt_record_stream_calls() != rs0)
+        trip(hc, GJ_CA_RECORD_STREAM, "post-accumulate hook #%lld called "
+             "gj_tensor_record_stream during a compiled run", (long long)h->handle);
+    char who[64];
+    snprintf(who, sizeof who, "post-accumulate hook #%lld", (long long)h->handle);
+    guard_leaves(hc, who);
+    for (int o = 0; o < hc->pr->n_outputs; o++) {
+        gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
+        gj_rt_meta m;
+        if (!lm || !lm->grad) continue;
+        if (o >= written && hc->pr->outputs[o].grad_input < 0) {
+            trip(hc, GJ_CA_HOOK_GUARD, "%s gave a leaf a .grad during a compiled run", who);
+            continue;
+        }
+        gj_rt_meta_of(lm->grad, &m);
+        if (!gj_jit_meta_equal(&m, &hc->pr->plan.out_meta[o])) {
+            char a[96], b[96];
+            trip(hc, GJ_CA_SET_MISMATCH, "%s changed a .grad from %s to %s (set_) during a "
+                 "compiled run", who, gj_jit_fmt_meta(a, sizeof a, &hc->pr->plan.out_meta[o]),
+                 gj_jit_fmt_meta(b, sizeof b, &m));
         }
     }
+}
+
+/* Writes every output into its leaf's .grad in the eager engine's order,
+ * each post-accumulate hook right after the .grads eager writes before it
+ * (hookref.n_out), so a hook that changes a later leaf with set_ has the
+ * effect it has in eager. 0 or -1 (error set). */
+static int write_outputs(hook_ctx *hc, const gj_jit_program *pr, const gj_jit_walk *w,
+                         gj_tensor *const *tensors, gj_tensor **contig, gj_tensor **news,
+                         bool hooks) {
+    int next = 0;
+    for (int i = 0; hooks && i < pr->n_hooks; i++) {
+        const gj_jit_hookref *ref = &pr->hooks[i];
+        if (!ref->post) continue;
+        for (; next < ref->n_out && next < pr->n_outputs; next++)
+            if (write_output(pr, w, tensors, contig, news, next) != 0) return -1;
+        if (!hc->hooks[i]->removed) run_post_hook(hc, i, next);
+    }
+    for (; next < pr->n_outputs; next++)
+        if (write_output(pr, w, tensors, contig, news, next) != 0) return -1;
+    return 0;
 }
 
 /* Runs program pr on the tensors of this backward. Returns 0 (gradients
@@ -575,6 +685,14 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
     if (hooks) {
         for (int i = 0; i < n_in; i++) hc->data0[i] = gj_rt_data_ptr(tensors[i]);
         hc->priv = contig;
+        hc->leaf_meta = gj_rt_calloc((size_t)n_out + 1, sizeof *hc->leaf_meta);
+        hc->leaf_data = gj_rt_calloc((size_t)n_out + 1, sizeof *hc->leaf_data);
+        if (!hc->leaf_meta || !hc->leaf_data) goto done;
+        for (int o = 0; o < n_out; o++) {
+            gj_tensor *leaf = output_leaf(hc, o);
+            gj_rt_meta_of(leaf, &hc->leaf_meta[o]);
+            hc->leaf_data[o] = gj_rt_data_ptr(leaf);
+        }
     }
     if (p->n_rt_params > 0) { /* dropout seeds/offsets of this run */
         params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
@@ -601,22 +719,7 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         goto done;
     }
     if (er != 0) goto done;
-    for (int o = 0; o < n_out; o++) {
-        const gj_jit_output *oo = &pr->outputs[o];
-        gj_tensor *leaf = w->nodes[oo->acc_node]->leaf;
-        if (oo->grad_input >= 0) {
-            gj_tensor *g = tensors[oo->grad_input], *c = contig[oo->grad_input];
-            if (c != g && gj_rt_copy_into(g, c) != 0) goto done; /* a strided .grad */
-            gj_rt_bump_version(g);
-            continue;
-        }
-        gj_ag_tensor_meta *lm = gj_ag_meta_get(leaf, true);
-        if (!lm) goto done; /* earlier outputs are already set: an OOM error */
-        if (!news[o]) continue; /* an empty gradient no step wrote: not expected */
-        gj_ag_meta_set_grad(lm, news[o]);
-        news[o] = NULL;
-    }
-    if (hooks) run_post_hooks(hc);
+    if (write_outputs(hc, pr, w, tensors, contig, news, hooks) != 0) goto done;
     rc = 0;
 done:
     for (int i = 0; i < n_in && contig; i++)
@@ -630,6 +733,10 @@ done:
     gj_rt_free(params);
     gj_rt_free(hc->data0);
     gj_rt_free((void *)hc->hooks);
+    gj_rt_free(hc->leaf_meta);
+    gj_rt_free((void *)hc->leaf_data);
+    hc->leaf_meta = NULL;
+    hc->leaf_data = NULL;
     hc->data0 = NULL;
     hc->hooks = NULL;
     hc->priv = NULL;

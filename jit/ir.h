@@ -85,7 +85,8 @@ typedef struct gj_jit_value {
  * gj_ag_node_hooks lists for output k of canonical node `node`. */
 typedef struct gj_jit_hookref {
     int node, k, j;
-    bool post; /* a post-accumulate hook (run after the .grads are written) */
+    bool post; /* a post-accumulate hook (run after its leaf's .grad is written) */
+    int n_out; /* post: graph outputs recorded before it (.grads eager wrote by then) */
 } gj_jit_hookref;
 
 typedef struct gj_jit_graph {

@@ -407,6 +407,18 @@ static void validate(gj_jit_walk *w) {
             snprintf(w->reason, sizeof w->reason, "graph already freed (op %s)", n->op->name);
             return;
         }
+        for (int k = 0; k < n->n_in; k++) { /* a leaf given another shape by set_ */
+            const gj_ag_node *nx = n->next[k].node;
+            if (nx && nx->kind == GJ_AG_ACCUMULATE && nx->leaf &&
+                (nx->leaf->ndim != n->in_meta[k].ndim ||
+                 memcmp(nx->leaf->shape, n->in_meta[k].shape,
+                        (size_t)nx->leaf->ndim * sizeof nx->leaf->shape[0]) != 0)) {
+                w->invalid = true;
+                snprintf(w->reason, sizeof w->reason,
+                         "a leaf of op %s changed shape (set_) after the forward", n->op->name);
+                return;
+            }
+        }
         for (int k = 0; k < n->n_saved; k++) {
             if (!n->saved[k].t ||
                 atomic_load(&n->saved[k].t->storage->version) != n->saved[k].version) {

@@ -345,8 +345,9 @@ static int run_index(const gj_jit_index *x, void *const *bp) {
         return 0;
     }
     int64_t total = x->V * x->D;
+    if (total <= 0) return 0; /* an empty [V, 0] or [0, D] output has no memory (NULL) */
     memset(bp[x->out_buf], 0, (size_t)total * el);
-    if (x->n <= 0 || x->D <= 0) return 0;
+    if (x->n <= 0) return 0;
     void *acc = bp[x->out_buf];
     size_t acc_bytes = 0;
     if (x->dtype == GJ_BF16) { /* f32 scratch, rounded once */

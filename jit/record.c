@@ -184,6 +184,7 @@ static int find_hook(const gj_jit_walk *w, const gj_ag_hook *h, gj_jit_hookref *
                 ref->k = k;
                 ref->j = j;
                 ref->post = h->kind == GJ_AG_HOOK_POST_ACCUMULATE;
+                ref->n_out = 0;
                 return 0;
             }
         }
@@ -210,8 +211,9 @@ static gj_val *rec_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad
     return id_val(out);
 }
 
-/* A post-accumulate hook is recorded in order; the program runs it once
- * every .grad of the backward is written. */
+/* A post-accumulate hook is recorded in order, with the number of outputs
+ * (.grads) recorded before it; the program runs it right after writing
+ * those, as the engine does. */
 static int rec_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf) {
     recorder *r = (recorder *)b;
     (void)leaf;
@@ -221,6 +223,7 @@ static int rec_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *
         gj_rt_set_error("jit capture: hook #%lld not found on the graph", (long long)h->handle);
         return -1;
     }
+    ref.n_out = r->cap->g.n_outputs; /* its leaf's output is the last one */
     return gj_jit_graph_add_hook(&r->cap->g, &ref) < 0 ? -1 : 0;
 }
 

@@ -58,13 +58,24 @@ static inline int64_t gj_rt_f_to_i64(double x) {
 bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
     if (!t) {
         /* A NULL here is usually the result of an earlier failed call in a
-         * chain such as gj_gelu(gj_matmul(a, b)): keep that first message,
-         * which names the real problem. */
+         * chain such as gj_cross_entropy(gj_linear(gj_gelu(gj_linear(x, ..)))):
+         * carry the innermost cause forward however deep the chain is. The
+         * message before this one is either "<op>: <arg> is NULL (caused by:
+         * <cause>)", whose cause is the innermost one already, or itself the
+         * first failure (possibly a NULL the caller passed). */
         const char *prev = gj_last_error();
-        if (prev[0] && !strstr(prev, " is NULL")) {
-            char first[768];
-            snprintf(first, sizeof first, "%s", prev);
-            gj_rt_set_error("%s: %s is NULL (the error before it: %s)", op, arg, first);
+        if (prev[0]) {
+            char cause[768];
+            const char *c = strstr(prev, " (caused by: ");
+            if (c) {
+                c += strlen(" (caused by: ");
+                size_t n = strlen(c);
+                if (n > 0 && c[n - 1] == ')') n--; /* its own closing parenthesis */
+                snprintf(cause, sizeof cause, "%.*s", (int)(n < 767 ? n : 767), c);
+            } else {
+                snprintf(cause, sizeof cause, "%s", prev);
+            }
+            gj_rt_set_error("%s: %s is NULL (caused by: %s)", op, arg, cause);
         } else {
             gj_rt_set_error("%s: %s is NULL", op, arg);
         }
@@ -91,7 +102,6 @@ bool gj_rt_check_shape(int ndim, const int64_t *shape, gj_dtype dt, const char *
         gj_rt_set_error("%s: shape is NULL with ndim %d", op, ndim);
         return false;
     }
-    bool has_zero = false;
     for (int k = 0; k < ndim; k++) {
         if (shape[k] < 0) {
             gj_rt_set_error("%s: negative dimension %lld (axis %d) in shape %s %s", op,
@@ -99,12 +109,14 @@ bool gj_rt_check_shape(int ndim, const int64_t *shape, gj_dtype dt, const char *
                             gj_rt_dtype_name(dt));
             return false;
         }
-        has_zero |= shape[k] == 0;
     }
-    if (has_zero)
-        return true;
+    /* The byte size of the non-zero dims must fit even when a zero dim
+     * makes the tensor empty: strides, views and reshapes of [0, 2^62,
+     * 2^62] would overflow otherwise. */
     int64_t bytes = (int64_t)gj_rt_dtype_size(dt);
     for (int k = 0; k < ndim; k++) {
+        if (shape[k] == 0)
+            continue;
         if (__builtin_mul_overflow(bytes, shape[k], &bytes)) {
             gj_rt_set_error("%s: shape %s %s is too large (byte size overflows)", op,
                             gj_rt_fmt_shape(buf, sizeof buf, ndim, shape), gj_rt_dtype_name(dt));

@@ -1,0 +1,475 @@
+/*
+ * test_guards.c - guards of the hardening issue: what user code may change
+ * during a compiled backward, error messages of chained calls and of a
+ * backward, and shape checks of creation functions.
+ *
+ *   1. A set_ that gives a parameter another dtype in the middle of the
+ *      backward (DeepSpeed's `param.data = param.to(bf16)`), made by a
+ *      tensor hook, a post-accumulate hook or a custom op's backward: the
+ *      compiled backward falls back (GJ_CA_SET_MISMATCH) and every .grad
+ *      equals the eager run's (same dtype, same bits), on the first
+ *      compiled step and on a later step that runs the cached program.
+ *   2. A failed op followed by a chain of ops keeps the innermost cause.
+ *   3. A successful compiled backward leaves gj_last_error() as eager does.
+ *   4. A leaf given another shape by set_ between forward and backward (or
+ *      by a hook during it) makes the backward an error naming both
+ *      shapes, in both modes.
+ *   5. Creation functions check the byte size of a shape with a zero dim;
+ *      a compiled embedding backward with embedding dimension 0 (run it
+ *      under -DGJ_SANITIZE=ON: UBSan flags memset(NULL, 0, 0)).
+ *
+ * MLP of 1: x[8, 64] -> linear(w1[96, 64], b1[96]) = h -> tanh -> linear(
+ * w2[10, 96], b2[10]) -> cross entropy with labels y[8]; all f32.
+ */
+#include "gjtest.h"
+
+#include "jit/jit.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 8
+#define NI 64
+#define NH 96
+#define NO 10
+
+static gj_ca_stats stats(void) {
+    gj_ca_stats s;
+    gj_compiled_autograd_stats(&s);
+    return s;
+}
+
+/* ------------------------------------------- 1. set_ to bf16 mid-backward */
+
+typedef enum who { BY_NONE = 0, BY_TENSOR_HOOK, BY_POST_HOOK, BY_CUSTOM_OP } who;
+
+typedef struct mlp {
+    gj_tensor *p[4]; /* w1, b1, w2, b2 (owned) */
+    who by;
+    int from;        /* first step whose backward swaps w1 to bf16 */
+    int step, calls; /* calls: of the swapping user code */
+} mlp;
+
+static mlp *g_mlp; /* for the custom op's backward */
+
+/* w1 := a bf16 copy of itself (set_), from step `from` on. */
+static void swap_w1(mlp *m) {
+    m->calls++;
+    if (m->step < m->from) return;
+    gj_no_grad_push();
+    gj_tensor *c = gj_cast(m->p[0], GJ_BF16);
+    gj_no_grad_pop();
+    assert_non_null(c);
+    assert_int_equal(gj_tensor_set_(m->p[0], c), 0);
+    gj_release(c);
+}
+
+static gj_tensor *hook_swap(gj_tensor *grad, void *user) {
+    (void)grad;
+    swap_w1(user);
+    return NULL;
+}
+
+static void post_swap(gj_tensor *leaf, void *user) {
+    (void)leaf;
+    swap_w1(user);
+}
+
+/* guards::scale(x, alpha) = alpha * x; its backward swaps w1. */
+static int scale_fwd(gj_tensor *x, double alpha, gj_tensor **out) {
+    *out = gj_mul_scalar(x, alpha);
+    return *out ? 0 : 1;
+}
+
+static int scale_bwd(gj_tensor *g, gj_tensor *x, double alpha, gj_tensor **gx) {
+    (void)x;
+    swap_w1(g_mlp);
+    *gx = gj_mul_scalar(g, alpha);
+    return *gx ? 0 : 1;
+}
+
+static gj_custom_op *scale_op(void) {
+    static gj_custom_op *op;
+    if (!op)
+        op = gj_custom_op_define("guards::scale(Tensor x, float alpha) -> Tensor",
+                                 (void *)scale_fwd, (void *)scale_bwd);
+    assert_non_null(op);
+    return op;
+}
+
+static void mlp_init(mlp *m) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 4242);
+    static const int64_t shp[4][2] = {{NH, NI}, {NH, 0}, {NO, NH}, {NO, 0}};
+    for (int i = 0; i < 4; i++) {
+        m->p[i] = gjt_uniform(&r, GJ_F32, shp[i][1] ? 2 : 1, shp[i], -0.2, 0.2);
+        assert_int_equal(gj_set_requires_grad(m->p[i], true), 0);
+    }
+    if (m->by == BY_POST_HOOK) /* w2's .grad is written before w1's (eager order) */
+        assert_true(gj_register_post_accumulate_grad_hook(m->p[2], post_swap, m) > 0);
+}
+
+/* One training step's backward; .grads cleared first. */
+static void mlp_step(mlp *m, bool compiled) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 900 + (uint64_t)m->step);
+    for (int i = 0; i < 4; i++) assert_int_equal(gj_tensor_set_grad(m->p[i], NULL), 0);
+    gj_set_compiled_autograd(compiled);
+    gj_scope_push();
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){NB, NI}, -1, 1);
+    gj_tensor *y = gjt_labels(&r, 1, (int64_t[]){NB}, NO);
+    gj_tensor *h = gj_linear(x, m->p[0], m->p[1]);
+    assert_non_null(h);
+    if (m->by == BY_TENSOR_HOOK) assert_true(gj_register_hook(h, hook_swap, m) > 0);
+    if (m->by == BY_CUSTOM_OP) {
+        gj_tensor *out = NULL;
+        double alpha = 0.75;
+        assert_int_equal(gj_custom_op_call(scale_op(), &h, &alpha, &out), 0);
+        h = out;
+    }
+    gj_tensor *loss = gj_cross_entropy(gj_linear(gj_tanh(h), m->p[2], m->p[3]), y);
+    assert_non_null(loss);
+    if (gj_backward(loss, NULL) != 0) fail_msg("backward failed: %s", gj_last_error());
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    m->step++;
+}
+
+typedef struct grads {
+    gj_dtype dt[4];
+    double *v[4];
+} grads;
+
+/* Runs steps 0..from (the last one swaps w1) on a fresh model; the .grads
+ * after the last step. */
+static grads mlp_run(who by, int from, bool compiled, int *calls) {
+    mlp m = {{0}, by, from, 0, 0};
+    g_mlp = &m;
+    mlp_init(&m);
+    for (int s = 0; s <= from; s++) mlp_step(&m, compiled);
+    grads g;
+    for (int i = 0; i < 4; i++) {
+        gj_tensor *gr = gj_tensor_grad(m.p[i]);
+        assert_non_null(gr);
+        g.dt[i] = gj_tensor_dtype(gr);
+        g.v[i] = gjt_values(gr);
+        assert_non_null(g.v[i]);
+        gj_release(m.p[i]);
+    }
+    *calls = m.calls;
+    g_mlp = NULL;
+    return g;
+}
+
+static void check_swap(who by, int from) {
+    int64_t live0 = gjt_live_bytes();
+    static const int64_t n[4] = {NH * NI, NH, NO * NH, NO};
+    int ecalls, ccalls;
+    grads want = mlp_run(by, from, false, &ecalls);
+    assert_int_equal(want.dt[0], GJ_BF16); /* eager: w1 was bf16 when its .grad was made */
+    gj_jit_clear_cache();
+    gj_compiled_autograd_reset_stats();
+    gj_compiled_autograd_set_quiet(true);
+    grads got = mlp_run(by, from, true, &ccalls);
+    gj_ca_stats s = stats();
+    for (int i = 0; i < 4; i++) {
+        if (got.dt[i] != want.dt[i])
+            print_error("param %d: compiled .grad dtype %d, eager %d\n", i,
+                        (int)got.dt[i], (int)want.dt[i]);
+        assert_int_equal(got.dt[i], want.dt[i]);
+        int64_t bad = 0;
+        for (int64_t k = 0; k < n[i]; k++) bad += got.v[i][k] != want.v[i][k];
+        if (bad) print_error("param %d: %lld gradient values differ\n", i, (long long)bad);
+        assert_memory_equal(got.v[i], want.v[i], (size_t)n[i] * sizeof(double));
+        free(got.v[i]);
+        free(want.v[i]);
+    }
+    assert_int_equal(s.compiles, 1);
+    assert_int_equal(s.mem_hits, from); /* the steps before ran the cached program */
+    assert_int_equal(s.fallbacks, 1);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_SET_MISMATCH], 1);
+    assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "set_mismatch"));
+    /* a tensor hook's or custom op's trip abandons the run: the eager
+     * rerun calls it again; a post hook's trip keeps the run */
+    assert_int_equal(ccalls, ecalls + (by == BY_POST_HOOK ? 0 : 1));
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* A tensor hook on the hidden activation swaps w1 on the first compiled
+ * step (capture, compile, run). */
+static void test_hook_set_bf16_first_step(void **st) {
+    (void)st;
+    check_swap(BY_TENSOR_HOOK, 0);
+}
+
+/* The same hook acting only from step 1: step 0 compiles, step 1 runs the
+ * cached program and must still fall back. */
+static void test_hook_set_bf16_cached(void **st) {
+    (void)st;
+    check_swap(BY_TENSOR_HOOK, 1);
+}
+
+/* A post-accumulate hook on w2 swaps w1 before w1's .grad is written. */
+static void test_post_hook_set_bf16(void **st) {
+    (void)st;
+    check_swap(BY_POST_HOOK, 0);
+    check_swap(BY_POST_HOOK, 1);
+}
+
+/* A custom op's backward swaps w1. */
+static void test_custom_op_set_bf16(void **st) {
+    (void)st;
+    check_swap(BY_CUSTOM_OP, 0);
+    check_swap(BY_CUSTOM_OP, 1);
+}
+
+/* ------------------------------------------------- 2. error chains */
+
+/* The README's loop with a wrong input width: the innermost cause survives
+ * gelu, a second linear and cross entropy, and three more ops after it. */
+static void test_error_chain_keeps_cause(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    gj_linear_layer l1, l2;
+    assert_int_equal(gj_linear_init(&l1, 784, 256, true, GJ_F32), 0);
+    assert_int_equal(gj_linear_init(&l2, 256, 10, true, GJ_F32), 0);
+    gj_scope_push();
+    gj_clear_error();
+    gj_tensor *x = gj_zeros(GJ_F32, 2, (int64_t[]){32, 100});
+    gj_tensor *y = gj_zeros(GJ_I64, 1, (int64_t[]){32});
+    gj_tensor *h1 = gj_linear_forward(&l1, x);
+    assert_null(h1);
+    char first[1024];
+    snprintf(first, sizeof first, "%s", gj_last_error());
+    assert_non_null(strstr(first, "gj_linear"));
+    assert_non_null(strstr(first, "[32, 100]"));
+    assert_non_null(strstr(first, "[256, 784]"));
+    gj_tensor *h = gj_gelu(h1);
+    gj_tensor *loss = gj_cross_entropy(gj_linear_forward(&l2, h), y);
+    assert_null(loss);
+    char want[1100];
+    snprintf(want, sizeof want, "gj_cross_entropy: logits is NULL (caused by: %s)", first);
+    assert_string_equal(gj_last_error(), want);
+    /* three more ops on the failed result: still the same cause */
+    gj_tensor *z = gj_mean(gj_exp(gj_tanh(loss)), 0, NULL, false);
+    assert_null(z);
+    snprintf(want, sizeof want, "gj_mean: x is NULL (caused by: %s)", first);
+    assert_string_equal(gj_last_error(), want);
+    /* a NULL passed with no error before it names only itself */
+    gj_clear_error();
+    assert_null(gj_tanh(NULL));
+    assert_string_equal(gj_last_error(), "gj_tanh: x is NULL");
+    gj_scope_pop();
+    gj_linear_free(&l1);
+    gj_linear_free(&l2);
+    gj_clear_error();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* ------------------------------------ 3. gj_last_error after a backward */
+
+/* A successful backward after a failed call: the message gj_last_error()
+ * holds afterwards in compiled mode (the program really ran: one compile,
+ * then one cache hit) equals eager's. */
+static void test_compiled_backward_clears_error(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    char after[2][1024];
+    gj_jit_clear_cache();
+    gj_compiled_autograd_reset_stats();
+    for (int mode = 0; mode < 2; mode++) {
+        mlp m = {{0}, BY_NONE, 0, 0, 0};
+        mlp_init(&m);
+        for (int s = 0; s < 2; s++) {
+            assert_null(gj_matmul(m.p[0], m.p[0])); /* [96, 64] @ [96, 64]: an error */
+            assert_true(gjt_error_has("gj_matmul"));
+            mlp_step(&m, mode == 1);
+            snprintf(after[mode], sizeof after[mode], "%s", gj_last_error());
+            if (mode == 1) assert_string_equal(after[1], after[0]);
+        }
+        for (int i = 0; i < 4; i++) gj_release(m.p[i]);
+    }
+    gj_ca_stats s = stats();
+    assert_int_equal(s.compiles, 1);
+    assert_int_equal(s.mem_hits, 1);
+    assert_int_equal(s.fallbacks, 0);
+    assert_string_equal(after[0], "");
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* ------------------------------- 4. a leaf set_ to another shape */
+
+static gj_tensor *g_reshape_w;
+
+static gj_tensor *hook_reshape_w(gj_tensor *grad, void *user) {
+    (void)grad;
+    (void)user;
+    gj_tensor *z = gj_zeros(GJ_F32, 2, (int64_t[]){3, 8});
+    assert_int_equal(gj_tensor_set_(g_reshape_w, z), 0);
+    gj_release(z);
+    return NULL;
+}
+
+/* w [4, 6] goes to [3, 8] (same numel) between forward and backward
+ * (in_hook false) or in a hook on h during the backward: the backward
+ * fails naming both shapes, and w gets no .grad. */
+static void reshape_case(bool compiled, bool in_hook, char *msg, size_t cap) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 31);
+    gj_tensor *w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){4, 6}, -0.5, 0.5);
+    gj_tensor *b = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){4}, -0.5, 0.5);
+    assert_int_equal(gj_set_requires_grad(w, true), 0);
+    assert_int_equal(gj_set_requires_grad(b, true), 0);
+    g_reshape_w = w;
+    gj_set_compiled_autograd(compiled);
+    gj_scope_push();
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){3, 6}, -1, 1);
+    gj_tensor *h = gj_linear(x, w, b);
+    gj_tensor *loss = gj_mean(gj_tanh(h), 0, NULL, false);
+    assert_non_null(loss);
+    if (in_hook) {
+        assert_true(gj_register_hook(h, hook_reshape_w, NULL) > 0);
+    } else {
+        gj_tensor *z = gj_zeros(GJ_F32, 2, (int64_t[]){3, 8});
+        assert_int_equal(gj_tensor_set_(w, z), 0);
+        gj_release(z);
+    }
+    assert_int_not_equal(gj_backward(loss, NULL), 0);
+    snprintf(msg, cap, "%s", gj_last_error());
+    if (!strstr(msg, "[4, 6]") || !strstr(msg, "[3, 8]") || !strstr(msg, "set_"))
+        fail_msg("expected an error naming [4, 6], [3, 8] and set_, got '%s'", msg);
+    assert_null(gj_tensor_grad(w));
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    gj_release(w);
+    gj_release(b);
+    g_reshape_w = NULL;
+}
+
+static void test_set_leaf_shape_is_error(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    char e[1024], c[1024];
+    gj_compiled_autograd_set_quiet(true);
+    for (int in_hook = 0; in_hook < 2; in_hook++) {
+        gj_jit_clear_cache();
+        gj_compiled_autograd_reset_stats();
+        reshape_case(false, in_hook != 0, e, sizeof e);
+        reshape_case(true, in_hook != 0, c, sizeof c);
+        if (!in_hook) {
+            assert_string_equal(c, e); /* the eager engine's message, not a fallback */
+            assert_int_equal(stats().fallbacks, 0);
+        } else {
+            assert_int_equal(stats().fallbacks_by_reason[GJ_CA_SET_MISMATCH], 1);
+        }
+    }
+    gj_jit_clear_cache();
+    gj_clear_error();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* ------------------------------------------- 5. shapes and empty tensors */
+
+static void test_zero_size_shape_overflow(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    static const int64_t bad[][3] = {
+        {0, INT64_MAX, INT64_MAX},
+        {INT64_MAX, INT64_MAX, 0},
+        {0, (int64_t)1 << 61, 4}, /* 2^63 elements of 4 bytes */
+        {(int64_t)1 << 62, 0, 2},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const int64_t *sh = bad[i];
+        gj_tensor *t[7] = {
+            gj_zeros(GJ_F32, 3, sh),          gj_ones(GJ_F32, 3, sh),
+            gj_full(GJ_F32, 3, sh, 2.0),      gj_randn(GJ_F32, 3, sh, 1.0),
+            gj_rand(GJ_F32, 3, sh, 0.0, 1.0), gj_from_data(GJ_F32, 3, sh, NULL),
+            gj_zeros(GJ_BF16, 3, sh),
+        };
+        static const char *names[7] = {"gj_zeros", "gj_ones",      "gj_full", "gj_randn",
+                                       "gj_rand",  "gj_from_data", "gj_zeros"};
+        for (int k = 0; k < 7; k++) {
+            if (t[k]) {
+                print_error("%s accepted shape [%lld, %lld, %lld]\n", names[k],
+                            (long long)sh[0], (long long)sh[1], (long long)sh[2]);
+                gj_release(t[k]);
+                fail();
+            }
+        }
+        /* the last message is the last call's */
+        GJT_ASSERT_ERROR("gj_zeros");
+        assert_true(gjt_error_has("too large"));
+    }
+    /* an empty shape whose bytes fit is still fine */
+    gj_tensor *e = gj_zeros(GJ_F32, 3, (int64_t[]){0, (int64_t)1 << 40, 1 << 20});
+    assert_non_null(e);
+    assert_int_equal(gj_tensor_numel(e), 0);
+    gj_release(e);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* An embedding of dimension 0 (f32 and bf16 tables), two steps that keep
+ * the .grad: the compiled backward's scatter then writes a temporary of 0
+ * bytes (no memory: NULL) added into the existing .grad, and gives the [V,
+ * 0] .grad eager gives (under the sanitizer build: without memset(NULL, 0,
+ * 0), and without asking the allocator for a 0-byte bf16 scratch). */
+static void test_embedding_dim0_compiled(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    static const gj_dtype dts[2] = {GJ_F32, GJ_BF16};
+    for (int d = 0; d < 2; d++) {
+        for (int mode = 0; mode < 2; mode++) {
+            gj_jit_clear_cache();
+            gj_compiled_autograd_reset_stats();
+            gj_tensor *table = gj_zeros(dts[d], 2, (int64_t[]){5, 0});
+            assert_non_null(table);
+            assert_int_equal(gj_set_requires_grad(table, true), 0);
+            for (int step = 0; step < 2; step++) {
+                gj_set_compiled_autograd(mode == 1);
+                gj_scope_push();
+                gj_tensor *idx = gjt_i64(1, (int64_t[]){3}, (int64_t[]){4, 0, 4});
+                gj_tensor *e = gj_embedding(table, idx);
+                if (!e) fail_msg("gj_embedding: %s", gj_last_error());
+                gj_tensor *loss = gj_sum(gj_cast(e, GJ_F32), 0, NULL, false);
+                assert_non_null(loss);
+                if (gj_backward(loss, NULL) != 0) fail_msg("backward: %s", gj_last_error());
+                gj_scope_pop();
+                gj_set_compiled_autograd(false);
+                gj_tensor *g = gj_tensor_grad(table);
+                assert_non_null(g);
+                assert_true(gjt_shape_is(g, 2, (int64_t[]){5, 0}));
+                assert_int_equal(gj_tensor_dtype(g), dts[d]);
+            }
+            if (mode == 1) {
+                gj_ca_stats s = stats(); /* really compiled: a new .grad, then into it */
+                assert_int_equal(s.compiles, 2);
+                assert_int_equal(s.fallbacks, 0);
+            }
+            gj_release(table);
+        }
+    }
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+int main(void) {
+    setenv("GRADJIT_CACHE_DIR", "off", 1); /* counts of compiles, not of disk hits */
+    gjt_setup();
+    gj_compiled_autograd_set_quiet(true);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hook_set_bf16_first_step),
+        cmocka_unit_test(test_hook_set_bf16_cached),
+        cmocka_unit_test(test_post_hook_set_bf16),
+        cmocka_unit_test(test_custom_op_set_bf16),
+        cmocka_unit_test(test_error_chain_keeps_cause),
+        cmocka_unit_test(test_compiled_backward_clears_error),
+        cmocka_unit_test(test_set_leaf_shape_is_error),
+        cmocka_unit_test(test_embedding_dim0_compiled),
+        cmocka_unit_test(test_zero_size_shape_overflow),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
