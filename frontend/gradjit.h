@@ -33,6 +33,14 @@ extern "C" {
 
 #define GJ_MAX_DIMS 8
 
+/* Marks the functions of the public API: the shared library exports these
+ * and nothing else (it is built with hidden visibility). */
+#if defined(__GNUC__) || defined(__clang__)
+#define GJ_API __attribute__((visibility("default")))
+#else
+#define GJ_API
+#endif
+
 typedef enum gj_dtype {
     GJ_F32 = 0,
     GJ_F64 = 1,
@@ -47,8 +55,8 @@ typedef struct gj_tensor gj_tensor;
 /* The message of the last failed call on this thread ("" if none).
  * Borrowed: a thread-local buffer overwritten by the next error; copy it
  * to keep it. */
-const char *gj_last_error(void);
-void gj_clear_error(void);
+GJ_API const char *gj_last_error(void);
+GJ_API void gj_clear_error(void);
 
 /* ------------------------------------------------------- library / info */
 
@@ -60,11 +68,11 @@ typedef struct gj_info {
     const char *blas_config;  /* openblas_get_config() */
     int num_threads;
 } gj_info;
-void gj_get_info(gj_info *out);
+GJ_API void gj_get_info(gj_info *out);
 
 /* Threads used by gradjit kernels and BLAS. n <= 0: one per core. */
-void gj_set_num_threads(int n);
-int gj_get_num_threads(void);
+GJ_API void gj_set_num_threads(int n);
+GJ_API int gj_get_num_threads(void);
 
 /* --------------------------------------------------- memory accounting */
 
@@ -74,79 +82,79 @@ typedef struct gj_mem {
     int64_t n_allocs;    /* storage allocations since start */
     int64_t cached_bytes; /* held by the caching allocator for reuse (not in live_bytes) */
 } gj_mem;
-void gj_mem_stats(gj_mem *out);
-void gj_mem_reset_peak(void);
+GJ_API void gj_mem_stats(gj_mem *out);
+GJ_API void gj_mem_reset_peak(void);
 
 /* ------------------------------------------------------------- tensors */
 
 /* New reference. data is copied; shape has ndim entries (0 <= ndim <= 8). */
-gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const void *data);
-gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape);
-gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape);
-gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value);
+GJ_API gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const void *data);
+GJ_API gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape);
+GJ_API gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape);
+GJ_API gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value);
 /* Standard normal * std, from the counter-based generator (gj_manual_seed). */
-gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std);
+GJ_API gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std);
 /* Uniform in [lo, hi). */
-gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi);
-gj_tensor *gj_scalar(gj_dtype dtype, double value); /* 0-d tensor */
+GJ_API gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi);
+GJ_API gj_tensor *gj_scalar(gj_dtype dtype, double value); /* 0-d tensor */
 
 /* Seeds every random draw (randn, rand, dropout) of this process. */
-void gj_manual_seed(uint64_t seed);
+GJ_API void gj_manual_seed(uint64_t seed);
 
 /* Drop one reference (NULL is ignored). Only for references you own: never
  * for a borrowed pointer. Releasing the borrowed .grad of gj_tensor_grad
  * (when the .grad slot holds the only reference left) is detected and
  * refused: nothing is freed, gj_last_error() says why and a line goes to
  * stderr. Other borrowed pointers cannot be told apart. */
-void gj_release(gj_tensor *t);
+GJ_API void gj_release(gj_tensor *t);
 /* Add one reference; returns t. The extra reference is the caller's, never a scope's. */
-gj_tensor *gj_retain(gj_tensor *t);
+GJ_API gj_tensor *gj_retain(gj_tensor *t);
 
 /* Scopes: every new reference returned while a scope is open belongs to
  * it; gj_scope_pop releases them all. gj_scope_keep moves t out of its scope
  * (the caller now owns that reference); returns t. */
-void gj_scope_push(void);
-void gj_scope_pop(void);
-gj_tensor *gj_scope_keep(gj_tensor *t);
+GJ_API void gj_scope_push(void);
+GJ_API void gj_scope_pop(void);
+GJ_API gj_tensor *gj_scope_keep(gj_tensor *t);
 
 /* Accessors (borrowed views of metadata; never fail on a valid tensor).
  * The shape and strides arrays are borrowed: they live in t and are valid
  * while t lives (do not free them). */
-gj_dtype gj_tensor_dtype(const gj_tensor *t);
-int gj_tensor_ndim(const gj_tensor *t);
-const int64_t *gj_tensor_shape(const gj_tensor *t);
-const int64_t *gj_tensor_strides(const gj_tensor *t); /* in elements */
-int64_t gj_tensor_numel(const gj_tensor *t);
-bool gj_tensor_is_contiguous(const gj_tensor *t);
+GJ_API gj_dtype gj_tensor_dtype(const gj_tensor *t);
+GJ_API int gj_tensor_ndim(const gj_tensor *t);
+GJ_API const int64_t *gj_tensor_shape(const gj_tensor *t);
+GJ_API const int64_t *gj_tensor_strides(const gj_tensor *t); /* in elements */
+GJ_API int64_t gj_tensor_numel(const gj_tensor *t);
+GJ_API bool gj_tensor_is_contiguous(const gj_tensor *t);
 /* Pointer to the first element (of the view), or NULL on error. Borrowed:
  * valid while t's storage lives and is not swapped (gj_tensor_set_). */
-void *gj_tensor_data(gj_tensor *t);
+GJ_API void *gj_tensor_data(gj_tensor *t);
 /* Copy the tensor's values, converted to f64/f32, into out (numel entries,
  * row-major order of the view). 0 on success. */
-int gj_tensor_to_f64(const gj_tensor *t, double *out);
-int gj_tensor_to_f32(const gj_tensor *t, float *out);
+GJ_API int gj_tensor_to_f64(const gj_tensor *t, double *out);
+GJ_API int gj_tensor_to_f32(const gj_tensor *t, float *out);
 /* Element at a flat row-major index, as double (NaN and an error if out of range). */
-double gj_tensor_item_at(const gj_tensor *t, int64_t index);
-double gj_tensor_item(const gj_tensor *t); /* the single element */
+GJ_API double gj_tensor_item_at(const gj_tensor *t, int64_t index);
+GJ_API double gj_tensor_item(const gj_tensor *t); /* the single element */
 /* Version counter: bumped by every in-place op on the storage. */
-int64_t gj_tensor_version(const gj_tensor *t);
+GJ_API int64_t gj_tensor_version(const gj_tensor *t);
 
 /* ------------------------------------------------------------ autograd */
 
-int gj_set_requires_grad(gj_tensor *t, bool requires_grad); /* leaves only */
-bool gj_requires_grad(const gj_tensor *t);
-bool gj_is_leaf(const gj_tensor *t);
+GJ_API int gj_set_requires_grad(gj_tensor *t, bool requires_grad); /* leaves only */
+GJ_API bool gj_requires_grad(const gj_tensor *t);
+GJ_API bool gj_is_leaf(const gj_tensor *t);
 /* The accumulated .grad of t, or NULL if none yet. Borrowed: the .grad
  * slot holds the reference; do not gj_release it (refused, see
  * gj_release). It stays valid until .grad is replaced or cleared
  * (gj_tensor_set_grad, gj_optim_zero_grad) or t dies; gj_retain it to
  * keep it longer (then release that reference once). */
-gj_tensor *gj_tensor_grad(const gj_tensor *t);
+GJ_API gj_tensor *gj_tensor_grad(const gj_tensor *t);
 /* Replace .grad (g borrowed: the slot takes a reference of its own; may be
  * NULL to clear). */
-int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g);
+GJ_API int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g);
 /* New reference sharing t's storage, cut from the graph. */
-gj_tensor *gj_detach(gj_tensor *t);
+GJ_API gj_tensor *gj_detach(gj_tensor *t);
 
 /* Backward from root. seed: gradient of root (NULL: ones, root must then
  * have one element). Accumulates into .grad of every leaf that requires
@@ -155,8 +163,8 @@ gj_tensor *gj_detach(gj_tensor *t);
  * runs on this thread, it fails (-1, an error naming gj_backward and
  * saying the graph's backward is running) if its graph shares a node with
  * the running one; so does gj_grad. Unrelated graphs are fine. */
-int gj_backward(gj_tensor *root, gj_tensor *seed);
-int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
+GJ_API int gj_backward(gj_tensor *root, gj_tensor *seed);
+GJ_API int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
 
 /* torch.autograd.grad: gradients of outputs w.r.t. inputs, without touching
  * any .grad. seeds may be NULL (ones for each scalar output) or hold NULLs.
@@ -164,81 +172,81 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
  * and allow_unused, else an error), a tensor of its own: an input given
  * twice gets two distinct tensors (sharing storage), each to be released
  * once, and never is it the caller's seed pointer. */
-int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds,
+GJ_API int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds,
             int n_inputs, gj_tensor *const *inputs, gj_tensor **grads_out,
             bool retain_graph, bool allow_unused);
 
 /* No-grad mode, nestable (like torch.no_grad). */
-void gj_no_grad_push(void);
-void gj_no_grad_pop(void);
-bool gj_is_grad_enabled(void);
+GJ_API void gj_no_grad_push(void);
+GJ_API void gj_no_grad_pop(void);
+GJ_API bool gj_is_grad_enabled(void);
 
 /* ------------------------------------------------------------------ ops */
 /* All return a new reference, or NULL with gj_last_error() set.
  * Binary ops broadcast (numpy rules) and require equal dtypes. */
 
-gj_tensor *gj_add(gj_tensor *a, gj_tensor *b);
-gj_tensor *gj_sub(gj_tensor *a, gj_tensor *b);
-gj_tensor *gj_mul(gj_tensor *a, gj_tensor *b);
-gj_tensor *gj_div(gj_tensor *a, gj_tensor *b);
-gj_tensor *gj_neg(gj_tensor *x);
-gj_tensor *gj_exp(gj_tensor *x);
-gj_tensor *gj_log(gj_tensor *x);
-gj_tensor *gj_tanh(gj_tensor *x);
-gj_tensor *gj_sigmoid(gj_tensor *x);
-gj_tensor *gj_relu(gj_tensor *x);
-gj_tensor *gj_gelu(gj_tensor *x); /* tanh approximation */
-gj_tensor *gj_sqrt(gj_tensor *x);
-gj_tensor *gj_pow_scalar(gj_tensor *x, double p);
-gj_tensor *gj_add_scalar(gj_tensor *x, double c);
-gj_tensor *gj_mul_scalar(gj_tensor *x, double c);
+GJ_API gj_tensor *gj_add(gj_tensor *a, gj_tensor *b);
+GJ_API gj_tensor *gj_sub(gj_tensor *a, gj_tensor *b);
+GJ_API gj_tensor *gj_mul(gj_tensor *a, gj_tensor *b);
+GJ_API gj_tensor *gj_div(gj_tensor *a, gj_tensor *b);
+GJ_API gj_tensor *gj_neg(gj_tensor *x);
+GJ_API gj_tensor *gj_exp(gj_tensor *x);
+GJ_API gj_tensor *gj_log(gj_tensor *x);
+GJ_API gj_tensor *gj_tanh(gj_tensor *x);
+GJ_API gj_tensor *gj_sigmoid(gj_tensor *x);
+GJ_API gj_tensor *gj_relu(gj_tensor *x);
+GJ_API gj_tensor *gj_gelu(gj_tensor *x); /* tanh approximation */
+GJ_API gj_tensor *gj_sqrt(gj_tensor *x);
+GJ_API gj_tensor *gj_pow_scalar(gj_tensor *x, double p);
+GJ_API gj_tensor *gj_add_scalar(gj_tensor *x, double c);
+GJ_API gj_tensor *gj_mul_scalar(gj_tensor *x, double c);
 
 /* Reductions over the axes in axes[0..n_axes) (negative counts from the end;
  * n_axes == 0 means all axes). */
-gj_tensor *gj_sum(gj_tensor *x, int n_axes, const int *axes, bool keepdim);
-gj_tensor *gj_mean(gj_tensor *x, int n_axes, const int *axes, bool keepdim);
-gj_tensor *gj_max(gj_tensor *x, int axis, bool keepdim); /* values only */
+GJ_API gj_tensor *gj_sum(gj_tensor *x, int n_axes, const int *axes, bool keepdim);
+GJ_API gj_tensor *gj_mean(gj_tensor *x, int n_axes, const int *axes, bool keepdim);
+GJ_API gj_tensor *gj_max(gj_tensor *x, int axis, bool keepdim); /* values only */
 
 /* matmul: 2-D x 2-D, or batched (leading dims broadcast), like torch.matmul
  * for ndim >= 2. linear: x[..., in] @ w[out, in]^T + b[out] (b may be NULL). */
-gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b);
-gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b);
+GJ_API gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b);
+GJ_API gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b);
 
 /* Views and shape ops (views share storage where possible). */
-gj_tensor *gj_transpose(gj_tensor *x, int dim0, int dim1);
-gj_tensor *gj_permute(gj_tensor *x, const int *perm);
-gj_tensor *gj_reshape(gj_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
-gj_tensor *gj_view(gj_tensor *x, int ndim, const int64_t *shape);    /* error if not viewable */
-gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape);
-gj_tensor *gj_narrow(gj_tensor *x, int axis, int64_t start, int64_t length);
-gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis);
-gj_tensor *gj_contiguous(gj_tensor *x);
+GJ_API gj_tensor *gj_transpose(gj_tensor *x, int dim0, int dim1);
+GJ_API gj_tensor *gj_permute(gj_tensor *x, const int *perm);
+GJ_API gj_tensor *gj_reshape(gj_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
+GJ_API gj_tensor *gj_view(gj_tensor *x, int ndim, const int64_t *shape);    /* error if not viewable */
+GJ_API gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape);
+GJ_API gj_tensor *gj_narrow(gj_tensor *x, int axis, int64_t start, int64_t length);
+GJ_API gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis);
+GJ_API gj_tensor *gj_contiguous(gj_tensor *x);
 
 /* NN ops. */
-gj_tensor *gj_softmax(gj_tensor *x, int axis);
-gj_tensor *gj_log_softmax(gj_tensor *x, int axis);
+GJ_API gj_tensor *gj_softmax(gj_tensor *x, int axis);
+GJ_API gj_tensor *gj_log_softmax(gj_tensor *x, int axis);
 /* Normalises over the last dimension; w, b of shape [C] or NULL. */
-gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps);
+GJ_API gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps);
 /* logits [N, K] (float), labels [N] (i64, 0 <= label < K): mean NLL. */
-gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels);
+GJ_API gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels);
 /* table [V, D], idx i64 of any shape: out [..., D]. */
-gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx);
+GJ_API gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx);
 /* Inverted dropout with probability p; identity when !train or p == 0. */
-gj_tensor *gj_dropout(gj_tensor *x, double p, bool train);
+GJ_API gj_tensor *gj_dropout(gj_tensor *x, double p, bool train);
 /* cond (any dtype, nonzero = true) broadcast with a and b. */
-gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b);
+GJ_API gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b);
 /* x with value where mask is nonzero. */
-gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value);
-gj_tensor *gj_cast(gj_tensor *x, gj_dtype dtype);
+GJ_API gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value);
+GJ_API gj_tensor *gj_cast(gj_tensor *x, gj_dtype dtype);
 
 /* In-place ops: bump the version counter; return 0 or an error status.
  * Not allowed on a leaf that requires grad while grad mode is on. */
-int gj_add_(gj_tensor *x, gj_tensor *y);  /* x += y (y broadcast to x) */
-int gj_mul_(gj_tensor *x, gj_tensor *y);
-int gj_add_scaled_(gj_tensor *x, gj_tensor *y, double alpha); /* x += alpha*y */
-int gj_mul_scalar_(gj_tensor *x, double c);
-int gj_zero_(gj_tensor *x);
-int gj_copy_(gj_tensor *dst, gj_tensor *src); /* src broadcast to dst, cast */
+GJ_API int gj_add_(gj_tensor *x, gj_tensor *y);  /* x += y (y broadcast to x) */
+GJ_API int gj_mul_(gj_tensor *x, gj_tensor *y);
+GJ_API int gj_add_scaled_(gj_tensor *x, gj_tensor *y, double alpha); /* x += alpha*y */
+GJ_API int gj_mul_scalar_(gj_tensor *x, double c);
+GJ_API int gj_zero_(gj_tensor *x);
+GJ_API int gj_copy_(gj_tensor *dst, gj_tensor *src); /* src broadcast to dst, cast */
 
 /* ------------------------------------------------------------------- nn */
 
@@ -248,44 +256,44 @@ typedef struct gj_linear_layer {
     int64_t in_features, out_features;
 } gj_linear_layer;
 /* Kaiming-uniform like torch.nn.Linear. 0 on success. */
-int gj_linear_init(gj_linear_layer *l, int64_t in, int64_t out, bool bias, gj_dtype dtype);
-gj_tensor *gj_linear_forward(gj_linear_layer *l, gj_tensor *x);
-void gj_linear_free(gj_linear_layer *l);
+GJ_API int gj_linear_init(gj_linear_layer *l, int64_t in, int64_t out, bool bias, gj_dtype dtype);
+GJ_API gj_tensor *gj_linear_forward(gj_linear_layer *l, gj_tensor *x);
+GJ_API void gj_linear_free(gj_linear_layer *l);
 
 typedef struct gj_layer_norm_layer {
     gj_tensor *weight, *bias; /* [C], owned by the layer (borrowed for users) */
     int64_t features;
     double eps;
 } gj_layer_norm_layer;
-int gj_layer_norm_init(gj_layer_norm_layer *l, int64_t features, double eps, gj_dtype dtype);
-gj_tensor *gj_layer_norm_forward(gj_layer_norm_layer *l, gj_tensor *x);
-void gj_layer_norm_free(gj_layer_norm_layer *l);
+GJ_API int gj_layer_norm_init(gj_layer_norm_layer *l, int64_t features, double eps, gj_dtype dtype);
+GJ_API gj_tensor *gj_layer_norm_forward(gj_layer_norm_layer *l, gj_tensor *x);
+GJ_API void gj_layer_norm_free(gj_layer_norm_layer *l);
 
 typedef struct gj_embedding_layer {
     gj_tensor *weight; /* [V, D], owned by the layer (borrowed for users) */
     int64_t num, dim;
 } gj_embedding_layer;
-int gj_embedding_init(gj_embedding_layer *l, int64_t num, int64_t dim, gj_dtype dtype);
-gj_tensor *gj_embedding_forward(gj_embedding_layer *l, gj_tensor *idx);
-void gj_embedding_free(gj_embedding_layer *l);
+GJ_API int gj_embedding_init(gj_embedding_layer *l, int64_t num, int64_t dim, gj_dtype dtype);
+GJ_API gj_tensor *gj_embedding_forward(gj_embedding_layer *l, gj_tensor *idx);
+GJ_API void gj_embedding_free(gj_embedding_layer *l);
 
 /* ------------------------------------------------------------ optimizers */
 
 typedef struct gj_optim gj_optim;
 /* params borrowed (retained by the optimizer). */
-gj_optim *gj_sgd_new(int n_params, gj_tensor *const *params, double lr, double momentum,
+GJ_API gj_optim *gj_sgd_new(int n_params, gj_tensor *const *params, double lr, double momentum,
                      double weight_decay);
-gj_optim *gj_adamw_new(int n_params, gj_tensor *const *params, double lr, double beta1,
+GJ_API gj_optim *gj_adamw_new(int n_params, gj_tensor *const *params, double lr, double beta1,
                        double beta2, double eps, double weight_decay);
-int gj_optim_step(gj_optim *o);
-void gj_optim_zero_grad(gj_optim *o); /* sets every .grad to NULL */
-void gj_optim_set_lr(gj_optim *o, double lr);
-void gj_optim_free(gj_optim *o);
+GJ_API int gj_optim_step(gj_optim *o);
+GJ_API void gj_optim_zero_grad(gj_optim *o); /* sets every .grad to NULL */
+GJ_API void gj_optim_set_lr(gj_optim *o, double lr);
+GJ_API void gj_optim_free(gj_optim *o);
 
 /* ------------------------------------------------- compiled autograd */
 
-void gj_set_compiled_autograd(bool on); /* also GRADJIT_COMPILED_AUTOGRAD=1 */
-bool gj_compiled_autograd_enabled(void);
+GJ_API void gj_set_compiled_autograd(bool on); /* also GRADJIT_COMPILED_AUTOGRAD=1 */
+GJ_API bool gj_compiled_autograd_enabled(void);
 
 /* Why a backward ran eagerly although the flag was on (docs/fallbacks.md). */
 typedef enum gj_ca_reason {
@@ -300,7 +308,7 @@ typedef enum gj_ca_reason {
     GJ_CA_OTHER,
     GJ_CA_N_REASONS
 } gj_ca_reason;
-const char *gj_ca_reason_name(gj_ca_reason r); /* borrowed (static) */
+GJ_API const char *gj_ca_reason_name(gj_ca_reason r); /* borrowed (static) */
 
 typedef struct gj_ca_stats {
     int64_t backwards;    /* backward calls while the flag was on */
@@ -312,20 +320,20 @@ typedef struct gj_ca_stats {
     double run_ms;
     int64_t fallbacks_by_reason[GJ_CA_N_REASONS];
 } gj_ca_stats;
-void gj_compiled_autograd_stats(gj_ca_stats *out);
-void gj_compiled_autograd_reset_stats(void);
+GJ_API void gj_compiled_autograd_stats(gj_ca_stats *out);
+GJ_API void gj_compiled_autograd_reset_stats(void);
 /* The message of the last fallback ("" if none): reason and detail.
  * Borrowed: overwritten by the next fallback; copy it to keep it. */
-const char *gj_compiled_autograd_last_fallback(void);
+GJ_API const char *gj_compiled_autograd_last_fallback(void);
 /* Quiet mode: no stderr line per fallback key (counters still count). */
-void gj_compiled_autograd_set_quiet(bool quiet);
+GJ_API void gj_compiled_autograd_set_quiet(bool quiet);
 /* Recompile limit: once n distinct keys of one call site have compiled
  * programs, every further new key of that site runs eagerly (reason
  * GJ_CA_RECOMPILE_LIMIT; remembered per key). A call site is the backward's
  * structure without shapes and attribute values: the same ops, edges,
  * creation order, dtypes and ranks (so a model run at many batch sizes is
  * one site). Default 8; n < 0: no limit; 0: nothing new compiles. */
-void gj_compiled_autograd_set_recompile_limit(int n);
+GJ_API void gj_compiled_autograd_set_recompile_limit(int n);
 
 /* What the compiled program of the calling thread's last compiled backward
  * does (for profiles and benchmarks' lower bounds). gemms[] lists its BLAS
@@ -349,7 +357,7 @@ typedef struct gj_ca_program_info {
 } gj_ca_program_info;
 /* 0 and *out filled, or -1 (error set) when this thread has run no
  * compiled backward yet. */
-int gj_compiled_autograd_last_program(gj_ca_program_info *out);
+GJ_API int gj_compiled_autograd_last_program(gj_ca_program_info *out);
 
 /* ------------------------------------- runtime effects (helper "hooks") */
 /* Hooks, streams, set_, custom ops and anomaly mode: the runtime effects
@@ -372,42 +380,42 @@ int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * error: call gj_clear_error() for an error the hook handled. */
 typedef gj_tensor *(*gj_grad_hook_fn)(gj_tensor *grad, void *user);
 /* t must require grad. Returns a handle > 0, or -1 with an error. */
-int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
+GJ_API int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
 /* Post-accumulate hook: called after .grad of leaf was written by a
  * backward (leaf borrowed, and so is its gj_tensor_grad; it may read or
  * replace .grad, e.g. with gj_tensor_set_ on it). Leaves that require grad
  * only. */
 typedef void (*gj_post_accumulate_hook_fn)(gj_tensor *leaf, void *user);
-int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
+GJ_API int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
                                               void *user);
 /* Removes a hook (0), or -1 if the handle is unknown or already removed. */
-int gj_remove_hook(int64_t handle);
+GJ_API int gj_remove_hook(int64_t handle);
 
 /* Streams: an ordered queue of work run by its own thread. Events mark a
  * point of a stream (all work enqueued before the event was recorded). */
 typedef struct gj_stream gj_stream;
 typedef struct gj_event gj_event;
-gj_stream *gj_stream_new(void);                  /* NULL with an error */
-void gj_stream_free(gj_stream *s);               /* runs what is queued, then frees */
-int gj_stream_enqueue(gj_stream *s, void (*fn)(void *ctx), void *ctx);
-int gj_stream_synchronize(gj_stream *s);         /* waits for all work enqueued so far */
-gj_event *gj_stream_record_event(gj_stream *s);  /* NULL with an error */
-int gj_event_wait(gj_event *e);                  /* blocks until the point is passed */
-bool gj_event_query(gj_event *e);                /* true once the point is passed */
-void gj_event_free(gj_event *e);
+GJ_API gj_stream *gj_stream_new(void);                  /* NULL with an error */
+GJ_API void gj_stream_free(gj_stream *s);               /* runs what is queued, then frees */
+GJ_API int gj_stream_enqueue(gj_stream *s, void (*fn)(void *ctx), void *ctx);
+GJ_API int gj_stream_synchronize(gj_stream *s);         /* waits for all work enqueued so far */
+GJ_API gj_event *gj_stream_record_event(gj_stream *s);  /* NULL with an error */
+GJ_API int gj_event_wait(gj_event *e);                  /* blocks until the point is passed */
+GJ_API bool gj_event_query(gj_event *e);                /* true once the point is passed */
+GJ_API void gj_event_free(gj_event *e);
 /* Work enqueued on s after this call waits for e's point first. */
-int gj_stream_wait_event(gj_stream *s, gj_event *e);
+GJ_API int gj_stream_wait_event(gj_stream *s, gj_event *e);
 /* t's storage is in use on s: when the storage dies, its memory is not
  * reused until s has passed the work enqueued up to that moment (which
  * includes everything enqueued before this call), as in PyTorch's caching
  * allocator. */
-int gj_tensor_record_stream(gj_tensor *t, gj_stream *s);
+GJ_API int gj_tensor_record_stream(gj_tensor *t, gj_stream *s);
 /* Frees every block the caching allocator keeps for reuse (gj_mem's
  * cached_bytes; blocks still waiting for a stream stay). Freed tensor
  * blocks are kept per size class (64-byte steps up to 1 MiB, four classes
  * per power of two above) up to GRADJIT_ALLOC_CACHE_MB (default 2048; 0
  * turns caching off); the cache is released when libc runs out of memory. */
-void gj_mem_release_cache(void);
+GJ_API void gj_mem_release_cache(void);
 
 /* dst shares src's storage, shape, strides, offset and dtype (the `.data =`
  * idiom); dst keeps its autograd identity (requires_grad, .grad, hooks).
@@ -415,7 +423,7 @@ void gj_mem_release_cache(void);
  * is raised, so src sees it too). Refused for a non-leaf that requires grad
  * while grad mode is on, and for a dst that requires grad when src's dtype
  * is not a float dtype. Not thread-safe against other uses of dst. */
-int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
+GJ_API int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
 
 /* Custom ops from plain C functions, described by a schema such as
  *   "mylib::scaled_gelu(Tensor x, float alpha) -> Tensor"
@@ -447,23 +455,23 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src);
  * inputs that require grad is an error). A name can be defined once; the op
  * lives until the process exits. NULL with an error on a bad schema. */
 typedef struct gj_custom_op gj_custom_op;
-gj_custom_op *gj_custom_op_define(const char *schema, void *forward_fn, void *backward_fn);
+GJ_API gj_custom_op *gj_custom_op_define(const char *schema, void *forward_fn, void *backward_fn);
 /* The op defined under "ns::name", or NULL. Borrowed, like the pointer
  * gj_custom_op_define returns: the op lives until the process exits and
  * is never freed by the caller. */
-gj_custom_op *gj_custom_op_find(const char *name);
+GJ_API gj_custom_op *gj_custom_op_find(const char *name);
 /* tensor_args: the Tensor arguments in schema order; scalar_args: the
  * other arguments in schema order, as doubles (int must be integral, bool
  * 0 or 1). outs receive new references. Records an autograd node when grad
  * mode is on and a tensor argument requires grad. 0 or -1 with an error. */
-int gj_custom_op_call(gj_custom_op *op, gj_tensor *const *tensor_args,
+GJ_API int gj_custom_op_call(gj_custom_op *op, gj_tensor *const *tensor_args,
                       const double *scalar_args, gj_tensor **outs);
 
 /* Anomaly mode: the eager engine checks every gradient an op produces for
  * NaN/Inf and fails naming the op; a backward in anomaly mode never runs
  * compiled (a warning is printed once). Process-wide. */
-void gj_set_anomaly_mode(bool on);
-bool gj_anomaly_mode_enabled(void);
+GJ_API void gj_set_anomaly_mode(bool on);
+GJ_API bool gj_anomaly_mode_enabled(void);
 
 /* ------------------------------------------------ activation checkpointing */
 
@@ -501,7 +509,7 @@ typedef gj_ckpt_policy (*gj_ckpt_policy_fn)(const char *op_name, int position,
  * out[k] receive new references; 1 <= n_out <= 2. Regions do not nest (a
  * gj_checkpoint inside fn fails with an error). Under no-grad fn simply
  * runs. Returns 0, or -1 with gj_last_error() set and out[] all NULL. */
-int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
+GJ_API int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data);
 
 #ifdef __cplusplus
