@@ -202,6 +202,16 @@ gj_ag_tensor_meta *gj_ag_meta_get(gj_tensor *t, bool create); /* NULL if none / 
  * the borrowed pointer gj_tensor_grad hands out is refused instead of
  * freeing a .grad still installed. */
 void gj_ag_meta_set_grad(gj_ag_tensor_meta *m, gj_tensor *g);
+/* Per-leaf serialisation of .grad accumulation (striped recursive
+ * mutexes): the eager engine holds a leaf's lock while it writes its .grad;
+ * a compiled run takes the stripes of all the leaves it writes with
+ * gj_ag_leaf_trylock_stripes (all or none, never blocking) and holds them
+ * for the whole run. */
+int gj_ag_leaf_stripe(const gj_tensor *leaf); /* 0..63 */
+void gj_ag_leaf_lock(const gj_tensor *leaf);
+void gj_ag_leaf_unlock(const gj_tensor *leaf);
+bool gj_ag_leaf_trylock_stripes(uint64_t stripes); /* bit i: stripe i */
+void gj_ag_leaf_unlock_stripes(uint64_t stripes);
 void gj_ag_node_retain(gj_ag_node *n);
 void gj_ag_node_release(gj_ag_node *n);
 /* The edge a gradient for t flows into (node NULL if t needs no grad),

@@ -304,8 +304,13 @@ static int run_node(gj_ag_builder *b, graph *g, task *t, bool accumulate) {
         if (!accumulate || !t->buf[0]) return 0;
         gj_rt_meta gm;
         b->meta(b, t->buf[0], &gm);
-        if (!gj_ag_leaf_grad_fits(n->leaf, &gm, NULL)) return -1; /* set_ during backward */
-        if (b->accumulate(b, n->leaf, t->buf[0]) != 0) return -1;
+        /* another thread's backward may write this .grad too: one at a time */
+        if (!b->records) gj_ag_leaf_lock(n->leaf);
+        int ar = gj_ag_leaf_grad_fits(n->leaf, &gm, NULL) /* set_ during backward */
+                     ? b->accumulate(b, n->leaf, t->buf[0])
+                     : -1;
+        if (!b->records) gj_ag_leaf_unlock(n->leaf);
+        if (ar != 0) return -1;
         return gj_ag_run_post_hooks(b, n->leaf); /* after .grad was written */
     }
     bool any = false, needs[GJ_AG_MAX_IN] = {0};

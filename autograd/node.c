@@ -51,6 +51,56 @@ gj_ag_tensor_meta *gj_ag_meta_get(gj_tensor *t, bool create) {
     return m;
 }
 
+/* ------------------------------------------------------- leaf locks */
+
+/* Accumulation into a leaf's .grad is serialised per leaf, as PyTorch does,
+ * with striped recursive mutexes (a thread may meet its own stripe again:
+ * a hook's backward on another leaf of the same stripe). */
+#define GJ_AG_LEAF_LOCKS 64
+static pthread_mutex_t g_leaf_locks[GJ_AG_LEAF_LOCKS];
+static pthread_once_t g_leaf_once = PTHREAD_ONCE_INIT;
+
+static void leaf_locks_init(void) {
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+    for (int i = 0; i < GJ_AG_LEAF_LOCKS; i++) pthread_mutex_init(&g_leaf_locks[i], &a);
+    pthread_mutexattr_destroy(&a);
+}
+
+int gj_ag_leaf_stripe(const gj_tensor *leaf) {
+    uint64_t h = (uint64_t)(uintptr_t)leaf;
+    h ^= h >> 29;
+    h *= 0x9E3779B97F4A7C15ull;
+    return (int)(h >> 58); /* 0..63 */
+}
+
+void gj_ag_leaf_lock(const gj_tensor *leaf) {
+    pthread_once(&g_leaf_once, leaf_locks_init);
+    pthread_mutex_lock(&g_leaf_locks[gj_ag_leaf_stripe(leaf)]);
+}
+
+void gj_ag_leaf_unlock(const gj_tensor *leaf) {
+    pthread_mutex_unlock(&g_leaf_locks[gj_ag_leaf_stripe(leaf)]);
+}
+
+bool gj_ag_leaf_trylock_stripes(uint64_t stripes) {
+    pthread_once(&g_leaf_once, leaf_locks_init);
+    for (int i = 0; i < GJ_AG_LEAF_LOCKS; i++) {
+        if (!((stripes >> i) & 1u)) continue;
+        if (pthread_mutex_trylock(&g_leaf_locks[i]) != 0) {
+            gj_ag_leaf_unlock_stripes(stripes & ((1ull << i) - 1)); /* the ones taken */
+            return false;
+        }
+    }
+    return true;
+}
+
+void gj_ag_leaf_unlock_stripes(uint64_t stripes) {
+    for (int i = GJ_AG_LEAF_LOCKS - 1; i >= 0; i--)
+        if ((stripes >> i) & 1u) pthread_mutex_unlock(&g_leaf_locks[i]);
+}
+
 void gj_ag_node_retain(gj_ag_node *n) { atomic_fetch_add(&n->refcount, 1); }
 
 /* Frees one node whose count reached zero, pushing the edges whose count

@@ -796,6 +796,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     memset(&cap, 0, sizeof cap);
     bool have_cap = false;
     gj_tensor **tensors = NULL;
+    uint64_t stripes = 0; /* leaf-lock stripes held during the run */
     char why[300] = "";
     gj_ca_reason code = GJ_CA_OTHER;
     int rc = 0;
@@ -917,6 +918,17 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
 run:
     pthread_mutex_unlock(&g_lock);
 
+    /* .grads are read (as inputs, and when accumulating in place) and
+     * written by the run: hold the stripes of every leaf it writes from
+     * here to the end, or leave the backward to the eager engine, which
+     * waits for them (docs/fallbacks.md) */
+    for (int o = 0; o < prog->n_outputs; o++)
+        stripes |= 1ull << gj_ag_leaf_stripe(w.nodes[prog->outputs[o].acc_node]->leaf);
+    if (!gj_ag_leaf_trylock_stripes(stripes)) {
+        stripes = 0;
+        snprintf(why, sizeof why, "another thread's backward is writing a .grad of this backward");
+        goto fall;
+    }
     /* the run's input tensors */
     tensors = gj_rt_calloc((size_t)prog->n_inputs + 1, sizeof *tensors);
     if (!tensors) {
@@ -964,6 +976,7 @@ run:
 fall:
     fallback(code, why, false);
 out:
+    gj_ag_leaf_unlock_stripes(stripes);
     gj_rt_free(tensors);
     if (have_cap) gj_jit_capture_free(&cap);
     gj_jit_walk_free(&w);

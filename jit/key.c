@@ -292,15 +292,16 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
                 gj_rt_meta_of(leaf, &lmeta);
                 site_meta(&sh, &lmeta);
             }
-            site_u64(&sh, lm && lm->grad ? 1u + (uint64_t)lm->grad->dtype : 0u);
             if (key_put(w, "N%d acc r%d leaf", i, rank[i]) != 0) goto done;
             if (leaf && put_tensor(w, leaf) != 0) goto done;
             if (key_put(w, " grad") != 0) goto done;
-            if (lm && lm->grad) {
-                if (put_tensor(w, lm->grad) != 0) goto done;
-            } else if (key_put(w, "-") != 0) {
-                goto done;
-            }
+            /* another thread's backward may be replacing this .grad */
+            if (leaf) gj_ag_leaf_lock(leaf);
+            gj_tensor *lg = lm ? lm->grad : NULL;
+            site_u64(&sh, lg ? 1u + (uint64_t)lg->dtype : 0u);
+            int gr = lg ? put_tensor(w, lg) : key_put(w, "-");
+            if (leaf) gj_ag_leaf_unlock(leaf);
+            if (gr != 0) goto done;
             if (put_hooks(w, n, 0) != 0 || key_put(w, "\n") != 0) goto done;
             continue;
         }
