@@ -55,8 +55,14 @@ int gj_jit_walk_saved_origin(const gj_jit_walk *w, const gj_tensor *t, int *node
 /* Mask of the integer attributes of op that are run-time values (left out
  * of the key and fed to the compiled program at each run). */
 uint32_t gj_jit_runtime_attrs(const gj_ag_opdef *op);
-/* Canonical index of the dropout node with this seed and offset, or -1. */
-int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset);
+/* Where the dropout with this seed and offset lives: the canonical index
+ * of its node and *tape = -1, or of the checkpoint node whose tape holds it
+ * at op position *tape; -1 if none. */
+int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset, int *tape);
+/* The run-time (seed, offset) of the dropout at (node, tape) of w (as
+ * found by gj_jit_walk_find_dropout in the run that compiled): 0, or -1 if
+ * there is no dropout there in this graph. */
+int gj_jit_dropout_params(const gj_jit_walk *w, int node, int tape, uint64_t out[2]);
 
 /* 128-bit hash of bytes (two independent 64-bit lanes). */
 void gj_jit_hash128(const void *data, size_t n, uint64_t out[2]);

@@ -580,16 +580,12 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
         if (!params) goto done;
         for (int k = 0; k < p->n_rt_params; k++) {
-            int nd = p->rt_param_node[k];
-            const gj_ag_node *node = (nd >= 0 && nd < w->n) ? w->nodes[nd] : NULL;
-            if (!node || node->kind != GJ_AG_OP || node->op != &gj_ag_op_dropout ||
-                node->attrs.ni < 2) {
+            if (gj_jit_dropout_params(w, p->rt_param_node[k], p->rt_param_tape[k],
+                                      &params[2 * k]) != 0) {
                 snprintf(why, why_cap, "dropout parameters not found");
                 rc = 1;
                 goto done;
             }
-            memcpy(&params[2 * k], &node->attrs.i[0], sizeof params[0]);
-            params[2 * k + 1] = (uint64_t)node->attrs.i[1];
         }
     }
     out_ctx oc = {p, news};

@@ -92,6 +92,7 @@ static gj_jit_node *node_reserve(gj_jit_graph *g, int n_out) {
     gj_jit_node *n = &g->nodes[g->n_nodes];
     memset(n, 0, sizeof *n);
     n->rt_node = -1;
+    n->rt_tape = -1;
     n->hook = -1;
     n->custom = -1;
     n->custom_tape = -1;

@@ -56,6 +56,8 @@ typedef struct gj_jit_node {
     gj_rt_inst inst; /* inst.n_in inputs */
     int rt_node;     /* DROPOUT_MASK: canonical node whose attrs hold seed and
                         offset at run time (-1: the constants of inst) */
+    int rt_tape;     /* DROPOUT_MASK with rt_node >= 0: -1 (the node's own attrs),
+                        or the op position in checkpoint node #rt_node's tape */
     int hook;        /* >= 0: an opaque call of tensor hook g->hooks[hook]; inst is
                         then COPY (the value flowing on has the input's meta). Never
                         merged by CSE nor removed by DCE. -1: an ordinary node */

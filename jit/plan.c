@@ -917,6 +917,10 @@ static int plan_generator(planner *pl, int i) {
             if (!q) return oom(pl);
             p->rt_param_node = q;
             q[p->n_rt_params] = n->rt_node;
+            q = gj_rt_realloc(p->rt_param_tape, (size_t)(p->n_rt_params + 1) * sizeof *q);
+            if (!q) return oom(pl);
+            p->rt_param_tape = q;
+            q[p->n_rt_params] = n->rt_tape;
             pl->p->bufs[b].gen_param = p->n_rt_params++;
             p->bufs[p->params_buf].numel = 2 * (int64_t)p->n_rt_params;
         }
@@ -1468,6 +1472,7 @@ void gj_jit_plan_free(gj_jit_plan *p) {
     gj_rt_free(p->by_first);
     gj_rt_free(p->by_last);
     gj_rt_free(p->rt_param_node);
+    gj_rt_free(p->rt_param_tape);
     memset(p, 0, sizeof *p);
     p->params_buf = -1;
 }

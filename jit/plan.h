@@ -203,6 +203,8 @@ typedef struct gj_jit_plan {
     int *out_buf;         /* per graph output: buffer holding it (input buffer if in place) */
     int n_rt_params;      /* run-time (seed, offset) pairs */
     int *rt_param_node;   /* pair k comes from this canonical (dropout) node's attrs */
+    int *rt_param_tape;   /* ... or, when >= 0, from op #rt_param_tape[k] of the tape of
+                             checkpoint node #rt_param_node[k] */
     int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
     int n_par_groups;     /* groups of steps run side by side (schedule.c) */
 } gj_jit_plan;

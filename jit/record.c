@@ -93,9 +93,10 @@ static int rec_emit(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     }
     int n = gj_jit_graph_add_node(&r->cap->g, inst, ids, out_ids);
     if (n < 0) return -1;
-    if (inst->prim == GJ_P_DROPOUT_MASK) /* its seed/offset come from the node at run time */
-        r->cap->g.nodes[r->cap->g.n_nodes - 1].rt_node =
-            gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset);
+    if (inst->prim == GJ_P_DROPOUT_MASK) { /* seed/offset come from the node (or tape) at run time */
+        gj_jit_node *gn = &r->cap->g.nodes[r->cap->g.n_nodes - 1];
+        gn->rt_node = gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset, &gn->rt_tape);
+    }
     for (int k = 0; k < n; k++) outs[k] = id_val(out_ids[k]);
     return n;
 }

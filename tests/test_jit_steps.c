@@ -1,0 +1,206 @@
+/*
+ * test_jit_steps.c - compiled autograd over many training steps: a call
+ * site whose structure does not change compiles once, whatever changes
+ * between steps at run time.
+ *
+ *   - Dropout inside checkpoint regions (one region, two regions, dropout
+ *     inside and outside a region): the tape's dropout seeds and offsets
+ *     are run-time inputs of the program, never key material. 20 SGD steps
+ *     compiled give compiles 1, memory hits 19, fallbacks 0, and each
+ *     step's gradients equal those of an eager run from the same seed and
+ *     weights, bit for bit (the recomputed masks are eager's masks).
+ *   - GRADJIT_LOG=recompiles: an MLP at batch 32 then 48 in an exec'ed
+ *     child of this binary (GJT_STEPS_CHILD=recompiles): its stderr holds
+ *     one line naming the node and the size that changed, 32 -> 48.
+ *
+ * Dimension legend: N rows (batch), C features, H hidden.
+ */
+#include "gjtest.h"
+
+#include "jit/jit.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+enum { N = 8, C = 6, H = 10, STEPS = 20 };
+
+/* ------------------------------------------------------------ helpers */
+
+/* The .grad values of t (malloc'd). */
+static double *grad_of(gj_tensor *t) {
+    gj_tensor *g = gj_tensor_grad(t);
+    assert_non_null(g);
+    double *v = gjt_values(g);
+    assert_non_null(v);
+    return v;
+}
+
+/* Bit-for-bit equality of n values (as doubles converted from f32),
+ * printing the first difference. */
+static bool same_bits(const char *what, int step, const double *a, const double *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (memcmp(&a[i], &b[i], sizeof a[i]) != 0) {
+            fprintf(stderr, "  %s, step %d: element %lld: compiled %.9g, eager %.9g\n", what,
+                    step, (long long)i, a[i], b[i]);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* --------------------------------------------- dropout in regions */
+
+typedef struct model {
+    gj_tensor *w[3];   /* [C, H], [H, H], [H, C] */
+    double p;          /* dropout inside the regions */
+    double p_out;      /* dropout outside (after the last region) when > 0 */
+    int regions;       /* 1: layers 1-2 in one region; 2: one region per layer */
+} model;
+
+typedef struct layer_ctx {
+    const model *m;
+    int first, last; /* layers [first, last] run in this region */
+} layer_ctx;
+
+/* Layer k: h = act(dropout(h w_k, p)), act tanh for layer 0, gelu for 1. */
+static gj_tensor *layer(const model *m, int k, gj_tensor *h) {
+    h = gj_matmul(h, m->w[k]);
+    if (h) h = gj_dropout(h, m->p, true);
+    if (h) h = k == 0 ? gj_tanh(h) : gj_gelu(h);
+    return h;
+}
+
+static int region_fn(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    (void)n_in, (void)n_out;
+    const layer_ctx *lc = user;
+    gj_tensor *h = in[0];
+    for (int k = lc->first; k <= lc->last && h; k++) h = layer(lc->m, k, h);
+    out[0] = h;
+    return h ? 0 : -1;
+}
+
+/* loss = sum(dropout(regions(x), p_out) w3 * r): a new reference held by
+ * the current scope (as are the temporaries). */
+static gj_tensor *model_loss(const model *m, gj_tensor *x, gj_tensor *r) {
+    gj_tensor *h = x;
+    layer_ctx lc[2] = {{m, 0, m->regions == 1 ? 1 : 0}, {m, 1, 1}};
+    for (int g = 0; g < m->regions; g++) {
+        gj_tensor *y = NULL;
+        assert_int_equal(gj_checkpoint(region_fn, &lc[g], 1, &h, 1, &y, NULL, NULL), 0);
+        h = y;
+    }
+    if (m->p_out > 0) h = gj_dropout(h, m->p_out, true);
+    gj_tensor *y = h ? gj_matmul(h, m->w[2]) : NULL;
+    gj_tensor *l = y ? gj_sum(gj_mul(y, r), 0, NULL, false) : NULL;
+    assert_non_null(l);
+    return l;
+}
+
+typedef struct run_log {
+    double *g[STEPS][3]; /* gradients of w1..w3 at each step (malloc'd) */
+} run_log;
+
+/* STEPS steps of SGD from the same weights, data and generator seed;
+ * compiled autograd as asked. Gradients of every step go to lg. */
+static void train(const model *shape, bool compiled, run_log *lg) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 77);
+    model m = *shape;
+    const int64_t ws[3][2] = {{C, H}, {H, H}, {H, C}};
+    for (int k = 0; k < 3; k++) {
+        m.w[k] = gjt_uniform(&r, GJ_F32, 2, ws[k], -0.6, 0.6);
+        assert_non_null(m.w[k]);
+        assert_int_equal(gj_set_requires_grad(m.w[k], true), 0);
+    }
+    gj_optim *opt = gj_sgd_new(3, m.w, 0.05, 0.0, 0.0);
+    assert_non_null(opt);
+    gj_set_compiled_autograd(compiled);
+    gj_manual_seed(4242);
+    for (int step = 0; step < STEPS; step++) {
+        gj_scope_push();
+        gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
+        gj_tensor *rr = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
+        assert_non_null(x);
+        assert_non_null(rr);
+        gj_optim_zero_grad(opt);
+        assert_int_equal(gj_backward(model_loss(&m, x, rr), NULL), 0);
+        for (int k = 0; k < 3; k++) lg->g[step][k] = grad_of(m.w[k]);
+        assert_int_equal(gj_optim_step(opt), 0);
+        gj_release(x);
+        gj_release(rr);
+        gj_scope_pop();
+    }
+    gj_set_compiled_autograd(false);
+    gj_optim_free(opt);
+    for (int k = 0; k < 3; k++) gj_release(m.w[k]);
+}
+
+/* The model trained compiled: one compile, STEPS - 1 memory hits, no
+ * fallback, and every step's gradients are the eager run's, bit for bit. */
+static void check_one_compile(const char *name, const model *m) {
+    int64_t live0 = gjt_live_bytes();
+    run_log eager, comp;
+    train(m, false, &eager);
+    gj_jit_clear_cache();
+    gj_compiled_autograd_reset_stats();
+    train(m, true, &comp);
+    gj_ca_stats st;
+    gj_compiled_autograd_stats(&st);
+    fprintf(stderr, "  %s: compiles %lld, hits %lld, fallbacks %lld\n", name,
+            (long long)st.compiles, (long long)st.mem_hits, (long long)st.fallbacks);
+    if (st.fallbacks) fprintf(stderr, "  last fallback: %s\n", gj_compiled_autograd_last_fallback());
+    assert_int_equal(st.compiles, 1);
+    assert_int_equal(st.mem_hits, STEPS - 1);
+    assert_int_equal(st.disk_hits, 0);
+    assert_int_equal(st.fallbacks, 0);
+    const int64_t n[3] = {C * H, H * H, H * C};
+    for (int step = 0; step < STEPS; step++)
+        for (int k = 0; k < 3; k++) {
+            char what[96];
+            snprintf(what, sizeof what, "%s: grad of w%d", name, k + 1);
+            assert_true(same_bits(what, step, comp.g[step][k], eager.g[step][k], n[k]));
+            free(comp.g[step][k]);
+            free(eager.g[step][k]);
+        }
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+static void test_dropout_one_region(void **s) {
+    (void)s;
+    const double ps[] = {0.1, 0.3, 0.5};
+    for (int i = 0; i < 3; i++) {
+        model m = {.p = ps[i], .regions = 1};
+        char name[64];
+        snprintf(name, sizeof name, "one region, p %.1f", ps[i]);
+        check_one_compile(name, &m);
+    }
+}
+
+static void test_dropout_two_regions(void **s) {
+    (void)s;
+    model m = {.p = 0.2, .regions = 2};
+    check_one_compile("two regions, p 0.2", &m);
+}
+
+static void test_dropout_inside_and_outside(void **s) {
+    (void)s;
+    model m = {.p = 0.4, .p_out = 0.25, .regions = 2};
+    check_one_compile("dropout inside (p 0.4) and outside (p 0.25)", &m);
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    gj_jit_set_disk_cache(NULL); /* counters of this process's compiles only */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dropout_one_region),
+        cmocka_unit_test(test_dropout_two_regions),
+        cmocka_unit_test(test_dropout_inside_and_outside),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
