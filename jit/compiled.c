@@ -154,6 +154,39 @@ static int site_programs(const gj_jit_walk *w) {
     return n;
 }
 
+/* GRADJIT_LOG=recompiles (lock held): a new key w of a call site that has
+ * programs already; prints which part of the graph differs from the
+ * nearest key of that site (fewest differing lines, the latest on a tie)
+ * and whether it compiles or meets the recompile limit. */
+static void log_recompile(const gj_jit_walk *w, int n_site, int limit) {
+    const cache_entry *best = NULL;
+    int best_d = 0;
+    for (int i = 0; i < g_n_cache; i++) {
+        const cache_entry *e = &g_cache[i];
+        if (!e->prog || e->site[0] != w->site[0] || e->site[1] != w->site[1]) continue;
+        int d = gj_jit_key_distance(e->key, e->key_len, w->key, w->key_len);
+        if (!best || d <= best_d) {
+            best = e;
+            best_d = d;
+        }
+    }
+    if (!best) return;
+    char what[600];
+    gj_jit_key_diff(best->key, best->key_len, w->key, w->key_len, what, sizeof what);
+    char state[96];
+    if (limit >= 0 && n_site >= limit)
+        snprintf(state, sizeof state, "recompile limit %d reached: runs eagerly", limit);
+    else
+        snprintf(state, sizeof state, "program %d of the site", n_site + 1);
+    fprintf(stderr,
+            "[gradjit recompiles] call site %016llx%016llx, key %016llx%016llx (%s): %s; "
+            "%d key line%s differ from the nearest key %016llx%016llx\n",
+            (unsigned long long)w->site[0], (unsigned long long)w->site[1],
+            (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], state, what, best_d,
+            best_d == 1 ? "" : "s", (unsigned long long)best->hash[0],
+            (unsigned long long)best->hash[1]);
+}
+
 /* The class of a program-build failure, from its message (program.c). */
 static gj_ca_reason build_reason(const char *why) {
     if (strncmp(why, "no lowering", 11) == 0) return GJ_CA_NO_LOWERING;
@@ -721,6 +754,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
                     (unsigned long long)w.hash[1]);
     } else {
         int limit = atomic_load(&g_recompile_limit);
+        if (fl & GJ_JIT_LOG_RECOMPILES) log_recompile(&w, site_programs(&w), limit);
         if (limit >= 0 && site_programs(&w) >= limit) {
             snprintf(why, sizeof why,
                      "%d programs already compiled for this call site (limit %d: "

@@ -320,6 +320,8 @@ unsigned gj_jit_log_flags(void) {
         {"cache", "memory/disk hits, compiles, saves, rejected disk entries", GJ_JIT_LOG_CACHE},
         {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
         {"prof", "compile phases and the time of every step of every run", GJ_JIT_LOG_PROF},
+        {"recompiles", "why a call site compiles again: the first difference from its "
+                       "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
         {"all", "all of the above", 0xffu},
     };
     static atomic_bool reported;
@@ -333,8 +335,8 @@ unsigned gj_jit_log_flags(void) {
             fprintf(stderr, "gradjit: GRADJIT_LOG takes comma- or space-separated words "
                             "(any case), output on stderr:\n");
             for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
-                fprintf(stderr, "  %-8s %s\n", words[k].word, words[k].what);
-            fprintf(stderr, "  %-8s this list\n", "help");
+                fprintf(stderr, "  %-10s %s\n", words[k].word, words[k].what);
+            fprintf(stderr, "  %-10s this list\n", "help");
         }
         for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
             if (n == strlen(words[k].word) && strncasecmp(e, words[k].word, n) == 0) {
@@ -343,7 +345,7 @@ unsigned gj_jit_log_flags(void) {
             }
         if (!known && report)
             fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
-                            "graph, ir, plan, cache, fallback, prof, all, help)\n",
+                            "graph, ir, plan, cache, fallback, prof, recompiles, all, help)\n",
                     (int)n, e);
         e += n;
         e += strspn(e, ", ");

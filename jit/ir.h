@@ -175,6 +175,7 @@ enum {
     GJ_JIT_LOG_FALLBACK = 8,
     GJ_JIT_LOG_PLAN = 16,
     GJ_JIT_LOG_PROF = 32, /* time of every step of every compiled run */
+    GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
 };
 /* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
 unsigned gj_jit_log_flags(void);

@@ -11,12 +11,15 @@
  *     weights, bit for bit (the recomputed masks are eager's masks).
  *   - GRADJIT_LOG=recompiles: an MLP at batch 32 then 48 in an exec'ed
  *     child of this binary (GJT_STEPS_CHILD=recompiles): its stderr holds
- *     one line naming the node and the size that changed, 32 -> 48.
+ *     one line naming the node and the size that changed, 32 -> 48; the
+ *     key difference of two regions with other dropout p names the tape
+ *     op and the attribute.
  *
  * Dimension legend: N rows (batch), C features, H hidden.
  */
 #include "gjtest.h"
 
+#include "jit/capture.h"
 #include "jit/jit.h"
 
 #include <math.h>
@@ -193,11 +196,183 @@ static void test_dropout_inside_and_outside(void **s) {
     check_one_compile("dropout inside (p 0.4) and outside (p 0.25)", &m);
 }
 
+/* ------------------------------------------------ GRADJIT_LOG=recompiles */
+
+/* The child (GJT_STEPS_CHILD=recompiles): an MLP, relu(x w1 + b1) w2 with
+ * a mean squared loss, one compiled backward at batch 32, then one at 48
+ * (.grads cleared in between, as by an optimizer's zero_grad).
+ * Exit status 0 if both ran compiled. */
+static int child_recompiles(void) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 5);
+    gj_tensor *w1 = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){C, H}, -1, 1);
+    gj_tensor *b1 = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){H}, -1, 1);
+    gj_tensor *w2 = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){H, 3}, -1, 1);
+    if (!w1 || !b1 || !w2) return 2;
+    gj_set_requires_grad(w1, true);
+    gj_set_requires_grad(b1, true);
+    gj_set_requires_grad(w2, true);
+    gj_set_compiled_autograd(true);
+    const int64_t batch[2] = {32, 48};
+    for (int i = 0; i < 2; i++) {
+        gj_scope_push();
+        gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){batch[i], C}, -1, 1);
+        gj_tensor *h = gj_relu(gj_add(gj_matmul(x, w1), b1));
+        gj_tensor *y = gj_matmul(h, w2);
+        gj_tensor *l = gj_mean(gj_mul(y, y), 0, NULL, false);
+        if (!l || gj_backward(l, NULL) != 0) return 3;
+        gj_scope_pop();
+        /* zero_grad: a .grad present would be another call site */
+        gj_tensor_set_grad(w1, NULL);
+        gj_tensor_set_grad(b1, NULL);
+        gj_tensor_set_grad(w2, NULL);
+    }
+    gj_ca_stats st;
+    gj_compiled_autograd_stats(&st);
+    fprintf(stderr, "child: compiles %lld, hits %lld, fallbacks %lld\n", (long long)st.compiles,
+            (long long)st.mem_hits, (long long)st.fallbacks);
+    gj_release(w1);
+    gj_release(b1);
+    gj_release(w2);
+    return st.compiles == 2 && st.fallbacks == 0 ? 0 : 4;
+}
+
+static char g_self[4096];
+
+/* Runs this binary as the child `name` with GRADJIT_LOG=log and returns
+ * its stderr (malloc'd); the child must exit with 0. */
+static char *child_stderr(const char *name, const char *log) {
+    int fd[2];
+    assert_int_equal(pipe(fd), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(fd[0]);
+        if (dup2(fd[1], STDERR_FILENO) < 0) _exit(126);
+        close(fd[1]);
+        setenv("GJT_STEPS_CHILD", name, 1);
+        setenv("GRADJIT_LOG", log, 1);
+        char *argv[] = {g_self, NULL};
+        execv(g_self, argv);
+        _exit(127);
+    }
+    close(fd[1]);
+    size_t cap = 1 << 14, len = 0;
+    char *buf = malloc(cap);
+    assert_non_null(buf);
+    for (;;) {
+        if (len + 4096 > cap) {
+            cap *= 2;
+            buf = realloc(buf, cap);
+            assert_non_null(buf);
+        }
+        ssize_t k = read(fd[0], buf + len, cap - len - 1);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    buf[len] = '\0';
+    close(fd[0]);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "child %s failed (status %d); its stderr:\n%s", name, status, buf);
+        fail();
+    }
+    return buf;
+}
+
+/* Number of lines of text that contain needle. */
+static int lines_with(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *l = text; *l;) {
+        const char *nl = strchr(l, '\n');
+        size_t ll = nl ? (size_t)(nl - l) : strlen(l);
+        const char *hit = strstr(l, needle);
+        n += hit && hit < l + ll;
+        l += ll + (nl != NULL);
+    }
+    return n;
+}
+
+static void test_log_recompiles(void **s) {
+    (void)s;
+    char *err = child_stderr("recompiles", "recompiles");
+    fprintf(stderr, "%s", err);
+    /* one line, for the second compile only */
+    assert_int_equal(lines_with(err, "[gradjit recompiles]"), 1);
+    const char *line = strstr(err, "[gradjit recompiles]");
+    const char *end = strchr(line, '\n');
+    assert_non_null(end);
+    char one[1024];
+    snprintf(one, sizeof one, "%.*s", (int)(end - line), line);
+    assert_non_null(strstr(one, "size mismatch at dim 0: expected 32, actual 48"));
+    assert_non_null(strstr(one, "node #0 sum (creation rank"));
+    assert_non_null(strstr(one, "input 0 size mismatch"));
+    assert_non_null(strstr(one, "program 2 of the site"));
+    free(err);
+    /* without the word: no line */
+    err = child_stderr("recompiles", "cache");
+    assert_int_equal(lines_with(err, "[gradjit recompiles]"), 0);
+    free(err);
+}
+
+/* The key of the model's loss (malloc'd by the library: gj_rt_free'd as free). */
+static char *model_key(const model *m, uint64_t seed) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 3);
+    model mm = *m;
+    const int64_t ws[3][2] = {{C, H}, {H, H}, {H, C}};
+    gj_scope_push();
+    for (int k = 0; k < 3; k++) {
+        mm.w[k] = gjt_uniform(&r, GJ_F32, 2, ws[k], -0.6, 0.6);
+        assert_int_equal(gj_set_requires_grad(mm.w[k], true), 0);
+    }
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
+    gj_tensor *rr = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
+    gj_manual_seed(seed);
+    gj_tensor *l = model_loss(&mm, x, rr);
+    char *key = gj_jit_key_string(1, &l, NULL);
+    assert_non_null(key);
+    gj_scope_pop();
+    return key;
+}
+
+/* The description names a checkpoint tape's op and attribute; the seed of
+ * the generator is not in the key at all. */
+static void test_key_diff_tape(void **s) {
+    (void)s;
+    int64_t live0 = gjt_live_bytes();
+    model a = {.p = 0.1, .regions = 1}, b = {.p = 0.2, .regions = 1};
+    char *ka = model_key(&a, 1), *ka2 = model_key(&a, 2), *kb = model_key(&b, 1);
+    assert_string_equal(ka, ka2); /* other seed: same key */
+    char what[600];
+    int d = gj_jit_key_diff(ka, strlen(ka), kb, strlen(kb), what, sizeof what);
+    fprintf(stderr, "  p 0.1 -> 0.2: %s (%d lines)\n", what, d);
+    assert_true(d >= 1);
+    assert_non_null(strstr(what, "checkpoint, tape op #1 dropout"));
+    assert_non_null(strstr(what, "attribute f[0] mismatch: expected 0.10000000000000001, "
+                                 "actual 0.20000000000000001"));
+    assert_int_equal(gj_jit_key_diff(ka, strlen(ka), ka2, strlen(ka2), what, sizeof what), 0);
+    gj_rt_free(ka);
+    gj_rt_free(ka2);
+    gj_rt_free(kb);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
-    (void)argv;
+    const char *child = getenv("GJT_STEPS_CHILD");
     gj_jit_set_disk_cache(NULL); /* counters of this process's compiles only */
+    if (child && strcmp(child, "recompiles") == 0) return child_recompiles();
+    ssize_t n = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
+    if (n <= 0)
+        snprintf(g_self, sizeof g_self, "%s", argv[0]);
+    else
+        g_self[n] = '\0';
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_log_recompiles),
+        cmocka_unit_test(test_key_diff_tape),
         cmocka_unit_test(test_dropout_one_region),
         cmocka_unit_test(test_dropout_two_regions),
         cmocka_unit_test(test_dropout_inside_and_outside),
