@@ -429,6 +429,65 @@ static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
     return rc;
 }
 
+/* The forward call step of call_custom: runs the custom op's forward C
+ * function on fresh tensors holding copies of its tensor arguments (src)
+ * and copies its outputs into dst. It failing, or giving an output of
+ * another shape or dtype than the region's first run, abandons the run
+ * (GJ_CA_HOOK_GUARD): the eager engine redoes the backward. */
+static int call_custom_fwd(hook_ctx *hc, const gj_jit_callstep *cs, const gj_ag_opdef *od,
+                           const gj_ag_attrs *at, const gj_custom_op *op, void *const *src,
+                           void *const *dst) {
+    int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
+    if (nt != cs->n_in || no != cs->n_out) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: the tape op does not match the program",
+             od->name);
+        return 1;
+    }
+    gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *outs[GJ_RT_MAX_OUTPUTS] = {0};
+    int rc = -1;
+    for (int k = 0; k < cs->n_in; k++) {
+        const gj_rt_meta *m = &cs->in_meta[k];
+        ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+        if (!ts[k]) goto done;
+        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
+        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
+    }
+    uint64_t rs0 = gj_rt_record_stream_calls();
+    if (gj_ag_custom_run_forward(op, at, ts, outs) != 0) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: forward failed while recomputing a "
+             "checkpoint region during a compiled run: %s", od->name, gj_last_error());
+        rc = 1;
+        goto done;
+    }
+    if (gj_rt_record_stream_calls() != rs0)
+        trip(hc, GJ_CA_RECORD_STREAM, "custom op %s called gj_tensor_record_stream during a "
+             "compiled run", od->name);
+    for (int k = 0; k < cs->n_out; k++) {
+        gj_rt_meta m;
+        gj_rt_meta_of(outs[k], &m);
+        if (!gj_jit_meta_equal(&m, &cs->out_meta[k])) {
+            char a[96], b[96];
+            trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: recomputed output %d is %s, the region's "
+                 "first run gave %s", od->name, k, gj_jit_fmt_meta(a, sizeof a, &m),
+                 gj_jit_fmt_meta(b, sizeof b, &cs->out_meta[k]));
+            rc = 1;
+            goto done;
+        }
+        gj_tensor *c = gj_rt_is_contiguous(outs[k]) ? outs[k] : gj_rt_contiguous(outs[k]);
+        if (!c) goto done;
+        size_t nb = (size_t)gj_rt_numel(m.ndim, m.shape) * gj_rt_dtype_size(m.dtype);
+        if (nb) memcpy(dst[k], gj_rt_data_ptr(c), nb);
+        if (c != outs[k]) gj_rt_tensor_release(c);
+    }
+    rc = 0;
+done:
+    for (int k = 0; k < GJ_JIT_CALL_MAX_IN; k++)
+        if (ts[k]) gj_rt_tensor_release(ts[k]);
+    for (int k = 0; k < GJ_RT_MAX_OUTPUTS; k++)
+        if (outs[k]) gj_rt_tensor_release(outs[k]);
+    return rc;
+}
+
 /* gj_jit_custom_call of run_program: runs the custom op's backward C
  * function on fresh tensors holding copies of src (output gradients, then
  * saved arguments) and copies the gradients of the needed inputs into dst.
@@ -453,6 +512,7 @@ static int call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
         return 1;
     }
     int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
+    if (cs->fwd) return call_custom_fwd(hc, cs, od, at, op, src, dst);
     if (no + nt != cs->n_in) {
         trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: the node does not match the program", od->name);
         return 1;

@@ -278,7 +278,8 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
         if (n->custom >= 0) {
-            fprintf(f, " = call_custom[node %d tape %d](", n->custom, n->custom_tape);
+            fprintf(f, " = call_custom%s[node %d tape %d](", n->custom_fwd ? "_fwd" : "",
+                    n->custom, n->custom_tape);
         } else if (n->hook >= 0) {
             const gj_jit_hookref *h = &g->hooks[n->hook];
             fprintf(f, " = call_hook#%d[node %d out %d #%d](", n->hook, h->node, h->k, h->j);

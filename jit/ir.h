@@ -71,6 +71,9 @@ typedef struct gj_jit_node {
                              op #custom_tape of checkpoint node #custom's tape */
     uint32_t custom_args; /* custom call: bit i set if output j (j-th set bit) is the
                              gradient of tensor argument i */
+    bool custom_fwd;      /* custom call of the op's forward instead (a checkpoint
+                             region's recomputation): inputs are its tensor
+                             arguments, outputs its outputs; custom_args is 0 */
     int in[GJ_RT_MAX_INPUTS];
     int n_out;
     int out[GJ_RT_MAX_OUTPUTS];

@@ -38,6 +38,7 @@ static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node 
         if (gj_jit_graph_add_custom(ng, n->custom, n->custom_tape, n->custom_args,
                                     n->inst.n_in, args, n->n_out, om, outs) < 0)
             return -1;
+        ng->nodes[ng->n_nodes - 1].custom_fwd = n->custom_fwd;
         for (int k = 0; k < n->n_out; k++) newid[n->out[k]] = outs[k];
         return 0;
     }

@@ -797,7 +797,7 @@ static int plan_hook(planner *pl, int i) {
     return 0;
 }
 
-/* A custom op's backward call (node.custom >= 0): every input as a
+/* A custom op's backward (or forward) call (node.custom >= 0): every input as a
  * contiguous buffer, a new contiguous temporary per output, one call step
  * after the previous hook or call step (the engine's order). */
 static int plan_custom(planner *pl, int i) {
@@ -807,6 +807,7 @@ static int plan_custom(planner *pl, int i) {
     cs.node = n->custom;
     cs.args = n->custom_args;
     cs.tape = n->custom_tape;
+    cs.fwd = n->custom_fwd;
     cs.n_in = n->inst.n_in;
     cs.n_out = n->n_out;
     if (cs.n_in > GJ_JIT_CALL_MAX_IN) {
@@ -1504,7 +1505,8 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_step *st = &p->steps[s];
         if (st->kind == GJ_JIT_STEP_CALL) {
-            fprintf(f, "  step %d: custom call of node %d tape %d (", s, st->cs.node, st->cs.tape);
+            fprintf(f, "  step %d: custom %s call of node %d tape %d (", s,
+                    st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);
             for (int k = 0; k < st->cs.n_in; k++) fprintf(f, "%sb%d", k ? ", " : "", st->cs.src_buf[k]);
             fprintf(f, ") ->");
             for (int k = 0; k < st->cs.n_out; k++) fprintf(f, " b%d", st->cs.out_buf[k]);

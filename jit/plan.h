@@ -158,6 +158,8 @@ typedef struct gj_jit_hookstep {
  * previous call or hook step). */
 #define GJ_JIT_CALL_MAX_IN 10
 typedef struct gj_jit_callstep {
+    bool fwd;      /* the op's forward instead: src_buf are its tensor arguments,
+                      out_buf its outputs (a checkpoint region's recomputation) */
     int node;
     int tape;      /* -1, or the op of checkpoint node #node's tape */
     uint32_t args; /* bit i: tensor argument i has an output (in order) */
