@@ -905,8 +905,10 @@ static int plan_generator(planner *pl, int i) {
         if (om->dtype == GJ_I64) return no_lowering(pl, n, "on i64");
         b = new_buf(pl, GJ_JIT_BUF_DROPOUT, -1, om->dtype, ne);
         if (b < 0) return oom(pl);
-        pl->p->bufs[b].gen_seed = n->inst.seed;
-        pl->p->bufs[b].gen_offset = n->inst.rng_offset;
+        /* constants only when not run-time: this step's seed and offset must
+         * not enter the plan (kernel names, the disk cache's plan compare) */
+        pl->p->bufs[b].gen_seed = n->rt_node >= 0 ? 0 : n->inst.seed;
+        pl->p->bufs[b].gen_offset = n->rt_node >= 0 ? 0 : n->inst.rng_offset;
         pl->p->bufs[b].gen_p = n->inst.scalar;
         if (n->rt_node >= 0) { /* seed and offset read at run time */
             gj_jit_plan *p = pl->p;

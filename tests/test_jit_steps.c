@@ -66,6 +66,7 @@ typedef struct model {
     double p;          /* dropout inside the regions */
     double p_out;      /* dropout outside (after the last region) when > 0 */
     int regions;       /* 1: layers 1-2 in one region; 2: one region per layer */
+    uint64_t seed;     /* train: the generator's seed is 4242 + seed */
 } model;
 
 typedef struct layer_ctx {
@@ -126,7 +127,7 @@ static void train(const model *shape, bool compiled, run_log *lg) {
     gj_optim *opt = gj_sgd_new(3, m.w, 0.05, 0.0, 0.0);
     assert_non_null(opt);
     gj_set_compiled_autograd(compiled);
-    gj_manual_seed(4242);
+    gj_manual_seed(4242 + m.seed);
     for (int step = 0; step < STEPS; step++) {
         gj_scope_push();
         gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
@@ -198,6 +199,47 @@ static void test_dropout_inside_and_outside(void **s) {
     (void)s;
     model m = {.p = 0.4, .p_out = 0.25, .regions = 2};
     check_one_compile("dropout inside (p 0.4) and outside (p 0.25)", &m);
+}
+
+/* A program with run-time dropout parameters is the same plan at every
+ * step, so the disk cache serves it to a later process (simulated: the
+ * memory cache is cleared between the steps, with other seeds). */
+static void test_dropout_disk_cache(void **s) {
+    (void)s;
+    int64_t live0 = gjt_live_bytes();
+    char dir[] = "/tmp/gj_steps_cacheXXXXXX";
+    assert_non_null(mkdtemp(dir));
+    gj_jit_set_disk_cache(dir);
+    gj_jit_clear_cache();
+    gj_compiled_autograd_reset_stats();
+    model m = {.p = 0.3, .p_out = 0.2, .regions = 2};
+    run_log lg;
+    train(&m, true, &lg); /* compiles once, saves to disk */
+    gj_jit_clear_cache(); /* as a new process: memory empty, disk kept */
+    model m2 = m;
+    m2.seed = 99; /* other masks: the same program */
+    run_log lg2;
+    train(&m2, true, &lg2);
+    gj_ca_stats st;
+    gj_compiled_autograd_stats(&st);
+    fprintf(stderr, "  disk: compiles %lld, disk hits %lld, memory hits %lld, fallbacks %lld\n",
+            (long long)st.compiles, (long long)st.disk_hits, (long long)st.mem_hits,
+            (long long)st.fallbacks);
+    assert_int_equal(st.compiles, 1);
+    assert_int_equal(st.disk_hits, 1);
+    assert_int_equal(st.mem_hits, 2 * (STEPS - 1));
+    assert_int_equal(st.fallbacks, 0);
+    for (int step = 0; step < STEPS; step++)
+        for (int k = 0; k < 3; k++) {
+            free(lg.g[step][k]);
+            free(lg2.g[step][k]);
+        }
+    gj_jit_set_disk_cache(NULL);
+    gj_jit_clear_cache();
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+    assert_int_equal(gjt_live_bytes(), live0);
 }
 
 /* ------------------------------------------------ GRADJIT_LOG=recompiles */
@@ -484,6 +526,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_log_recompiles),
         cmocka_unit_test(test_key_diff_tape),
         cmocka_unit_test(test_custom_recompute),
+        cmocka_unit_test(test_dropout_disk_cache),
         cmocka_unit_test(test_dropout_one_region),
         cmocka_unit_test(test_dropout_two_regions),
         cmocka_unit_test(test_dropout_inside_and_outside),
