@@ -8,7 +8,9 @@
  *     are run-time inputs of the program, never key material. 20 SGD steps
  *     compiled give compiles 1, memory hits 19, fallbacks 0, and each
  *     step's gradients equal those of an eager run from the same seed and
- *     weights, bit for bit (the recomputed masks are eager's masks).
+ *     weights, bit for bit (the recomputed masks are eager's masks). The
+ *     program is the same plan whatever the seeds, so the disk cache
+ *     serves it after the memory cache is cleared (1 compile, 1 disk hit).
  *   - GRADJIT_LOG=recompiles: an MLP at batch 32 then 48 in an exec'ed
  *     child of this binary (GJT_STEPS_CHILD=recompiles): its stderr holds
  *     one line naming the node and the size that changed, 32 -> 48; the
