@@ -27,6 +27,8 @@
 
 typedef struct gj_val gj_val; /* opaque value of a builder */
 typedef struct gj_ag_builder gj_ag_builder;
+struct gj_ag_opdef; /* below: named by call_custom_fwd */
+struct gj_ag_attrs;
 typedef struct gj_ag_hook gj_ag_hook; /* a tensor or post-accumulate hook (below) */
 typedef struct gj_ag_node gj_ag_node; /* a graph node (below) */
 
@@ -73,6 +75,15 @@ struct gj_ag_builder {
      * A recording builder without it cannot capture custom ops. */
     int (*call_custom)(gj_ag_builder *b, gj_ag_node *node, gj_val *const *gout,
                        gj_val *const *saved, const bool *needs, gj_val **gin);
+    /* Records an opaque call of the forward of custom op `op` (attributes
+     * a) on in[0..n_in), its tensor arguments (a recording builder only:
+     * how a checkpoint region's recomputation replays a custom op, whose
+     * forward is a C function); outs[] receive its outputs. Returns the
+     * number of outputs, or -1 (error set). A recording builder without it
+     * cannot recompute custom ops. */
+    int (*call_custom_fwd)(gj_ag_builder *b, const struct gj_ag_opdef *op,
+                           const struct gj_ag_attrs *a, int n_in, gj_val *const *in,
+                           gj_val **outs);
 };
 
 /* Emit helpers: one output each; NULL on error. */
@@ -357,6 +368,12 @@ int64_t gj_ag_ckpt_serialize(const gj_ag_node *n, uint32_t (*runtime_attrs)(cons
  * run-time parameters (the seed and offset of a dropout inside a region). */
 int gj_ag_ckpt_n_ops(const gj_ag_node *n);
 const gj_ag_opdef *gj_ag_ckpt_op(const gj_ag_node *n, int j, const gj_ag_attrs **attrs);
+/* The metas op j of checkpoint node n's tape saw when the region ran: its
+ * n_in input metas (*n_in, in_meta[GJ_AG_MAX_IN]) and output metas
+ * (out_meta[GJ_AG_MAX_OUT]). Returns its number of outputs, or -1 if n is
+ * not a live checkpoint node or j is out of range. */
+int gj_ag_ckpt_op_metas(const gj_ag_node *n, int j, int *n_in, gj_rt_meta *in_meta,
+                        gj_rt_meta *out_meta);
 
 /* ------------------------- hooks, custom ops, anomaly (helper "hooks") */
 
@@ -458,6 +475,14 @@ int gj_ag_custom_n_tensor_args(const gj_custom_op *op);
 int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
                               const gj_rt_meta *out_meta, gj_tensor *const *gout,
                               gj_tensor *const *inputs, gj_tensor **gin);
+/* Runs op's forward C function on real tensors inputs[n tensor args] with
+ * the scalars of attributes a (under no_grad, in a scope of its own); outs
+ * [n outputs] receive new references (unscoped, no autograd meta; an
+ * argument handed back is a new header on its storage). The entry a
+ * compiled program's opaque forward call uses. 0, or -1 with an error and
+ * outs all NULL. */
+int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
+                             gj_tensor *const *inputs, gj_tensor **outs);
 
 #endif /* GJ_AG_H */
 

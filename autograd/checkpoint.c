@@ -539,6 +539,18 @@ const gj_ag_opdef *gj_ag_ckpt_op(const gj_ag_node *n, int j, const gj_ag_attrs *
     return tp->e[j].op;
 }
 
+int gj_ag_ckpt_op_metas(const gj_ag_node *n, int j, int *n_in, gj_rt_meta *in_meta,
+                        gj_rt_meta *out_meta) {
+    if (!n || n->kind != GJ_AG_OP || n->op != &gj_ag_op_checkpoint) return -1;
+    const ckpt_tape *tp = registry_find(n);
+    if (!tp || j < 0 || j >= tp->n_entries) return -1;
+    const ckpt_entry *e = &tp->e[j];
+    *n_in = e->n_in;
+    memcpy(in_meta, e->in_meta, (size_t)e->n_in * sizeof *in_meta);
+    memcpy(out_meta, e->out_meta, (size_t)e->n_out * sizeof *out_meta);
+    return e->n_out;
+}
+
 /* ------------------------------------------------------ closing a region */
 
 /* The checkpoint op's forward hands back the region's outputs and saves

@@ -25,10 +25,11 @@
  *     opdef.backward finds the op through the backward context's node.
  *   - The user's functions run under no_grad inside a user scope of their
  *     own, and only on real tensors: with a recording builder the forward
- *     fails cleanly, and the backward becomes an opaque call node through
- *     the builder's call_custom (the compiled program later runs
- *     gj_ag_custom_run_backward on copies of its buffers), or fails cleanly
- *     if the builder has none (the JIT falls back to eager).
+ *     (met when a checkpoint region recomputes) and the backward become
+ *     opaque call nodes through the builder's call_custom_fwd and
+ *     call_custom (the compiled program later runs gj_ag_custom_run_forward
+ *     and gj_ag_custom_run_backward on copies of its buffers), or fail
+ *     cleanly if the builder has none (the JIT falls back to eager).
  */
 #include "ag.h"
 
@@ -429,42 +430,30 @@ done:
 
 /* ------------------------------------------------------------ formulas */
 
-/* The forward formula (reached through op->closure): runs the user's
- * forward on the eager builder's tensors, saves every tensor argument. */
-static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
-                          const gj_ag_attrs *a, int n_in, gj_val *const *in, gj_val **outs) {
-    if (b->records) {
-        gj_rt_set_error("custom op %s: cannot be captured: its forward is a C function the "
-                        "recording builder cannot trace (runs eagerly)",
-                        op->name);
-        return -1;
-    }
-    if (n_in != op->n_tensors) {
-        gj_rt_set_error("custom op %s: internal: %d tensor inputs, schema has %d", op->name, n_in,
-                        op->n_tensors);
-        return -1;
-    }
+int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
+                             gj_tensor *const *inputs, gj_tensor **outs) {
     gj_tensor *tin[CUSTOM_MAX_TENSORS] = {0};
-    for (int i = 0; i < n_in; i++) tin[i] = gj_ag_val_tensor(in[i]);
     gj_tensor *res[CUSTOM_MAX_OUT] = {0};
     gj_tensor **pres[CUSTOM_MAX_OUT];
     void *values[CUSTOM_MAX_ARGS + CUSTOM_MAX_OUT];
     call_args ca;
+    for (int k = 0; k < op->n_out; k++) outs[k] = NULL;
+    for (int i = 0; i < op->n_tensors; i++) tin[i] = inputs[i];
     pack_args(op, tin, a, &ca, values);
     for (int k = 0; k < op->n_out; k++) {
         pres[k] = &res[k];
         values[op->n_args + k] = &pres[k];
     }
     long before[CUSTOM_MAX_TENSORS];
-    count_lent(tin, n_in, before);
+    count_lent(tin, op->n_tensors, before);
     ffi_arg ret = 0;
     int rc = -1;
     void *scope = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     gj_clear_error();
-    ffi_call(&op->fwd_cif, op->fwd, &ret, values);
+    ffi_call((ffi_cif *)&op->fwd_cif, op->fwd, &ret, values);
     gj_ag_no_grad_exit();
-    ref_lent_outs(res, op->n_out, tin, before, n_in);
+    ref_lent_outs(res, op->n_out, tin, before, op->n_tensors);
     if ((int)ret != 0) {
         user_failed(op, "forward", (long)(int)ret);
         drop_user_outs(res, op->n_out, scope);
@@ -478,10 +467,10 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
             goto done;
         }
     }
-    rc = op->n_out;
+    rc = 0;
     for (int k = 0; k < op->n_out; k++) {
         bool lent = false;
-        for (int i = 0; i < n_in; i++) lent |= res[k] == tin[i];
+        for (int i = 0; i < op->n_tensors; i++) lent |= res[k] == tin[i];
         gj_tensor *t = own_user_tensor(op, res[k], scope, "an output of the forward");
         if (t && lent && t == res[k]) { /* an output is a tensor of its own, never an input */
             gj_tensor *al = gj_rt_tensor_alias(t);
@@ -489,17 +478,59 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
             t = al;
         }
         res[k] = NULL;
-        outs[k] = t ? gj_ag_eager_adopt(t) : NULL; /* the step owns it now */
-        if (!outs[k]) {
+        outs[k] = t;
+        if (!t) {
             drop_user_outs(res, op->n_out, scope);
             rc = -1;
             break;
         }
     }
-    if (rc >= 0)
-        for (int i = 0; i < n_in; i++) gj_ag_save(ctx, in[i]);
+    if (rc != 0)
+        for (int k = 0; k < op->n_out; k++) {
+            if (outs[k]) gj_rt_tensor_release(outs[k]);
+            outs[k] = NULL;
+        }
 done:
     gj_ag_user_scope_pop();
+    return rc;
+}
+
+/* The forward formula (reached through op->closure): runs the user's
+ * forward on the eager builder's tensors, saves every tensor argument.
+ * A recording builder records an opaque call of it instead (the
+ * recomputation of a checkpoint region), if it can. */
+static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
+                          const gj_ag_attrs *a, int n_in, gj_val *const *in, gj_val **outs) {
+    if (n_in != op->n_tensors) {
+        gj_rt_set_error("custom op %s: internal: %d tensor inputs, schema has %d", op->name, n_in,
+                        op->n_tensors);
+        return -1;
+    }
+    if (b->records) {
+        if (!b->call_custom_fwd) {
+            gj_rt_set_error("custom op %s: cannot be captured: its forward is a C function the "
+                            "recording builder cannot trace (runs eagerly)",
+                            op->name);
+            return -1;
+        }
+        int n = b->call_custom_fwd(b, &op->def, a, n_in, in, outs);
+        if (n < 0) return -1;
+        for (int i = 0; i < n_in; i++) gj_ag_save(ctx, in[i]);
+        return n;
+    }
+    gj_tensor *tin[CUSTOM_MAX_TENSORS] = {0}, *res[CUSTOM_MAX_OUT] = {0};
+    for (int i = 0; i < n_in; i++) tin[i] = gj_ag_val_tensor(in[i]);
+    if (gj_ag_custom_run_forward(op, a, tin, res) != 0) return -1;
+    int rc = op->n_out;
+    for (int k = 0; k < op->n_out; k++) {
+        outs[k] = rc >= 0 ? gj_ag_eager_adopt(res[k]) : NULL; /* the step owns it now */
+        if (!outs[k]) { /* not adopted: still ours */
+            rc = -1;
+            if (res[k]) gj_rt_tensor_release(res[k]);
+        }
+    }
+    if (rc >= 0)
+        for (int i = 0; i < n_in; i++) gj_ag_save(ctx, in[i]);
     return rc;
 }
 

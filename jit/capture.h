@@ -55,8 +55,26 @@ int gj_jit_walk_saved_origin(const gj_jit_walk *w, const gj_tensor *t, int *node
 /* Mask of the integer attributes of op that are run-time values (left out
  * of the key and fed to the compiled program at each run). */
 uint32_t gj_jit_runtime_attrs(const gj_ag_opdef *op);
-/* Canonical index of the dropout node with this seed and offset, or -1. */
-int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset);
+/* Where the dropout with this seed and offset lives: the canonical index
+ * of its node and *tape = -1, or of the checkpoint node whose tape holds it
+ * at op position *tape; -1 if none. */
+int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset, int *tape);
+/* The run-time (seed, offset) of the dropout at (node, tape) of w (as
+ * found by gj_jit_walk_find_dropout in the run that compiled): 0, or -1 if
+ * there is no dropout there in this graph. */
+int gj_jit_dropout_params(const gj_jit_walk *w, int node, int tape, uint64_t out[2]);
+
+/* keydiff.c. How far apart two keys are: the number of lines that differ
+ * (lines past the shorter key's end count too); 0 if equal. */
+int gj_jit_key_distance(const char *a, size_t na, const char *b, size_t nb);
+/* Writes to out[cap] (always terminated) the first difference of new_key
+ * from old_key, in the graph's words: the node (canonical index, op name,
+ * creation rank; or the tape op of a checkpoint node), the role of the
+ * differing part (input k, saved tensor k, .grad, attribute) and its old and
+ * new values ("size mismatch at dim 0: expected 32, actual 48"). Returns
+ * gj_jit_key_distance of the two. */
+int gj_jit_key_diff(const char *old_key, size_t old_len, const char *new_key, size_t new_len,
+                    char *out, size_t cap);
 
 /* 128-bit hash of bytes (two independent 64-bit lanes). */
 void gj_jit_hash128(const void *data, size_t n, uint64_t out[2]);

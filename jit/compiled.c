@@ -159,6 +159,39 @@ static int site_programs(const gj_jit_walk *w) {
     return n;
 }
 
+/* GRADJIT_LOG=recompiles (lock held): a new key w of a call site that has
+ * programs already; prints which part of the graph differs from the
+ * nearest key of that site (fewest differing lines, the latest on a tie)
+ * and whether it compiles or meets the recompile limit. */
+static void log_recompile(const gj_jit_walk *w, int n_site, int limit) {
+    const cache_entry *best = NULL;
+    int best_d = 0;
+    for (int i = 0; i < g_n_cache; i++) {
+        const cache_entry *e = &g_cache[i];
+        if (!e->prog || e->site[0] != w->site[0] || e->site[1] != w->site[1]) continue;
+        int d = gj_jit_key_distance(e->key, e->key_len, w->key, w->key_len);
+        if (!best || d <= best_d) {
+            best = e;
+            best_d = d;
+        }
+    }
+    if (!best) return;
+    char what[600];
+    gj_jit_key_diff(best->key, best->key_len, w->key, w->key_len, what, sizeof what);
+    char state[96];
+    if (limit >= 0 && n_site >= limit)
+        snprintf(state, sizeof state, "recompile limit %d reached: runs eagerly", limit);
+    else
+        snprintf(state, sizeof state, "program %d of the site", n_site + 1);
+    fprintf(stderr,
+            "[gradjit recompiles] call site %016llx%016llx, key %016llx%016llx (%s): %s; "
+            "%d key line%s differ from the nearest key %016llx%016llx\n",
+            (unsigned long long)w->site[0], (unsigned long long)w->site[1],
+            (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], state, what, best_d,
+            best_d == 1 ? "" : "s", (unsigned long long)best->hash[0],
+            (unsigned long long)best->hash[1]);
+}
+
 /* The class of a program-build failure, from its message (program.c). */
 static gj_ca_reason build_reason(const char *why) {
     if (strncmp(why, "no lowering", 11) == 0) return GJ_CA_NO_LOWERING;
@@ -439,6 +472,65 @@ static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
     return rc;
 }
 
+/* The forward call step of call_custom: runs the custom op's forward C
+ * function on fresh tensors holding copies of its tensor arguments (src)
+ * and copies its outputs into dst. It failing, or giving an output of
+ * another shape or dtype than the region's first run, abandons the run
+ * (GJ_CA_HOOK_GUARD): the eager engine redoes the backward. */
+static int call_custom_fwd(hook_ctx *hc, const gj_jit_callstep *cs, const gj_ag_opdef *od,
+                           const gj_ag_attrs *at, const gj_custom_op *op, void *const *src,
+                           void *const *dst) {
+    int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
+    if (nt != cs->n_in || no != cs->n_out) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: the tape op does not match the program",
+             od->name);
+        return 1;
+    }
+    gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *outs[GJ_RT_MAX_OUTPUTS] = {0};
+    int rc = -1;
+    for (int k = 0; k < cs->n_in; k++) {
+        const gj_rt_meta *m = &cs->in_meta[k];
+        ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+        if (!ts[k]) goto done;
+        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
+        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
+    }
+    uint64_t rs0 = gj_rt_record_stream_calls();
+    if (gj_ag_custom_run_forward(op, at, ts, outs) != 0) {
+        trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: forward failed while recomputing a "
+             "checkpoint region during a compiled run: %s", od->name, gj_last_error());
+        rc = 1;
+        goto done;
+    }
+    if (gj_rt_record_stream_calls() != rs0)
+        trip(hc, GJ_CA_RECORD_STREAM, "custom op %s called gj_tensor_record_stream during a "
+             "compiled run", od->name);
+    for (int k = 0; k < cs->n_out; k++) {
+        gj_rt_meta m;
+        gj_rt_meta_of(outs[k], &m);
+        if (!gj_jit_meta_equal(&m, &cs->out_meta[k])) {
+            char a[96], b[96];
+            trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: recomputed output %d is %s, the region's "
+                 "first run gave %s", od->name, k, gj_jit_fmt_meta(a, sizeof a, &m),
+                 gj_jit_fmt_meta(b, sizeof b, &cs->out_meta[k]));
+            rc = 1;
+            goto done;
+        }
+        gj_tensor *c = gj_rt_is_contiguous(outs[k]) ? outs[k] : gj_rt_contiguous(outs[k]);
+        if (!c) goto done;
+        size_t nb = (size_t)gj_rt_numel(m.ndim, m.shape) * gj_rt_dtype_size(m.dtype);
+        if (nb) memcpy(dst[k], gj_rt_data_ptr(c), nb);
+        if (c != outs[k]) gj_rt_tensor_release(c);
+    }
+    rc = 0;
+done:
+    for (int k = 0; k < GJ_JIT_CALL_MAX_IN; k++)
+        if (ts[k]) gj_rt_tensor_release(ts[k]);
+    for (int k = 0; k < GJ_RT_MAX_OUTPUTS; k++)
+        if (outs[k]) gj_rt_tensor_release(outs[k]);
+    return rc;
+}
+
 /* gj_jit_custom_call of run_program: runs the custom op's backward C
  * function on fresh tensors holding copies of src (output gradients, then
  * saved arguments) and copies the gradients of the needed inputs into dst.
@@ -463,6 +555,7 @@ static int call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
         return 1;
     }
     int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
+    if (cs->fwd) return call_custom_fwd(hc, cs, od, at, op, src, dst);
     if (no + nt != cs->n_in) {
         trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: the node does not match the program", od->name);
         return 1;
@@ -698,16 +791,12 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
         if (!params) goto done;
         for (int k = 0; k < p->n_rt_params; k++) {
-            int nd = p->rt_param_node[k];
-            const gj_ag_node *node = (nd >= 0 && nd < w->n) ? w->nodes[nd] : NULL;
-            if (!node || node->kind != GJ_AG_OP || node->op != &gj_ag_op_dropout ||
-                node->attrs.ni < 2) {
+            if (gj_jit_dropout_params(w, p->rt_param_node[k], p->rt_param_tape[k],
+                                      &params[2 * k]) != 0) {
                 snprintf(why, why_cap, "dropout parameters not found");
                 rc = 1;
                 goto done;
             }
-            memcpy(&params[2 * k], &node->attrs.i[0], sizeof params[0]);
-            params[2 * k + 1] = (uint64_t)node->attrs.i[1];
         }
     }
     out_ctx oc = {p, news};
@@ -833,6 +922,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
                     (unsigned long long)w.hash[1]);
     } else {
         int limit = atomic_load(&g_recompile_limit);
+        if (fl & GJ_JIT_LOG_RECOMPILES) log_recompile(&w, site_programs(&w), limit);
         if (limit >= 0 && site_programs(&w) >= limit) {
             snprintf(why, sizeof why,
                      "%d programs already compiled for this call site (limit %d: "

@@ -2,10 +2,11 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC04"                     magic and format version (bumped whenever
+ *   "GJJITC05"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels;
- *                                  04: the plan written field by field, see put_plan)
+ *                                  04: the plan written field by field, see put_plan;
+ *                                  05: dropout parameters read from checkpoint tapes)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -46,7 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '4'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '5'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -451,6 +452,7 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         else put_kernel(b, &st->k);
     }
     put_ints(b, p->rt_param_node, p->n_rt_params);
+    put_ints(b, p->rt_param_tape, p->n_rt_params);
     put_i64(b, p->params_buf);
     put_u64(b, p->peak_temp_bytes);
     put_ints(b, p->by_first, p->n_by_first);

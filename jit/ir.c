@@ -92,6 +92,7 @@ static gj_jit_node *node_reserve(gj_jit_graph *g, int n_out) {
     gj_jit_node *n = &g->nodes[g->n_nodes];
     memset(n, 0, sizeof *n);
     n->rt_node = -1;
+    n->rt_tape = -1;
     n->hook = -1;
     n->custom = -1;
     n->custom_tape = -1;
@@ -277,7 +278,8 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
         if (n->custom >= 0) {
-            fprintf(f, " = call_custom[node %d tape %d](", n->custom, n->custom_tape);
+            fprintf(f, " = call_custom%s[node %d tape %d](", n->custom_fwd ? "_fwd" : "",
+                    n->custom, n->custom_tape);
         } else if (n->hook >= 0) {
             const gj_jit_hookref *h = &g->hooks[n->hook];
             fprintf(f, " = call_hook#%d[node %d out %d #%d](", n->hook, h->node, h->k, h->j);
@@ -319,6 +321,8 @@ unsigned gj_jit_log_flags(void) {
         {"cache", "memory/disk hits, compiles, saves, rejected disk entries", GJ_JIT_LOG_CACHE},
         {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
         {"prof", "compile phases and the time of every step of every run", GJ_JIT_LOG_PROF},
+        {"recompiles", "why a call site compiles again: the first difference from its "
+                       "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
         {"all", "all of the above", 0xffu},
     };
     static atomic_bool reported;
@@ -332,8 +336,8 @@ unsigned gj_jit_log_flags(void) {
             fprintf(stderr, "gradjit: GRADJIT_LOG takes comma- or space-separated words "
                             "(any case), output on stderr:\n");
             for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
-                fprintf(stderr, "  %-8s %s\n", words[k].word, words[k].what);
-            fprintf(stderr, "  %-8s this list\n", "help");
+                fprintf(stderr, "  %-10s %s\n", words[k].word, words[k].what);
+            fprintf(stderr, "  %-10s this list\n", "help");
         }
         for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
             if (n == strlen(words[k].word) && strncasecmp(e, words[k].word, n) == 0) {
@@ -342,7 +346,7 @@ unsigned gj_jit_log_flags(void) {
             }
         if (!known && report)
             fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
-                            "graph, ir, plan, cache, fallback, prof, all, help)\n",
+                            "graph, ir, plan, cache, fallback, prof, recompiles, all, help)\n",
                     (int)n, e);
         e += n;
         e += strspn(e, ", ");

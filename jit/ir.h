@@ -56,6 +56,8 @@ typedef struct gj_jit_node {
     gj_rt_inst inst; /* inst.n_in inputs */
     int rt_node;     /* DROPOUT_MASK: canonical node whose attrs hold seed and
                         offset at run time (-1: the constants of inst) */
+    int rt_tape;     /* DROPOUT_MASK with rt_node >= 0: -1 (the node's own attrs),
+                        or the op position in checkpoint node #rt_node's tape */
     int hook;        /* >= 0: an opaque call of tensor hook g->hooks[hook]; inst is
                         then COPY (the value flowing on has the input's meta). Never
                         merged by CSE nor removed by DCE. -1: an ordinary node */
@@ -69,6 +71,9 @@ typedef struct gj_jit_node {
                              op #custom_tape of checkpoint node #custom's tape */
     uint32_t custom_args; /* custom call: bit i set if output j (j-th set bit) is the
                              gradient of tensor argument i */
+    bool custom_fwd;      /* custom call of the op's forward instead (a checkpoint
+                             region's recomputation): inputs are its tensor
+                             arguments, outputs its outputs; custom_args is 0 */
     int in[GJ_RT_MAX_INPUTS];
     int n_out;
     int out[GJ_RT_MAX_OUTPUTS];
@@ -174,6 +179,7 @@ enum {
     GJ_JIT_LOG_FALLBACK = 8,
     GJ_JIT_LOG_PLAN = 16,
     GJ_JIT_LOG_PROF = 32, /* time of every step of every compiled run */
+    GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
 };
 /* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
 unsigned gj_jit_log_flags(void);

@@ -19,7 +19,10 @@
  *     process-local helpers and never enter the key.
  *   - Run-time attributes (dropout's RNG seed and offset, new at every
  *     step) are written as '*': the compiled program reads them from the
- *     node at run time instead of baking them in.
+ *     node at run time instead of baking them in. A checkpoint node's own
+ *     attributes (a hash of its tape, seeds included) are run-time too:
+ *     the key holds the tape's text instead, with its dropouts' seeds and
+ *     offsets as '*', read from the tape at run time (lines "N<i>.").
  */
 #include "capture.h"
 #include "jit.h"
@@ -49,18 +52,50 @@ static uint64_t ptr_hash(const void *p) { return gj_m_mix64((uint64_t)(uintptr_t
 /* ---------------------------------------------------- runtime attrs */
 
 uint32_t gj_jit_runtime_attrs(const gj_ag_opdef *op) {
-    return op == &gj_ag_op_dropout ? 0x3u : 0u; /* i[0] = seed bits, i[1] = offset */
+    if (op == &gj_ag_op_dropout) return 0x3u; /* i[0] = seed bits, i[1] = offset */
+    /* a region's i[0..1] hash its tape with the seeds and offsets of its
+     * dropouts; the key holds the tape's own text instead (put_tape) */
+    if (op == &gj_ag_op_checkpoint) return 0x3u;
+    return 0u;
 }
 
-int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset) {
+/* Whether attrs are those of a dropout with this seed and offset. */
+static bool dropout_is(const gj_ag_attrs *a, uint64_t seed, uint64_t offset) {
+    if (a->ni < 2) return false;
+    uint64_t s;
+    memcpy(&s, &a->i[0], sizeof s);
+    return s == seed && (uint64_t)a->i[1] == offset;
+}
+
+int gj_jit_walk_find_dropout(const gj_jit_walk *w, uint64_t seed, uint64_t offset, int *tape) {
+    *tape = -1;
     for (int i = 0; i < w->n; i++) {
         const gj_ag_node *n = w->nodes[i];
-        if (n->kind != GJ_AG_OP || n->op != &gj_ag_op_dropout || n->attrs.ni < 2) continue;
-        uint64_t s;
-        memcpy(&s, &n->attrs.i[0], sizeof s);
-        if (s == seed && (uint64_t)n->attrs.i[1] == offset) return i;
+        if (n->kind != GJ_AG_OP) continue;
+        if (n->op == &gj_ag_op_dropout && dropout_is(&n->attrs, seed, offset)) return i;
+        int n_ops = n->op == &gj_ag_op_checkpoint ? gj_ag_ckpt_n_ops(n) : 0;
+        for (int j = 0; j < n_ops; j++) {
+            const gj_ag_attrs *at = NULL;
+            if (gj_ag_ckpt_op(n, j, &at) == &gj_ag_op_dropout && at &&
+                dropout_is(at, seed, offset)) {
+                *tape = j;
+                return i;
+            }
+        }
     }
     return -1;
+}
+
+int gj_jit_dropout_params(const gj_jit_walk *w, int node, int tape, uint64_t out[2]) {
+    const gj_ag_node *n = (node >= 0 && node < w->n) ? w->nodes[node] : NULL;
+    if (!n || n->kind != GJ_AG_OP) return -1;
+    const gj_ag_attrs *at = NULL;
+    const gj_ag_opdef *op = tape < 0 ? n->op : gj_ag_ckpt_op(n, tape, &at);
+    if (tape < 0) at = &n->attrs;
+    if (op != &gj_ag_op_dropout || !at || at->ni < 2) return -1;
+    memcpy(&out[0], &at->i[0], sizeof out[0]);
+    out[1] = (uint64_t)at->i[1];
+    return 0;
 }
 
 /* --------------------------------------------------------- pointer maps */
@@ -241,6 +276,32 @@ static void site_meta(site_hash *h, const gj_rt_meta *m) {
     site_u64(h, ((uint64_t)m->dtype << 8) | (uint64_t)m->ndim);
 }
 
+/* The tape of checkpoint node #i, one key line per tape line, each
+ * "N<i>." and the line: its ops, attributes (dropout's seed and offset as
+ * '*': the program reads them from the tape at run time), slots, metas and
+ * policy decisions. Adds the tape's op names to the call site. 0 or -1. */
+static int put_tape(gj_jit_walk *w, site_hash *sh, int i, const gj_ag_node *n) {
+    char small[2048];
+    int64_t len = gj_ag_ckpt_serialize(n, gj_jit_runtime_attrs, small, sizeof small);
+    if (len < 0) return key_put(w, "N%d.tape-\n", i);
+    char *text = small;
+    if (len >= (int64_t)sizeof small) {
+        text = gj_rt_malloc((size_t)len + 1);
+        if (!text) return -1;
+        gj_ag_ckpt_serialize(n, gj_jit_runtime_attrs, text, (size_t)len + 1);
+    }
+    int rc = 0;
+    for (const char *l = text; *l && rc == 0;) {
+        size_t ll = strcspn(l, "\n");
+        rc = key_put(w, "N%d.%s%.*s\n", i, l[0] == ' ' ? "" : " ", (int)ll, l);
+        l += ll + (l[ll] == '\n');
+    }
+    for (int j = 0, n_ops = gj_ag_ckpt_n_ops(n); j < n_ops; j++)
+        site_str(sh, gj_ag_ckpt_op(n, j, NULL)->name);
+    if (text != small) gj_rt_free(text);
+    return rc;
+}
+
 typedef struct seq_rank {
     uint64_t seq;
     int idx;
@@ -345,6 +406,7 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
             }
         }
         if (key_put(w, "%s\n", n->released ? " released" : "") != 0) goto done;
+        if (n->op == &gj_ag_op_checkpoint && put_tape(w, &sh, i, n) != 0) goto done;
     }
     site_u64(&sh, (uint64_t)w->n_hooks);
     w->site[0] = gj_m_mix64(sh.a);

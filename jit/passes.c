@@ -38,12 +38,14 @@ static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node 
         if (gj_jit_graph_add_custom(ng, n->custom, n->custom_tape, n->custom_args,
                                     n->inst.n_in, args, n->n_out, om, outs) < 0)
             return -1;
+        ng->nodes[ng->n_nodes - 1].custom_fwd = n->custom_fwd;
         for (int k = 0; k < n->n_out; k++) newid[n->out[k]] = outs[k];
         return 0;
     }
     int no = gj_jit_graph_add_node(ng, &n->inst, args, outs);
     if (no < 0) return -1;
     ng->nodes[ng->n_nodes - 1].rt_node = n->rt_node;
+    ng->nodes[ng->n_nodes - 1].rt_tape = n->rt_tape;
     ng->nodes[ng->n_nodes - 1].hook = n->hook;
     for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
     return 0;

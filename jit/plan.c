@@ -797,7 +797,7 @@ static int plan_hook(planner *pl, int i) {
     return 0;
 }
 
-/* A custom op's backward call (node.custom >= 0): every input as a
+/* A custom op's backward (or forward) call (node.custom >= 0): every input as a
  * contiguous buffer, a new contiguous temporary per output, one call step
  * after the previous hook or call step (the engine's order). */
 static int plan_custom(planner *pl, int i) {
@@ -807,6 +807,7 @@ static int plan_custom(planner *pl, int i) {
     cs.node = n->custom;
     cs.args = n->custom_args;
     cs.tape = n->custom_tape;
+    cs.fwd = n->custom_fwd;
     cs.n_in = n->inst.n_in;
     cs.n_out = n->n_out;
     if (cs.n_in > GJ_JIT_CALL_MAX_IN) {
@@ -904,8 +905,10 @@ static int plan_generator(planner *pl, int i) {
         if (om->dtype == GJ_I64) return no_lowering(pl, n, "on i64");
         b = new_buf(pl, GJ_JIT_BUF_DROPOUT, -1, om->dtype, ne);
         if (b < 0) return oom(pl);
-        pl->p->bufs[b].gen_seed = n->inst.seed;
-        pl->p->bufs[b].gen_offset = n->inst.rng_offset;
+        /* constants only when not run-time: this step's seed and offset must
+         * not enter the plan (kernel names, the disk cache's plan compare) */
+        pl->p->bufs[b].gen_seed = n->rt_node >= 0 ? 0 : n->inst.seed;
+        pl->p->bufs[b].gen_offset = n->rt_node >= 0 ? 0 : n->inst.rng_offset;
         pl->p->bufs[b].gen_p = n->inst.scalar;
         if (n->rt_node >= 0) { /* seed and offset read at run time */
             gj_jit_plan *p = pl->p;
@@ -917,6 +920,10 @@ static int plan_generator(planner *pl, int i) {
             if (!q) return oom(pl);
             p->rt_param_node = q;
             q[p->n_rt_params] = n->rt_node;
+            q = gj_rt_realloc(p->rt_param_tape, (size_t)(p->n_rt_params + 1) * sizeof *q);
+            if (!q) return oom(pl);
+            p->rt_param_tape = q;
+            q[p->n_rt_params] = n->rt_tape;
             pl->p->bufs[b].gen_param = p->n_rt_params++;
             p->bufs[p->params_buf].numel = 2 * (int64_t)p->n_rt_params;
         }
@@ -1468,6 +1475,7 @@ void gj_jit_plan_free(gj_jit_plan *p) {
     gj_rt_free(p->by_first);
     gj_rt_free(p->by_last);
     gj_rt_free(p->rt_param_node);
+    gj_rt_free(p->rt_param_tape);
     memset(p, 0, sizeof *p);
     p->params_buf = -1;
 }
@@ -1499,7 +1507,8 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_step *st = &p->steps[s];
         if (st->kind == GJ_JIT_STEP_CALL) {
-            fprintf(f, "  step %d: custom call of node %d tape %d (", s, st->cs.node, st->cs.tape);
+            fprintf(f, "  step %d: custom %s call of node %d tape %d (", s,
+                    st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);
             for (int k = 0; k < st->cs.n_in; k++) fprintf(f, "%sb%d", k ? ", " : "", st->cs.src_buf[k]);
             fprintf(f, ") ->");
             for (int k = 0; k < st->cs.n_out; k++) fprintf(f, " b%d", st->cs.out_buf[k]);

@@ -158,6 +158,8 @@ typedef struct gj_jit_hookstep {
  * previous call or hook step). */
 #define GJ_JIT_CALL_MAX_IN 10
 typedef struct gj_jit_callstep {
+    bool fwd;      /* the op's forward instead: src_buf are its tensor arguments,
+                      out_buf its outputs (a checkpoint region's recomputation) */
     int node;
     int tape;      /* -1, or the op of checkpoint node #node's tape */
     uint32_t args; /* bit i: tensor argument i has an output (in order) */
@@ -203,6 +205,8 @@ typedef struct gj_jit_plan {
     int *out_buf;         /* per graph output: buffer holding it (input buffer if in place) */
     int n_rt_params;      /* run-time (seed, offset) pairs */
     int *rt_param_node;   /* pair k comes from this canonical (dropout) node's attrs */
+    int *rt_param_tape;   /* ... or, when >= 0, from op #rt_param_tape[k] of the tape of
+                             checkpoint node #rt_param_node[k] */
     int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
     int n_par_groups;     /* groups of steps run side by side (schedule.c) */
 } gj_jit_plan;

@@ -21,7 +21,9 @@
  *     of the hook table; the compiled run calls them (compiled.c).
  *   - A custom op's backward (a C function) becomes one opaque call node
  *     (rec_call_custom) naming the op's node by canonical index; the
- *     compiled run calls the function on copies of the node's inputs.
+ *     compiled run calls the function on copies of the node's inputs. A
+ *     custom op's forward, met when a checkpoint region recomputes it,
+ *     becomes one too (rec_call_custom_fwd), naming its tape op.
  */
 #include "capture.h"
 #include "plan.h"
@@ -93,9 +95,10 @@ static int rec_emit(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     }
     int n = gj_jit_graph_add_node(&r->cap->g, inst, ids, out_ids);
     if (n < 0) return -1;
-    if (inst->prim == GJ_P_DROPOUT_MASK) /* its seed/offset come from the node at run time */
-        r->cap->g.nodes[r->cap->g.n_nodes - 1].rt_node =
-            gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset);
+    if (inst->prim == GJ_P_DROPOUT_MASK) { /* seed/offset come from the node (or tape) at run time */
+        gj_jit_node *gn = &r->cap->g.nodes[r->cap->g.n_nodes - 1];
+        gn->rt_node = gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset, &gn->rt_tape);
+    }
     for (int k = 0; k < n; k++) outs[k] = id_val(out_ids[k]);
     return n;
 }
@@ -306,6 +309,67 @@ static int rec_call_custom(gj_ag_builder *b, gj_ag_node *node, gj_val *const *go
     return 0;
 }
 
+/* The checkpoint node of the walk whose tape holds an op of opdef op with
+ * attributes a whose inputs had metas im[0..n_in): its canonical index,
+ * *tape the op's position and om[] / *n_out its output metas; or -1. Two
+ * such ops are the same call (same function, scalars and shapes), so the
+ * first one serves. */
+static int find_tape_fwd(const gj_jit_walk *w, const gj_ag_opdef *op, const gj_ag_attrs *a,
+                         int n_in, const gj_rt_meta *im, int *tape, gj_rt_meta *om, int *n_out) {
+    for (int i = 0; i < w->n; i++) {
+        int n_ops = gj_ag_ckpt_n_ops(w->nodes[i]);
+        for (int j = 0; j < n_ops; j++) {
+            const gj_ag_attrs *at = NULL;
+            if (gj_ag_ckpt_op(w->nodes[i], j, &at) != op || !at || !same_attrs(at, a)) continue;
+            gj_rt_meta tin[GJ_AG_MAX_IN];
+            int tn = 0, no = gj_ag_ckpt_op_metas(w->nodes[i], j, &tn, tin, om);
+            bool same = no >= 0 && tn == n_in;
+            for (int k = 0; k < n_in && same; k++) same = gj_jit_meta_equal(&tin[k], &im[k]);
+            if (!same) continue;
+            *tape = j;
+            *n_out = no;
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* A custom op's forward, replayed by a checkpoint region's backward,
+ * becomes one opaque call node: its inputs the tensor arguments, its
+ * outputs those the region's first run had (metas from the tape). */
+static int rec_call_custom_fwd(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a,
+                               int n_in, gj_val *const *in, gj_val **outs) {
+    recorder *r = (recorder *)b;
+    gj_rt_meta im[GJ_AG_MAX_IN], om[GJ_AG_MAX_OUT];
+    if (n_in > GJ_AG_MAX_IN) {
+        gj_rt_set_error("jit capture: custom op %s with %d tensor arguments", op->name, n_in);
+        return -1;
+    }
+    for (int i = 0; i < n_in; i++) im[i] = r->cap->g.values[val_id(in[i])].meta;
+    int tape = -1, n_out = 0;
+    int ci = find_tape_fwd(r->w, op, a, n_in, im, &tape, om, &n_out);
+    if (ci < 0) {
+        fail_reason(r, false, "a recomputed custom op %s that is on no checkpoint tape of the "
+                    "walked graph", op->name);
+        gj_rt_set_error("jit capture: custom op %s: tape op not found", op->name);
+        return -1;
+    }
+    if (n_in > GJ_JIT_CALL_MAX_IN || n_out > GJ_RT_MAX_OUTPUTS) {
+        fail_reason(r, true, "custom op %s: %d tensor arguments and %d outputs exceed a "
+                    "compiled forward call (at most %d and %d)", op->name, n_in, n_out,
+                    GJ_JIT_CALL_MAX_IN, GJ_RT_MAX_OUTPUTS);
+        gj_rt_set_error("jit capture: %s", r->cap->reason);
+        return -1;
+    }
+    int ids[GJ_JIT_CALL_MAX_IN], out_ids[GJ_RT_MAX_OUTPUTS];
+    for (int i = 0; i < n_in; i++) ids[i] = val_id(in[i]);
+    if (gj_jit_graph_add_custom(&r->cap->g, ci, tape, 0, n_in, ids, n_out, om, out_ids) < 0)
+        return -1;
+    r->cap->g.nodes[r->cap->g.n_nodes - 1].custom_fwd = true;
+    for (int k = 0; k < n_out; k++) outs[k] = id_val(out_ids[k]);
+    return n_out;
+}
+
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds) {
     memset(cap, 0, sizeof *cap);
@@ -322,7 +386,8 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
               .records = true,
               .call_hook = rec_call_hook,
               .call_post_hook = rec_call_post_hook,
-              .call_custom = rec_call_custom},
+              .call_custom = rec_call_custom,
+              .call_custom_fwd = rec_call_custom_fwd},
         .cap = cap,
         .w = w,
     };

@@ -812,13 +812,18 @@ static void test_env_log(void **st) {
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "ALL", &err), 0xff);
     free(err);
+    assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "Recompiles", &err),
+                     GJ_JIT_LOG_RECOMPILES);
+    assert_string_equal(err, "");
+    free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "plan,bogus", &err),
                      GJ_JIT_LOG_PLAN);
     assert_int_equal(count_of(err, "GRADJIT_LOG"), 1);
     assert_int_equal(count_of(err, "bogus"), 1);
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "help", &err), 0);
-    static const char *words[] = {"graph", "ir", "plan", "cache", "fallback", "prof", "all", "help"};
+    static const char *words[] = {"graph", "ir", "plan", "cache", "fallback", "prof", "recompiles",
+                                  "all", "help"};
     for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
         if (!strstr(err, words[i])) print_error("help lacks '%s': %s\n", words[i], err);
         assert_non_null(strstr(err, words[i]));
