@@ -290,6 +290,23 @@ GJ_API void gj_optim_zero_grad(gj_optim *o); /* sets every .grad to NULL */
 GJ_API void gj_optim_set_lr(gj_optim *o, double lr);
 GJ_API void gj_optim_free(gj_optim *o);
 
+/* --------------------------------------------------- training utilities */
+
+/* torch.nn.utils.clip_grad_norm_: the 2-norm of all the .grads of
+ * params[0..n) together (parameters without a .grad are skipped; borrowed)
+ * goes to *total_norm (may be NULL); when it exceeds max_norm every .grad is
+ * scaled in place by max_norm / (norm + 1e-6). 0, or -1 with an error (bad
+ * arguments; a non-finite norm, gradients then untouched). */
+GJ_API int gj_clip_grad_norm(int n, gj_tensor *const *params, double max_norm,
+                             double *total_norm);
+/* Learning rate at `step` (from 0): StepLR, base_lr * gamma^(step / step_size). */
+GJ_API double gj_lr_step(double base_lr, int64_t step, int64_t step_size, double gamma);
+/* Linear warm-up over `warmup` steps (base_lr * (step + 1) / warmup), then a
+ * cosine from base_lr down to min_lr at step `total` (and min_lr after).
+ * NaN with an error for bad arguments. */
+GJ_API double gj_lr_cosine(double base_lr, int64_t step, int64_t warmup, int64_t total,
+                           double min_lr);
+
 /* ------------------------------------------------- compiled autograd */
 
 GJ_API void gj_set_compiled_autograd(bool on); /* also GRADJIT_COMPILED_AUTOGRAD=1 */

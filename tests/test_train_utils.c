@@ -1,0 +1,120 @@
+/*
+ * test_train_utils.c - gj_clip_grad_norm and the learning-rate schedules
+ * against the formulas of torch.nn.utils.clip_grad_norm_ and
+ * torch.optim.lr_scheduler (StepLR; linear warm-up then cosine), computed
+ * here independently, plus their errors.
+ */
+#include "gjtest.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A leaf of dtype dt whose .grad holds g[0..n) (also of dtype dt). */
+static gj_tensor *leaf_with_grad(gj_dtype dt, int64_t n, const double *g) {
+    gj_tensor *p = gj_zeros(dt, 1, &n);
+    assert_non_null(p);
+    assert_int_equal(gj_set_requires_grad(p, true), 0);
+    gj_tensor *gt = gjt_tensor(dt, 1, &n, g);
+    assert_non_null(gt);
+    assert_int_equal(gj_tensor_set_grad(p, gt), 0);
+    gj_release(gt);
+    return p;
+}
+
+static void test_clip_grad_norm(void **state) {
+    (void)state;
+    double g1[3] = {3, 0, -4}, g2[2] = {12, 0}; /* norm sqrt(9+16+144) = 13 */
+    gj_tensor *p[3] = {leaf_with_grad(GJ_F64, 3, g1), leaf_with_grad(GJ_F64, 2, g2), NULL};
+    int64_t one = 1;
+    p[2] = gj_zeros(GJ_F64, 1, &one); /* no .grad: skipped */
+    assert_int_equal(gj_set_requires_grad(p[2], true), 0);
+    double norm = 0;
+    assert_int_equal(gj_clip_grad_norm(3, p, 20.0, &norm), 0); /* below: untouched */
+    assert_true(fabs(norm - 13.0) < 1e-12);
+    assert_true(gjt_tensor_close("unclipped", gj_tensor_grad(p[0]), g1, 0, 0));
+    assert_int_equal(gj_clip_grad_norm(3, p, 6.5, &norm), 0);
+    assert_true(fabs(norm - 13.0) < 1e-12);
+    double c = 6.5 / (13.0 + 1e-6), w1[3] = {3 * c, 0, -4 * c}, w2[2] = {12 * c, 0};
+    assert_true(gjt_tensor_close("clipped p0", gj_tensor_grad(p[0]), w1, 1e-15, 1e-15));
+    assert_true(gjt_tensor_close("clipped p1", gj_tensor_grad(p[1]), w2, 1e-15, 1e-15));
+    assert_null(gj_tensor_grad(p[2]));
+    assert_int_equal(gj_clip_grad_norm(3, p, 6.5, NULL), 0); /* now at the bound */
+    for (int i = 0; i < 3; i++) gj_release(p[i]);
+
+    /* f32 and bf16 gradients: the norm in f64, the scaling in place */
+    double g3[4] = {1, 2, 2, 4}; /* norm 5 */
+    gj_tensor *q[2] = {leaf_with_grad(GJ_F32, 4, g3), leaf_with_grad(GJ_BF16, 4, g3)};
+    assert_int_equal(gj_clip_grad_norm(2, q, 1.0, &norm), 0);
+    assert_true(fabs(norm - sqrt(50.0)) < 1e-12);
+    double s = 1.0 / (sqrt(50.0) + 1e-6), w3[4] = {s, 2 * s, 2 * s, 4 * s};
+    assert_true(gjt_tensor_close("clipped f32", gj_tensor_grad(q[0]), w3, 0, 1e-6));
+    assert_true(gjt_tensor_close("clipped bf16", gj_tensor_grad(q[1]), w3, 0, 1.0 / 128));
+    for (int i = 0; i < 2; i++) gj_release(q[i]);
+}
+
+static void test_clip_grad_norm_errors(void **state) {
+    (void)state;
+    double g[2] = {1, INFINITY};
+    gj_tensor *p = leaf_with_grad(GJ_F64, 2, g);
+    double norm = 0;
+    assert_int_equal(gj_clip_grad_norm(1, &p, 1.0, &norm), -1);
+    assert_true(isinf(norm));
+    assert_true(gjt_error_has("gj_clip_grad_norm"));
+    assert_true(gjt_error_has("inf"));
+    assert_true(isinf(gj_tensor_item_at(gj_tensor_grad(p), 1))); /* untouched */
+    assert_true(gj_tensor_item_at(gj_tensor_grad(p), 0) == 1.0);
+    assert_int_equal(gj_clip_grad_norm(1, &p, 0.0, NULL), -1);
+    assert_true(gjt_error_has("max_norm"));
+    assert_int_equal(gj_clip_grad_norm(1, &p, NAN, NULL), -1);
+    assert_int_equal(gj_clip_grad_norm(1, NULL, 1.0, NULL), -1);
+    gj_tensor *nul = NULL;
+    assert_int_equal(gj_clip_grad_norm(1, &nul, 1.0, NULL), -1);
+    assert_true(gjt_error_has("parameter 0 is NULL"));
+    assert_int_equal(gj_clip_grad_norm(0, NULL, 1.0, &norm), 0); /* nothing to clip */
+    assert_true(norm == 0.0);
+    gj_release(p);
+}
+
+static void test_lr_schedules(void **state) {
+    (void)state;
+    /* StepLR(step_size 3, gamma 0.5) from 0.1 */
+    static const double want_step[8] = {0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025};
+    for (int s = 0; s < 8; s++) assert_true(fabs(gj_lr_step(0.1, s, 3, 0.5) - want_step[s]) < 1e-15);
+    /* warm-up 10 then cosine to 1e-4 at step 110 */
+    double base = 3e-3, lo = 1e-4;
+    assert_true(fabs(gj_lr_cosine(base, 0, 10, 110, lo) - base / 10) < 1e-15);
+    assert_true(fabs(gj_lr_cosine(base, 9, 10, 110, lo) - base) < 1e-15);
+    assert_true(fabs(gj_lr_cosine(base, 10, 10, 110, lo) - base) < 1e-15);
+    assert_true(fabs(gj_lr_cosine(base, 60, 10, 110, lo) - (base + lo) / 2) < 1e-15);
+    for (int s = 35; s <= 85; s += 25) {
+        double t = (s - 10) / 100.0, want = lo + (base - lo) * 0.5 * (1 + cos(M_PI * t));
+        assert_true(fabs(gj_lr_cosine(base, s, 10, 110, lo) - want) < 1e-15);
+    }
+    assert_true(fabs(gj_lr_cosine(base, 110, 10, 110, lo) - lo) < 1e-15);
+    assert_true(fabs(gj_lr_cosine(base, 500, 10, 110, lo) - lo) < 1e-15);
+    assert_true(fabs(gj_lr_cosine(base, 0, 0, 100, lo) - base) < 1e-15); /* no warm-up */
+    /* monotone: up during warm-up, down after */
+    for (int s = 1; s < 120; s++) {
+        double a = gj_lr_cosine(base, s - 1, 10, 110, lo), b = gj_lr_cosine(base, s, 10, 110, lo);
+        assert_true(s <= 9 ? b > a : b <= a);
+    }
+    /* errors: NaN and a message */
+    assert_true(isnan(gj_lr_step(0.1, 0, 0, 0.5)));
+    assert_true(gjt_error_has("gj_lr_step"));
+    assert_true(isnan(gj_lr_step(0.1, -1, 3, 0.5)));
+    assert_true(isnan(gj_lr_cosine(base, 0, 10, 10, lo)));
+    assert_true(gjt_error_has("gj_lr_cosine"));
+    assert_true(isnan(gj_lr_cosine(base, -2, 10, 110, lo)));
+    assert_true(isnan(gj_lr_cosine(INFINITY, 0, 10, 110, lo)));
+}
+
+int main(void) {
+    gjt_setup();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_clip_grad_norm),
+        cmocka_unit_test(test_clip_grad_norm_errors),
+        cmocka_unit_test(test_lr_schedules),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
