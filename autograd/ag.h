@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ag.h - the eager autograd engine: builders, op definitions, graph nodes,
  * and the backward traversal.

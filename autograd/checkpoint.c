@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * checkpoint.c - activation-checkpoint regions: the tape recorded while a
  * region's function runs, the single autograd node a region becomes, and

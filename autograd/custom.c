@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * custom.c - custom ops defined from plain C functions and a schema string
  * ("mylib::scaled_gelu(Tensor x, float alpha) -> Tensor"): the schema

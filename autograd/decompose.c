@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * decompose.c - the composite primitives (SOFTMAX .. CE_BWD) expressed with
  * non-composite primitives, on any builder. The recording builder of jit/

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * eager.c - the eager interpreter of the builder interface, and the emit
  * helpers every formula uses (they only call b->emit, so they serve the

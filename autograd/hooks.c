@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * hooks.c - tensor hooks and post-accumulate hooks (registration, removal,
  * the engine's calls through the builder, the eager builder's calls into the

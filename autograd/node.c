@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * node.c - graph nodes, per-tensor autograd metadata, and gj_ag_apply (run
  * an op's forward formula eagerly and record its node).

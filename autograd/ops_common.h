@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops_common.h - small helpers shared by the op definitions (ops_*.c).
  *

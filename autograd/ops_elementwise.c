@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops_elementwise.c - forward and backward formulas of the elementwise ops:
  * arithmetic (broadcasting), unary math, scalar ops, where / masked_fill,

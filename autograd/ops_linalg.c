@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops_linalg.c - forward and backward formulas of matmul and linear.
  *

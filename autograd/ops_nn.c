@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops_nn.c - forward and backward formulas of the NN ops built on the
  * composite primitives: softmax, log_softmax, layer_norm, cross_entropy,

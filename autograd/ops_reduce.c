@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops_reduce.c - forward and backward formulas of the reductions sum (also
  * mean, as a scaled sum) and max over an axis.

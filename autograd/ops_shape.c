@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops_shape.c - forward and backward formulas of the movement ops: reshape
  * (also view and the identity-free aliases of the frontend), permute,

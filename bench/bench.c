@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * bench.c - gradjit-bench: runs the reference workloads of BENCHMARKS.md
  * (bench/workloads.c) eagerly and with compiled autograd and reports forward

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * bench.h - the reference workloads of BENCHMARKS.md (W1..W5) as seen by the
  * benchmark driver (bench.c). Written against the public API only.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ceiling.c - the machine's own ceiling, measured at start of a --paired
  * run, and each workload's lower bound (BENCHMARKS.md: "the ceiling is

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * compare.h - the PyTorch side of `gradjit-bench --compare torch`
  * (torch_compare.c): runs bench/torch_ref.py under the system Python as a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * paired.c - gradjit-bench --paired: eager and compiled backward steps of one
  * workload interleaved in one process (BENCHMARKS.md, "How to measure").

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * torch_compare.c - runs bench/torch_ref.py (PyTorch eager, the same W1-W5)
  * as a subprocess and reads its JSON for `gradjit-bench --compare torch`.

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: MIT
 """torch_ref.py - the PyTorch side of `gradjit-bench --compare torch`.
 
 Runs the reference workloads W1-W5 of BENCHMARKS.md in PyTorch eager mode with

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * workloads.c - W1..W5 of /work/shared/BENCHMARKS.md with exactly those
  * shapes, against the public API (gradjit.h) only.

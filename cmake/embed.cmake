@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Writes the bytes of IN as a C array SYM (and SYM_size) into OUT.
 file(READ ${IN} hex HEX)
 string(LENGTH "${hex}" n)

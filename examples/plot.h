@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * plot.h - a tiny header-only chart writer for the examples and the bench:
  * an RGB raster, a 5x7 bitmap font, line charts (loss curves), grouped bar

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * train_charlm.c - trains a small character-level transformer language model
  * with gradjit, eagerly or with compiled autograd (--compiled-autograd), or

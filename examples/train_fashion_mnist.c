@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * train_fashion_mnist.c - trains an MLP classifier on Fashion-MNIST with
  * gradjit, eagerly or with compiled autograd (--compiled-autograd), or both

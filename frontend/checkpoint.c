@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * checkpoint.c - gj_checkpoint, the public entry of activation
  * checkpointing (the tape, the region's node and its backward live in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * compiled.c - the compiled-autograd switch, its statistics and the public
  * side of fallbacks (reason names, last message, quiet mode, recompile

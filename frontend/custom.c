@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * custom.c - the public API of custom ops (the schema parser, libffi calls
  * and the op definition are in autograd/custom.c).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * effects.c - the public API of the runtime effects compiled autograd must
  * respect: tensor and post-accumulate hooks, gj_tensor_set_, anomaly mode.

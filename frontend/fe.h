@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * fe.h - internal helpers shared by the frontend files (not installed).
  */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * gradjit.h - the one public header of gradjit, a C11 library for training
  * neural networks from C with an eager, define-by-run autograd engine whose

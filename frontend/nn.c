@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * nn.c - the layers of gradjit.h: Linear, LayerNorm, Embedding.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ops.c - the public op functions of gradjit.h ("ops" section) and the
  * in-place ops.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * optim.c - optimizers: SGD (momentum, weight decay) and AdamW, with the
  * update rules of torch.optim (defaults: dampening 0, no nesterov, no

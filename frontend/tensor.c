@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * tensor.c - the public tensor API: creation, references and scopes,
  * accessors, requires_grad/.grad, backward and gj_grad, no-grad mode.

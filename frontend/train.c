@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * train.c - training utilities around backward: global gradient-norm
  * clipping and learning-rate schedules, as torch.nn.utils.clip_grad_norm_

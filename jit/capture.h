@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * capture.h - the structural key of a backward (key.c) and the recording
  * builder that captures it as a gj_jit_graph (record.c). Internal to jit/.

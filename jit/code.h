@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * code.h - compiled machine code for a plan, without LLVM types (the LLVM
  * side is llvmjit.c). Internal to jit/.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * compiled.c - gj_jit_backward: key -> cache -> (capture, compile) -> run,
  * with fallbacks to the eager engine and the statistics of gj_ca_stats.

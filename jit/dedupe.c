@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * dedupe.c - fused kernels that are the same function share one.
  *

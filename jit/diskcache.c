@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * diskcache.h - compiled programs on disk, so a second process skips
  * compilation (internal to jit/).

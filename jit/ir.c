@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ir.c - the graph IR: building, printing, instruction equality, and the
  * GRADJIT_LOG switches of jit/.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * ir.h - the graph IR of the compiled path (internal to jit/).
  *

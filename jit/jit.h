@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * jit.h - the one narrow entry into the compiler. frontend/ (gj_backward,
  * gj_grad) calls it when the compiled-autograd flag is on; autograd/ and

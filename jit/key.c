@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * key.c - the structural key of a backward: a canonical walk of the autograd
  * graph from the roots, its text serialization and its 128-bit hash.

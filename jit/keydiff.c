@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * keydiff.c - why a call site compiles again: the first difference between
  * two keys of one site (key.c's text), said in the words of the graph

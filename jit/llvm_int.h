@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * llvm_int.h - the only header of gradjit that names LLVM types. Included by
  * lower.c (plan -> LLVM IR) and llvmjit.c (target, LLJIT, bitcode, passes);

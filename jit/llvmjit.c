@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * llvmjit.c - LLVM target setup, the process-wide ORC LLJIT, bitcode math
  * linking, the optimisation pipeline and symbol lookup.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * lower.c - LLVM IR for the kernels of a plan.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * memplan.c - the memory plan of a plan: when each temporary and new .grad
  * buffer is allocated and freed.

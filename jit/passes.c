@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * passes.c - graph-to-graph passes on the IR: common-subexpression
  * elimination, dead-code elimination and legalisation (a bf16 MATMUL

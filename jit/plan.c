@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * plan.c - from a captured graph to an execution plan: view folding,
  * elementwise fusion with trailing reductions, BLAS steps, graph outputs,

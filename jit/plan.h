@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * plan.h - the execution plan of a captured graph (internal to jit/): fused
  * kernels, BLAS calls, the buffers they read and write, and the memory plan.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * program.c - building a program from a captured graph, and running a plan:
  * a small interpreter over the plan's steps (fused kernels split across the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * program.h - a compiled backward: the plan, its machine code, and what its
  * inputs and outputs are at run time. Internal to jit/ (and the jit tests).

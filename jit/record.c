@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * record.c - the recording builder: the engine's own traversal, run with a
  * builder that appends IR nodes instead of computing, captures a backward

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * schedule.c - which steps of a plan run side by side.
  *

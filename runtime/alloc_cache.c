@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * alloc_cache.c - the caching allocator behind gj_rt_alloc_data: freed
  * tensor blocks are kept in per-size-class free lists and handed out again,

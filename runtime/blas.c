@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * blas.c - OpenBLAS, loaded at run time, and row-major GEMM wrappers.
  *

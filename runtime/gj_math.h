@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * gj_math.h - the scalar math of gradjit, written once and used twice: the
  * eager kernels (runtime/kernels_*.c) loop over these functions, and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels.h - internal header of the eager kernels (runtime/kernels_*.c):
  * the compile settings that make their loops vectorize, the cross-file

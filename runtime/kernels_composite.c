@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_composite.c - the hand-fused composites over the last axis:
  * SOFTMAX, LOG_SOFTMAX, their backwards, LN_FWD / LN_BWD (layer norm

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_elementwise.c - eager kernels of the elementwise primitives
  * (unary, scalar, binary, EQ, WHERE) and of the generators FILL,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_exec.c - gj_rt_exec: run one primitive eagerly on real tensors.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_index.c - GATHER_ROWS (embedding forward) and SCATTER_ADD_ROWS
  * (its backward), with i64 indices.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_infer.c - gj_rt_infer, the one shape/dtype rule of every
  * primitive (eager gj_rt_exec and the JIT's recording builder both call

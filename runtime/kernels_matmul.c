@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_matmul.c - MATMUL: [..., M, K] x [..., K, N] -> [..., M, N] with
  * broadcast batch dims; ta / tb mean the last two dims of x / y are stored

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_movement.c - RESHAPE, PERMUTE, EXPAND, SLICE (views) and PAD,
  * CAT (new contiguous tensors). COPY and CAST go straight to

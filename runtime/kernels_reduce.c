@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * kernels_reduce.c - SUM over an axes mask and MAX over one axis.
  *

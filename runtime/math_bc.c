@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * math_bc.c - the scalar math of gj_math.h as externally visible functions
  * with stable names, compiled by clang-19 to LLVM bitcode (see

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * pool.c - the persistent thread pool behind gj_rt_parallel_for.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * rt.h - the runtime layer: storage, tensors, the allocator, errors, the
  * thread pool, BLAS, and the eager kernels of every primitive.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * rt_prim.h - the primitive vocabulary shared by the eager kernels and the
  * compiler. Every forward and backward formula of autograd/ is written as a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * storage.c - reference-counted blocks of tensor bytes.
  *

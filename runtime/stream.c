@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * stream.c - streams and events: ordered queues of work, each run by its own
  * thread, used to overlap gradient communication and copies with backward

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * tensor.c - tensor headers: creation, views, reference counting, layout
  * queries and the one generic strided copy (with dtype conversion).

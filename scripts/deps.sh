@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Installs the Debian 12 packages gradjit needs (as root, or through sudo).
 # Idempotent: does nothing when everything is already installed.
 set -euo pipefail

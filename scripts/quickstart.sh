@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Sets everything up on a fresh Debian 12 machine and runs the main job:
 # trains the Fashion-MNIST MLP for one epoch eagerly and with compiled
 # autograd from the same seed, and prints both side by side.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Builds gradjit and runs every test suite (ctest).
 #   scripts/test.sh             release build in build/, all tests
 #   scripts/test.sh --sanitize  the same built with ASan + UBSan in build-asan/

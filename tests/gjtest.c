@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * gjtest.c - shared helpers of the cmocka suites (see gjtest.h).
  *

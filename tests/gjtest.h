@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * gjtest.h - helpers shared by every cmocka suite of gradjit.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_alloc_fail.c - out-of-memory at every allocation of a training step.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_bad_input.c - a catalogue of bad calls. Every entry must return NULL
  * (or a non-zero status), must not crash, must set gj_last_error() to a

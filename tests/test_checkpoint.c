@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_checkpoint.c - activation checkpointing (gj_checkpoint, issue #5):
  * gradients equal the run without checkpointing (f64, every policy), the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_custom_ops.c - custom ops from C functions and schema strings:
  * mylib::scaled_gelu (Tensor, float), mylib::two (two Tensor results),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_decompose.c - the decompositions of the composite primitives
  * (autograd/decompose.c) against the eager hand-fused composites.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_diskcache.c - the disk cache trusts nothing it reads, and the
  * environment variables are parsed strictly (docs/guide.md, section 5).

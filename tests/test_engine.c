@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_engine.c - the eager autograd engine through the public API:
  * accumulation into .grad (and its dtype), shared subgraphs and diamonds,

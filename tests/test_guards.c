@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_guards.c - guards of the hardening issue: what user code may change
  * during a compiled backward, error messages of chained calls and of a

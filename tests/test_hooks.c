@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_hooks.c - tensor hooks and post-accumulate hooks (order, the total
  * gradient, replacement, removal, survival past the tensor, errors), hooks

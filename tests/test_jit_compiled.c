@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_compiled.c - compiled autograd end to end through the public
  * API: gradients of small models (an MLP with GELU and cross-entropy, the

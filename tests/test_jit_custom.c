@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_custom.c - custom ops inside compiled backwards (jit/record.c
  * rec_call_custom, the plan's call steps, jit/compiled.c call_custom).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_fallback.c - the public side of compiled-autograd fallbacks:
  * reason names, per-reason counters, the last fallback's message, quiet

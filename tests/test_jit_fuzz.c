@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_fuzz.c - differential test of compiled autograd: random small
  * models built from the public ops (elementwise with broadcasting,

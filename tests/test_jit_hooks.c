@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_hooks.c - hooks inside compiled backwards (jit/compiled.c) and
  * the guards that run after each hook call.

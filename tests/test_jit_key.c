@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_key.c - the structural key of a backward across processes.
  *

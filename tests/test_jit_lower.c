@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_lower.c - the compiler's back end on hand-built IR graphs:
  * planning (fusion, view folding, reductions, BLAS steps, memory plan),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_ops.c - every public op's backward, compiled: for each op (and
  * the nn layers) a small model loss = sum(op(inputs) * R) with a fixed

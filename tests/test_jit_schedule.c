@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_schedule.c - the compiled program's schedule (jit/schedule.c) and
  * GEMMs on the pool (runtime/blas.c: gemm_split).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_jit_steps.c - compiled autograd over many training steps: a call
  * site whose structure does not change compiles once, whatever changes

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_kernels.c - every primitive of runtime/rt_prim.h through gj_rt_exec,
  * against naive double-precision references, plus the error rules of

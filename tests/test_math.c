@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_math.c - accuracy of the scalar math (runtime/gj_math.h) against
  * libm, and the embedded bitcode of runtime/math_bc.c.

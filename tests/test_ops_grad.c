@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_ops_grad.c - every op of gradjit.h: gradients checked by central
  * finite differences in f64 (gjt_gradcheck) on several shapes each,

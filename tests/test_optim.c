@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_optim.c - SGD and AdamW against the torch.optim update rules.
  *

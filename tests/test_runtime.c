@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_runtime.c - the runtime core: errors, allocator accounting and
  * failure injection, storage and tensor headers, the strided copy with

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_safety.c - legal calls that used to free memory still in use or
  * recurse without end (the hardening issue's use-after-free list), each run

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_scope.c - ownership through scopes: a scope releases the new
  * references created while it is the innermost one; gj_scope_keep moves a

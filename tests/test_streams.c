@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_streams.c - streams and events (order, cross-stream waits, drain on
  * free), the caching allocator (reuse by size class, cached_bytes, release,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_train_loop.c - training loops end to end: a small MLP fits a fixed
  * synthetic regression problem (a random linear teacher plus a tanh term)

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * test_train_utils.c - gj_clip_grad_norm and the learning-rate schedules
  * against the formulas of torch.nn.utils.clip_grad_norm_ and

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # The shared library's ABI is its header: libgradjit.so must export exactly
 # the functions gradjit.h declares with GJ_API, and nothing else.
 #   check_exports.sh <libgradjit.so> <gradjit.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* consumer.c - a user's program built against an installed gradjit (through
  * find_package and through pkg-config) by tests/install/run.sh. */
 #include <gradjit.h>

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Installs the build tree BUILD into a temporary prefix and builds a user's
 # program against it three ways: CMake shared, CMake static, pkg-config.
 set -euo pipefail
