@@ -138,7 +138,9 @@ void gj_ag_node_release(gj_ag_node *n) {
         for (int k = 0; k < GJ_AG_MAX_OUT; k++) gj_ag_hooks_free(&cur->out_hooks[k]);
         if (cur->kind == GJ_AG_ACCUMULATE && cur->leaf) {
             gj_ag_tensor_meta *lm = cur->leaf->ag;
+            gj_ag_leaf_lock(cur->leaf); /* against gj_ag_edge_of on another thread */
             if (lm && lm->acc == cur) lm->acc = NULL;
+            gj_ag_leaf_unlock(cur->leaf);
             gj_rt_tensor_release(cur->leaf);
         }
         gj_rt_free(cur);
@@ -168,19 +170,32 @@ gj_ag_edge gj_ag_edge_of(gj_tensor *t) {
         gj_ag_node_retain(e.node);
         return e;
     }
-    if (m->acc) {
-        e.node = m->acc;
-        gj_ag_node_retain(e.node);
-        return e;
+    /* m->acc is weak and shared by every graph (and thread) using the leaf:
+     * under the leaf's lock, retain it only while its count is not zero (a
+     * node whose last reference is being dropped on another thread is
+     * never revived), else install a new one */
+    gj_ag_leaf_lock(t);
+    gj_ag_node *a = m->acc;
+    if (a) {
+        long c = atomic_load(&a->refcount);
+        while (c > 0 && !atomic_compare_exchange_weak(&a->refcount, &c, c + 1)) {
+        }
+        if (c > 0) {
+            gj_ag_leaf_unlock(t);
+            e.node = a;
+            return e;
+        }
     }
     gj_ag_node *acc = node_new(GJ_AG_ACCUMULATE);
-    if (!acc) return e;
-    gj_rt_tensor_retain(t);
-    acc->leaf = t;
-    acc->n_out = 1;
-    gj_rt_meta_of(t, &acc->out_meta[0]);
-    m->acc = acc; /* weak */
-    e.node = acc; /* the creation reference is the caller's */
+    if (acc) {
+        gj_rt_tensor_retain(t);
+        acc->leaf = t;
+        acc->n_out = 1;
+        gj_rt_meta_of(t, &acc->out_meta[0]);
+        m->acc = acc; /* weak */
+    }
+    gj_ag_leaf_unlock(t);
+    e.node = acc; /* the creation reference is the caller's (NULL on OOM) */
     return e;
 }
 

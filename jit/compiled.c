@@ -1043,6 +1043,8 @@ run:
     hook_ctx hc;
     memset(&hc, 0, sizeof hc);
     int r = run_program(prog, &w, tensors, why, sizeof why, &hc);
+    gj_ag_leaf_unlock_stripes(stripes); /* before g_lock: leaf locks are taken under it */
+    stripes = 0;
     tp2 = now_ms();
     if (r == 1) goto fall;
     if (r == 2 || (r == 0 && hc.tripped)) { /* a hook guard: eager-only from now on */

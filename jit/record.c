@@ -138,7 +138,10 @@ static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
     recorder *r = (recorder *)b;
     gj_jit_graph *g = &r->cap->g;
     gj_ag_tensor_meta *lm = leaf->ag;
-    int acc = lm ? gj_jit_walk_find(r->w, lm->acc) : -1;
+    gj_ag_leaf_lock(leaf); /* acc is shared with other threads' graphs */
+    gj_ag_node *an = lm ? lm->acc : NULL;
+    gj_ag_leaf_unlock(leaf);
+    int acc = gj_jit_walk_find(r->w, an);
     if (acc < 0) {
         fail_reason(r, false, "leaf gradient without an accumulate node in the walk");
         gj_rt_set_error("jit capture: internal: leaf without accumulate node");
