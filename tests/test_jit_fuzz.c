@@ -50,8 +50,8 @@
  * leaves (the in-place accumulation path); seeds divisible by 5 run the
  * backward twice with retain_graph (accumulating). The default run checks
  * 2,000 graphs from fixed seeds (400 under AddressSanitizer), the runtime
- * effects mixed into that count (about 15% more CPU time than the plain
- * graphs alone);
+ * effects mixed into that count (the forced custom op and region replace
+ * random ops, so the suite takes about the CPU time of plain graphs);
  * GJT_FUZZ_SEED=n reproduces one seed alone (for every dtype, or only
  * GJT_FUZZ_DTYPE=f32|f64|bf16); GJT_FUZZ_COUNT=n runs n seeds per dtype;
  * GJT_FUZZ_GRAPHS=n runs n graphs in all, split over the dtypes as the
@@ -756,7 +756,11 @@ static void run_model(uint64_t seed, gj_dtype dt, unsigned feat, const run_cfg *
     if (feat & F_HOOKS)
         for (int i = 0; i < f->n_leaves; i++)
             if (gjt_rng_int(&f->rng, 3) == 0) add_hook(f, f->leaves[i], true, -1);
-    int ops = 4 + (int)gjt_rng_int(&f->rng, 9);
+    /* the forced custom op and region below take the place of random ops,
+     * so that graphs with features are about as large (and as slow to
+     * compile) as plain ones */
+    int ops = 4 + (int)gjt_rng_int(&f->rng, 9) - ((feat & F_CUSTOM) ? 1 : 0) -
+              ((feat & F_REGION) ? 2 : 0);
     for (int k = 0; k < ops; k++) fuzz_step(f);
     /* each feature at least once on the way to the loss */
     if (feat & F_CUSTOM) fuzz_custom(f);
