@@ -5,8 +5,7 @@
  * reductions, max, views, narrow/cat, expand, matmul, linear, softmax,
  * log-softmax, layer norm, cross-entropy, embedding, where, masked fill,
  * casts, dropout), whose backward runs once eagerly and once compiled.
- * Every graph must compile (no fallback: every primitive has a lowering)
- * and every leaf's .grad must agree with eager's within rtol times the
+ * Every leaf's .grad must agree with eager's within rtol times the
  * largest |eager| entry of that .grad:
  *     f64 1e-12, f32 1e-6, bf16 2^-7 (one bf16 rounding step).
  * The compiled path follows the eager kernels' numerics (double
@@ -14,17 +13,69 @@
  * left is the order inside BLAS for differently laid-out operands and
  * the GEMM that accumulates into an existing .grad (beta = 1).
  *
+ * Runtime effects. A share of the graphs (chosen per seed, see
+ * seed_features: hooks 30%, half of them with stream jobs, record_stream
+ * 5%, custom ops 25%, regions 25%, faults 5%) also contain:
+ *   - tensor hooks on intermediate values and on leaves: pure ones that
+ *     scale the gradient or add a constant to it, identity ones that
+ *     return the gradient they got (or NULL) after reading it; and
+ *     post-accumulate hooks on leaves that read .grad or scale it in
+ *     place. Every hook records its calls and the sum (and sum of
+ *     magnitudes) of what it saw; the records must agree with eager's;
+ *   - streams: hooks that keep the gradient (gj_retain) and queue a job on
+ *     a stream that reads it later (the gradient must stay as the hook saw
+ *     it), and, in a smaller share, hooks that call gj_tensor_record_stream,
+ *     which always falls back: those backwards must each be counted as a
+ *     GJ_CA_RECORD_STREAM fallback and still give eager's gradients;
+ *   - custom ops with C forward and backward (x*sigmoid(a*x), a scaled
+ *     softplus, a two-output op), called on random pool tensors;
+ *   - activation-checkpoint regions (gj_checkpoint) around a random
+ *     sub-chain of ops over one or two pool tensors and the leaves, with
+ *     dropout inside some, under no policy (recompute all), a random
+ *     per-op policy or PREFER_SAVE; with a custom op inside some, which
+ *     falls back (GJ_CA_OTHER) when the region recomputes its forward:
+ *     then every backward of that run must be counted as such;
+ *   - allocation faults (gj_rt_alloc_fail_at) at a random allocation of a
+ *     compiled backward, half of them with a cold cache so the fault may
+ *     hit capture and compilation: the backward must either succeed with
+ *     eager's gradients or fail with an error that mentions memory, never
+ *     crash, and live tensor bytes must return to where they were; a clean
+ *     compiled backward after the fault must give eager's gradients again.
+ *     (Known bug, test_post_hook_error_is_swallowed: when the fault hits an
+ *     op inside a post-accumulate hook the backward still succeeds; such
+ *     runs are counted in the summary, not compared.) The allocation
+ *     counts depend on the process's history: a failure report names the
+ *     fault as GJT_FUZZ_FAULT=<k>c|w (cold or warm cache) to repeat it
+ *     with GJT_FUZZ_SEED.
+ * A graph without a falling-back feature (record_stream, a custom op in a
+ * region) must run compiled: every backward one compile or cache hit, no
+ * fallback. Every backward, compiled or not, must be counted in
+ * gj_ca_stats.backwards (except one that fails before it starts).
+ *
  * Each model is a pure function of its seed, so a failure prints the seed
  * and the op sequence. Odd seeds start with existing .grad buffers on some
  * leaves (the in-place accumulation path); seeds divisible by 5 run the
  * backward twice with retain_graph (accumulating). The default run checks
- * 2,000 graphs from fixed seeds (400 under AddressSanitizer);
+ * 2,000 graphs from fixed seeds (400 under AddressSanitizer), the runtime
+ * effects mixed into that count (the forced custom op and region replace
+ * random ops; the suite takes about 10% more CPU time than plain graphs
+ * did: 98 s against 89 s on a loaded 2-core machine);
  * GJT_FUZZ_SEED=n reproduces one seed alone (for every dtype, or only
- * GJT_FUZZ_DTYPE=f32|f64|bf16); GJT_FUZZ_COUNT=n runs n seeds per dtype.
+ * GJT_FUZZ_DTYPE=f32|f64|bf16); GJT_FUZZ_COUNT=n runs n seeds per dtype;
+ * GJT_FUZZ_GRAPHS=n runs n graphs in all, split over the dtypes as the
+ * default run is (35% f64, 45% f32, 20% bf16). A long run, from the build
+ * directory:
+ *     GJT_FUZZ_GRAPHS=100000 nice -n 19 ./test_jit_fuzz
+ * (100,000 graphs take about an hour and a half on an idle 2-core
+ * machine). GJT_FUZZ_FEATURES=mask keeps only the features of the mask
+ * (F_* below: 0 gives plain graphs, 32 the faults alone) for probing one
+ * feature at a time; masking hooks, custom ops or regions changes the
+ * seed's ops, masking the fault does not.
  */
 #include "gjtest.h"
 
 #include "jit/jit.h"
+#include "runtime/rt.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -45,6 +96,58 @@
 
 #define MAXT 48
 #define NLEAF 7
+#define MAXH 16   /* hooks per model */
+#define MAXJ 64   /* stream jobs per backward */
+#define LOGCAP 4096
+
+/* Features of a seed's model (seed_features). */
+enum {
+    F_HOOKS = 1 << 0,  /* tensor and post-accumulate hooks */
+    F_STREAM = 1 << 1, /* hooks that queue reads of the gradient on a stream */
+    F_RECORD = 1 << 2, /* hooks that call record_stream: falls back */
+    F_CUSTOM = 1 << 3, /* custom ops */
+    F_REGION = 1 << 4, /* checkpoint regions */
+    F_FAULT = 1 << 5,  /* an allocation fault in a compiled backward */
+};
+
+/* What a hook does. */
+typedef enum hook_kind {
+    HK_SCALE = 0, /* tensor hook: returns c * grad */
+    HK_ADD,       /* tensor hook: returns grad + c */
+    HK_IDENT,     /* tensor hook: reads grad, returns grad */
+    HK_KEEP,      /* tensor hook: reads grad, returns NULL */
+    HK_STREAM,    /* tensor hook: keeps grad, a stream job reads it; NULL */
+    HK_RECORD,    /* tensor hook: record_stream(grad); returns grad */
+    HK_N_TENSOR,
+    PK_READ = HK_N_TENSOR, /* post-accumulate: reads .grad */
+    PK_SCALE,              /* post-accumulate: .grad *= c in place */
+    PK_STREAM,             /* post-accumulate: a stream job reads .grad */
+    PK_RECORD,             /* post-accumulate: record_stream(.grad) */
+} hook_kind;
+
+static const char *const HOOK_NAMES[] = {"hook_scale", "hook_add",   "hook_ident",
+                                         "hook_keep",  "hook_stream", "hook_record",
+                                         "post_read",  "post_scale", "post_stream",
+                                         "post_record"};
+
+struct fuzz;
+
+/* One registered hook and what it saw (calls, sum and sum of |x| of the
+ * gradients it read). */
+typedef struct hookrec {
+    hook_kind kind;
+    double c;
+    int calls;
+    int errors; /* post-accumulate: ops that failed inside (see check_fault) */
+    double sum, asum;
+    struct fuzz *f;
+} hookrec;
+
+/* A read queued on the stream: t (a reference of the job) into r. */
+typedef struct sjob {
+    gj_tensor *t;
+    hookrec *r;
+} sjob;
 
 typedef struct fuzz {
     gjt_rng rng;
@@ -53,12 +156,23 @@ typedef struct fuzz {
     int n_leaves;
     gj_tensor *pool[MAXT]; /* borrowed from the scope */
     int n;
-    char log[2048];
+    char log[LOGCAP];
     int64_t R, C;
     gj_tensor *idx, *labels, *mask; /* i64 [R] in [0, V), i64 [R] in [0, C), dt [R, C] */
+    unsigned feat;
+    bool soft, failed; /* soft: an op failing sets failed instead of failing the test */
+    hookrec hk[MAXH];
+    int n_hk;
+    int rs_calls; /* record_stream calls made by hooks */
+    int ckpt_custom; /* custom ops inside checkpoint regions (may fall back) */
+    sjob jobs[MAXJ];
+    int n_jobs; /* jobs queued since the last drain */
 } fuzz;
 
 enum { FUZZ_V = 4 };
+
+static gj_stream *g_stream; /* the stream of every hook's jobs */
+static gj_custom_op *g_swish, *g_softplus, *g_pair;
 
 static void note(fuzz *f, const char *s) {
     size_t l = strlen(f->log);
@@ -69,6 +183,10 @@ static gj_tensor *pick(fuzz *f) { return f->pool[gjt_rng_int(&f->rng, f->n)]; }
 
 static void push(fuzz *f, gj_tensor *t, const char *what) {
     if (!t) {
+        if (f->soft) {
+            f->failed = true;
+            return;
+        }
         print_error("op %s failed: %s\n", what, gj_last_error());
         fail();
     }
@@ -276,96 +394,654 @@ static void free_leaves(fuzz *f) {
     gj_release(f->mask);
 }
 
-/* Builds the model of seed (same ops for the same seed), runs its backward
- * (twice with retain_graph for seeds divisible by 5) and returns the .grad
- * values of each leaf (malloc'd, NULL for no grad); numel[i] their sizes. */
-static double **run_model(uint64_t seed, gj_dtype dt, bool compiled, char *log, size_t logcap,
-                          int64_t *numel) {
-    fuzz f;
-    build_leaves(&f, seed, dt);
+/* ------------------------------------------------------------------ hooks */
+
+/* Adds t's values to r's sum and sum of magnitudes (any thread). */
+static void read_into(hookrec *r, gj_tensor *t) {
+    int64_t n = gj_tensor_numel(t);
+    double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
+    if (!v) return;
+    if (gj_tensor_to_f64(t, v) == 0) {
+        for (int64_t i = 0; i < n; i++) {
+            r->sum += v[i];
+            r->asum += fabs(v[i]);
+        }
+    }
+    free(v);
+}
+
+/* Stream job: reads the gradient a hook kept. */
+static void job_read(void *ctx) {
+    sjob *j = ctx;
+    read_into(j->r, j->t);
+}
+
+/* Keeps t and queues a read of it on the stream. On failure the error
+ * stays set (the hook then fails its backward). */
+static void queue_read(hookrec *h, gj_tensor *t) {
+    fuzz *f = h->f;
+    if (f->n_jobs == MAXJ) {
+        read_into(h, t);
+        return;
+    }
+    sjob *j = &f->jobs[f->n_jobs];
+    j->t = gj_retain(t);
+    j->r = h;
+    if (gj_stream_enqueue(g_stream, job_read, j) != 0) {
+        gj_release(j->t);
+        return;
+    }
+    f->n_jobs++;
+}
+
+/* Waits for every queued read and drops the references the jobs held. */
+static void drain_jobs(fuzz *f) {
+    assert_int_equal(gj_stream_synchronize(g_stream), 0);
+    for (int i = 0; i < f->n_jobs; i++) gj_release(f->jobs[i].t);
+    f->n_jobs = 0;
+}
+
+/* Tensor hook (gj_grad_hook_fn): see hook_kind. A failing op returns
+ * NULL with its error set, which fails the backward (the contract). */
+static gj_tensor *tensor_hook(gj_tensor *grad, void *user) {
+    hookrec *h = user;
+    h->calls++;
+    switch (h->kind) {
+    case HK_SCALE: return gj_mul_scalar(grad, h->c);
+    case HK_ADD: return gj_add_scalar(grad, h->c);
+    case HK_IDENT: read_into(h, grad); return grad;
+    case HK_KEEP: read_into(h, grad); return NULL;
+    case HK_STREAM: queue_read(h, grad); return NULL;
+    case HK_RECORD:
+        h->f->rs_calls++;
+        gj_tensor_record_stream(grad, g_stream);
+        return grad;
+    default: return NULL;
+    }
+}
+
+/* Post-accumulate hook: see hook_kind. */
+static void post_hook(gj_tensor *leaf, void *user) {
+    hookrec *h = user;
+    h->calls++;
+    gj_tensor *g = gj_tensor_grad(leaf);
+    if (!g) return;
+    switch (h->kind) {
+    case PK_READ: read_into(h, g); break;
+    case PK_SCALE: h->errors += gj_mul_scalar_(g, h->c) != 0; break;
+    case PK_STREAM: {
+        int n = h->f->n_jobs;
+        queue_read(h, g);
+        h->errors += h->f->n_jobs == n && n < MAXJ;
+        break;
+    }
+    case PK_RECORD:
+        h->f->rs_calls++;
+        gj_tensor_record_stream(g, g_stream);
+        break;
+    default: break;
+    }
+}
+
+/* Registers a hook on t: a tensor hook (post false) of a random kind the
+ * seed's features allow, or forced (>= 0); a post-accumulate hook on a
+ * leaf (post true). */
+static void add_hook(fuzz *f, gj_tensor *t, bool post, int forced) {
+    if (f->n_hk == MAXH) return;
+    hook_kind kinds[6];
+    int nk = 0;
+    if (post) {
+        kinds[nk++] = PK_READ;
+        kinds[nk++] = PK_SCALE;
+        if (f->feat & F_STREAM) kinds[nk++] = PK_STREAM;
+        if (f->feat & F_RECORD) kinds[nk++] = PK_RECORD;
+    } else {
+        kinds[nk++] = HK_SCALE;
+        kinds[nk++] = HK_ADD;
+        kinds[nk++] = HK_IDENT;
+        kinds[nk++] = HK_KEEP;
+        if (f->feat & F_STREAM) kinds[nk++] = HK_STREAM;
+        if (f->feat & F_RECORD) kinds[nk++] = HK_RECORD;
+    }
+    hookrec *h = &f->hk[f->n_hk];
+    memset(h, 0, sizeof *h);
+    h->kind = forced >= 0 ? (hook_kind)forced : kinds[gjt_rng_int(&f->rng, nk)];
+    h->c = (const double[]){0.5, -1.25, 2.0, 0.75}[gjt_rng_int(&f->rng, 4)];
+    h->f = f;
+    int64_t id = post ? gj_register_post_accumulate_grad_hook(t, post_hook, h)
+                      : gj_register_hook(t, tensor_hook, h);
+    if (id <= 0) {
+        print_error("registering %s failed: %s\n", HOOK_NAMES[h->kind], gj_last_error());
+        fail();
+    }
+    f->n_hk++;
+    char what[48];
+    snprintf(what, sizeof what, "%s(%g)%s", HOOK_NAMES[h->kind], h->c,
+             gj_is_leaf(t) && !post ? "@leaf" : "");
+    note(f, what);
+}
+
+/* ------------------------------------------------------------- custom ops */
+
+/* fuzz::swish(x, a) = x * sigmoid(a x) */
+static int swish_fwd(gj_tensor *x, double a, gj_tensor **out) {
+    *out = gj_mul(x, gj_sigmoid(gj_mul_scalar(x, a)));
+    return *out ? 0 : 1;
+}
+
+/* d/dx = s + a x s (1 - s), s = sigmoid(a x) */
+static int swish_bwd(gj_tensor *g, gj_tensor *x, double a, gj_tensor **gx) {
+    gj_tensor *s = gj_sigmoid(gj_mul_scalar(x, a));
+    gj_tensor *d = gj_add(s, gj_mul_scalar(gj_mul(gj_mul(x, s), gj_add_scalar(gj_neg(s), 1.0)), a));
+    *gx = gj_mul(g, d);
+    return *gx ? 0 : 1;
+}
+
+/* fuzz::softplus(x, b) = log(1 + exp(b x)) / b, computed as
+ * (relu(b x) + log(1 + exp(-|b x|))) / b so that it never overflows. */
+static int softplus_fwd(gj_tensor *x, double b, gj_tensor **out) {
+    gj_tensor *bx = gj_mul_scalar(x, b);
+    gj_tensor *pos = gj_relu(bx), *abs = gj_add(pos, gj_relu(gj_neg(bx)));
+    gj_tensor *tail = gj_log(gj_add_scalar(gj_exp(gj_neg(abs)), 1.0));
+    *out = gj_mul_scalar(gj_add(pos, tail), 1.0 / b);
+    return *out ? 0 : 1;
+}
+
+/* d/dx = sigmoid(b x) */
+static int softplus_bwd(gj_tensor *g, gj_tensor *x, double b, gj_tensor **gx) {
+    *gx = gj_mul(g, gj_sigmoid(gj_mul_scalar(x, b)));
+    return *gx ? 0 : 1;
+}
+
+/* fuzz::pair(a, b) = (a * tanh(b), a - b / 2) */
+static int pair_fwd(gj_tensor *a, gj_tensor *b, gj_tensor **o0, gj_tensor **o1) {
+    *o0 = gj_mul(a, gj_tanh(b));
+    *o1 = gj_sub(a, gj_mul_scalar(b, 0.5));
+    return *o0 && *o1 ? 0 : 1;
+}
+
+static int pair_bwd(gj_tensor *g0, gj_tensor *g1, gj_tensor *a, gj_tensor *b, gj_tensor **ga,
+                    gj_tensor **gb) {
+    gj_tensor *t = gj_tanh(b);
+    *ga = gj_add(gj_mul(g0, t), g1);
+    *gb = gj_sub(gj_mul(gj_mul(g0, a), gj_add_scalar(gj_neg(gj_mul(t, t)), 1.0)),
+                 gj_mul_scalar(g1, 0.5));
+    return *ga && *gb ? 0 : 1;
+}
+
+static void define_custom_ops(void) {
+    g_swish = gj_custom_op_define("fuzz::swish(Tensor x, float a) -> Tensor", (void *)swish_fwd,
+                                  (void *)swish_bwd);
+    g_softplus = gj_custom_op_define("fuzz::softplus(Tensor x, float beta) -> Tensor",
+                                     (void *)softplus_fwd, (void *)softplus_bwd);
+    g_pair = gj_custom_op_define("fuzz::pair(Tensor a, Tensor b) -> (Tensor, Tensor)",
+                                 (void *)pair_fwd, (void *)pair_bwd);
+    if (!g_swish || !g_softplus || !g_pair) print_error("define: %s\n", gj_last_error());
+    assert_true(g_swish && g_softplus && g_pair);
+}
+
+/* One random custom op on the pool. */
+static void fuzz_custom(fuzz *f) {
+    gj_tensor *x = pick(f);
+    gj_tensor *outs[2] = {NULL, NULL};
+    double sc[1] = {0.5 + 0.25 * (double)gjt_rng_int(&f->rng, 5)};
+    char what[48];
+    switch (gjt_rng_int(&f->rng, 3)) {
+    case 0:
+        snprintf(what, sizeof what, "swish(%g)", sc[0]);
+        push(f, gj_custom_op_call(g_swish, &x, sc, outs) == 0 ? outs[0] : NULL, what);
+        break;
+    case 1:
+        snprintf(what, sizeof what, "softplus(%g)", sc[0]);
+        push(f, gj_custom_op_call(g_softplus, &x, sc, outs) == 0 ? outs[0] : NULL, what);
+        break;
+    default: {
+        gj_tensor *y = pick_shape(f, gj_tensor_ndim(x), gj_tensor_shape(x));
+        gj_tensor *args[2] = {x, y ? y : x};
+        int rc = gj_custom_op_call(g_pair, args, NULL, outs);
+        push(f, rc == 0 ? outs[0] : NULL, "pair.0");
+        push(f, outs[1], "pair.1");
+        break;
+    }
+    }
+}
+
+/* ------------------------------------------------------ checkpoint regions */
+
+typedef struct region {
+    fuzz *parent;
+    uint64_t seed;
+    int n_ops;
+    bool dropout;     /* a dropout of in[0] first */
+    bool custom;      /* set by the body: it called a custom op */
+    int policy;       /* 0: none (recompute all), 1: random per op, 2: PREFER_SAVE */
+    char log[LOGCAP / 2];
+} region;
+
+static gj_ckpt_policy region_policy(const char *op_name, int position, void *data) {
+    (void)op_name;
+    const region *rg = data;
+    if (rg->policy == 2) return GJ_CKPT_PREFER_SAVE;
+    uint64_t h = (rg->seed ^ ((uint64_t)position + 1) * 0x9e3779b97f4a7c15ull) * 0xbf58476d1ce4e5b9ull;
+    return (gj_ckpt_policy)((h >> 29) % 4);
+}
+
+/* The region's body: n_ops random ops over in[] and the leaves (the
+ * leaves are parameters read inside). The ops depend on rg->seed only. */
+static int region_body(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    region *rg = user;
+    const fuzz *p = rg->parent;
+    fuzz *sub = calloc(1, sizeof *sub);
+    if (!sub) return -1;
+    gjt_rng_seed(&sub->rng, rg->seed);
+    sub->dt = p->dt;
+    sub->n_leaves = p->n_leaves;
+    memcpy(sub->leaves, p->leaves, sizeof sub->leaves);
+    sub->R = p->R;
+    sub->C = p->C;
+    sub->idx = p->idx;
+    sub->labels = p->labels;
+    sub->mask = p->mask;
+    sub->soft = true;
+    for (int i = 0; i < n_in; i++) sub->pool[sub->n++] = in[i];
+    for (int i = 0; i < p->n_leaves; i++) sub->pool[sub->n++] = p->leaves[i];
+    int base = sub->n;
+    if (rg->dropout) push(sub, gj_dropout(in[0], 0.25, true), "dropout");
+    int at = (p->feat & F_CUSTOM) && gjt_rng_int(&sub->rng, 3) == 0
+                 ? (int)gjt_rng_int(&sub->rng, rg->n_ops) : -1;
+    for (int k = 0; k < rg->n_ops; k++) {
+        if (k == at) {
+            fuzz_custom(sub);
+            rg->custom = true;
+        }
+        fuzz_op(sub);
+    }
+    int rc = sub->failed ? -1 : 0;
+    for (int k = 0; k < n_out; k++)
+        out[k] = sub->n - 1 - k >= base ? sub->pool[sub->n - 1 - k] : in[0];
+    size_t len = strlen(sub->log);
+    if (len >= sizeof rg->log) len = sizeof rg->log - 1;
+    memcpy(rg->log, sub->log, len);
+    rg->log[len] = '\0';
+    free(sub);
+    return rc;
+}
+
+/* A checkpoint region over one or two pool tensors, one or two outputs. */
+static void fuzz_region(fuzz *f) {
+    region *rg = calloc(1, sizeof *rg);
+    assert_non_null(rg);
+    rg->parent = f;
+    rg->seed = gjt_rng_u64(&f->rng);
+    rg->n_ops = 1 + (int)gjt_rng_int(&f->rng, 4);
+    rg->dropout = gjt_rng_int(&f->rng, 3) == 0;
+    rg->policy = (int)gjt_rng_int(&f->rng, 3);
+    int n_in = 1 + (int)gjt_rng_int(&f->rng, 2), n_out = 1 + (int)gjt_rng_int(&f->rng, 2);
+    gj_tensor *in[2] = {pick(f), pick(f)}, *out[2] = {NULL, NULL};
+    int rc = gj_checkpoint(region_body, rg, n_in, in, n_out, out,
+                           rg->policy ? region_policy : NULL, rg);
+    char what[LOGCAP / 2 + 32];
+    snprintf(what, sizeof what, "ckpt%d[%s]", rg->policy, rg->log);
+    f->ckpt_custom += rg->custom;
+    free(rg);
+    push(f, rc == 0 ? out[0] : NULL, what);
+    if (n_out == 2) push(f, out[1], "ckpt.1");
+}
+
+/* One random step: an op, or (when the seed's features allow) a custom
+ * op, a region or a hook on a pool tensor. */
+static void fuzz_step(fuzz *f) {
+    int64_t r = (f->feat & (F_HOOKS | F_CUSTOM | F_REGION)) ? gjt_rng_int(&f->rng, 100) : 100;
+    if (r < 12 && (f->feat & F_CUSTOM)) fuzz_custom(f);
+    else if (r >= 12 && r < 24 && (f->feat & F_REGION)) fuzz_region(f);
+    else if (r >= 24 && r < 40 && (f->feat & F_HOOKS)) add_hook(f, pick(f), false, -1);
+    else fuzz_op(f);
+}
+
+/* --------------------------------------------------------------- running */
+
+/* The features of seed's model: a fixed share of the seeds get each one. */
+static unsigned seed_features(uint64_t seed) {
+    gjt_rng r;
+    gjt_rng_seed(&r, seed * 0x9e3779b97f4a7c15ull + 0x5eed);
+    unsigned feat = 0;
+    if (gjt_rng_int(&r, 100) < 30) feat |= F_HOOKS;
+    if ((feat & F_HOOKS) && gjt_rng_int(&r, 2)) feat |= F_STREAM;
+    if (gjt_rng_int(&r, 100) < 5) feat |= F_HOOKS | F_RECORD;
+    if (gjt_rng_int(&r, 100) < 25) feat |= F_CUSTOM;
+    if (gjt_rng_int(&r, 100) < 25) feat |= F_REGION;
+    if (gjt_rng_int(&r, 100) < 5) feat |= F_FAULT;
+    const char *only = getenv("GJT_FUZZ_FEATURES"); /* a mask of F_*: only these, by hand */
+    if (only && *only) feat &= (unsigned)strtoul(only, NULL, 0);
+    return feat;
+}
+
+/* How one model runs. */
+typedef struct run_cfg {
+    bool compiled;
+    int64_t fail_at; /* > 0: the fail_at-th allocation from the backward's start fails */
+} run_cfg;
+
+/* What one run gives. */
+typedef struct run_res {
+    double *g[NLEAF]; /* .grad values (malloc'd), NULL for no .grad */
+    int64_t numel[NLEAF];
+    char log[LOGCAP];
+    hookrec hk[MAXH];
+    int n_hk, rs_calls;
+    int ckpt_custom; /* custom ops inside regions: the backward may fall back (GJ_CA_OTHER) */
+    int n_backwards; /* gj_backward calls made */
+    int rc;          /* 0, or the status of the backward that failed (faults only) */
+    char err[512];
+    int64_t allocs; /* allocations of the backward(s) */
+    bool fired;     /* the armed fault happened */
+} run_res;
+
+static void free_res(run_res *r) {
+    for (int i = 0; i < NLEAF; i++) {
+        free(r->g[i]);
+        r->g[i] = NULL;
+    }
+}
+
+/* Builds the model of seed with features feat (same ops for the same
+ * seed), runs its backward (twice with retain_graph for seeds divisible by
+ * 5) as cfg says, and fills res. Without a fault a failing backward fails
+ * the test. Everything the model made is released before returning. */
+static void run_model(uint64_t seed, gj_dtype dt, unsigned feat, const run_cfg *cfg,
+                      run_res *res) {
+    fuzz *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    memset(res, 0, sizeof *res);
+    build_leaves(f, seed, dt);
+    f->feat = feat;
     if (seed & 1) { /* existing .grad buffers: accumulated into (in place) */
-        for (int i = 0; i < f.n_leaves; i += 3) {
-            gj_tensor *g0 = gj_full(dt, gj_tensor_ndim(f.leaves[i]), gj_tensor_shape(f.leaves[i]),
+        for (int i = 0; i < f->n_leaves; i += 3) {
+            gj_tensor *g0 = gj_full(dt, gj_tensor_ndim(f->leaves[i]), gj_tensor_shape(f->leaves[i]),
                                     0.5 + i);
-            assert_int_equal(gj_tensor_set_grad(f.leaves[i], g0), 0);
+            assert_int_equal(gj_tensor_set_grad(f->leaves[i], g0), 0);
             gj_release(g0);
         }
     }
     gj_manual_seed(seed); /* the same dropout masks in both modes */
-    gj_set_compiled_autograd(compiled);
+    gj_set_compiled_autograd(cfg->compiled);
     gj_scope_push();
-    for (int i = 0; i < f.n_leaves; i++) f.pool[f.n++] = f.leaves[i];
-    int ops = 4 + (int)gjt_rng_int(&f.rng, 9);
-    for (int k = 0; k < ops; k++) fuzz_op(&f);
-    gj_tensor *loss = fuzz_loss(&f);
+    for (int i = 0; i < f->n_leaves; i++) f->pool[f->n++] = f->leaves[i];
+    if (feat & F_HOOKS)
+        for (int i = 0; i < f->n_leaves; i++)
+            if (gjt_rng_int(&f->rng, 3) == 0) add_hook(f, f->leaves[i], true, -1);
+    /* the forced custom op and region below take the place of random ops,
+     * so that graphs with features are about as large (and as slow to
+     * compile) as plain ones */
+    int ops = 4 + (int)gjt_rng_int(&f->rng, 9) - ((feat & F_CUSTOM) ? 1 : 0) -
+              ((feat & F_REGION) ? 2 : 0);
+    for (int k = 0; k < ops; k++) fuzz_step(f);
+    /* each feature at least once on the way to the loss */
+    if (feat & F_CUSTOM) fuzz_custom(f);
+    if (feat & F_REGION) fuzz_region(f);
+    if (feat & F_RECORD) add_hook(f, f->pool[f->n - 1], false, HK_RECORD);
+    else if (feat & F_STREAM) add_hook(f, f->pool[f->n - 1], false, HK_STREAM);
+    else if (feat & F_HOOKS) add_hook(f, f->pool[f->n - 1], false, -1);
+    gj_tensor *loss = fuzz_loss(f);
     assert_non_null(loss);
-    int rc = 0;
-    if (seed % 5 == 0) {
-        rc = gj_backward_ex(loss, NULL, true);
-        if (rc == 0) rc = gj_backward(loss, NULL);
-    } else {
-        rc = gj_backward(loss, NULL);
+    int64_t c0 = gj_rt_alloc_count();
+    if (cfg->fail_at > 0) {
+        gj_clear_error();
+        gj_rt_alloc_fail_at(cfg->fail_at);
     }
-    if (rc != 0) {
+    int rc = gj_backward_ex(loss, NULL, seed % 5 == 0);
+    res->n_backwards = 1;
+    if (rc == 0 && seed % 5 == 0) {
+        drain_jobs(f); /* a post hook's read of .grad ends before .grad grows again */
+        rc = gj_backward(loss, NULL);
+        res->n_backwards = 2;
+    }
+    if (cfg->fail_at > 0) res->fired = gj_rt_alloc_fail_at(0) >= cfg->fail_at;
+    res->allocs = gj_rt_alloc_count() - c0;
+    res->rc = rc;
+    snprintf(res->err, sizeof res->err, "%s", rc ? gj_last_error() : "");
+    if (rc != 0 && cfg->fail_at <= 0) {
         print_error("seed %llu %s: backward failed: %s (ops: %s)\n", (unsigned long long)seed,
-                    gj_rt_dtype_name(dt), gj_last_error(), f.log);
+                    gj_rt_dtype_name(dt), gj_last_error(), f->log);
         fail();
     }
+    drain_jobs(f);
     gj_scope_pop();
     gj_set_compiled_autograd(false);
-    double **g = calloc(NLEAF, sizeof *g);
-    assert_non_null(g);
-    for (int i = 0; i < f.n_leaves; i++) {
-        gj_tensor *t = gj_tensor_grad(f.leaves[i]);
-        g[i] = t ? gjt_values(t) : NULL;
-        numel[i] = gj_tensor_numel(f.leaves[i]);
+    for (int i = 0; i < f->n_leaves; i++) {
+        gj_tensor *t = gj_tensor_grad(f->leaves[i]);
+        res->g[i] = t ? gjt_values(t) : NULL;
+        res->numel[i] = gj_tensor_numel(f->leaves[i]);
     }
-    free_leaves(&f);
-    snprintf(log, logcap, "%s", f.log);
-    return g;
+    free_leaves(f);
+    memcpy(res->hk, f->hk, sizeof res->hk);
+    res->n_hk = f->n_hk;
+    res->rs_calls = f->rs_calls;
+    res->ckpt_custom = f->ckpt_custom;
+    snprintf(res->log, sizeof res->log, "%s", f->log);
+    free(f);
 }
 
-/* Runs seed both ways; true if its gradients agree and it compiled. */
-static bool check_seed(uint64_t seed, gj_dtype dt, double rtol) {
-    char log_e[2048], log_c[2048];
-    int64_t ne[NLEAF], nc[NLEAF];
-    gj_ca_stats s0, s1;
-    double **ge = run_model(seed, dt, false, log_e, sizeof log_e, ne);
-    gj_compiled_autograd_stats(&s0);
-    double **gc = run_model(seed, dt, true, log_c, sizeof log_c, nc);
-    gj_compiled_autograd_stats(&s1);
-    assert_string_equal(log_e, log_c);
+/* Whether c's gradients (and hook records, with_hooks) agree with e's. */
+static bool same_results(const char *mode, uint64_t seed, gj_dtype dt, double rtol,
+                         const run_res *e, const run_res *c, bool with_hooks) {
     bool ok = true;
-    if (s1.fallbacks != s0.fallbacks) {
-        print_error("seed %llu %s fell back: %s (ops: %s)\n", (unsigned long long)seed,
-                    gj_rt_dtype_name(dt), gj_compiled_autograd_last_fallback(), log_c);
-        ok = false;
-    }
     for (int i = 0; i < NLEAF; i++) {
-        if (!ge[i] || !gc[i]) {
-            if (ge[i] || gc[i]) {
-                print_error("seed %llu %s: leaf %d has a .grad in one mode only (ops: %s)\n",
-                            (unsigned long long)seed, gj_rt_dtype_name(dt), i, log_c);
+        if (!e->g[i] || !c->g[i]) {
+            if (e->g[i] || c->g[i]) {
+                print_error("seed %llu %s %s: leaf %d has a .grad in one mode only\n",
+                            (unsigned long long)seed, gj_rt_dtype_name(dt), mode, i);
                 ok = false;
             }
             continue;
         }
         double mx = 0;
-        for (int64_t k = 0; k < ne[i]; k++) mx = fmax(mx, fabs(ge[i][k]));
-        char what[96];
-        snprintf(what, sizeof what, "seed %llu %s leaf %d", (unsigned long long)seed,
-                 gj_rt_dtype_name(dt), i);
-        if (!gjt_allclose(what, gc[i], ge[i], ne[i], rtol * mx + 1e-300, 0.0)) {
-            print_error("ops: %s\n", log_c);
+        for (int64_t k = 0; k < e->numel[i]; k++) mx = fmax(mx, fabs(e->g[i][k]));
+        char what[128];
+        snprintf(what, sizeof what, "seed %llu %s %s leaf %d", (unsigned long long)seed,
+                 gj_rt_dtype_name(dt), mode, i);
+        if (!gjt_allclose(what, c->g[i], e->g[i], e->numel[i], rtol * mx + 1e-300, 0.0)) ok = false;
+    }
+    for (int i = 0; with_hooks && i < e->n_hk; i++) {
+        const hookrec *he = &e->hk[i], *hc = &c->hk[i];
+        bool same_sum = fabs(hc->sum - he->sum) <= rtol * he->asum + 1e-300 &&
+                        fabs(hc->asum - he->asum) <= rtol * he->asum + 1e-300;
+        if (hc->calls != he->calls || !same_sum) {
+            print_error("seed %llu %s %s: hook %d (%s) called %d times, saw sum %.17g (|.| "
+                        "%.17g); eager: %d times, %.17g (%.17g)\n",
+                        (unsigned long long)seed, gj_rt_dtype_name(dt), mode, i,
+                        HOOK_NAMES[hc->kind], hc->calls, hc->sum, hc->asum, he->calls, he->sum,
+                        he->asum);
             ok = false;
         }
     }
-    for (int i = 0; i < NLEAF; i++) {
-        free(ge[i]);
-        free(gc[i]);
+    if (!ok) print_error("ops: %s\n", c->log);
+    return ok;
+}
+
+/* Whether the counters moved from s0 to s1 as r's run demands: every
+ * backward counted; with record_stream calls, each backward a
+ * GJ_CA_RECORD_STREAM fallback; otherwise (must_compile) each one
+ * compiled or a cache hit, none fell back. A custom op inside a region
+ * falls back (GJ_CA_OTHER) when the region recomputes its forward: then
+ * every backward of the run must be such a fallback, or none. */
+static bool counters_ok(const char *mode, uint64_t seed, gj_dtype dt, const run_res *r,
+                        const gj_ca_stats *s0, const gj_ca_stats *s1, bool must_compile) {
+    int64_t n = r->n_backwards, back = s1->backwards - s0->backwards;
+    int64_t fb = s1->fallbacks - s0->fallbacks;
+    int64_t rs = s1->fallbacks_by_reason[GJ_CA_RECORD_STREAM] -
+                 s0->fallbacks_by_reason[GJ_CA_RECORD_STREAM];
+    int64_t ran = (s1->compiles - s0->compiles) + (s1->mem_hits - s0->mem_hits) +
+                  (s1->disk_hits - s0->disk_hits);
+    int64_t other = s1->fallbacks_by_reason[GJ_CA_OTHER] - s0->fallbacks_by_reason[GJ_CA_OTHER];
+    if (!r->ckpt_custom) other = 0;
+    const char *why = NULL;
+    if (back != n) why = "not every backward was counted";
+    else if (r->rs_calls > 0 && (fb != n || rs + other != n))
+        why = "a backward with record_stream was not counted as a record_stream fallback";
+    else if (r->rs_calls == 0 && r->ckpt_custom && must_compile &&
+             !(fb == 0 && ran == n) && !(fb == n && other == n))
+        why = "a backward with a custom op in a region neither compiled nor fell back as such";
+    else if (r->rs_calls == 0 && !r->ckpt_custom && must_compile && (fb != 0 || ran != n))
+        why = "a backward without a falling-back feature did not run compiled";
+    if (!why) return true;
+    print_error("seed %llu %s %s: %s: %lld backwards, counted %lld, %lld compiled or hits, %lld "
+                "fallbacks (%lld record_stream); last fallback: %s (ops: %s)\n",
+                (unsigned long long)seed, gj_rt_dtype_name(dt), mode, why, (long long)n,
+                (long long)back, (long long)ran, (long long)fb, (long long)rs,
+                gj_compiled_autograd_last_fallback(), r->log);
+    return false;
+}
+
+static bool mentions_memory(const char *e) {
+    static const char *const needles[] = {"memory", "alloc", "oom"};
+    for (int i = 0; i < 3; i++) {
+        for (const char *h = e; *h; h++) {
+            size_t k = 0;
+            while (needles[i][k] && h[k] && (h[k] | 32) == needles[i][k]) k++;
+            if (!needles[i][k]) return true;
+        }
     }
-    free(ge);
-    free(gc);
+    return false;
+}
+
+/* Per-run totals of the fault cases (printed at the end of a dtype). */
+typedef struct fault_stats {
+    int cases, fired, failed, succeeded, demoted, post_swallowed;
+} fault_stats;
+
+static gj_ca_stats ca_now(void) {
+    gj_ca_stats s;
+    gj_compiled_autograd_stats(&s);
+    return s;
+}
+
+/* The fault part of seed's check (e: eager's results): a warm compiled
+ * run counts the backward's allocations, then the model runs compiled with
+ * one allocation failing (with a cold cache for odd draws: the fault may
+ * hit capture and compilation), then once more clean. */
+static bool check_fault(uint64_t seed, gj_dtype dt, double rtol, unsigned feat, const run_res *e,
+                        int64_t cold_allocs, fault_stats *fs) {
+    bool ok = true;
+    gjt_rng r;
+    gjt_rng_seed(&r, seed ^ 0xfa0175ull);
+    run_res *w = malloc(sizeof *w);
+    assert_non_null(w);
+    gj_ca_stats s0 = ca_now();
+    run_model(seed, dt, feat, &(run_cfg){true, 0}, w);
+    gj_ca_stats s1 = ca_now();
+    ok &= same_results("compiled (cache hit)", seed, dt, rtol, e, w, true);
+    ok &= counters_ok("compiled (cache hit)", seed, dt, w, &s0, &s1, true);
+    int64_t warm_allocs = w->allocs;
+    free_res(w);
+
+    bool cold = gjt_rng_int(&r, 2);
+    int64_t n = cold ? cold_allocs : warm_allocs;
+    int64_t k = 1 + gjt_rng_int(&r, n > 0 ? n : 1);
+    /* the allocation counts depend on what the process did before (kernels
+     * shared between programs, caches): GJT_FUZZ_FAULT=<k>c|w names the
+     * fault of a failure report exactly */
+    const char *force = getenv("GJT_FUZZ_FAULT");
+    if (force && *force) {
+        char *end;
+        k = strtoll(force, &end, 10);
+        cold = *end == 'c';
+    }
+    if (cold) gj_jit_clear_cache();
+    int64_t live0 = gjt_live_bytes();
+    s0 = ca_now();
+    run_model(seed, dt, feat, &(run_cfg){true, k}, w);
+    s1 = ca_now();
+    fs->cases++;
+    fs->fired += w->fired;
+    char mode[96];
+    snprintf(mode, sizeof mode, "fault at allocation %lld of %lld (%s cache)", (long long)k,
+             (long long)n, cold ? "cold" : "warm");
+    /* a backward that fails before it starts (the ones seed, the entry
+     * check) is not counted: only one that failed may be missing */
+    int64_t counted = s1.backwards - s0.backwards;
+    if (counted > w->n_backwards || counted < w->n_backwards - (w->rc != 0)) {
+        print_error("seed %llu %s %s: %lld backwards counted for %d (status %d, '%s'; %lld "
+                    "fallbacks, %lld compiled or hits)\n",
+                    (unsigned long long)seed, gj_rt_dtype_name(dt), mode,
+                    (long long)(s1.backwards - s0.backwards), w->n_backwards, w->rc, w->err,
+                    (long long)(s1.fallbacks - s0.fallbacks),
+                    (long long)(s1.compiles - s0.compiles + s1.mem_hits - s0.mem_hits));
+        ok = false;
+    }
+    int post_errors = 0;
+    for (int i = 0; i < w->n_hk; i++) post_errors += w->hk[i].errors;
+    if (w->rc == 0 && post_errors > 0) {
+        /* known bug (test_post_hook_error_is_swallowed): the fault hit an op
+         * inside a post-accumulate hook, the backward reported success and
+         * .grad is not what the hook meant it to be; counted, not compared */
+        fs->succeeded++;
+        fs->post_swallowed++;
+    } else if (w->rc == 0) {
+        fs->succeeded++;
+        ok &= same_results(mode, seed, dt, rtol, e, w, false);
+    } else {
+        fs->failed++;
+        if (!w->fired || !mentions_memory(w->err)) {
+            print_error("seed %llu %s %s: the backward failed with '%s'%s\n",
+                        (unsigned long long)seed, gj_rt_dtype_name(dt), mode, w->err,
+                        w->fired ? "" : " although no allocation failed");
+            ok = false;
+        }
+    }
+    free_res(w);
+    if (gjt_live_bytes() != live0) {
+        print_error("seed %llu %s %s (%s): %lld tensor bytes leaked\n", (unsigned long long)seed,
+                    gj_rt_dtype_name(dt), mode, w->rc ? "failed" : "succeeded",
+                    (long long)(gjt_live_bytes() - live0));
+        ok = false;
+    }
+
+    /* the next clean backward gives eager's gradients (a failure inside a
+     * hook or custom op makes the key eager-only: counted, not required) */
+    s0 = ca_now();
+    run_model(seed, dt, feat, &(run_cfg){true, 0}, w);
+    s1 = ca_now();
+    snprintf(mode, sizeof mode, "compiled after a fault at %lld", (long long)k);
+    ok &= same_results(mode, seed, dt, rtol, e, w, true);
+    ok &= counters_ok(mode, seed, dt, w, &s0, &s1, false);
+    if (w->rs_calls == 0 && s1.fallbacks != s0.fallbacks) fs->demoted++;
+    free_res(w);
+    free(w);
+    gj_jit_clear_cache(); /* no key a fault made eager-only reaches a later seed */
+    if (!ok)
+        print_error("(fault case of seed %llu; GJT_FUZZ_FAULT=%lld%c repeats this fault)\n",
+                    (unsigned long long)seed, (long long)k, cold ? 'c' : 'w');
+    return ok;
+}
+
+/* Runs seed both ways (and its fault case); true if everything agrees. */
+static bool check_seed(uint64_t seed, gj_dtype dt, double rtol, fault_stats *fs) {
+    unsigned feat = seed_features(seed);
+    run_res *e = malloc(sizeof *e), *c = malloc(sizeof *c);
+    assert_true(e && c);
+    int64_t live0 = gjt_live_bytes();
+    run_model(seed, dt, feat, &(run_cfg){false, 0}, e);
+    gj_ca_stats s0 = ca_now();
+    run_model(seed, dt, feat, &(run_cfg){true, 0}, c);
+    gj_ca_stats s1 = ca_now();
+    assert_string_equal(e->log, c->log);
+    bool ok = same_results("compiled", seed, dt, rtol, e, c, true);
+    ok &= counters_ok("compiled", seed, dt, c, &s0, &s1, true);
+    if (gjt_live_bytes() != live0) {
+        print_error("seed %llu %s: %lld tensor bytes leaked (ops: %s)\n", (unsigned long long)seed,
+                    gj_rt_dtype_name(dt), (long long)(gjt_live_bytes() - live0), c->log);
+        ok = false;
+    }
+    /* record_stream made the key eager-only; the key holds where hooks are,
+     * not what they do, so a later seed with the same graph and a pure hook
+     * in that place would find it so: drop it */
+    if (c->rs_calls > 0) gj_jit_clear_cache();
+    if (feat & F_FAULT) ok &= check_fault(seed, dt, rtol, feat, e, c->allocs, fs);
+    free_res(e);
+    free_res(c);
+    free(e);
+    free(c);
     return ok;
 }
 
@@ -374,18 +1050,25 @@ static bool dtype_selected(gj_dtype dt) {
     return !want || !*want || strcmp(want, gj_rt_dtype_name(dt)) == 0;
 }
 
-static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count) {
+/* count seeds from base; share: this dtype's share (in percent) of
+ * GJT_FUZZ_GRAPHS. */
+static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int share) {
     if (!dtype_selected(dt)) return;
     int64_t live0 = gjt_live_bytes();
     const char *one = getenv("GJT_FUZZ_SEED");
-    const char *cnt = getenv("GJT_FUZZ_COUNT"); /* a longer run by hand */
+    const char *cnt = getenv("GJT_FUZZ_COUNT");  /* seeds per dtype, by hand */
+    const char *all = getenv("GJT_FUZZ_GRAPHS"); /* graphs in all: a long run */
+    if (all && atol(all) > 0) count = (int)((atol(all) * share + 99) / 100);
     if (cnt && atoi(cnt) > 0) count = atoi(cnt);
-    int bad = 0, total = 0;
+    int bad = 0, total = 0, with[6] = {0};
+    fault_stats fs = {0};
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int k = 0; k < count; k++) {
         uint64_t seed = one ? strtoull(one, NULL, 10) : base + (uint64_t)k;
-        if (!check_seed(seed, dt, rtol)) {
+        unsigned feat = seed_features(seed);
+        for (int b = 0; b < 6; b++) with[b] += (feat >> b) & 1;
+        if (!check_seed(seed, dt, rtol, &fs)) {
             bad++;
             print_error("reproduce: GJT_FUZZ_SEED=%llu GJT_FUZZ_DTYPE=%s ./test_jit_fuzz\n",
                         (unsigned long long)seed, gj_rt_dtype_name(dt));
@@ -397,37 +1080,108 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count) {
     gj_jit_clear_cache();
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-    print_message("%s: %d graphs, %d mismatches or fallbacks, %.1f s (rtol %g)\n",
-                  gj_rt_dtype_name(dt), total, bad, sec, rtol);
+    print_message("%s: %d graphs, %d mismatches or bad fallbacks, %.1f s (rtol %g); with hooks "
+                  "%d, stream jobs %d, record_stream %d, custom ops %d, regions %d, faults %d "
+                  "(%d hit an allocation: %d failed cleanly, %d succeeded; %d keys eager-only "
+                  "after the fault; %d successes with a failed op in a post hook, the known bug)\n",
+                  gj_rt_dtype_name(dt), total, bad, sec, rtol, with[0], with[1], with[2], with[3],
+                  with[4], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
+                  fs.post_swallowed);
     assert_int_equal(bad, 0);
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
 static void test_fuzz_f64(void **st) {
     (void)st;
-    run_fuzz(GJ_F64, 1e-12, 1000, 700 / FUZZ_SCALE);
+    run_fuzz(GJ_F64, 1e-12, 1000, 700 / FUZZ_SCALE, 35);
 }
 
 static void test_fuzz_f32(void **st) {
     (void)st;
-    run_fuzz(GJ_F32, 1e-6, 5000, 900 / FUZZ_SCALE);
+    run_fuzz(GJ_F32, 1e-6, 5000, 900 / FUZZ_SCALE, 45);
 }
 
 static void test_fuzz_bf16(void **st) {
     (void)st;
-    run_fuzz(GJ_BF16, 1.0 / 128, 9000, 400 / FUZZ_SCALE);
+    run_fuzz(GJ_BF16, 1.0 / 128, 9000, 400 / FUZZ_SCALE, 20);
+}
+
+/* ------------------------------------------------- minimised findings */
+
+/* Post hook of the test below: .grad *= 2 through an out-of-place op
+ * whose first allocation fails. */
+static void doubling_post_hook(gj_tensor *leaf, void *user) {
+    int *failed = user;
+    gj_tensor *g = gj_tensor_grad(leaf);
+    gj_rt_alloc_fail_at(1);
+    gj_tensor *twice = gj_mul_scalar(g, 2.0);
+    gj_rt_alloc_fail_at(0);
+    if (!twice || gj_copy_(g, twice) != 0) *failed = 1;
+}
+
+/* Found by the long run (seed 10965, bf16, GJT_FUZZ_FAULT=910c: a
+ * post_scale hook's in-place op ran out of memory; the backward returned 0
+ * with that leaf's .grad unscaled). A tensor hook or custom op whose op
+ * fails makes the backward fail with that error (gradjit.h); an error
+ * raised inside a post-accumulate hook is dropped, eager and compiled
+ * (gj_ag_eager_call_post_hook ignores gj_last_error()), so the backward
+ * reports success with a .grad the hook did not leave as meant. Expected,
+ * as for tensor hooks: the backward fails with the hook's error. Skipped
+ * while the library swallows it. */
+static void test_post_hook_error_is_swallowed(void **st) {
+    (void)st;
+    int64_t live0 = gjt_live_bytes();
+    int swallowed = 0;
+    for (int mode = 0; mode < 2; mode++) {
+        gj_tensor *w = gjt_tensor(GJ_F32, 1, (int64_t[]){3}, (double[]){1, 2, 3});
+        assert_non_null(w);
+        assert_int_equal(gj_set_requires_grad(w, true), 0);
+        int failed = 0;
+        assert_true(gj_register_post_accumulate_grad_hook(w, doubling_post_hook, &failed) > 0);
+        gj_set_compiled_autograd(mode == 1);
+        gj_scope_push();
+        gj_clear_error();
+        int rc = gj_backward(gj_sum(gj_mul(w, w), 0, NULL, false), NULL);
+        gj_scope_pop();
+        gj_set_compiled_autograd(false);
+        assert_int_equal(failed, 1); /* the injected fault hit the hook's op */
+        if (rc == 0) {
+            double g[3];
+            assert_int_equal(gj_tensor_to_f64(gj_tensor_grad(w), g), 0);
+            print_message("%s: the post hook's op failed, the backward returned 0, .grad = "
+                          "[%g, %g, %g] (the hook meant [4, 8, 12])\n",
+                          mode ? "compiled" : "eager", g[0], g[1], g[2]);
+            swallowed++;
+        } else {
+            assert_true(mentions_memory(gj_last_error()));
+        }
+        gj_release(w);
+    }
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+    if (swallowed) {
+        print_message("BUG: an error raised inside a post-accumulate hook is swallowed: the "
+                      "backward succeeds (found by the fuzzer's fault cases)\n");
+        skip();
+    }
 }
 
 int main(void) {
     gj_jit_set_quiet(true);
     gj_jit_set_disk_cache(NULL);       /* every graph compiles here */
     gj_jit_set_recompile_limit(-1);    /* random graphs may share a call site */
+    gj_compiled_autograd_set_quiet(true);
+    define_custom_ops();
+    g_stream = gj_stream_new();
+    assert_non_null(g_stream);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fuzz_f64),
         cmocka_unit_test(test_fuzz_f32),
         cmocka_unit_test(test_fuzz_bf16),
+        cmocka_unit_test(test_post_hook_error_is_swallowed),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    gj_stream_free(g_stream);
     gj_jit_clear_cache();
     return rc;
 }
