@@ -291,10 +291,22 @@ int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor 
     gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     g_in_hook++;
+    gj_clear_error();
     h->post_fn(leaf, h->user);
     g_in_hook--;
     gj_ag_no_grad_exit();
     gj_ag_user_scope_pop();
+    if (gj_last_error()[0]) {
+        /* An op failed inside the hook and the hook returned as if it had
+         * done its work: the backward fails with that error (as for tensor
+         * hooks) instead of going on with a .grad the hook did not make. */
+        char why[512];
+        snprintf(why, sizeof why, "%s", gj_last_error());
+        gj_rt_set_error("hooks: post-accumulate hook #%lld returned with an error set inside it "
+                        "(clear it with gj_clear_error if it was handled): %s",
+                        (long long)h->handle, why);
+        return -1;
+    }
     return 0;
 }
 

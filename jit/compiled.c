@@ -650,14 +650,16 @@ static int write_output(const gj_jit_program *pr, const gj_jit_walk *w,
  * are final): record_stream, a .grad whose dtype or shape changed, a leaf
  * of an output changed by set_ (the outputs not yet written then get the
  * eager accumulate's result, see write_output), a .grad given to a leaf
- * whose output is not yet written. */
-static void run_post_hook(hook_ctx *hc, int i, int written) {
+ * whose output is not yet written. 0, or -1 when an error was raised inside
+ * the hook (the backward then fails with it, as in eager). */
+static int run_post_hook(hook_ctx *hc, int i, int written) {
     gj_ag_builder *eb = gj_ag_eager_builder();
     const gj_jit_hookref *ref = &hc->pr->hooks[i];
     const gj_ag_hook *h = hc->hooks[i];
     gj_tensor *leaf = hc->w->nodes[ref->node]->leaf;
     uint64_t rs0 = gj_rt_record_stream_calls();
-    gj_ag_eager_call_post_hook(eb, h, leaf);
+    if (gj_ag_eager_call_post_hook(eb, h, leaf) != 0)
+        return -1; /* an error inside the hook fails the backward, as in eager */
     if (gj_rt_record_stream_calls() != rs0)
         trip(hc, GJ_CA_RECORD_STREAM, "post-accumulate hook #%lld called "
              "gj_tensor_record_stream during a compiled run", (long long)h->handle);
@@ -680,6 +682,7 @@ static void run_post_hook(hook_ctx *hc, int i, int written) {
                  gj_jit_fmt_meta(b, sizeof b, &m));
         }
     }
+    return 0;
 }
 
 /* Writes every output into its leaf's .grad in the eager engine's order,
@@ -695,7 +698,7 @@ static int write_outputs(hook_ctx *hc, const gj_jit_program *pr, const gj_jit_wa
         if (!ref->post) continue;
         for (; next < ref->n_out && next < pr->n_outputs; next++)
             if (write_output(pr, w, tensors, contig, news, next) != 0) return -1;
-        if (!hc->hooks[i]->removed) run_post_hook(hc, i, next);
+        if (!hc->hooks[i]->removed && run_post_hook(hc, i, next) != 0) return -1;
     }
     for (; next < pr->n_outputs; next++)
         if (write_output(pr, w, tensors, contig, news, next) != 0) return -1;

@@ -41,9 +41,9 @@
  *     eager's gradients or fail with an error that mentions memory, never
  *     crash, and live tensor bytes must return to where they were; a clean
  *     compiled backward after the fault must give eager's gradients again.
- *     (Known bug, test_post_hook_error_is_swallowed: when the fault hits an
- *     op inside a post-accumulate hook the backward still succeeds; such
- *     runs are counted in the summary, not compared.) The allocation
+ *     (A fault inside a post-accumulate hook's op used to be swallowed,
+ *     test_post_hook_error_is_swallowed; now it fails the backward, and
+ *     the summary's counter of such successes must stay 0.) The allocation
  *     counts depend on the process's history: a failure report names the
  *     fault as GJT_FUZZ_FAULT=<k>c|w (cold or warm cache) to repeat it
  *     with GJT_FUZZ_SEED.
@@ -972,9 +972,9 @@ static bool check_fault(uint64_t seed, gj_dtype dt, double rtol, unsigned feat, 
     int post_errors = 0;
     for (int i = 0; i < w->n_hk; i++) post_errors += w->hk[i].errors;
     if (w->rc == 0 && post_errors > 0) {
-        /* known bug (test_post_hook_error_is_swallowed): the fault hit an op
-         * inside a post-accumulate hook, the backward reported success and
-         * .grad is not what the hook meant it to be; counted, not compared */
+        /* was a bug (test_post_hook_error_is_swallowed, fixed): the fault
+         * hit an op inside a post-accumulate hook and the backward reported
+         * success; kept as a counter, which must now stay 0 */
         fs->succeeded++;
         fs->post_swallowed++;
     } else if (w->rc == 0) {
@@ -1083,11 +1083,12 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int sha
     print_message("%s: %d graphs, %d mismatches or bad fallbacks, %.1f s (rtol %g); with hooks "
                   "%d, stream jobs %d, record_stream %d, custom ops %d, regions %d, faults %d "
                   "(%d hit an allocation: %d failed cleanly, %d succeeded; %d keys eager-only "
-                  "after the fault; %d successes with a failed op in a post hook, the known bug)\n",
+                  "after the fault; %d successes with a failed op in a post hook, must be 0)\n",
                   gj_rt_dtype_name(dt), total, bad, sec, rtol, with[0], with[1], with[2], with[3],
                   with[4], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
                   fs.post_swallowed);
     assert_int_equal(bad, 0);
+    assert_int_equal(fs.post_swallowed, 0);
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
@@ -1126,8 +1127,8 @@ static void doubling_post_hook(gj_tensor *leaf, void *user) {
  * raised inside a post-accumulate hook is dropped, eager and compiled
  * (gj_ag_eager_call_post_hook ignores gj_last_error()), so the backward
  * reports success with a .grad the hook did not leave as meant. Expected,
- * as for tensor hooks: the backward fails with the hook's error. Skipped
- * while the library swallows it. */
+ * as for tensor hooks: the backward fails with the hook's error -- which
+ * it now does (gj_ag_eager_call_post_hook), in both modes. */
 static void test_post_hook_error_is_swallowed(void **st) {
     (void)st;
     int64_t live0 = gjt_live_bytes();
@@ -1159,11 +1160,7 @@ static void test_post_hook_error_is_swallowed(void **st) {
     }
     gj_jit_clear_cache();
     assert_int_equal(gjt_live_bytes(), live0);
-    if (swallowed) {
-        print_message("BUG: an error raised inside a post-accumulate hook is swallowed: the "
-                      "backward succeeds (found by the fuzzer's fault cases)\n");
-        skip();
-    }
+    assert_int_equal(swallowed, 0); /* fixed: the backward fails with the hook's error */
 }
 
 int main(void) {
