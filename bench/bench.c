@@ -986,6 +986,10 @@ int main(int argc, char **argv) {
         if (torch.available && o.rounds > 1)
             compare_rounds(&o, &req);
     }
+    if (o.json_path && strcmp(o.json_path, "-") == 0) /* "-": no file */
+        o.json_path = NULL;
+    if (o.png_path && strcmp(o.png_path, "-") == 0)
+        o.png_path = NULL;
     if (o.json_path) {
         if (write_json(o.json_path, cpu, date, &info, &o, res, n,
                        o.compare_torch ? &torch : NULL) != 0)
