@@ -473,6 +473,20 @@ static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
     return rc;
 }
 
+/* Fresh contiguous tensors ts[0..cs->n_in) holding copies of the call
+ * step's input buffers src[] (of cs->in_meta). 0, or -1 on OOM (the ones
+ * made so far are in ts for the caller to release). */
+static int call_inputs(const gj_jit_callstep *cs, void *const *src, gj_tensor **ts) {
+    for (int k = 0; k < cs->n_in; k++) {
+        const gj_rt_meta *m = &cs->in_meta[k];
+        ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+        if (!ts[k]) return -1;
+        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
+        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
+    }
+    return 0;
+}
+
 /* The forward call step of call_custom: runs the custom op's forward C
  * function on fresh tensors holding copies of its tensor arguments (src)
  * and copies its outputs into dst. It failing, or giving an output of
@@ -489,13 +503,7 @@ static int call_custom_fwd(hook_ctx *hc, const gj_jit_callstep *cs, const gj_ag_
     }
     gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *outs[GJ_RT_MAX_OUTPUTS] = {0};
     int rc = -1;
-    for (int k = 0; k < cs->n_in; k++) {
-        const gj_rt_meta *m = &cs->in_meta[k];
-        ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
-        if (!ts[k]) goto done;
-        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
-        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
-    }
+    if (call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     if (gj_ag_custom_run_forward(op, at, ts, outs) != 0) {
         trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: forward failed while recomputing a "
@@ -563,13 +571,7 @@ static int call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
     }
     gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *gin[GJ_JIT_CALL_MAX_IN] = {0};
     int rc = -1;
-    for (int k = 0; k < cs->n_in; k++) {
-        const gj_rt_meta *m = &cs->in_meta[k];
-        ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
-        if (!ts[k]) goto done;
-        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
-        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
-    }
+    if (call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     if (gj_ag_custom_run_backward(op, at, cs->in_meta, ts, ts + no, gin) != 0) {
         trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: backward failed during a compiled run: %s",
