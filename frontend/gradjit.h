@@ -307,6 +307,13 @@ GJ_API double gj_lr_step(double base_lr, int64_t step, int64_t step_size, double
  * NaN with an error for bad arguments. */
 GJ_API double gj_lr_cosine(double base_lr, int64_t step, int64_t warmup, int64_t total,
                            double min_lr);
+/* Indices (i64, new reference) of the largest values of x along axis, as
+ * torch.argmax: the first of equal values, NaN counts as the largest. Not
+ * differentiable. */
+GJ_API gj_tensor *gj_argmax(gj_tensor *x, int axis, bool keepdim);
+/* Fraction of rows of logits [N, K] whose argmax equals labels [N] (i64),
+ * or NaN with an error. */
+GJ_API double gj_accuracy(gj_tensor *logits, gj_tensor *labels);
 
 /* ------------------------------------------------- compiled autograd */
 

@@ -80,3 +80,79 @@ double gj_lr_cosine(double base_lr, int64_t step, int64_t warmup, int64_t total,
     if (t > 1.0) t = 1.0;
     return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + cos(M_PI * t));
 }
+
+/* Index of the largest of v[0..n) with stride s; NaN counts as the
+ * largest, and the first of equal values wins (torch.argmax). */
+static int64_t argmax_run(const double *v, int64_t n, int64_t s) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++) {
+        double a = v[i * s], b = v[best * s];
+        if (b != b) break; /* a NaN already won */
+        if (a != a || a > b) best = i;
+    }
+    return best;
+}
+
+gj_tensor *gj_argmax(gj_tensor *x, int axis, bool keepdim) {
+    const char *op = "gj_argmax";
+    if (!gj_rt_check_tensor(x, op, "x")) return NULL;
+    int nd = x->ndim;
+    if (nd == 0 || axis < -nd || axis >= nd) {
+        gj_rt_set_error("%s: axis %d out of range for a %d-d tensor", op, axis, nd);
+        return NULL;
+    }
+    if (!gj_rt_dtype_is_float(x->dtype)) {
+        gj_rt_set_error("%s: x is %s, not a float dtype", op, gj_rt_dtype_name(x->dtype));
+        return NULL;
+    }
+    if (axis < 0) axis += nd;
+    if (x->shape[axis] == 0) {
+        gj_rt_set_error("%s: axis %d of x has size 0", op, axis);
+        return NULL;
+    }
+    int64_t outer = 1, len = x->shape[axis], inner = 1;
+    for (int d = 0; d < axis; d++) outer *= x->shape[d];
+    for (int d = axis + 1; d < nd; d++) inner *= x->shape[d];
+    double *v = gj_rt_malloc((size_t)(x->numel > 0 ? x->numel : 1) * sizeof *v);
+    int64_t *idx = gj_rt_malloc((size_t)(outer * inner > 0 ? outer * inner : 1) * sizeof *idx);
+    gj_tensor *out = NULL;
+    if (!v || !idx || gj_tensor_to_f64(x, v) != 0) goto done;
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t i = 0; i < inner; i++)
+            idx[o * inner + i] = argmax_run(v + o * len * inner + i, len, inner);
+    int64_t shape[GJ_MAX_DIMS];
+    int on = 0;
+    for (int d = 0; d < nd; d++) {
+        if (d == axis && !keepdim) continue;
+        shape[on++] = d == axis ? 1 : x->shape[d];
+    }
+    out = gj_from_data(GJ_I64, on, shape, idx);
+done:
+    gj_rt_free(v);
+    gj_rt_free(idx);
+    return out;
+}
+
+double gj_accuracy(gj_tensor *logits, gj_tensor *labels) {
+    const char *op = "gj_accuracy";
+    if (!gj_rt_check_tensor(logits, op, "logits") || !gj_rt_check_tensor(labels, op, "labels"))
+        return NAN;
+    if (logits->ndim != 2 || labels->ndim != 1 || labels->dtype != GJ_I64 ||
+        labels->shape[0] != logits->shape[0] || logits->shape[0] == 0) {
+        char a[96], b[96];
+        gj_rt_set_error("%s: needs logits [N, K] (N > 0) and i64 labels [N]; got logits %s %s, "
+                        "labels %s %s",
+                        op, gj_rt_fmt_shape(a, sizeof a, logits->ndim, logits->shape),
+                        gj_rt_dtype_name(logits->dtype),
+                        gj_rt_fmt_shape(b, sizeof b, labels->ndim, labels->shape),
+                        gj_rt_dtype_name(labels->dtype));
+        return NAN;
+    }
+    gj_tensor *pred = gj_argmax(logits, 1, false);
+    if (!pred) return NAN;
+    int64_t n = logits->shape[0], hit = 0;
+    const int64_t *p = gj_rt_data_ptr(pred);
+    for (int64_t i = 0; i < n; i++) hit += p[i] == (int64_t)gj_tensor_item_at(labels, i);
+    gj_release(pred);
+    return (double)hit / (double)n;
+}

@@ -3,7 +3,8 @@
  * test_train_utils.c - gj_clip_grad_norm and the learning-rate schedules
  * against the formulas of torch.nn.utils.clip_grad_norm_ and
  * torch.optim.lr_scheduler (StepLR; linear warm-up then cosine), computed
- * here independently, plus their errors.
+ * here independently, gj_argmax (every axis, keepdim, ties, NaN) against a
+ * reference loop and gj_accuracy, plus their errors.
  */
 #include "gjtest.h"
 
@@ -110,12 +111,65 @@ static void test_lr_schedules(void **state) {
     assert_true(isnan(gj_lr_cosine(INFINITY, 0, 10, 110, lo)));
 }
 
+static void test_argmax_accuracy(void **state) {
+    (void)state;
+    /* [2, 3, 4] with ties and a NaN: argmax over each axis, as torch.argmax */
+    double v[24];
+    for (int i = 0; i < 24; i++) v[i] = (double)((i * 7) % 5);
+    v[5] = NAN;
+    int64_t sh[3] = {2, 3, 4};
+    gj_tensor *x = gjt_tensor(GJ_F32, 3, sh, v);
+    assert_non_null(x);
+    for (int axis = -3; axis < 3; axis++)
+        for (int keep = 0; keep < 2; keep++) {
+            int a = axis < 0 ? axis + 3 : axis;
+            gj_tensor *r = gj_argmax(x, axis, keep);
+            assert_non_null(r);
+            assert_int_equal(gj_tensor_dtype(r), GJ_I64);
+            assert_int_equal(gj_tensor_ndim(r), keep ? 3 : 2);
+            int64_t got_n = gj_tensor_numel(r), k = 0;
+            assert_int_equal(got_n, 24 / sh[a]);
+            int64_t st[3] = {12, 4, 1};
+            for (int64_t i0 = 0; i0 < (a == 0 ? 1 : 2); i0++)
+                for (int64_t i1 = 0; i1 < (a == 1 ? 1 : 3); i1++)
+                    for (int64_t i2 = 0; i2 < (a == 2 ? 1 : 4); i2++) {
+                        int64_t base = i0 * st[0] + i1 * st[1] + i2 * st[2], best = 0;
+                        for (int64_t j = 1; j < sh[a]; j++) { /* reference: NaN wins, first of ties */
+                            double c = v[base + j * st[a]], b = v[base + best * st[a]];
+                            if (b != b) break;
+                            if (c != c || c > b) best = j;
+                        }
+                        assert_int_equal((int64_t)gj_tensor_item_at(r, k), best);
+                        k++;
+                    }
+            gj_release(r);
+        }
+    /* accuracy: 3 of 4 rows right */
+    double lg[8] = {0.1, 0.9, 2.0, -1.0, 0.5, 0.5, -3.0, -2.0};
+    gj_tensor *logits = gjt_tensor(GJ_F64, 2, (int64_t[]){4, 2}, lg);
+    gj_tensor *lab = gjt_i64(1, (int64_t[]){4}, (int64_t[]){1, 0, 0, 0});
+    assert_true(fabs(gj_accuracy(logits, lab) - 0.75) < 1e-15);
+    /* errors */
+    assert_null(gj_argmax(x, 3, false));
+    assert_true(gjt_error_has("gj_argmax"));
+    assert_null(gj_argmax(NULL, 0, false));
+    assert_null(gj_argmax(lab, 0, false));
+    assert_true(gjt_error_has("float"));
+    assert_true(isnan(gj_accuracy(logits, x)));
+    assert_true(gjt_error_has("gj_accuracy"));
+    assert_true(isnan(gj_accuracy(NULL, lab)));
+    gj_release(x);
+    gj_release(logits);
+    gj_release(lab);
+}
+
 int main(void) {
     gjt_setup();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_clip_grad_norm),
         cmocka_unit_test(test_clip_grad_norm_errors),
         cmocka_unit_test(test_lr_schedules),
+        cmocka_unit_test(test_argmax_accuracy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
