@@ -14,42 +14,17 @@
  *
  * Contract: runs after the kernel names are set ("k<step>") and before
  * lowering; only names change. Descriptions are compared byte for byte
- * after serialising every field (no struct padding, no pointers).
+ * after serialising every field with the disk cache's writers (wbuf.h).
  */
 #include "plan.h"
+#include "wbuf.h"
 
 #include <string.h>
 
-typedef struct kbuf {
-    unsigned char *p;
-    size_t n, cap;
-    bool oom;
-} kbuf;
-
-static void put(kbuf *b, const void *v, size_t n) {
-    if (b->oom) return;
-    if (b->n + n > b->cap) {
-        size_t cap = b->cap ? 2 * b->cap : 512;
-        while (cap < b->n + n) cap *= 2;
-        unsigned char *q = gj_rt_realloc(b->p, cap);
-        if (!q) {
-            b->oom = true;
-            return;
-        }
-        b->p = q;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, v, n);
-    b->n += n;
-}
-
-static void put_i64(kbuf *b, int64_t v) { put(b, &v, sizeof v); }
-static void put_f64(kbuf *b, double v) { put(b, &v, sizeof v); }
-
 /* The description of kernel k of plan p into b (see the file comment). */
-static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, kbuf *b) {
+static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, wbuf *b) {
     put_i64(b, k->nd);
-    for (int d = 0; d < k->nd; d++) put_i64(b, k->dims[d]);
+    put_dims(b, k->dims, k->nd);
     put_i64(b, k->red);
     put_i64(b, k->block);
     put_i64(b, k->nblk);
@@ -64,7 +39,7 @@ static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, kbuf *b) {
         const gj_jit_buffer *bf = &p->bufs[x->buf];
         put_i64(b, x->dtype);
         put_i64(b, x->offset);
-        for (int d = 0; d < k->nd; d++) put_i64(b, x->strides[d]);
+        put_dims(b, x->strides, k->nd);
         bool gen = bf->kind == GJ_JIT_BUF_IOTA || bf->kind == GJ_JIT_BUF_DROPOUT;
         put_i64(b, gen ? (int64_t)bf->kind : -1);
         if (bf->kind == GJ_JIT_BUF_IOTA || bf->kind == GJ_JIT_BUF_DROPOUT) {
@@ -90,22 +65,7 @@ static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, kbuf *b) {
         put_f64(b, x->cval);
         for (int i = 0; i < 3; i++) put_i64(b, x->args[i]);
         if (x->kind == GJ_JIT_E_OP) { /* the instruction: primitive and attributes */
-            const gj_rt_inst *in = &x->inst;
-            put_i64(b, in->prim);
-            put_i64(b, in->n_in);
-            put_f64(b, in->scalar);
-            put_i64(b, in->dtype);
-            put_i64(b, in->axes);
-            put_i64(b, in->keepdim);
-            put_i64(b, in->ta);
-            put_i64(b, in->tb);
-            put_i64(b, in->axis);
-            put_i64(b, in->start);
-            put_i64(b, in->len);
-            put_i64(b, (int64_t)in->seed);
-            put_i64(b, (int64_t)in->rng_offset);
-            put_i64(b, in->ndim);
-            for (int d = 0; d < in->ndim && d < GJ_MAX_DIMS; d++) put_i64(b, in->shape[d]);
+            put_inst(b, &x->inst);
         }
     }
     put_i64(b, k->n_st);
@@ -119,7 +79,7 @@ static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, kbuf *b) {
 
 int gj_jit_dedupe_kernels(gj_jit_plan *p) {
     int rc = -1, n = p->n_steps;
-    kbuf *d = gj_rt_calloc((size_t)n + 1, sizeof *d);
+    wbuf *d = gj_rt_calloc((size_t)n + 1, sizeof *d);
     if (!d) return -1;
     for (int s = 0; s < n; s++) {
         if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;

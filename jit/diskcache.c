@@ -37,6 +37,7 @@
  *     never the caller's error.
  */
 #include "diskcache.h"
+#include "wbuf.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -217,48 +218,12 @@ static void entry_name(char out[40], const uint64_t h[2]) {
 
 /* ------------------------------------------------------------ buffers */
 
-typedef struct wbuf {
-    unsigned char *p;
-    size_t n, cap;
-    bool oom;
-} wbuf;
-
-static void put(wbuf *b, const void *src, size_t n) {
-    if (b->oom) return;
-    if (b->n + n > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->n + n) cap *= 2;
-        unsigned char *q = gj_rt_realloc(b->p, cap);
-        if (!q) {
-            b->oom = true;
-            return;
-        }
-        b->p = q;
-        b->cap = cap;
-    }
-    if (n) memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-
-static void put_u64(wbuf *b, uint64_t v) { put(b, &v, sizeof v); }
-static void put_i64(wbuf *b, int64_t v) { put_u64(b, (uint64_t)v); }
-static void put_f64(wbuf *b, double v) { put(b, &v, sizeof v); }
-
 static void put_blob(wbuf *b, const void *src, size_t n) {
     put_u64(b, n);
     put(b, src, n);
 }
 
 static void put_ints(wbuf *b, const int *v, int n) {
-    put_i64(b, n);
-    for (int i = 0; i < n; i++) put_i64(b, v[i]);
-}
-
-/* v[0..n) of a GJ_MAX_DIMS array (n clamped to it): entries past the rank
- * may be left uninitialised by the planner, so they are not part of the
- * plan's bytes. */
-static void put_dims(wbuf *b, const int64_t *v, int n) {
-    n = n < 0 ? 0 : n > GJ_MAX_DIMS ? GJ_MAX_DIMS : n;
     put_i64(b, n);
     for (int i = 0; i < n; i++) put_i64(b, v[i]);
 }
@@ -311,22 +276,6 @@ static void put_meta(wbuf *b, const gj_rt_meta *m) {
     put_i64(b, m->dtype);
     put_i64(b, m->ndim);
     put_dims(b, m->shape, m->ndim);
-}
-
-static void put_inst(wbuf *b, const gj_rt_inst *x) {
-    put_i64(b, x->prim);
-    put_i64(b, x->n_in);
-    put_f64(b, x->scalar);
-    put_i64(b, x->dtype);
-    put_u64(b, x->axes);
-    put_u64(b, (uint64_t)x->keepdim | (uint64_t)x->ta << 1 | (uint64_t)x->tb << 2);
-    put_i64(b, x->axis);
-    put_i64(b, x->start);
-    put_i64(b, x->len);
-    put_u64(b, x->seed);
-    put_u64(b, x->rng_offset);
-    put_i64(b, x->ndim);
-    put_dims(b, x->shape, x->ndim);
 }
 
 static void put_kernel(wbuf *b, const gj_jit_kernel *k) {
