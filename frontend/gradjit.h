@@ -537,6 +537,95 @@ typedef gj_ckpt_policy (*gj_ckpt_policy_fn)(const char *op_name, int position,
 GJ_API int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data);
 
+/* ---------------------------------------------- data parallelism (MPI) */
+/* Multi-process training over MPI (docs/distributed.md). Present in every
+ * build; without MPI (GJ_MPI=OFF, or no MPI found at build time) every
+ * function below fails with an error saying so, and gj_dist_available()
+ * is false. Launch with mpirun; a process group is one MPI communicator
+ * with an ordered communication stream: every collective of a group runs
+ * on that stream's thread, in the order the calls were made, so all ranks
+ * issue them in the same order. A collective that does not complete within
+ * the group's timeout (GRADJIT_DIST_TIMEOUT seconds, default 300: a rank
+ * died or took another path) fails with an error instead of hanging. */
+typedef struct gj_pg gj_pg;
+typedef struct gj_work gj_work;
+typedef enum gj_reduce_op { GJ_REDUCE_SUM = 0, GJ_REDUCE_AVG = 1 } gj_reduce_op;
+
+GJ_API bool gj_dist_available(void);
+/* The world group: initialises MPI (thread level MULTIPLE) unless the
+ * program already did, reading rank and size from mpirun's environment (a
+ * process started without mpirun is rank 0 of 1). NULL with an error. */
+GJ_API gj_pg *gj_pg_init(void);
+/* A group over the caller's communicator: comm points to an MPI_Comm
+ * (borrowed; the group duplicates it). MPI must be initialised. */
+GJ_API gj_pg *gj_pg_from_comm(const void *mpi_comm);
+GJ_API int gj_pg_rank(const gj_pg *pg); /* -1 for NULL */
+GJ_API int gj_pg_size(const gj_pg *pg); /* -1 for NULL */
+/* Waits for the group's pending work, frees it; MPI is finalised when the
+ * last group of those gj_pg_init created goes and gradjit initialised it. */
+GJ_API void gj_pg_free(gj_pg *pg);
+GJ_API int gj_pg_barrier(gj_pg *pg);
+/* Collectives on contiguous tensors (f32, f64, bf16; bf16 is reduced in
+ * f32 and rounded once). Blocking: 0, or -1 with an error naming the
+ * collective, the tensor's shape and dtype and MPI's message. t borrowed. */
+GJ_API int gj_allreduce(gj_pg *pg, gj_tensor *t, gj_reduce_op op);
+GJ_API int gj_broadcast(gj_pg *pg, gj_tensor *t, int root);
+/* New reference [size * d0, d1, ...]: every rank's t (same shape) in rank order. */
+GJ_API gj_tensor *gj_allgather(gj_pg *pg, gj_tensor *t);
+/* New reference [d0 / size, d1, ...]: this rank's slice of the reduction
+ * (d0 must be a multiple of size). */
+GJ_API gj_tensor *gj_reduce_scatter(gj_pg *pg, gj_tensor *t, gj_reduce_op op);
+/* Asynchronous allreduce: enqueued on the group's stream, returns at once.
+ * t is retained until the work is waited for; do not touch its values
+ * before. gj_work_wait blocks, returns the collective's status (error set
+ * on failure) and frees the work. */
+GJ_API gj_work *gj_allreduce_async(gj_pg *pg, gj_tensor *t, gj_reduce_op op);
+GJ_API int gj_work_wait(gj_work *w);
+
+/* Distributed data parallel (PyTorch's DDP): every rank holds the same
+ * parameters, runs forward and backward on its shard of the batch, and
+ * gj_ddp_wait leaves in every .grad the average over ranks. Gradients are
+ * packed into buckets (bucket_bytes, in reverse parameter order, which is
+ * the order backward finalises them); a bucket's allreduce starts, on the
+ * group's stream, as soon as a post-accumulate hook saw its last gradient
+ * (buckets start in index order on every rank, so the collectives match).
+ * Works the same with compiled autograd on (the hooks do not make it fall
+ * back). A parameter that got no gradient in a step (on some or all ranks)
+ * counts as zeros; gj_ddp_wait starts any bucket still missing one, so no
+ * rank waits for ever, and gives every such parameter the average too. */
+typedef struct gj_ddp gj_ddp;
+typedef struct gj_ddp_options {
+    int64_t bucket_bytes; /* <= 0: 25 MiB */
+    bool bf16_buckets;    /* send f32 gradients as bf16 (halves the bytes; rounds) */
+    bool no_broadcast;    /* do not copy rank 0's parameters to every rank at start */
+} gj_ddp_options;
+typedef struct gj_ddp_stats {
+    int n_buckets;
+    int64_t steps;            /* gj_ddp_wait calls that reduced */
+    int64_t allreduces;       /* bucket collectives issued */
+    int64_t started_by_hook;  /* ... of which started from a hook during backward */
+    int64_t bytes;            /* bytes sent into collectives */
+    double comm_ms;           /* time in the collectives (on the stream) */
+    double wait_ms;           /* time gj_ddp_wait blocked */
+} gj_ddp_stats;
+/* params borrowed (retained), leaves that require grad. opt may be NULL.
+ * Broadcasts rank 0's values into every parameter unless opt->no_broadcast.
+ * NULL with an error. */
+GJ_API gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
+                          const gj_ddp_options *opt);
+/* sync false: backwards accumulate locally with no communication (no_sync,
+ * for micro-batches); the first backward after setting it true again
+ * reduces the accumulated .grads. */
+GJ_API void gj_ddp_set_sync(gj_ddp *d, bool sync);
+/* Before the optimizer step: starts what has not started, waits for every
+ * bucket and writes the averages into the .grads. 0, or -1 with an error
+ * (a failed or timed-out collective; the .grads are then undefined). */
+GJ_API int gj_ddp_wait(gj_ddp *d);
+GJ_API int gj_ddp_stats_get(const gj_ddp *d, gj_ddp_stats *out);
+/* Which bucket (0-based) parameter i is in, or -1. */
+GJ_API int gj_ddp_bucket_of(const gj_ddp *d, int i);
+GJ_API void gj_ddp_free(gj_ddp *d);
+
 #ifdef __cplusplus
 }
 #endif

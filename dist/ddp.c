@@ -1,0 +1,360 @@
+// SPDX-License-Identifier: MIT
+/*
+ * ddp.c - distributed data parallel: gradient buckets averaged over a
+ * process group while backward goes on.
+ *
+ * Invariants. Parameters are assigned to buckets once, in reverse order
+ * (the order backward finalises them), a bucket holding one wire dtype and
+ * about bucket_bytes. A post-accumulate hook per parameter copies its final
+ * .grad into its bucket's wire buffer and marks it ready; buckets are
+ * started strictly in index order (next_start), each as soon as it and all
+ * before it are complete, so every rank issues the same collectives in the
+ * same order whatever order its hooks ran in (an unused parameter on one
+ * rank only delays, never reorders). gj_ddp_wait completes the missing
+ * parameters (their .grad or zeros), starts the rest, waits for all and
+ * writes the averages back; after it no bucket is in flight. With sync
+ * off, hooks do nothing and .grads accumulate locally.
+ */
+#include "dist/dist.h"
+
+#include "runtime/gj_math.h"
+#include "runtime/rt.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef struct ddp_bucket {
+    gj_dtype wire;
+    int first, n;        /* params order[first .. first+n) */
+    int64_t count;       /* elements */
+    void *buf;           /* count wire values */
+    int ready;           /* params of this bucket marked ready this step */
+    bool started;
+    gj_dist_job job;
+} ddp_bucket;
+
+typedef struct hook_ctx {
+    gj_ddp *d;
+    int i;
+} hook_ctx;
+
+struct gj_ddp {
+    gj_pg *pg;
+    int n;
+    gj_tensor **params;  /* retained */
+    int *order;          /* bucket order: order[k] = param index */
+    int *bucket_of;      /* per param */
+    int64_t *offset;     /* per param: element offset in its bucket */
+    bool *ready;         /* per param, this step */
+    int64_t *hooks;      /* per param: post-accumulate hook handle */
+    hook_ctx *ctx;       /* per param */
+    ddp_bucket *b;
+    int nb, next_start;
+    bool sync, any_ready;
+    gj_ddp_options opt;
+    gj_ddp_stats st;
+    pthread_mutex_t lock;
+    char err[320];       /* first failure inside a hook this step */
+};
+
+static size_t wire_bytes(gj_dtype d) { return d == GJ_F64 ? 8 : d == GJ_F32 ? 4 : 2; }
+
+static gj_dtype wire_of(gj_dtype param, bool bf16) {
+    if (param == GJ_F64) return GJ_F64;
+    return bf16 ? GJ_BF16 : GJ_F32; /* bf16 params are reduced in f32 unless asked otherwise */
+}
+
+/* Copies tensor g (any layout; f32/f64/bf16) into wire buffer dst. */
+static int pack(gj_tensor *g, gj_dtype wire, void *dst) {
+    int64_t n = gj_tensor_numel(g);
+    if (wire == GJ_F64) return gj_tensor_to_f64(g, dst);
+    if (wire == GJ_F32) return gj_tensor_to_f32(g, dst);
+    float *tmp = gj_rt_malloc((size_t)(n ? n : 1) * sizeof *tmp);
+    if (!tmp) return -1;
+    int rc = gj_tensor_to_f32(g, tmp);
+    uint16_t *h = dst;
+    for (int64_t i = 0; rc == 0 && i < n; i++) h[i] = gj_m_f32_to_bf16(tmp[i]);
+    gj_rt_free(tmp);
+    return rc;
+}
+
+static double wire_at(const void *src, gj_dtype wire, int64_t i) {
+    if (wire == GJ_F64) return ((const double *)src)[i];
+    if (wire == GJ_F32) return ((const float *)src)[i];
+    return gj_m_bf16_to_f32(((const uint16_t *)src)[i]);
+}
+
+/* Writes n wire values into param p's .grad (made, in p's dtype, when p
+ * has none or a non-contiguous one). */
+static int unpack(gj_tensor *p, gj_dtype wire, const void *src) {
+    gj_tensor *g = gj_tensor_grad(p);
+    int64_t n = gj_tensor_numel(p);
+    gj_tensor *fresh = NULL;
+    if (!g || !gj_tensor_is_contiguous(g)) {
+        fresh = gj_zeros(gj_tensor_dtype(p), gj_tensor_ndim(p), gj_tensor_shape(p));
+        if (!fresh) return -1;
+        g = fresh;
+    }
+    void *dst = gj_tensor_data(g);
+    gj_dtype gd = gj_tensor_dtype(g);
+    if (gd == wire && (wire == GJ_F64 || wire == GJ_F32 || wire == GJ_BF16)) {
+        memcpy(dst, src, (size_t)n * wire_bytes(wire));
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            double v = wire_at(src, wire, i);
+            if (gd == GJ_F64) ((double *)dst)[i] = v;
+            else if (gd == GJ_F32) ((float *)dst)[i] = (float)v;
+            else ((uint16_t *)dst)[i] = gj_m_f32_to_bf16((float)v);
+        }
+    }
+    int rc = 0;
+    if (fresh) {
+        rc = gj_tensor_set_grad(p, fresh);
+        gj_release(fresh);
+    } else {
+        gj_rt_bump_version(g);
+    }
+    return rc;
+}
+
+/* Starts every complete bucket from next_start on, in order. Lock held. */
+static int start_ready(gj_ddp *d, bool by_hook) {
+    while (d->next_start < d->nb && d->b[d->next_start].ready == d->b[d->next_start].n) {
+        ddp_bucket *b = &d->b[d->next_start];
+        b->job = (gj_dist_job){.kind = GJ_DIST_ALLREDUCE, .wire = b->wire, .op = GJ_REDUCE_AVG,
+                               .buf = b->buf, .count = b->count};
+        if (gj_dist_submit(d->pg, &b->job) != 0) return -1;
+        b->started = true;
+        d->next_start++;
+        d->st.allreduces++;
+        d->st.started_by_hook += by_hook;
+        d->st.bytes += b->count * (int64_t)wire_bytes(b->wire);
+    }
+    return 0;
+}
+
+static void on_grad(gj_tensor *leaf, void *user) {
+    hook_ctx *hc = user;
+    gj_ddp *d = hc->d;
+    int i = hc->i;
+    if (!d->sync) return;
+    pthread_mutex_lock(&d->lock);
+    if (d->ready[i]) {
+        gj_rt_set_error("gj_ddp: parameter %d got a second gradient before gj_ddp_wait (two "
+                        "backwards in one step: turn sync off with gj_ddp_set_sync for all but "
+                        "the last micro-batch)", i);
+        snprintf(d->err, sizeof d->err, "%s", gj_last_error());
+        pthread_mutex_unlock(&d->lock);
+        return;
+    }
+    ddp_bucket *b = &d->b[d->bucket_of[i]];
+    gj_tensor *g = gj_tensor_grad(leaf);
+    int rc = 0;
+    if (g) {
+        rc = pack(g, b->wire, (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire));
+    } else {
+        memset((char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire), 0,
+               (size_t)gj_tensor_numel(leaf) * wire_bytes(b->wire));
+    }
+    if (rc == 0) {
+        d->ready[i] = true;
+        d->any_ready = true;
+        b->ready++;
+        rc = start_ready(d, true);
+    }
+    if (rc != 0 && !d->err[0]) snprintf(d->err, sizeof d->err, "%s", gj_last_error());
+    pthread_mutex_unlock(&d->lock);
+}
+
+static void ddp_destroy(gj_ddp *d) {
+    if (!d) return;
+    for (int k = 0; k < d->nb; k++) {
+        if (d->b[k].started) gj_dist_wait(&d->b[k].job);
+        gj_rt_free(d->b[k].buf);
+    }
+    for (int i = 0; i < d->n; i++) {
+        if (d->hooks && d->hooks[i] > 0) gj_remove_hook(d->hooks[i]);
+        if (d->params && d->params[i]) gj_release(d->params[i]);
+    }
+    pthread_mutex_destroy(&d->lock);
+    gj_rt_free(d->b);
+    gj_rt_free(d->params);
+    gj_rt_free(d->order);
+    gj_rt_free(d->bucket_of);
+    gj_rt_free(d->offset);
+    gj_rt_free(d->ready);
+    gj_rt_free(d->hooks);
+    gj_rt_free(d->ctx);
+    gj_rt_free(d);
+}
+
+gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
+                   const gj_ddp_options *opt) {
+    if (!pg) {
+        gj_rt_set_error("gj_ddp_new: process group is NULL");
+        return NULL;
+    }
+    if (n_params < 1 || !params) {
+        gj_rt_set_error("gj_ddp_new: needs at least one parameter (got %d)", n_params);
+        return NULL;
+    }
+    for (int i = 0; i < n_params; i++) {
+        gj_tensor *p = params[i];
+        if (!p || !gj_is_leaf(p) || !gj_requires_grad(p)) {
+            gj_rt_set_error("gj_ddp_new: parameter %d is %s", i,
+                            !p ? "NULL" : "not a leaf that requires grad");
+            return NULL;
+        }
+        gj_dtype dt = gj_tensor_dtype(p);
+        if (dt != GJ_F32 && dt != GJ_F64 && dt != GJ_BF16) {
+            gj_rt_set_error("gj_ddp_new: parameter %d has dtype %d, not f32, f64 or bf16", i,
+                            (int)dt);
+            return NULL;
+        }
+        if (!gj_tensor_is_contiguous(p)) {
+            gj_rt_set_error("gj_ddp_new: parameter %d is not contiguous", i);
+            return NULL;
+        }
+        for (int j = 0; j < i; j++)
+            if (params[j] == p) {
+                gj_rt_set_error("gj_ddp_new: parameter %d is parameter %d again", i, j);
+                return NULL;
+            }
+    }
+    gj_ddp *d = gj_rt_calloc(1, sizeof *d);
+    if (!d) return NULL;
+    pthread_mutex_init(&d->lock, NULL);
+    d->pg = pg;
+    d->n = n_params;
+    d->sync = true;
+    if (opt) d->opt = *opt;
+    if (d->opt.bucket_bytes <= 0) d->opt.bucket_bytes = 25 << 20;
+    size_t n = (size_t)n_params;
+    d->params = gj_rt_calloc(n, sizeof *d->params);
+    d->order = gj_rt_calloc(n, sizeof *d->order);
+    d->bucket_of = gj_rt_calloc(n, sizeof *d->bucket_of);
+    d->offset = gj_rt_calloc(n, sizeof *d->offset);
+    d->ready = gj_rt_calloc(n, sizeof *d->ready);
+    d->hooks = gj_rt_calloc(n, sizeof *d->hooks);
+    d->ctx = gj_rt_calloc(n, sizeof *d->ctx);
+    d->b = gj_rt_calloc(n, sizeof *d->b); /* at most one bucket per parameter */
+    if (!d->params || !d->order || !d->bucket_of || !d->offset || !d->ready || !d->hooks ||
+        !d->ctx || !d->b)
+        goto fail;
+    for (int i = 0; i < n_params; i++) d->params[i] = gj_retain(params[i]);
+    /* buckets: reverse parameter order, one wire dtype each, about bucket_bytes */
+    int64_t bytes = 0;
+    for (int k = 0; k < n_params; k++) {
+        int i = n_params - 1 - k;
+        d->order[k] = i;
+        gj_dtype w = wire_of(gj_tensor_dtype(params[i]), d->opt.bf16_buckets);
+        int64_t pb = gj_tensor_numel(params[i]) * (int64_t)wire_bytes(w);
+        ddp_bucket *cur = d->nb ? &d->b[d->nb - 1] : NULL;
+        if (!cur || cur->wire != w || bytes + pb > d->opt.bucket_bytes) {
+            cur = &d->b[d->nb++]; /* a parameter larger than a bucket gets one of its own */
+            cur->first = k;
+            cur->wire = w;
+            bytes = 0;
+        }
+        d->bucket_of[i] = d->nb - 1;
+        d->offset[i] = cur->count;
+        cur->count += gj_tensor_numel(params[i]);
+        cur->n++;
+        bytes += pb;
+    }
+    for (int k = 0; k < d->nb; k++) {
+        d->b[k].buf = gj_rt_calloc((size_t)(d->b[k].count ? d->b[k].count : 1),
+                                   wire_bytes(d->b[k].wire));
+        if (!d->b[k].buf) goto fail;
+    }
+    d->st.n_buckets = d->nb;
+    if (!d->opt.no_broadcast)
+        for (int i = 0; i < n_params; i++)
+            if (gj_broadcast(pg, params[i], 0) != 0) goto fail;
+    for (int i = 0; i < n_params; i++) {
+        d->ctx[i] = (hook_ctx){d, i};
+        d->hooks[i] = gj_register_post_accumulate_grad_hook(params[i], on_grad, &d->ctx[i]);
+        if (d->hooks[i] <= 0) goto fail;
+    }
+    return d;
+fail:
+    ddp_destroy(d);
+    return NULL;
+}
+
+void gj_ddp_set_sync(gj_ddp *d, bool sync) {
+    if (!d) return;
+    pthread_mutex_lock(&d->lock);
+    d->sync = sync;
+    pthread_mutex_unlock(&d->lock);
+}
+
+int gj_ddp_wait(gj_ddp *d) {
+    if (!d) {
+        gj_rt_set_error("gj_ddp_wait: ddp is NULL");
+        return -1;
+    }
+    double t0 = gj_dist_now_ms();
+    int rc = 0;
+    pthread_mutex_lock(&d->lock);
+    if (d->err[0]) {
+        gj_rt_set_error("gj_ddp_wait: a gradient hook failed during backward: %s", d->err);
+        rc = -1;
+    }
+    /* parameters no hook marked this step: their .grad (accumulated under
+     * no_sync) or zeros; then start the rest, in order */
+    for (int i = 0; i < d->n; i++) {
+        if (d->ready[i]) continue;
+        ddp_bucket *b = &d->b[d->bucket_of[i]];
+        void *dst = (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire);
+        gj_tensor *g = gj_tensor_grad(d->params[i]);
+        if (g) {
+            if (pack(g, b->wire, dst) != 0) rc = -1;
+        } else {
+            memset(dst, 0, (size_t)gj_tensor_numel(d->params[i]) * wire_bytes(b->wire));
+        }
+        d->ready[i] = true;
+        b->ready++;
+    }
+    if (start_ready(d, false) != 0) rc = -1;
+    for (int k = 0; k < d->nb; k++) {
+        ddp_bucket *b = &d->b[k];
+        if (!b->started) continue;
+        if (gj_dist_wait(&b->job) != 0) rc = -1;
+        d->st.comm_ms += b->job.ms;
+        b->started = false;
+        if (rc != 0) continue;
+        for (int j = 0; j < b->n; j++) {
+            int i = d->order[b->first + j];
+            if (unpack(d->params[i], b->wire,
+                       (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire)) != 0)
+                rc = -1;
+        }
+    }
+    for (int k = 0; k < d->nb; k++) d->b[k].ready = 0;
+    memset(d->ready, 0, (size_t)d->n * sizeof *d->ready);
+    d->next_start = 0;
+    d->any_ready = false;
+    d->err[0] = 0;
+    if (rc == 0) d->st.steps++;
+    d->st.wait_ms += gj_dist_now_ms() - t0;
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int gj_ddp_stats_get(const gj_ddp *d, gj_ddp_stats *out) {
+    if (!d || !out) {
+        gj_rt_set_error("gj_ddp_stats_get: %s is NULL", !d ? "ddp" : "out");
+        return -1;
+    }
+    *out = d->st;
+    return 0;
+}
+
+int gj_ddp_bucket_of(const gj_ddp *d, int i) {
+    if (!d || i < 0 || i >= d->n) return -1;
+    return d->bucket_of[i];
+}
+
+void gj_ddp_free(gj_ddp *d) { ddp_destroy(d); }

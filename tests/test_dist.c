@@ -1,0 +1,469 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_dist.c - process groups, collectives and gj_ddp over MPI.
+ *
+ * ctest runs it three ways: alone (a one-rank group), under
+ * `mpirun -np 2` and `mpirun -np 3 --oversubscribe`. Every rank runs every
+ * test in the same order. References are computed on each rank without MPI:
+ * the data of every rank's shard is generated from one seed, so a rank can
+ * compute what each other rank's local gradient is and their average. A
+ * build without MPI checks the "built without MPI" errors instead.
+ * GJT_DIST_DIVERGE=1 (tests/dist/diverge.sh) makes rank 1 skip a collective
+ * that rank 0 issues: rank 0 must get the timeout error, not hang.
+ */
+#include "gjtest.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static gj_pg *g_pg;
+static int g_rank, g_size;
+
+/* ------------------------------------------------------------ collectives */
+
+static void test_collectives(void **state) {
+    (void)state;
+    const gj_dtype dts[3] = {GJ_F64, GJ_F32, GJ_BF16};
+    for (int k = 0; k < 3; k++) {
+        int64_t n = 5;
+        double v[5], want_sum[5];
+        for (int i = 0; i < 5; i++) {
+            v[i] = (g_rank + 1) * (i + 1); /* small integers: exact in bf16 too */
+            want_sum[i] = (double)g_size * (g_size + 1) / 2 * (i + 1);
+        }
+        gj_tensor *t = gjt_tensor(dts[k], 1, &n, v);
+        assert_int_equal(gj_allreduce(g_pg, t, GJ_REDUCE_SUM), 0);
+        assert_true(gjt_tensor_close("allreduce sum", t, want_sum, 0, 0));
+        gj_release(t);
+
+        t = gjt_tensor(dts[k], 1, &n, v);
+        double want_avg[5];
+        for (int i = 0; i < 5; i++) want_avg[i] = want_sum[i] / g_size;
+        assert_int_equal(gj_allreduce(g_pg, t, GJ_REDUCE_AVG), 0);
+        assert_true(gjt_tensor_close("allreduce avg", t, want_avg, 0,
+                                     dts[k] == GJ_BF16 ? 1.0 / 128 : 1e-7));
+        gj_release(t);
+
+        /* broadcast from the last rank */
+        t = gjt_tensor(dts[k], 1, &n, v);
+        double want_b[5];
+        for (int i = 0; i < 5; i++) want_b[i] = (double)g_size * (i + 1);
+        assert_int_equal(gj_broadcast(g_pg, t, g_size - 1), 0);
+        assert_true(gjt_tensor_close("broadcast", t, want_b, 0, 0));
+        gj_release(t);
+
+        /* allgather: [2] per rank -> [2 * size] in rank order */
+        int64_t two = 2;
+        double mine[2] = {g_rank, 10 + g_rank};
+        t = gjt_tensor(dts[k], 1, &two, mine);
+        gj_tensor *all = gj_allgather(g_pg, t);
+        assert_non_null(all);
+        assert_int_equal(gj_tensor_shape(all)[0], 2 * g_size);
+        for (int r = 0; r < g_size; r++) {
+            assert_true(gj_tensor_item_at(all, 2 * r) == r);
+            assert_true(gj_tensor_item_at(all, 2 * r + 1) == 10 + r);
+        }
+        gj_release(all);
+        gj_release(t);
+
+        /* reduce_scatter: [size, 3] of (rank + 1) * (row + col) -> this rank's row summed */
+        int64_t rs[2] = {g_size, 3};
+        double *m = malloc(sizeof(double) * (size_t)(3 * g_size));
+        for (int r = 0; r < g_size; r++)
+            for (int c = 0; c < 3; c++) m[r * 3 + c] = (g_rank + 1) * (r + c);
+        t = gjt_tensor(dts[k], 2, rs, m);
+        free(m);
+        gj_tensor *part = gj_reduce_scatter(g_pg, t, GJ_REDUCE_SUM);
+        assert_non_null(part);
+        assert_int_equal(gj_tensor_shape(part)[0], 1);
+        for (int c = 0; c < 3; c++)
+            assert_true(gj_tensor_item_at(part, c) ==
+                        (double)g_size * (g_size + 1) / 2 * (g_rank + c));
+        gj_release(part);
+        gj_release(t);
+
+        /* asynchronous allreduce */
+        t = gjt_tensor(dts[k], 1, &n, v);
+        gj_work *w = gj_allreduce_async(g_pg, t, GJ_REDUCE_SUM);
+        assert_non_null(w);
+        assert_int_equal(gj_work_wait(w), 0);
+        assert_true(gjt_tensor_close("async allreduce", t, want_sum, 0, 0));
+        gj_release(t);
+    }
+    assert_int_equal(gj_pg_barrier(g_pg), 0);
+}
+
+static void test_collective_errors(void **state) {
+    (void)state;
+    int64_t s2[2] = {2, 3};
+    gj_tensor *a = gj_zeros(GJ_F32, 2, s2);
+    gj_tensor *at = gj_transpose(a, 0, 1);
+    assert_int_equal(gj_allreduce(g_pg, at, GJ_REDUCE_SUM), -1);
+    assert_true(gjt_error_has("gj_allreduce") && gjt_error_has("[3, 2]") &&
+                gjt_error_has("not contiguous"));
+    gj_tensor *ix = gjt_i64(1, (int64_t[]){2}, (int64_t[]){1, 2});
+    assert_int_equal(gj_allreduce(g_pg, ix, GJ_REDUCE_SUM), -1);
+    assert_true(gjt_error_has("i64"));
+    assert_int_equal(gj_allreduce(NULL, a, GJ_REDUCE_SUM), -1);
+    assert_true(gjt_error_has("process group is NULL"));
+    assert_int_equal(gj_allreduce(g_pg, NULL, GJ_REDUCE_SUM), -1);
+    assert_int_equal(gj_allreduce(g_pg, a, (gj_reduce_op)7), -1);
+    assert_int_equal(gj_broadcast(g_pg, a, g_size), -1);
+    assert_true(gjt_error_has("root"));
+    assert_null(gj_allgather(g_pg, NULL));
+    if (g_size > 1) {
+        int64_t odd[1] = {g_size + 1};
+        gj_tensor *o = gj_zeros(GJ_F64, 1, odd);
+        assert_null(gj_reduce_scatter(g_pg, o, GJ_REDUCE_SUM));
+        assert_true(gjt_error_has("multiple of the group size"));
+        gj_release(o);
+    }
+    assert_int_equal(gj_work_wait(NULL), -1);
+    assert_int_equal(gj_pg_rank(NULL), -1);
+    gj_release(ix);
+    gj_release(at);
+    gj_release(a);
+    /* the group still works after refused calls (nothing was issued) */
+    assert_int_equal(gj_pg_barrier(g_pg), 0);
+}
+
+/* ---------------------------------------------------------------- models */
+
+/* Two-layer tanh MLP over x [B, 6]: y = tanh(x W1 + b1) W2, loss = mean of
+ * y^2 over the shard's rows. skip_b1 leaves b1 out of the graph (a
+ * parameter with no gradient in that step). Params: W1 [6, 8], b1 [8],
+ * W2 [8, 3]. */
+enum { NP = 3, IN = 6, HID = 8, OUT = 3 };
+
+static gj_tensor *model_loss(gj_tensor **p, gj_tensor *x, bool skip_b1) {
+    gj_tensor *h = gj_matmul(x, p[0]);
+    if (!skip_b1) h = gj_add(h, p[1]);
+    h = gj_tanh(h);
+    gj_tensor *y = gj_matmul(h, p[2]);
+    return gj_mean(gj_mul(y, y), 0, NULL, false);
+}
+
+static void make_params(gj_dtype dt, uint64_t seed, gj_tensor **p) {
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    p[0] = gjt_uniform(&r, dt, 2, (int64_t[]){IN, HID}, -0.5, 0.5);
+    p[1] = gjt_uniform(&r, dt, 1, (int64_t[]){HID}, -0.5, 0.5);
+    p[2] = gjt_uniform(&r, dt, 2, (int64_t[]){HID, OUT}, -0.5, 0.5);
+    for (int i = 0; i < NP; i++) assert_int_equal(gj_set_requires_grad(p[i], true), 0);
+}
+
+/* Shard r of step s: rows of x, the same on every rank. */
+static gj_tensor *shard(gj_dtype dt, int step, int r, int64_t rows) {
+    gjt_rng g;
+    gjt_rng_seed(&g, 1000 + (uint64_t)step * 64 + (uint64_t)r);
+    return gjt_uniform(&g, dt, 2, (int64_t[]){rows, IN}, -1, 1);
+}
+
+static void free_params(gj_tensor **p) {
+    for (int i = 0; i < NP; i++) gj_release(p[i]);
+}
+
+/* The average over ranks of each rank's local gradient for step `step`
+ * (rank r skips b1 when skip_odd and r is odd), computed here on fresh
+ * parameters of the same values, eagerly: want[i] gets numel(p[i]) values. */
+static void reference_grads(gj_dtype dt, uint64_t seed, int step, int64_t rows, bool skip_odd,
+                            double **want) {
+    bool was = gj_compiled_autograd_enabled();
+    gj_set_compiled_autograd(false);
+    gj_tensor *p[NP];
+    make_params(dt, seed, p);
+    for (int i = 0; i < NP; i++) {
+        want[i] = calloc((size_t)gj_tensor_numel(p[i]), sizeof(double));
+        assert_non_null(want[i]);
+    }
+    for (int r = 0; r < g_size; r++) {
+        gj_scope_push();
+        gj_tensor *x = shard(dt, step, r, rows);
+        gj_tensor *loss = model_loss(p, x, skip_odd && (r & 1));
+        assert_int_equal(gj_backward(loss, NULL), 0);
+        gj_scope_pop();
+        gj_release(x);
+        for (int i = 0; i < NP; i++) {
+            gj_tensor *g = gj_tensor_grad(p[i]);
+            if (!g) continue;
+            double *v = gjt_values(g);
+            for (int64_t j = 0; j < gj_tensor_numel(p[i]); j++) want[i][j] += v[j];
+            free(v);
+            gj_tensor_set_grad(p[i], NULL);
+        }
+    }
+    for (int i = 0; i < NP; i++)
+        for (int64_t j = 0; j < gj_tensor_numel(p[i]); j++) want[i][j] /= g_size;
+    free_params(p);
+    gj_set_compiled_autograd(was);
+}
+
+/* One DDP step on this rank: backward of its shard, then gj_ddp_wait. */
+static void ddp_step(gj_ddp *d, gj_tensor **p, gj_dtype dt, int step, int64_t rows,
+                     bool skip_odd) {
+    for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+    gj_scope_push();
+    gj_tensor *x = shard(dt, step, g_rank, rows);
+    gj_tensor *loss = model_loss(p, x, skip_odd && (g_rank & 1));
+    assert_int_equal(gj_backward(loss, NULL), 0);
+    gj_scope_pop();
+    gj_release(x);
+    assert_int_equal(gj_ddp_wait(d), 0);
+}
+
+/* Every rank holds the same values in t (compared through allgather). */
+static void assert_same_on_all_ranks(const char *what, gj_tensor *t) {
+    int64_t n = gj_tensor_numel(t);
+    gj_tensor *flat = gj_cast(t, GJ_F64);
+    gj_tensor *all = gj_allgather(g_pg, gj_reshape(flat, 1, &n));
+    assert_non_null(all);
+    for (int r = 1; r < g_size; r++)
+        for (int64_t j = 0; j < n; j++)
+            if (gj_tensor_item_at(all, r * n + j) != gj_tensor_item_at(all, j)) {
+                fprintf(stderr, "%s: rank %d differs from rank 0 at %lld\n", what, r,
+                        (long long)j);
+                fail();
+            }
+    gj_release(all);
+    gj_release(flat);
+}
+
+static void check_grads(const char *what, gj_tensor **p, double **want, double rel) {
+    for (int i = 0; i < NP; i++) {
+        gj_tensor *g = gj_tensor_grad(p[i]);
+        assert_non_null(g);
+        double *v = gjt_values(g);
+        char name[96];
+        snprintf(name, sizeof name, "%s: grad of param %d", what, i);
+        assert_true(gjt_same_as_eager(name, v, want[i], gj_tensor_numel(p[i]), rel));
+        free(v);
+        assert_same_on_all_ranks(name, g);
+    }
+}
+
+static void free_want(double **want) {
+    for (int i = 0; i < NP; i++) free(want[i]);
+}
+
+/* DDP gradients equal the average of the ranks' local gradients (the
+ * whole-batch gradient), in f64 and f32, eager then compiled; compiled
+ * equals eager bit for bit; rank 0's parameters reach every rank. */
+static void test_ddp_matches_whole_batch(void **state) {
+    (void)state;
+    const gj_dtype dts[2] = {GJ_F64, GJ_F32};
+    for (int k = 0; k < 2; k++) {
+        gj_dtype dt = dts[k];
+        gj_tensor *p[NP];
+        make_params(dt, 7, p);
+        if (g_rank != 0) { /* other ranks start elsewhere: the broadcast must fix it */
+            gj_tensor *q[NP];
+            make_params(dt, 99 + (uint64_t)g_rank, q);
+            for (int i = 0; i < NP; i++) {
+                memcpy(gj_tensor_data(p[i]), gj_tensor_data(q[i]),
+                       (size_t)gj_tensor_numel(p[i]) * (dt == GJ_F64 ? 8 : 4));
+            }
+            free_params(q);
+        }
+        gj_ddp *d = gj_ddp_new(g_pg, NP, p, NULL);
+        assert_non_null(d);
+        for (int i = 0; i < NP; i++) assert_same_on_all_ranks("broadcast params", p[i]);
+        double *want[NP];
+        reference_grads(dt, 7, 0, 4, false, want);
+        double rel = dt == GJ_F64 ? 1e-14 : 1e-6;
+        ddp_step(d, p, dt, 0, 4, false);
+        check_grads("eager DDP", p, want, rel);
+        double *eager[NP];
+        for (int i = 0; i < NP; i++) eager[i] = gjt_values(gj_tensor_grad(p[i]));
+
+        gj_ddp_stats st;
+        assert_int_equal(gj_ddp_stats_get(d, &st), 0);
+        assert_int_equal(st.n_buckets, 1);
+        assert_int_equal(st.allreduces, 1);
+        assert_int_equal(st.started_by_hook, 1); /* during backward, not in wait */
+        assert_int_equal(st.steps, 1);
+
+        /* compiled: two steps (compile, then a hit), no fallback, same bits */
+        gj_set_compiled_autograd(true);
+        gj_ca_stats a = gjt_ca_now();
+        for (int s = 0; s < 2; s++) {
+            ddp_step(d, p, dt, 0, 4, false);
+            for (int i = 0; i < NP; i++) {
+                double *v = gjt_values(gj_tensor_grad(p[i]));
+                assert_memory_equal(v, eager[i], sizeof(double) * (size_t)gj_tensor_numel(p[i]));
+                free(v);
+            }
+        }
+        gj_ca_stats b = gjt_ca_now();
+        assert_true(gjt_ran_compiled("compiled DDP", &a, &b, 2));
+        gj_set_compiled_autograd(gjt_compiled());
+        assert_int_equal(gj_ddp_stats_get(d, &st), 0);
+        assert_int_equal(st.allreduces, 3);
+        assert_int_equal(st.started_by_hook, 3);
+        for (int i = 0; i < NP; i++) free(eager[i]);
+        free_want(want);
+        gj_ddp_free(d);
+        free_params(p);
+    }
+}
+
+/* Small buckets: one per parameter here, started in order by the hooks;
+ * bf16 buckets round but stay close; a parameter unused on odd ranks
+ * (find_unused_parameters) gets the average with zeros and nothing hangs. */
+static void test_ddp_buckets_unused_bf16(void **state) {
+    (void)state;
+    gj_tensor *p[NP];
+    make_params(GJ_F32, 11, p);
+    gj_ddp_options o = {.bucket_bytes = 64}; /* every parameter is larger: 3 buckets */
+    gj_ddp *d = gj_ddp_new(g_pg, NP, p, &o);
+    assert_non_null(d);
+    gj_ddp_stats st;
+    gj_ddp_stats_get(d, &st);
+    assert_int_equal(st.n_buckets, 3);
+    assert_int_equal(gj_ddp_bucket_of(d, 2), 0); /* reverse order: the last layer first */
+    assert_int_equal(gj_ddp_bucket_of(d, 0), 2);
+    assert_int_equal(gj_ddp_bucket_of(d, 3), -1);
+    double *want[NP];
+    for (int step = 0; step < 3; step++) {
+        bool skip = step == 1;
+        reference_grads(GJ_F32, 11, step, 3, skip, want);
+        ddp_step(d, p, GJ_F32, step, 3, skip);
+        check_grads(skip ? "unused on odd ranks" : "3 buckets", p, want, 1e-6);
+        free_want(want);
+    }
+    gj_ddp_stats_get(d, &st);
+    assert_int_equal(st.allreduces, 9);
+    /* in the step with an unused b1 on odd ranks, its bucket (and, in
+     * order, the one after it) started in gj_ddp_wait there */
+    assert_true(st.started_by_hook <= 9 && st.started_by_hook >= 9 - (g_size > 1 ? 2 : 0));
+    gj_ddp_free(d);
+
+    /* bf16 buckets: f32 gradients sent as bf16 */
+    o = (gj_ddp_options){.bf16_buckets = true};
+    d = gj_ddp_new(g_pg, NP, p, &o);
+    assert_non_null(d);
+    reference_grads(GJ_F32, 11, 0, 3, false, want);
+    ddp_step(d, p, GJ_F32, 0, 3, false);
+    check_grads("bf16 buckets", p, want, 1.0 / 64);
+    free_want(want);
+    gj_ddp_free(d);
+    free_params(p);
+}
+
+/* Micro-batches: sync off for all but the last accumulates locally with no
+ * collective; the result is the average of every rank's summed micro-batch
+ * gradients. */
+static void test_ddp_no_sync(void **state) {
+    (void)state;
+    gj_tensor *p[NP];
+    make_params(GJ_F64, 5, p);
+    gj_ddp *d = gj_ddp_new(g_pg, NP, p, NULL);
+    assert_non_null(d);
+    double *w0[NP], *w1[NP];
+    reference_grads(GJ_F64, 5, 0, 2, false, w0);
+    reference_grads(GJ_F64, 5, 1, 2, false, w1);
+    for (int i = 0; i < NP; i++)
+        for (int64_t j = 0; j < gj_tensor_numel(p[i]); j++) w0[i][j] += w1[i][j];
+    for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+    for (int micro = 0; micro < 2; micro++) {
+        gj_ddp_set_sync(d, micro == 1);
+        gj_scope_push();
+        gj_tensor *x = shard(GJ_F64, micro, g_rank, 2);
+        assert_int_equal(gj_backward(model_loss(p, x, false), NULL), 0);
+        gj_scope_pop();
+        gj_release(x);
+        gj_ddp_stats st;
+        gj_ddp_stats_get(d, &st);
+        assert_int_equal(st.allreduces, micro); /* nothing sent for the first */
+    }
+    assert_int_equal(gj_ddp_wait(d), 0);
+    check_grads("no_sync micro-batches", p, w0, 1e-14);
+    free_want(w0);
+    free_want(w1);
+    /* two backwards in one synced step: the second fails with a clear error */
+    gj_ddp_set_sync(d, true);
+    for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+    gj_scope_push();
+    gj_tensor *x = shard(GJ_F64, 0, g_rank, 2);
+    assert_int_equal(gj_backward(model_loss(p, x, false), NULL), 0);
+    assert_int_equal(gj_backward(model_loss(p, x, false), NULL), -1);
+    assert_true(gjt_error_has("second gradient"));
+    gj_scope_pop();
+    gj_release(x);
+    assert_int_equal(gj_ddp_wait(d), -1); /* reports it, and the buckets still went out */
+    assert_true(gjt_error_has("second gradient"));
+    assert_int_equal(gj_pg_barrier(g_pg), 0);
+    gj_ddp_free(d);
+    free_params(p);
+}
+
+static void test_ddp_errors(void **state) {
+    (void)state;
+    gj_tensor *p[NP];
+    make_params(GJ_F32, 3, p);
+    assert_null(gj_ddp_new(NULL, NP, p, NULL));
+    assert_null(gj_ddp_new(g_pg, 0, p, NULL));
+    gj_tensor *twice[2] = {p[0], p[0]};
+    assert_null(gj_ddp_new(g_pg, 2, twice, NULL));
+    assert_true(gjt_error_has("parameter 1 is parameter 0"));
+    gj_tensor *nl = gj_zeros(GJ_F32, 1, (int64_t[]){3}); /* does not require grad */
+    assert_null(gj_ddp_new(g_pg, 1, &nl, NULL));
+    assert_true(gjt_error_has("not a leaf that requires grad"));
+    gj_release(nl);
+    assert_int_equal(gj_ddp_wait(NULL), -1);
+    assert_int_equal(gj_ddp_stats_get(NULL, NULL), -1);
+    free_params(p);
+}
+
+/* ------------------------------------------------------- without MPI */
+
+static void test_without_mpi(void **state) {
+    (void)state;
+    assert_null(gj_pg_init());
+    assert_true(gjt_error_has("built without MPI"));
+    int64_t n = 2;
+    gj_tensor *t = gj_zeros(GJ_F32, 1, &n);
+    assert_int_equal(gj_allreduce(NULL, t, GJ_REDUCE_SUM), -1);
+    gj_release(t);
+}
+
+int main(void) {
+    gjt_setup();
+    if (!gj_dist_available()) {
+        const struct CMUnitTest tests[] = {cmocka_unit_test(test_without_mpi)};
+        return cmocka_run_group_tests(tests, NULL, NULL);
+    }
+    g_pg = gj_pg_init();
+    if (!g_pg) {
+        fprintf(stderr, "gj_pg_init: %s\n", gj_last_error());
+        return 1;
+    }
+    g_rank = gj_pg_rank(g_pg);
+    g_size = gj_pg_size(g_pg);
+    if (getenv("GJT_DIST_DIVERGE")) { /* tests/dist/diverge.sh */
+        int64_t n = 4;
+        gj_tensor *t = gj_ones(GJ_F32, 1, &n);
+        if (g_rank == 1) {
+            sleep(4); /* alive, but never joins the collective */
+            _exit(0);
+        }
+        int rc = gj_allreduce(g_pg, t, GJ_REDUCE_SUM);
+        printf("diverge: rank %d rc %d: %s\n", g_rank, rc, gj_last_error());
+        fflush(stdout);
+        _exit(rc == -1 && strstr(gj_last_error(), "did not complete within") ? 0 : 1);
+    }
+    if (g_rank != 0) freopen("/dev/null", "w", stdout); /* one cmocka report */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_collectives),
+        cmocka_unit_test(test_collective_errors),
+        cmocka_unit_test(test_ddp_matches_whole_batch),
+        cmocka_unit_test(test_ddp_buckets_unused_bf16),
+        cmocka_unit_test(test_ddp_no_sync),
+        cmocka_unit_test(test_ddp_errors),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    gj_pg_free(g_pg);
+    return rc;
+}
