@@ -395,6 +395,8 @@ struct gj_ag_hook {
     gj_post_accumulate_hook_fn post_fn; /* GJ_AG_HOOK_POST_ACCUMULATE */
     void *user;
     bool removed;
+    bool early;                  /* post-accumulate: promises no writes to the graph's
+                                    tensors, so a compiled run may call it mid-program */
     gj_ag_hook *next;            /* next hook of the same list */
     gj_ag_hook *all_prev, *all_next; /* hooks.c: every live hook, for removal */
 };
@@ -405,6 +407,8 @@ struct gj_ag_hook {
 int64_t gj_ag_hook_register(gj_tensor *t, gj_ag_hook_kind kind, gj_grad_hook_fn fn,
                             gj_post_accumulate_hook_fn post_fn, void *user, const char *op);
 int gj_ag_hook_remove(int64_t handle); /* 0, or -1 if unknown/removed (no error set) */
+/* Sets the `early` flag of live hook handle. 0, or -1 if unknown/removed. */
+int gj_ag_hook_set_early(int64_t handle);
 /* Frees a list (node and meta destruction). */
 void gj_ag_hooks_free(gj_ag_hook **list);
 /* The live hooks the engine runs for output k of node n, in run order: an

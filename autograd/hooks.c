@@ -154,6 +154,21 @@ int gj_ag_hook_remove(int64_t handle) {
     return rc;
 }
 
+int gj_ag_hook_set_early(int64_t handle) {
+    int rc = -1;
+    pthread_mutex_lock(&g_mu);
+    for (gj_ag_hook *h = g_all; h; h = h->all_next) {
+        if (h->handle != handle) continue;
+        if (!h->removed && h->kind == GJ_AG_HOOK_POST_ACCUMULATE) {
+            h->early = true;
+            rc = 0;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
 /* --------------------------------------------------------- enumeration */
 
 static int list_live(const gj_ag_hook *h, const gj_ag_hook **out, int cap, int n) {

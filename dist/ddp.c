@@ -274,7 +274,8 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
             if (gj_broadcast(pg, params[i], 0) != 0) goto fail;
     for (int i = 0; i < n_params; i++) {
         d->ctx[i] = (hook_ctx){d, i};
-        d->hooks[i] = gj_register_post_accumulate_grad_hook(params[i], on_grad, &d->ctx[i]);
+        d->hooks[i] = gj_register_post_accumulate_grad_hook_ex(params[i], on_grad, &d->ctx[i],
+                                                               GJ_HOOK_NO_GRAPH_WRITES);
         if (d->hooks[i] <= 0) goto fail;
     }
     return d;

@@ -29,6 +29,20 @@ int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulat
                                "gj_register_post_accumulate_grad_hook");
 }
 
+int64_t gj_register_post_accumulate_grad_hook_ex(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
+                                                 void *user, unsigned flags) {
+    if (flags & ~(unsigned)GJ_HOOK_NO_GRAPH_WRITES) {
+        gj_rt_set_error("gj_register_post_accumulate_grad_hook_ex: unknown flags 0x%x",
+                        flags & ~(unsigned)GJ_HOOK_NO_GRAPH_WRITES);
+        return -1;
+    }
+    use_frontend_scopes();
+    int64_t h = gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
+                                    "gj_register_post_accumulate_grad_hook_ex");
+    if (h > 0 && (flags & GJ_HOOK_NO_GRAPH_WRITES)) gj_ag_hook_set_early(h);
+    return h;
+}
+
 int gj_remove_hook(int64_t handle) {
     if (gj_ag_hook_remove(handle) != 0) {
         gj_rt_set_error("gj_remove_hook: no live hook has handle %lld (removed already, never "

@@ -413,6 +413,17 @@ GJ_API int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user);
 typedef void (*gj_post_accumulate_hook_fn)(gj_tensor *leaf, void *user);
 GJ_API int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
                                               void *user);
+/* The same with flags. GJ_HOOK_NO_GRAPH_WRITES: fn promises to write no
+ * tensor of the graph being differentiated (it reads .grad, copies it
+ * away, starts work on a stream: a gradient reducer); a compiled backward
+ * then calls it as soon as this leaf's .grad is final, between the
+ * program's steps, instead of after its last step (eager calls every
+ * post-accumulate hook as soon as the .grad is written anyway). A hook
+ * that breaks the promise gets unspecified gradients. */
+#define GJ_HOOK_NO_GRAPH_WRITES 1u
+GJ_API int64_t gj_register_post_accumulate_grad_hook_ex(gj_tensor *leaf,
+                                                        gj_post_accumulate_hook_fn fn,
+                                                        void *user, unsigned flags);
 /* Removes a hook (0), or -1 if the handle is unknown or already removed. */
 GJ_API int gj_remove_hook(int64_t handle);
 

@@ -313,6 +313,11 @@ typedef struct hook_ctx {
     gj_rt_meta *leaf_meta;       /* per output: its leaf's dtype and shape at the start */
     const void **leaf_data;      /* per output: its leaf's data pointer at the start */
     const gj_ag_hook **hooks;    /* per hook reference, resolved at the start */
+    /* writing outputs (write_outputs_until): the next output and hook
+     * reference, and what the early writes between steps need */
+    int next_out, next_hook;
+    int early_from;              /* steps after which no hook/call step is left */
+    gj_tensor **contig, **news;
     bool tripped;                /* a guard tripped (first reason kept) */
     gj_ca_reason code;
     char why[300];
@@ -687,24 +692,63 @@ static int run_post_hook(hook_ctx *hc, int i, int written) {
     return 0;
 }
 
-/* Writes every output into its leaf's .grad in the eager engine's order,
+/* The event log of this thread's last compiled run: after how many steps
+ * each post-accumulate hook ran (gj_jit_last_post_hook_steps). */
+static _Thread_local int t_post_steps[GJ_JIT_MAX_POST_LOG], t_n_post_steps, t_run_steps;
+
+int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps) {
+    for (int i = 0; i < t_n_post_steps && i < cap; i++) out[i] = t_post_steps[i];
+    if (n_steps) *n_steps = t_run_steps;
+    return t_n_post_steps;
+}
+
+/* Steps after which output o of pr is final: no later step reads or
+ * writes its buffer. */
+static int output_final_after(const gj_jit_program *pr, int o) {
+    const gj_jit_buffer *x = &pr->plan.bufs[pr->plan.out_buf[o]];
+    return x->last_step + 1;
+}
+
+/* Writes outputs into their leaves' .grads in the eager engine's order,
  * each post-accumulate hook right after the .grads eager writes before it
  * (hookref.n_out), so a hook that changes a later leaf with set_ has the
- * effect it has in eager. 0 or -1 (error set). */
-static int write_outputs(hook_ctx *hc, const gj_jit_program *pr, const gj_jit_walk *w,
-                         gj_tensor *const *tensors, gj_tensor **contig, gj_tensor **news,
-                         bool hooks) {
-    int next = 0;
-    for (int i = 0; hooks && i < pr->n_hooks; i++) {
-        const gj_jit_hookref *ref = &pr->hooks[i];
-        if (!ref->post) continue;
-        for (; next < ref->n_out && next < pr->n_outputs; next++)
-            if (write_output(pr, w, tensors, contig, news, next) != 0) return -1;
-        if (!hc->hooks[i]->removed && run_post_hook(hc, i, next) != 0) return -1;
+ * effect it has in eager; resumes where the previous call stopped
+ * (hc->next_out, hc->next_hook). With done < the plan's step count (called
+ * between steps) it stops at the first output not yet final after `done`
+ * steps and at the first hook not registered GJ_HOOK_NO_GRAPH_WRITES: only
+ * such hooks run mid-program (a gradient reducer then starts while the
+ * backward goes on); the rest wait for the last step. 0 or -1 (error set). */
+static int write_outputs_until(hook_ctx *hc, const gj_jit_program *pr, const gj_jit_walk *w,
+                               gj_tensor *const *tensors, bool hooks, int done) {
+    bool all = done >= pr->plan.n_steps;
+    for (;;) {
+        while (hooks && hc->next_hook < pr->n_hooks && !pr->hooks[hc->next_hook].post)
+            hc->next_hook++;
+        bool hook_left = hooks && hc->next_hook < pr->n_hooks;
+        int need = hook_left ? pr->hooks[hc->next_hook].n_out : pr->n_outputs;
+        if (need > pr->n_outputs) need = pr->n_outputs;
+        for (; hc->next_out < need; hc->next_out++) {
+            if (!all && output_final_after(pr, hc->next_out) > done) return 0;
+            if (write_output(pr, w, tensors, hc->contig, hc->news, hc->next_out) != 0) return -1;
+        }
+        if (!hook_left) return 0;
+        const gj_ag_hook *h = hc->hooks[hc->next_hook];
+        if (!all && !h->early) return 0;
+        if (!h->removed) {
+            if (t_n_post_steps < GJ_JIT_MAX_POST_LOG) t_post_steps[t_n_post_steps++] = done;
+            if (run_post_hook(hc, hc->next_hook, hc->next_out) != 0) return -1;
+        }
+        hc->next_hook++;
     }
-    for (; next < pr->n_outputs; next++)
-        if (write_output(pr, w, tensors, contig, news, next) != 0) return -1;
-    return 0;
+}
+
+/* gj_jit_progress: between groups of steps, once no hook or custom call
+ * step is left (they may abandon the run, which must then have written
+ * nothing), the outputs that are final and the early hooks after them. */
+static int write_early(void *ctx, int done) {
+    hook_ctx *hc = ctx;
+    if (done < hc->early_from) return 0;
+    return write_outputs_until(hc, hc->pr, hc->w, hc->tensors, true, done);
 }
 
 /* Runs program pr on the tensors of this backward. Returns 0 (gradients
@@ -806,15 +850,27 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         }
     }
     out_ctx oc = {p, news};
+    hc->contig = contig;
+    hc->news = news;
+    hc->next_out = hc->next_hook = 0;
+    hc->early_from = 0;
+    t_n_post_steps = 0;
+    t_run_steps = p->n_steps;
+    bool early = false;
+    for (int i = 0; hooks && i < pr->n_hooks; i++)
+        early |= pr->hooks[i].post && hc->hooks[i]->early;
+    for (int s = 0; s < p->n_steps; s++)
+        if (p->steps[s].kind == GJ_JIT_STEP_HOOK || p->steps[s].kind == GJ_JIT_STEP_CALL)
+            hc->early_from = s + 1;
     int er = gj_jit_plan_exec_calls(p, in, params, out, alloc_output, &oc,
                                     hooks ? call_tensor_hook : NULL, hooks ? call_custom : NULL,
-                                    hc);
+                                    early ? write_early : NULL, hc);
     if (er == 1) {
         rc = 2;
         goto done;
     }
     if (er != 0) goto done;
-    if (write_outputs(hc, pr, w, tensors, contig, news, hooks) != 0) goto done;
+    if (write_outputs_until(hc, pr, w, tensors, hooks, p->n_steps) != 0) goto done;
     rc = 0;
 done:
     for (int i = 0; i < n_in && contig; i++)

@@ -57,4 +57,12 @@ char *gj_jit_key_string(int n_roots, gj_tensor *const *roots, gj_tensor *const *
  * GRADJIT_LOG=fallback, a stderr line. detail may be NULL. */
 void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
 
+/* The event log of this thread's last compiled run with post-accumulate
+ * hooks: out[i] = how many of the program's steps had run when its i-th
+ * post-accumulate hook call was made (*n_steps: the program's step count;
+ * a hook called mid-program, see GJ_HOOK_NO_GRAPH_WRITES, has a smaller
+ * number). Returns the number of calls (up to cap written). For tests. */
+#define GJ_JIT_MAX_POST_LOG 256
+int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps);
+
 #endif /* GJ_JIT_H */

@@ -381,12 +381,12 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
 int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            void *hctx) {
-    return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, hctx);
+    return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, NULL, hctx);
 }
 
 int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
-                           gj_jit_custom_call call, void *hctx) {
+                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx) {
     int max_params = 1, rc = -1, threads = gj_rt_num_threads();
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
@@ -463,6 +463,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
             bp[b] = NULL;
         }
+        if (progress && e < p->n_steps && progress(hctx, e) != 0) goto done;
     }
     for (int o = 0; o < p->n_outputs; o++) { /* outputs no step writes (none expected) */
         if (out[o] || p->bufs[p->out_buf[o]].kind != GJ_JIT_BUF_OUTPUT) continue;

@@ -72,10 +72,15 @@ typedef int (*gj_jit_hook_call)(void *ctx, const gj_jit_hookstep *hs, const void
  * inputs, dst[k] receive its outputs. Returns 0, -1 or 1 as a hook call. */
 typedef int (*gj_jit_custom_call)(void *ctx, const gj_jit_callstep *cs, void *const *src,
                                   void *const *dst);
-/* gj_jit_plan_exec_hooks with custom call steps run through call(hctx, ...). */
+/* Called after each group of steps with the number of steps done so far
+ * (the outputs whose buffers no later step uses are final). 0 to go on,
+ * -1 to stop the run (error set). */
+typedef int (*gj_jit_progress)(void *ctx, int steps_done);
+/* gj_jit_plan_exec_hooks with custom call steps run through call(hctx, ...)
+ * and progress(hctx, ...) after each group (either may be NULL). */
 int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
-                           gj_jit_custom_call call, void *hctx);
+                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx);
 int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            void *hctx);
