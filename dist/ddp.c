@@ -17,6 +17,7 @@
  */
 #include "dist/dist.h"
 
+#include "jit/jit.h"
 #include "runtime/gj_math.h"
 #include "runtime/rt.h"
 
@@ -167,8 +168,56 @@ static void on_grad(gj_tensor *leaf, void *user) {
     pthread_mutex_unlock(&d->lock);
 }
 
+/* The gj_ddp whose group agrees compiled keys (the newest one). */
+static pthread_mutex_t g_agree_lock = PTHREAD_MUTEX_INITIALIZER;
+static gj_ddp *g_agreeing;
+
+/* Compares values mine[0..n) of every rank; 0 when all equal, else -1 with
+ * an error "<what>: rank r: ..., rank s: ..." listing each rank's values. */
+static int same_on_all_ranks(gj_pg *pg, const int64_t *mine, int n, const char *what,
+                             const char *detail) {
+    int size = gj_pg_size(pg);
+    int64_t *all = gj_rt_calloc((size_t)size * (size_t)n, sizeof *all);
+    if (!all) return -1;
+    int rc = gj_dist_allgather_i64(pg, mine, n, all, what);
+    bool same = true;
+    for (int r = 1; rc == 0 && r < size; r++)
+        same &= memcmp(all + (size_t)r * (size_t)n, all, (size_t)n * sizeof *all) == 0;
+    if (rc == 0 && !same) {
+        char msg[1024];
+        int off = snprintf(msg, sizeof msg, "%s: the ranks differ (%s):", what, detail);
+        for (int r = 0; r < size && off < (int)sizeof msg - 64; r++) {
+            off += snprintf(msg + off, sizeof msg - (size_t)off, " rank %d", r);
+            for (int k = 0; k < n && k < 2; k++)
+                off += snprintf(msg + off, sizeof msg - (size_t)off, " %016llx",
+                                (unsigned long long)all[(size_t)r * (size_t)n + (size_t)k]);
+            off += snprintf(msg + off, sizeof msg - (size_t)off, "%s", r + 1 < size ? "," : "");
+        }
+        gj_rt_set_error("%s", msg);
+        rc = -1;
+    }
+    gj_rt_free(all);
+    return rc;
+}
+
+/* gj_jit_agree_fn: every rank must compile the same program. */
+static int agree_key(void *ctx, const uint64_t hash[2]) {
+    gj_ddp *d = ctx;
+    int64_t mine[2];
+    memcpy(mine, hash, sizeof mine);
+    return same_on_all_ranks(d->pg, mine, 2, "compiled backward under gj_ddp",
+                             "each rank's key of this backward: a different model, input shape "
+                             "or hook on some rank; all ranks must run the same backward");
+}
+
 static void ddp_destroy(gj_ddp *d) {
     if (!d) return;
+    pthread_mutex_lock(&g_agree_lock);
+    if (g_agreeing == d) {
+        gj_jit_set_agreement(NULL, NULL);
+        g_agreeing = NULL;
+    }
+    pthread_mutex_unlock(&g_agree_lock);
     for (int k = 0; k < d->nb; k++) {
         if (d->b[k].started) gj_dist_wait(&d->b[k].job);
         gj_rt_free(d->b[k].buf);
@@ -269,6 +318,20 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
         if (!d->b[k].buf) goto fail;
     }
     d->st.n_buckets = d->nb;
+    { /* the same parameters (count, sizes, dtypes) and buckets on every rank */
+        uint64_t h = 1469598103934665603ull;
+        int64_t v[4] = {n_params, d->opt.bucket_bytes, d->opt.bf16_buckets, 0};
+        for (int k = 0; k < 3; k++) h = (h ^ (uint64_t)v[k]) * 1099511628211ull;
+        for (int i = 0; i < n_params; i++) {
+            h = (h ^ (uint64_t)gj_tensor_numel(params[i])) * 1099511628211ull;
+            h = (h ^ (uint64_t)gj_tensor_dtype(params[i])) * 1099511628211ull;
+        }
+        int64_t mine[2] = {(int64_t)h, n_params};
+        if (same_on_all_ranks(pg, mine, 2, "gj_ddp_new",
+                              "a hash of each rank's parameter sizes, dtypes and bucket options, "
+                              "then its parameter count") != 0)
+            goto fail;
+    }
     if (!d->opt.no_broadcast)
         for (int i = 0; i < n_params; i++)
             if (gj_broadcast(pg, params[i], 0) != 0) goto fail;
@@ -278,6 +341,10 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
                                                                GJ_HOOK_NO_GRAPH_WRITES);
         if (d->hooks[i] <= 0) goto fail;
     }
+    pthread_mutex_lock(&g_agree_lock);
+    g_agreeing = d;
+    gj_jit_set_agreement(agree_key, d);
+    pthread_mutex_unlock(&g_agree_lock);
     return d;
 fail:
     ddp_destroy(d);

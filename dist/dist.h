@@ -28,7 +28,7 @@ typedef enum gj_dist_kind {
  * summed by a user op that adds in f32 and rounds each partial sum. */
 typedef struct gj_dist_job {
     gj_dist_kind kind;
-    gj_dtype wire;        /* GJ_F32, GJ_F64 or GJ_BF16 */
+    gj_dtype wire;        /* GJ_F32, GJ_F64, GJ_BF16 or GJ_I64 (not reduced) */
     gj_reduce_op op;
     void *send;           /* allgather / reduce_scatter input; NULL: in place */
     void *buf;            /* in/out buffer */
@@ -48,6 +48,9 @@ int gj_dist_submit(gj_pg *pg, gj_dist_job *job);
 /* Blocks until job ran; its status (error set from job->err on failure).
  * Frees the job's event. */
 int gj_dist_wait(gj_dist_job *job);
+/* Every rank's n values of mine, in rank order, into all (size * n). 0, or
+ * -1 with an error naming what. */
+int gj_dist_allgather_i64(gj_pg *pg, const int64_t *mine, int n, int64_t *all, const char *what);
 /* Seconds a collective may take before it fails (GRADJIT_DIST_TIMEOUT). */
 double gj_dist_timeout(void);
 /* Monotonic milliseconds. */

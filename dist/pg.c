@@ -281,7 +281,8 @@ static int poll_request(gj_pg *pg, gj_dist_job *job, MPI_Request *req, const cha
 }
 
 static MPI_Datatype wire_type(gj_dtype d) {
-    return d == GJ_F64 ? MPI_DOUBLE : d == GJ_F32 ? MPI_FLOAT : MPI_UINT16_T;
+    return d == GJ_F64 ? MPI_DOUBLE : d == GJ_F32 ? MPI_FLOAT : d == GJ_I64 ? MPI_INT64_T
+                                                                           : MPI_UINT16_T;
 }
 
 static void scale_avg(gj_dist_job *job, int size, void *buf, int64_t n) {
@@ -429,6 +430,21 @@ static int run_sync(gj_pg *pg, gj_dist_job *job) {
     return gj_dist_wait(job);
 }
 
+static int with_context(const char *ctx) {
+    char m[512];
+    snprintf(m, sizeof m, "%s", gj_last_error());
+    gj_rt_set_error("%s: %s", ctx, m);
+    return -1;
+}
+
+int gj_dist_allgather_i64(gj_pg *pg, const int64_t *mine, int n, int64_t *all,
+                          const char *what) {
+    gj_dist_job job = {.kind = GJ_DIST_ALLGATHER, .wire = GJ_I64, .send = (void *)mine,
+                       .buf = all, .count = n};
+    if (run_sync(pg, &job) == 0) return 0;
+    return with_context(what);
+}
+
 static int need_pg(const char *op, gj_pg *pg) {
     if (pg) return 0;
     gj_rt_set_error("%s: process group is NULL", op);
@@ -463,13 +479,6 @@ static int prefix(const char *op, gj_tensor *t, char *ctx, size_t cap) {
     fmt_shape(sh, sizeof sh, t);
     snprintf(ctx, cap, "%s(%s %s)", op, sh, dtype_name(gj_tensor_dtype(t)));
     return 0;
-}
-
-static int with_context(const char *ctx) {
-    char m[512];
-    snprintf(m, sizeof m, "%s", gj_last_error());
-    gj_rt_set_error("%s: %s", ctx, m);
-    return -1;
 }
 
 int gj_allreduce(gj_pg *pg, gj_tensor *t, gj_reduce_op op) {

@@ -81,6 +81,7 @@ typedef struct cache_entry {
     bool demoted;         /* eager-only since a hook guard tripped (prog kept) */
     gj_ca_reason code;    /* eager-only: why */
     char reason[256];
+    uint64_t agreed_gen;  /* the agreement registration this key was agreed under */
 } cache_entry;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -89,6 +90,27 @@ static int g_n_cache, g_cap_cache;
 static gj_ca_stats g_stats;
 static atomic_bool g_quiet;
 static atomic_int g_recompile_limit = 8;
+/* Cross-process key agreement (gj_jit_set_agreement), under g_lock. */
+static gj_jit_agree_fn g_agree_fn;
+static void *g_agree_ctx;
+static uint64_t g_agree_gen = 1;
+
+void gj_jit_set_agreement(gj_jit_agree_fn fn, void *ctx) {
+    pthread_mutex_lock(&g_lock);
+    g_agree_fn = fn;
+    g_agree_ctx = ctx;
+    g_agree_gen++;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Agrees key w with the other processes if an agreement is registered and
+ * this key was not agreed under it (lock held). 0, or -1 (error set). */
+static int agree(const gj_jit_walk *w, cache_entry *e) {
+    if (!g_agree_fn || (e && e->agreed_gen == g_agree_gen)) return 0;
+    if (g_agree_fn(g_agree_ctx, w->hash) != 0) return -1;
+    if (e) e->agreed_gen = g_agree_gen;
+    return 0;
+}
 static _Thread_local char g_last_reason[400];
 /* The last program this thread ran (compared by address and cache
  * generation, never dereferenced after a clear) and its description. */
@@ -249,6 +271,7 @@ static cache_entry *cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_
     e->key = key;
     e->key_len = w->key_len;
     e->prog = prog;
+    e->agreed_gen = g_agree_gen; /* the miss that inserts it agreed first */
     if (reason) snprintf(e->reason, sizeof e->reason, "%s", reason);
     return e;
 fail:
@@ -967,6 +990,12 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     pthread_mutex_lock(&g_lock);
     cache_entry *e = cache_find(&w);
     gj_jit_program *prog = NULL;
+    if (agree(&w, e) != 0) { /* the processes run different programs: an error */
+        pthread_mutex_unlock(&g_lock);
+        rc = -1;
+        *handled = true;
+        goto out;
+    }
     if (e && (!e->prog || e->demoted)) {
         snprintf(why, sizeof why, "%s", e->reason);
         code = e->code;

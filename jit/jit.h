@@ -63,6 +63,16 @@ void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
  * a hook called mid-program, see GJ_HOOK_NO_GRAPH_WRITES, has a smaller
  * number). Returns the number of calls (up to cap written). For tests. */
 #define GJ_JIT_MAX_POST_LOG 256
+
+/* Cross-process agreement (dist/ registers it while a gj_ddp lives): while
+ * fn is set, the first use of each key under this registration (a compile,
+ * disk load or memory hit of a key not yet agreed) calls fn(ctx, hash),
+ * which compares the key's hash with the other processes' and returns 0,
+ * or -1 with an error naming the ranks: the backward then fails with it.
+ * Called on the backward's thread with the compiled cache locked. fn NULL
+ * removes it. */
+typedef int (*gj_jit_agree_fn)(void *ctx, const uint64_t hash[2]);
+void gj_jit_set_agreement(gj_jit_agree_fn fn, void *ctx);
 int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps);
 
 #endif /* GJ_JIT_H */

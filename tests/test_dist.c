@@ -181,8 +181,8 @@ static void reference_grads(gj_dtype dt, uint64_t seed, int step, int64_t rows, 
         assert_non_null(want[i]);
     }
     for (int r = 0; r < g_size; r++) {
+        gj_tensor *x = shard(dt, step, r, rows); /* outside the scope: released below */
         gj_scope_push();
-        gj_tensor *x = shard(dt, step, r, rows);
         gj_tensor *loss = model_loss(p, x, skip_odd && (r & 1));
         assert_int_equal(gj_backward(loss, NULL), 0);
         gj_scope_pop();
@@ -206,8 +206,8 @@ static void reference_grads(gj_dtype dt, uint64_t seed, int step, int64_t rows, 
 static void ddp_step(gj_ddp *d, gj_tensor **p, gj_dtype dt, int step, int64_t rows,
                      bool skip_odd) {
     for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+    gj_tensor *x = shard(dt, step, g_rank, rows); /* outside the scope: released below */
     gj_scope_push();
-    gj_tensor *x = shard(dt, step, g_rank, rows);
     gj_tensor *loss = model_loss(p, x, skip_odd && (g_rank & 1));
     assert_int_equal(gj_backward(loss, NULL), 0);
     gj_scope_pop();
@@ -219,8 +219,10 @@ static void ddp_step(gj_ddp *d, gj_tensor **p, gj_dtype dt, int step, int64_t ro
 static void assert_same_on_all_ranks(const char *what, gj_tensor *t) {
     int64_t n = gj_tensor_numel(t);
     gj_tensor *flat = gj_cast(t, GJ_F64);
-    gj_tensor *all = gj_allgather(g_pg, gj_reshape(flat, 1, &n));
+    gj_tensor *row = gj_reshape(flat, 1, &n);
+    gj_tensor *all = gj_allgather(g_pg, row);
     assert_non_null(all);
+    gj_release(row);
     for (int r = 1; r < g_size; r++)
         for (int64_t j = 0; j < n; j++)
             if (gj_tensor_item_at(all, r * n + j) != gj_tensor_item_at(all, j)) {
@@ -417,8 +419,8 @@ static void test_ddp_no_sync(void **state) {
     for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
     for (int micro = 0; micro < 2; micro++) {
         gj_ddp_set_sync(d, micro == 1);
+        gj_tensor *x = shard(GJ_F64, micro, g_rank, 2); /* outside the scope: released below */
         gj_scope_push();
-        gj_tensor *x = shard(GJ_F64, micro, g_rank, 2);
         assert_int_equal(gj_backward(model_loss(p, x, false), NULL), 0);
         gj_scope_pop();
         gj_release(x);
@@ -433,8 +435,8 @@ static void test_ddp_no_sync(void **state) {
     /* two backwards in one synced step: the second fails with a clear error */
     gj_ddp_set_sync(d, true);
     for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+    gj_tensor *x = shard(GJ_F64, 0, g_rank, 2); /* outside the scope: released below */
     gj_scope_push();
-    gj_tensor *x = shard(GJ_F64, 0, g_rank, 2);
     assert_int_equal(gj_backward(model_loss(p, x, false), NULL), 0);
     assert_int_equal(gj_backward(model_loss(p, x, false), NULL), -1);
     assert_true(gjt_error_has("second gradient"));
@@ -445,6 +447,48 @@ static void test_ddp_no_sync(void **state) {
     assert_int_equal(gj_pg_barrier(g_pg), 0);
     gj_ddp_free(d);
     free_params(p);
+}
+
+/* Every rank must run the same compiled program: a rank with another batch
+ * shape gets, on every rank, an error naming each rank's key (no hang), and
+ * gj_ddp_new refuses parameters that differ between ranks. Ranks with
+ * different heap layouts (allocations of rank-dependent sizes before the
+ * model) agree: the key is process-stable. */
+static void test_ddp_agreement(void **state) {
+    (void)state;
+    gj_tensor *junk[4];
+    for (int k = 0; k < 4; k++) /* a different heap on every rank */
+        junk[k] = gj_zeros(GJ_F32, 1, (int64_t[]){1 + 37 * g_rank + 11 * k});
+    gj_tensor *p[NP];
+    make_params(GJ_F64, 17, p);
+    gj_ddp *d = gj_ddp_new(g_pg, NP, p, NULL);
+    assert_non_null(d);
+    gj_set_compiled_autograd(true);
+    if (g_size > 1) { /* the first backward under d: rank 1 runs another model */
+        for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+        gj_tensor *x = shard(GJ_F64, 0, g_rank, 4); /* outside the scope: released below */
+        gj_scope_push();
+        assert_int_equal(gj_backward(model_loss(p, x, g_rank == 1), NULL), -1);
+        assert_true(gjt_error_has("the ranks differ") && gjt_error_has("rank 1") &&
+                    gjt_error_has("rank 0"));
+        gj_scope_pop();
+        gj_release(x);
+        assert_int_equal(gj_ddp_wait(d), 0); /* every rank sends what it has: no hang */
+    }
+    gj_ca_stats a = gjt_ca_now();
+    ddp_step(d, p, GJ_F64, 0, 4, false); /* the same model everywhere: agreed, compiled */
+    gj_ca_stats b = gjt_ca_now();
+    assert_true(gjt_ran_compiled("agreed key", &a, &b, 1));
+    gj_set_compiled_autograd(gjt_compiled());
+    gj_ddp_free(d);
+    if (g_size > 1) { /* rank 1 wraps two parameters, the others three */
+        d = gj_ddp_new(g_pg, g_rank == 1 ? 2 : NP, p, NULL);
+        assert_null(d);
+        assert_true(gjt_error_has("gj_ddp_new: the ranks differ"));
+    }
+    assert_int_equal(gj_pg_barrier(g_pg), 0);
+    free_params(p);
+    for (int k = 0; k < 4; k++) gj_release(junk[k]);
 }
 
 static void test_ddp_errors(void **state) {
@@ -510,6 +554,7 @@ int main(void) {
         cmocka_unit_test(test_ddp_buckets_unused_bf16),
         cmocka_unit_test(test_ddp_compiled_overlap),
         cmocka_unit_test(test_ddp_no_sync),
+        cmocka_unit_test(test_ddp_agreement),
         cmocka_unit_test(test_ddp_errors),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
