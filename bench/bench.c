@@ -53,6 +53,9 @@ typedef struct bench_opts {
     const char *json_path, *png_path;
     bool compare_torch;
     const char *python, *torch_script;
+    bool ddp;          /* --ddp: under mpirun, overlap of allreduce and backward */
+    double bucket_mb;  /* --bucket-mb */
+    bool workloads_set;
     int pairs;  /* --paired N: interleaved eager/compiled pairs (0: off) */
     int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
@@ -648,6 +651,8 @@ static void usage(FILE *f) {
                "[--png FILE]\n"
                "                     [--grads none|keep] "
                "[--compare torch [--rounds R] [--python PATH] [--torch-script PATH]]\n"
+               "                     [--ddp [--bucket-mb X]]   under mpirun: allreduce/backward "
+               "overlap of gj_ddp, eager and compiled (W1, W4n by default; --paired N rounds)\n"
                "                     [--paired N]   N >= 30 interleaved eager/compiled pairs "
                "(ABBA), median ratio and IQR\n"
                "  --compare torch: one side-by-side table, then R (default 5) rounds "
@@ -704,6 +709,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
             usage(stdout);
             exit(0);
         }
+        if (!strcmp(a, "--ddp")) { /* takes no value */
+            o->ddp = true;
+            continue;
+        }
         if (!v) {
             fprintf(stderr, "gradjit-bench: %s needs a value (or is unknown)\n", a);
             return -1;
@@ -714,6 +723,7 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                 fprintf(stderr, "gradjit-bench: unknown workload '%s'\n", v);
                 return -1;
             }
+            o->workloads_set = true;
         } else if (!strcmp(a, "--mode")) {
             if (!strcmp(v, "eager"))
                 o->mode = MODE_EAGER;
@@ -764,6 +774,13 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         } else if (!strcmp(a, "--paired")) {
             if (parse_int(v, 30, BENCH_MAX_STEPS, &o->pairs)) {
                 fprintf(stderr, "gradjit-bench: --paired must be 30..%d pairs\n", BENCH_MAX_STEPS);
+                return -1;
+            }
+        } else if (!strcmp(a, "--bucket-mb")) {
+            char *end;
+            o->bucket_mb = strtod(v, &end);
+            if (*end || !(o->bucket_mb > 0) || o->bucket_mb > 4096) {
+                fprintf(stderr, "gradjit-bench: --bucket-mb must be a size in MiB in (0, 4096]\n");
                 return -1;
             }
         } else if (!strcmp(a, "--python")) {
@@ -917,6 +934,9 @@ int main(int argc, char **argv) {
     gj_get_info(&info);
     char cpu[256];
     cpu_model(cpu, sizeof cpu);
+    if (o.ddp) /* W1 and W4n unless --workload says otherwise */
+        return bench_ddp_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
+                              o.pairs ? o.pairs : 30, o.bucket_mb > 0 ? o.bucket_mb : 25.0, cpu);
     if (o.pairs > 0)
         return paired_main(&o, cpu, &info);
     print_header(cpu, &info, &o);

@@ -101,6 +101,10 @@ void bench_ceiling_print_shapes(const bench_ceiling *c);
 void bench_ceiling_json(FILE *f, const bench_ceiling *c);
 void bench_ceiling_free(bench_ceiling *c);
 
+/* gradjit-bench --ddp (ddp.c), under mpirun: backward alone, allreduce
+ * alone and the two together per workload, eager and compiled. 0 or 1. */
+int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char *cpu);
+
 /* Releases every owned tensor and resets s. */
 void bench_state_free(bench_state *s);
 

@@ -300,7 +300,11 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
         gj_dtype w = wire_of(gj_tensor_dtype(params[i]), d->opt.bf16_buckets);
         int64_t pb = gj_tensor_numel(params[i]) * (int64_t)wire_bytes(w);
         ddp_bucket *cur = d->nb ? &d->b[d->nb - 1] : NULL;
-        if (!cur || cur->wire != w || bytes + pb > d->opt.bucket_bytes) {
+        /* the first bucket is small (at most 1 MiB, as PyTorch's reducer
+         * does) so that the first allreduce starts early in the backward */
+        int64_t cap = d->nb <= 1 && d->opt.bucket_bytes > (1 << 20) ? (1 << 20)
+                                                                      : d->opt.bucket_bytes;
+        if (!cur || cur->wire != w || bytes + pb > cap) {
             cur = &d->b[d->nb++]; /* a parameter larger than a bucket gets one of its own */
             cur->first = k;
             cur->wire = w;

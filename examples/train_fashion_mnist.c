@@ -286,7 +286,9 @@ fail:
 /* ------------------------------------------------------------ training */
 
 typedef struct opts {
-    bool compiled, both, quiet, tty;
+    bool compiled, both, quiet, tty, ddp;
+    gj_pg *pg;       /* --ddp: the world group (launched with mpirun) */
+    int rank, size;  /* 0 and 1 without --ddp */
     int epochs, batch, threads;
     double lr;
     uint64_t seed;
@@ -327,6 +329,7 @@ typedef struct trainer {
     const char *tag;
     model m;
     gj_optim *opt;
+    gj_ddp *ddp;    /* --ddp: gradients averaged over the ranks */
     int64_t *order; /* [n] shuffled example indices */
     float *xb;      /* [batch, IN] */
     int64_t *yb;    /* [batch] */
@@ -337,6 +340,8 @@ typedef struct trainer {
 } trainer;
 
 static void trainer_free(trainer *t) {
+    gj_ddp_free(t->ddp);
+    t->ddp = NULL;
     gj_optim_free(t->opt);
     model_free(&t->m);
     free(t->order);
@@ -383,6 +388,8 @@ static int trainer_init(trainer *t, const opts *o, bool compiled, const dataset 
     }
     if (!(t->opt = gj_adamw_new(6, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
         goto gj_fail;
+    if (o->ddp && !(t->ddp = gj_ddp_new(o->pg, 6, params, NULL)))
+        goto gj_fail;
     for (int64_t i = 0; i < tr->n; i++)
         t->order[i] = i;
     if (!o->quiet)
@@ -405,9 +412,11 @@ static int trainer_step(trainer *t, const dataset *tr, int64_t b, double *bwd_ms
     const opts *o = t->o;
     gj_set_compiled_autograd(t->compiled);
     double ts = now_s();
-    gather(tr, t->order, b * o->batch, o->batch, t->xb, t->yb);
+    /* --ddp: every rank draws the same batch and takes its shard of it */
+    int64_t shard = o->batch / o->size, first = b * o->batch + o->rank * shard;
+    gather(tr, t->order, first, shard, t->xb, t->yb);
     gj_scope_push();
-    int64_t xs[2] = {o->batch, IN}, ys = o->batch;
+    int64_t xs[2] = {shard, IN}, ys = shard;
     gj_tensor *x = gj_from_data(GJ_F32, 2, xs, t->xb);
     gj_tensor *y = gj_from_data(GJ_I64, 1, &ys, t->yb);
     gj_tensor *logits = x && y ? model_forward(&t->m, x) : NULL;
@@ -415,9 +424,13 @@ static int trainer_step(trainer *t, const dataset *tr, int64_t b, double *bwd_ms
     int ok = loss != NULL;
     double t0 = now_s();
     ok = ok && gj_backward(loss, NULL) == 0;
+    ok = ok && (!t->ddp || gj_ddp_wait(t->ddp) == 0); /* the whole batch's gradient */
     *bwd_ms = (now_s() - t0) * 1e3;
     ok = ok && gj_optim_step(t->opt) == 0;
-    double lv = ok ? gj_tensor_item(loss) : NAN;
+    gj_tensor *lg = ok && t->ddp ? gj_detach(loss) : NULL; /* the batch's mean loss */
+    ok = ok && (!lg || gj_allreduce(o->pg, lg, GJ_REDUCE_AVG) == 0);
+    double lv = ok ? gj_tensor_item(lg ? lg : loss) : NAN;
+    gj_release(lg);
     gj_optim_zero_grad(t->opt);
     gj_scope_pop();
     gj_set_compiled_autograd(false);
@@ -591,7 +604,9 @@ static void usage(FILE *f) {
     fprintf(f, "usage: train_fashion_mnist [--compiled-autograd | --both] [--epochs N] "
                "[--batch N] [--lr X]\n"
                "                           [--seed N] [--threads N] [--quiet] [--csv FILE] "
-               "[--png FILE]\n"
+               "[--png FILE] [--ddp]\n"
+               "  --ddp: data parallel over MPI ranks (mpirun -np N train_fashion_mnist --ddp):\n"
+               "         each rank takes 1/N of every batch, gradients are averaged\n"
                "  --csv/--png: loss curve files (defaults fashion_mnist_loss.csv/.png; "
                "\"-\": none)\n");
 }
@@ -613,6 +628,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
             o->both = true;
         } else if (!strcmp(a, "--quiet")) {
             o->quiet = true;
+        } else if (!strcmp(a, "--ddp")) {
+            o->ddp = true;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             usage(stdout);
             exit(0);
@@ -659,6 +676,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             return -1;
         }
     }
+    o->size = 1;
     if (o->both && o->compiled) {
         fprintf(stderr, "train_fashion_mnist: --both already runs the compiled mode\n");
         return -1;
@@ -769,6 +787,25 @@ int main(int argc, char **argv) {
      * (read here, before this program sets the flag itself). */
     if (!o.both && !o.compiled && gj_compiled_autograd_enabled())
         o.compiled = true;
+    if (o.ddp) {
+        if (!(o.pg = gj_pg_init())) {
+            fprintf(stderr, "train_fashion_mnist --ddp: %s\n", gj_last_error());
+            return 1;
+        }
+        o.rank = gj_pg_rank(o.pg);
+        o.size = gj_pg_size(o.pg);
+        if (o.batch % o.size != 0) {
+            fprintf(stderr, "train_fashion_mnist --ddp: --batch %d is not a multiple of the %d "
+                            "ranks\n", o.batch, o.size);
+            gj_pg_free(o.pg);
+            return 2;
+        }
+        if (o.rank != 0) { /* rank 0 reports; the others only train */
+            o.quiet = true;
+            o.csv = o.png = NULL;
+            if (!freopen("/dev/null", "w", stdout)) return 1;
+        }
+    }
     dataset tr = {0}, te = {0};
     int rc = load_split("train", 60000, &tr);
     if (rc == 0)
@@ -776,6 +813,7 @@ int main(int argc, char **argv) {
     if (rc != 0) {
         dataset_free(&tr);
         dataset_free(&te);
+        gj_pg_free(o.pg);
         return rc;
     }
     if (o.batch > tr.n) {
@@ -783,6 +821,7 @@ int main(int argc, char **argv) {
                 o.batch, (long long)tr.n);
         dataset_free(&tr);
         dataset_free(&te);
+        gj_pg_free(o.pg);
         return 2;
     }
 
@@ -791,10 +830,13 @@ int main(int argc, char **argv) {
     gj_get_info(&info);
     if (!o.quiet)
         printf("gradjit %s, %d threads, BLAS %s | Fashion-MNIST %lld train / %lld test | "
-               "MLP 784-%d-%d-%d GELU, AdamW lr %g, batch %d, %d epochs, seed %llu\n",
+               "MLP 784-%d-%d-%d GELU, AdamW lr %g, batch %d, %d epochs, seed %llu%s\n",
                info.version, info.num_threads, info.blas_core ? info.blas_core : "?",
                (long long)tr.n, (long long)te.n, H1, H2, K, o.lr, o.batch, o.epochs,
-               (unsigned long long)o.seed);
+               (unsigned long long)o.seed, o.ddp ? "" : ", 1 process");
+    if (o.ddp && !o.quiet)
+        printf("DDP over %d MPI ranks: %d examples of every batch per rank, gradients "
+               "averaged (gj_ddp)\n", o.size, o.batch / o.size);
 
     run_out a = {0}, b = {0};
     rc = 1;
@@ -855,5 +897,6 @@ out:
     run_out_free(&b);
     dataset_free(&tr);
     dataset_free(&te);
+    gj_pg_free(o.pg);
     return rc;
 }
