@@ -112,6 +112,14 @@ def check_gradjit_file(path):
     bf = (got["gj.bf16"][0].astype("<u4") << 16).view("<f4")
     if bf[0, 0] != 1.0 or bf[0, 1] != -1.0 or not math.isnan(bf[0, 2]):
         fail(f"gj.bf16 as f32: {bf}")
+    torch = optional_torch()
+    if torch is not None:  # PyTorch's own bf16 decoding of the same bytes
+        t = torch.frombuffer(bytearray(got["gj.bf16"][0].tobytes()), dtype=torch.bfloat16)
+        v = t.float().tolist()
+        if v[0] != 1.0 or v[1] != -1.0 or not math.isnan(v[2]) or v[4] != -math.inf \
+                or v[5] != 3.140625 or v[3] != 2.0 ** -133:
+            fail(f"gj.bf16 through torch.bfloat16: {v}")
+        print(f"cross_reader.py: torch {torch.__version__} decodes gj.bf16 as {v}")
     if meta != {"format": "pt", "unicode": "\u00e9\u20ac \"q\""}:
         fail(f"metadata {meta}")
     # the reference's order: larger dtypes first, then by name
@@ -122,9 +130,17 @@ def check_gradjit_file(path):
     print(f"cross_reader.py: {path}: numpy read 6 tensors and the metadata, bit for bit")
 
 
+def optional_torch():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
 def write_numpy_file(path):
     tensors = {  # in this (deliberately unsorted) header order
-        "py.bf16": ("BF16", np.array([0x4000, 0xc040, 0x0000, 0x8000], dtype="<u2")),
+        "py.bf16": ("BF16", bf16_bits([2.0, -3.0, 0.0, -0.0])),
         "py.f32": ("F32", (np.arange(6, dtype=np.float32) * np.float32(0.25)
                            - np.float32(1)).reshape(2, 3)),
         "py.i64 \u2713": ("I64", np.array([[2**40, -5], [7, -2**62]], dtype="<i8")),
@@ -148,6 +164,16 @@ def write_numpy_file(path):
     text += b" " * ((8 - (8 + len(text)) % 8) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def bf16_bits(values):
+    """bf16 bit patterns of values: by PyTorch when present, else by
+    truncating f32 (exact for these values)."""
+    torch = optional_torch()
+    if torch is not None:
+        t = torch.tensor(values, dtype=torch.bfloat16).view(torch.int16)
+        return np.array(t.tolist(), dtype="<i2").view("<u2")
+    return (np.array(values, dtype="<f4").view("<u4") >> 16).astype("<u2")
 
 
 def main():
