@@ -213,24 +213,12 @@ gj_tensor *const *gj_state_dict_tensors(const gj_state_dict *sd) {
     return sd ? sd->tensors : NULL;
 }
 
-int gj_state_dict_set_metadata(gj_state_dict *sd, const char *key, const char *value) {
-    const char *op = "gj_state_dict_set_metadata";
-    if (!sd) {
-        gj_rt_set_error("%s: state dict is NULL", op);
-        return -1;
-    }
-    if (!st_check_text(op, "key", key, false) || !st_check_text(op, "value", value, false))
-        return -1;
+/* Appends (key, value) copies; the caller knows key is new (the reader:
+ * JSON keys are unique, so a forged header with many keys stays O(n)). */
+static int st_meta_append(gj_state_dict *sd, const char *key, const char *value) {
     char *v = st_strdup(value);
     if (!v)
         return -1;
-    for (int i = 0; i < sd->nm; i++) {
-        if (strcmp(sd->mkeys[i], key) == 0) {
-            gj_rt_free(sd->mvals[i]);
-            sd->mvals[i] = v;
-            return 0;
-        }
-    }
     if (sd->nm == sd->capm) {
         int nc = sd->capm ? sd->capm * 2 : 8;
         char **nk = gj_rt_realloc(sd->mkeys, (size_t)nc * sizeof *nk);
@@ -253,6 +241,27 @@ int gj_state_dict_set_metadata(gj_state_dict *sd, const char *key, const char *v
     sd->mvals[sd->nm] = v;
     sd->nm++;
     return 0;
+}
+
+int gj_state_dict_set_metadata(gj_state_dict *sd, const char *key, const char *value) {
+    const char *op = "gj_state_dict_set_metadata";
+    if (!sd) {
+        gj_rt_set_error("%s: state dict is NULL", op);
+        return -1;
+    }
+    if (!st_check_text(op, "key", key, false) || !st_check_text(op, "value", value, false))
+        return -1;
+    for (int i = 0; i < sd->nm; i++) {
+        if (strcmp(sd->mkeys[i], key) == 0) {
+            char *v = st_strdup(value);
+            if (!v)
+                return -1;
+            gj_rt_free(sd->mvals[i]);
+            sd->mvals[i] = v;
+            return 0;
+        }
+    }
+    return st_meta_append(sd, key, value);
 }
 
 const char *gj_state_dict_get_metadata(const gj_state_dict *sd, const char *key) {
@@ -799,7 +808,7 @@ static gj_state_dict *st_read(const st_src *s) {
                                     gj_fe_json_kind_name(v->items[k].kind));
                     goto fail;
                 }
-                if (gj_state_dict_set_metadata(sd, v->keys[k], v->items[k].str) != 0)
+                if (st_meta_append(sd, v->keys[k], v->items[k].str) != 0)
                     goto fail;
             }
             continue;
