@@ -608,6 +608,22 @@ static void test_layer_names(void **state) {
     assert_int_equal(gj_state_dict_copy_into(sd, f, true), 0);
     assert_true(gj_tensor_item_at(l1.weight, 0) == before);
     gj_state_dict_free(f);
+    /* The same through a file, in one call; then the file cut short. */
+    const char *path = tmpfile_path("layers.safetensors");
+    assert_int_equal(gj_save_safetensors(sd, path), 0);
+    gj_no_grad_push();
+    assert_int_equal(gj_zero_(l1.weight), 0);
+    gj_no_grad_pop();
+    assert_int_equal(gj_load_safetensors_into(sd, path, true), 0);
+    assert_true(gj_tensor_item_at(l1.weight, 0) == before);
+    assert_int_equal(truncate(path, (off_t)len - 5), 0);
+    assert_int_not_equal(gj_load_safetensors_into(sd, path, true), 0);
+    GJT_ASSERT_ERROR("layers.safetensors");
+    GJT_ASSERT_ERROR("beyond the");
+    assert_true(gj_tensor_item_at(l1.weight, 0) == before);
+    assert_int_equal(truncate(path, 5), 0);
+    assert_null(gj_load_safetensors(path));
+    GJT_ASSERT_ERROR("too short");
     free(buf);
     gj_state_dict_free(sd);
     gj_linear_free(&l1);
