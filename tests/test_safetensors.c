@@ -352,8 +352,9 @@ static void test_malformed_table(void **state) {
 }
 
 /* The reader is fed thousands of mutations of valid files: bytes flipped
- * or replaced by JSON punctuation, ranges deleted or duplicated, the file
- * cut anywhere, the length field changed; also header-only mutations with
+ * or replaced by JSON punctuation, ranges deleted or duplicated, digits of
+ * shapes and offsets changed, the file cut anywhere, the length field
+ * changed; also header-only mutations with
  * a length field that stays consistent (so the JSON and the offset checks
  * are reached, not just the length check). It must never crash (ASan in
  * CI) and must either fail with a message or return a consistent dict. */
@@ -375,13 +376,13 @@ static void test_fuzz(void **state) {
     unsigned char *m = malloc(vlen * 2 + 64);
     assert_non_null(m);
     int n_ok = 0, n_fail = 0;
-    const int cases = 6000;
+    const int cases = 7000;
     for (int c = 0; c < cases; c++) {
         size_t len = vlen;
         memcpy(m, valid, vlen);
-        int kind = (int)gjt_rng_int(&r, 6);
+        int kind = (int)gjt_rng_int(&r, 7);
         int edits = 1 + (int)gjt_rng_int(&r, 4);
-        bool keep_len = kind >= 3; /* header-only mutation, length rewritten */
+        bool keep_len = kind >= 3; /* header-only mutations, length rewritten */
         for (int e = 0; e < edits; e++) {
             size_t lo = keep_len ? 8 : 0, hi = keep_len ? 8 + (size_t)hn : len;
             if (hi <= lo)
@@ -407,6 +408,14 @@ static void test_fuzz(void **state) {
                 memmove(m + at, m + at + n, len - at - n);
                 len -= n;
                 hn -= n;
+                break;
+            }
+            case 6: { /* change a digit of the header: shapes and offsets stay JSON */
+                size_t k = at;
+                while (k < hi && (m[k] < '0' || m[k] > '9'))
+                    k++;
+                if (k < hi)
+                    m[k] = (unsigned char)('0' + gjt_rng_int(&r, 10));
                 break;
             }
             default: { /* duplicate a header range (a repeated key, a longer number) */
