@@ -9,6 +9,7 @@
  *                [--batch N] [--ctx T] [--lr X] [--seed N] [--threads N]
  *                [--quiet] [--text PATH]... [--sample N] [--temperature X]
  *                [--csv FILE] [--png FILE]
+ *                [--save FILE] [--resume FILE] [--stop-after N]
  *
  * Data: by default the license texts that Debian's base-files package
  * installs on every machine, /usr/share/common-licenses/ (every regular
@@ -36,6 +37,16 @@
  * characters (temperature --temperature, from the prompt "The "); the loss
  * curve as CSV and PNG (defaults charlm_loss.csv/.png, "-" for none).
  *
+ * Checkpoints (not with --both): --save FILE writes a safetensors file at
+ * the end, and when the run stops early: on SIGINT (Ctrl-C) the step under
+ * way finishes, the file is written and the program exits with status 130
+ * (a second Ctrl-C kills it); --stop-after N stops so after N steps of this
+ * run. --resume FILE continues: parameters ("tok_emb.weight",
+ * "blocks.0.attn.qkv.weight", ...), AdamW state, RNG, the batch generator,
+ * the step and the loss curve so far are restored, so with the same
+ * --steps/--epochs, --batch, --ctx, --seed, text and --threads the loss
+ * curve, model and sample are bit-identical to a run that never stopped.
+ *
  * Invariants: every training step, evaluation batch and generated character
  * runs inside gj_scope_push/pop; model, optimizer and text are released
  * before exit. With --both the two runs start from the same seed (model,
@@ -50,8 +61,10 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -414,7 +427,17 @@ typedef struct opts {
     const char *texts[MAX_TEXTS];
     int n_texts;
     const char *csv, *png; /* NULL: not written */
+    const char *save, *resume; /* checkpoints; NULL: none */
+    int64_t stop_after;        /* stop (and save) after this many steps; 0: never */
 } opts;
+
+/* Set by SIGINT; the training loop stops at the next step boundary. */
+static volatile sig_atomic_t g_interrupted;
+
+static void on_sigint(int sig) {
+    (void)sig;
+    g_interrupted = 1;
+}
 
 typedef struct run_out {
     double *loss;     /* [steps] training loss per step */
@@ -646,6 +669,199 @@ static int trainer_finish(trainer *t) {
     return 0;
 }
 
+/* ---------------------------------------------------------- checkpoints */
+
+/* A new state dict holding the model's parameters under stable names
+ * (references to the live tensors), or NULL with gj_last_error set. */
+static gj_state_dict *model_dict(model *m) {
+    gj_state_dict *sd = gj_state_dict_new();
+    int rc = sd ? 0 : -1;
+    rc = rc || gj_embedding_state_dict_add(&m->tok, sd, "tok_emb");
+    rc = rc || gj_embedding_state_dict_add(&m->pos, sd, "pos_emb");
+    for (int l = 0; l < N_LAYER; l++) {
+        block *b = &m->blk[l];
+        char p[64];
+#define LM_NAME(field) (snprintf(p, sizeof p, "blocks.%d.%s", l, field), p)
+        rc = rc || gj_layer_norm_state_dict_add(&b->ln1, sd, LM_NAME("ln1"));
+        rc = rc || gj_linear_state_dict_add(&b->qkv, sd, LM_NAME("attn.qkv"));
+        rc = rc || gj_linear_state_dict_add(&b->proj, sd, LM_NAME("attn.proj"));
+        rc = rc || gj_layer_norm_state_dict_add(&b->ln2, sd, LM_NAME("ln2"));
+        rc = rc || gj_linear_state_dict_add(&b->fc, sd, LM_NAME("mlp.fc"));
+        rc = rc || gj_linear_state_dict_add(&b->fc2, sd, LM_NAME("mlp.fc2"));
+#undef LM_NAME
+    }
+    rc = rc || gj_layer_norm_state_dict_add(&m->lnf, sd, "ln_f");
+    rc = rc || gj_linear_state_dict_add(&m->head, sd, "head");
+    if (rc) {
+        gj_state_dict_free(sd);
+        return NULL;
+    }
+    return sd;
+}
+
+static int meta_i64(gj_state_dict *sd, const char *key, int64_t v) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%" PRId64, v);
+    return gj_state_dict_set_metadata(sd, key, buf);
+}
+
+static int meta_f64(gj_state_dict *sd, const char *key, double v) {
+    char buf[40];
+    snprintf(buf, sizeof buf, "%.17g", v); /* round-trips exactly */
+    return gj_state_dict_set_metadata(sd, key, buf);
+}
+
+static int add_f64s(gj_state_dict *sd, const char *name, int64_t n, const double *data) {
+    gj_tensor *t = gj_from_data(GJ_F64, 1, &n, data);
+    int rc = t ? gj_state_dict_add(sd, name, t) : -1;
+    gj_release(t);
+    return rc;
+}
+
+/* Saves what the run needs to continue at step s. 0, or 1 with a message. */
+static int trainer_save(trainer *t, const char *path, int64_t s) {
+    const opts *o = t->o;
+    gj_state_dict *sd = model_dict(&t->m);
+    char rng[32];
+    snprintf(rng, sizeof rng, "%" PRIu64, t->rng);
+    int rc = sd ? 0 : -1;
+    rc = rc || gj_optim_state_dict_add(t->opt, sd, "optim");
+    rc = rc || gj_rng_state_dict_add(sd, "rng");
+    rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
+    rc = rc || gj_state_dict_set_metadata(sd, "train.program", "train_charlm");
+    rc = rc || meta_i64(sd, "train.step", s) || meta_i64(sd, "train.steps", o->steps);
+    rc = rc || meta_i64(sd, "train.batch_size", o->batch) || meta_i64(sd, "train.ctx", o->ctx);
+    rc = rc || meta_i64(sd, "train.seed", (int64_t)o->seed);
+    rc = rc || meta_i64(sd, "train.vocab", t->c->vocab) || meta_i64(sd, "train.chars", t->c->n);
+    rc = rc || gj_state_dict_set_metadata(sd, "train.batch_rng", rng);
+    rc = rc || meta_f64(sd, "train.t_train", t->t_train);
+    rc = rc || meta_f64(sd, "train.bwd_total", t->bwd_total);
+    rc = rc || meta_f64(sd, "train.fwd_total", t->fwd_total);
+    rc = rc || add_f64s(sd, "train.loss", s, t->r->loss);
+    rc = rc || add_f64s(sd, "train.val", s, t->r->val);
+    rc = rc || gj_save_safetensors(sd, path);
+    gj_state_dict_free(sd);
+    if (rc) {
+        fprintf(stderr, "train_charlm: saving %s: %s\n", path, gj_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+/* Metadata key as an integer that must equal want (want < 0: any >= 0). */
+static int get_i64(const gj_state_dict *sd, const char *path, const char *key, int64_t want,
+                   int64_t *out) {
+    const char *v = gj_state_dict_get_metadata(sd, key);
+    char *end = NULL;
+    errno = 0;
+    long long x = v ? strtoll(v, &end, 10) : -1;
+    if (!v || !*v || *end || errno || x < 0 || (want >= 0 && x != want)) {
+        if (want >= 0)
+            fprintf(stderr, "train_charlm: %s: %s is %s, this run has %lld (resume with the "
+                            "same --steps/--epochs, --batch, --ctx, --seed and text)\n",
+                    path, key, v ? v : "absent", (long long)want);
+        else
+            fprintf(stderr, "train_charlm: %s: %s is %s\n", path, key, v ? v : "absent");
+        return -1;
+    }
+    if (out)
+        *out = x;
+    return 0;
+}
+
+static int get_f64(const gj_state_dict *sd, const char *path, const char *key, double *out) {
+    const char *v = gj_state_dict_get_metadata(sd, key);
+    char *end = NULL;
+    *out = v ? strtod(v, &end) : NAN;
+    if (!v || !*v || *end) {
+        fprintf(stderr, "train_charlm: %s: %s is %s, expected a number\n", path, key,
+                v ? v : "absent");
+        return -1;
+    }
+    return 0;
+}
+
+static int get_f64s(const gj_state_dict *sd, const char *path, const char *name, int64_t n,
+                    double *out) {
+    gj_tensor *t = gj_state_dict_get(sd, name);
+    if (!t || gj_tensor_dtype(t) != GJ_F64 || gj_tensor_ndim(t) != 1 || gj_tensor_numel(t) != n) {
+        fprintf(stderr, "train_charlm: %s: %s must be a 1-d f64 tensor of %lld elements\n", path,
+                name, (long long)n);
+        return -1;
+    }
+    if (n > 0)
+        memcpy(out, gj_tensor_data(t), (size_t)n * sizeof *out);
+    return 0;
+}
+
+/* Restores t (fresh from trainer_init) from a file of trainer_save; *start
+ * receives the step to continue from. 0, or 1 with a message. */
+static int trainer_resume(trainer *t, const char *path, int64_t *start) {
+    const opts *o = t->o;
+    gj_state_dict *f = gj_load_safetensors(path), *m = f ? model_dict(&t->m) : NULL;
+    int rc = 1;
+    int64_t s;
+    if (!f || !m)
+        goto gj_fail;
+    if (get_i64(f, path, "train.steps", o->steps, NULL) ||
+        get_i64(f, path, "train.batch_size", o->batch, NULL) ||
+        get_i64(f, path, "train.ctx", o->ctx, NULL) ||
+        get_i64(f, path, "train.vocab", t->c->vocab, NULL) ||
+        get_i64(f, path, "train.chars", t->c->n, NULL) || get_i64(f, path, "train.step", -1, &s))
+        goto done;
+    const char *sv = gj_state_dict_get_metadata(f, "train.seed"), *rs =
+        gj_state_dict_get_metadata(f, "train.batch_rng");
+    char *end = NULL, *end2 = NULL;
+    uint64_t seed = sv ? strtoull(sv, &end, 10) : 0, rng = rs ? strtoull(rs, &end2, 10) : 0;
+    if (!sv || *end || seed != o->seed || !rs || !*rs || *end2 || s > o->steps) {
+        fprintf(stderr, "train_charlm: %s: seed %s (this run %llu), batch rng %s, step %lld of "
+                        "%lld\n",
+                path, sv ? sv : "absent", (unsigned long long)o->seed, rs ? rs : "absent",
+                (long long)s, (long long)o->steps);
+        goto done;
+    }
+    if (get_f64(f, path, "train.t_train", &t->t_train) ||
+        get_f64(f, path, "train.bwd_total", &t->bwd_total) ||
+        get_f64(f, path, "train.fwd_total", &t->fwd_total) ||
+        get_f64s(f, path, "train.loss", s, t->r->loss) || get_f64s(f, path, "train.val", s, t->r->val))
+        goto done;
+    if (gj_state_dict_copy_into(m, f, false) != 0 ||
+        gj_optim_load_state_dict(t->opt, f, "optim") != 0 || gj_rng_load_state_dict(f, "rng") != 0)
+        goto gj_fail;
+    t->rng = rng;
+    *start = s;
+    if (!o->quiet)
+        printf("[%s] resumed from %s at step %lld of %lld\n", t->tag, path, (long long)s,
+               (long long)o->steps);
+    rc = 0;
+    goto done;
+gj_fail:
+    fprintf(stderr, "train_charlm: resuming from %s: %s\n", path, gj_last_error());
+done:
+    gj_state_dict_free(m);
+    gj_state_dict_free(f);
+    return rc;
+}
+
+/* The run stops before step s: saves if --save was given. Returns 130 (the
+ * status of a SIGINT'ed program), or 1 if saving failed. */
+static int trainer_stop(trainer *t, int64_t s) {
+    const opts *o = t->o;
+    if (o->tty && !o->quiet)
+        printf("\n");
+    const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
+    if (!o->save) {
+        printf("[%s] %s at step %lld; no --save FILE given, nothing saved\n", t->tag, why,
+               (long long)s);
+        return 130;
+    }
+    if (trainer_save(t, o->save, s) != 0)
+        return 1;
+    printf("[%s] %s at step %lld: saved %s (continue with --resume %s)\n", t->tag, why,
+           (long long)s, o->save, o->save);
+    return 130;
+}
+
 /* Whether step s gets a progress line: every 5 steps on a terminal, else
  * at every tenth of the run. */
 static bool progress_due(const opts *o, int64_t s) {
@@ -664,15 +880,25 @@ static void progress_bar(char *bar, int64_t s, int64_t n) {
     bar[BAR_W] = 0;
 }
 
-/* One training run in the given mode; fills r. 0, or 1 with a message. */
+/* One training run in the given mode (resumed from o->resume if given);
+ * fills r. 0, 130 if it stopped early (SIGINT, --stop-after; saved to
+ * o->save if given), or 1 with a message. */
 static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
     trainer t;
     int rc = 1;
+    int64_t start = 0;
     gj_compiled_autograd_reset_stats();
     if (trainer_init(&t, o, compiled, c, r) != 0)
         goto done;
-    for (int64_t s = 0; s < o->steps; s++) {
+    if (o->resume && trainer_resume(&t, o->resume, &start) != 0)
+        goto done;
+    for (int64_t s = start; s < o->steps; s++) {
         double f, b;
+        /* A step boundary: the place to stop and save. */
+        if (g_interrupted || (o->stop_after > 0 && s - start == o->stop_after)) {
+            rc = trainer_stop(&t, s);
+            goto done;
+        }
         if (trainer_step(&t, s, &f, &b) != 0)
             goto done;
         if (progress_due(o, s)) {
@@ -695,6 +921,12 @@ static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
         }
     }
     gj_compiled_autograd_stats(&r->ca);
+    if (o->save) {
+        if (trainer_save(&t, o->save, o->steps) != 0)
+            goto done;
+        if (!o->quiet)
+            printf("[%s] saved %s\n", t.tag, o->save);
+    }
     rc = trainer_finish(&t);
 done:
     trainer_free(&t);
@@ -778,9 +1010,14 @@ static void usage(FILE *f) {
             "[--batch N] [--ctx T]\n"
             "                    [--lr X] [--seed N] [--threads N] [--quiet] [--text PATH]...\n"
             "                    [--sample N] [--temperature X] [--csv FILE] [--png FILE]\n"
+            "                    [--save FILE] [--resume FILE] [--stop-after N]\n"
             "  defaults: 300 steps, batch 16, ctx 64, lr 6e-3, seed 42, all threads, text: the\n"
             "  files of %s, sample 400 chars at temperature 0.8,\n"
-            "  charlm_loss.csv / charlm_loss.png (\"-\": none)\n",
+            "  charlm_loss.csv / charlm_loss.png (\"-\": none)\n"
+            "  --save FILE: checkpoint (safetensors) at the end, on Ctrl-C and at --stop-after "
+            "N steps;\n"
+            "  --resume FILE: continue a saved run bit-identically (same settings and "
+            "--threads)\n",
             DEFAULT_DIR);
 }
 
@@ -868,6 +1105,15 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 o->csv = strcmp(v, "-") ? v : NULL;
             } else if (!strcmp(a, "--png")) {
                 o->png = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--save")) {
+                o->save = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--resume")) {
+                o->resume = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--stop-after")) {
+                long long k = strtoll(v, &end, 10);
+                if (*end || errno || k < 1)
+                    goto bad;
+                o->stop_after = k;
             } else {
                 fprintf(stderr, "train_charlm: unknown option %s\n", a);
                 return -1;
@@ -880,6 +1126,11 @@ static int parse_opts(int argc, char **argv, opts *o) {
     }
     if (o->both && o->compiled) {
         fprintf(stderr, "train_charlm: --both already runs the compiled mode\n");
+        return -1;
+    }
+    if (o->both && (o->save || o->resume || o->stop_after)) {
+        fprintf(stderr, "train_charlm: --save, --resume and --stop-after are for one run, not "
+                        "--both\n");
         return -1;
     }
     if (steps_given && o->epochs) {
@@ -1043,8 +1294,17 @@ int main(int argc, char **argv) {
     run_out a = {0}, b = {0};
     rc = 1;
     if (!o.both) {
-        if (train(&o, o.compiled, &c, &a) != 0)
+        /* Ctrl-C: finish the step, save (--save), exit 130; a second one kills. */
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_sigint;
+        sa.sa_flags = SA_RESETHAND;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+        rc = train(&o, o.compiled, &c, &a);
+        if (rc != 0)
             goto out;
+        rc = 1;
         if (o.compiled)
             print_ca("compiled", &a.ca);
         print_result(o.compiled ? "compiled" : "eager", &a, h_uni, &o);

@@ -7,6 +7,18 @@
  *   train_fashion_mnist [--compiled-autograd | --both] [--epochs N] [--batch N]
  *                       [--lr X] [--seed N] [--threads N] [--quiet]
  *                       [--csv FILE] [--png FILE]
+ *                       [--save FILE] [--resume FILE] [--stop-after N]
+ *
+ * Checkpoints (not with --both): --save FILE writes a safetensors file at
+ * the end of the run, and when the run is interrupted: on SIGINT (Ctrl-C)
+ * the step under way finishes, the checkpoint is written and the program
+ * exits with status 130 (a second Ctrl-C kills it at once); --stop-after N
+ * does the same after N steps of this run (for tests and time-sliced jobs).
+ * --resume FILE continues such a run: model ("fc1.weight" ...), AdamW state,
+ * RNG, the shuffle generator, the epoch's order and position, and the
+ * losses so far are restored, so with the same --batch, --seed and
+ * --threads the loss curve and the final model are bit-identical to a run
+ * that never stopped (--epochs may grow).
  *
  * Output: a progress bar (on a terminal) with loss, examples/s and backward
  * ms; a line per epoch with test accuracy; the loss curve of every step as
@@ -40,7 +52,9 @@
 #include "plot.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,7 +307,17 @@ typedef struct opts {
     double lr;
     uint64_t seed;
     const char *csv, *png; /* NULL: not written */
+    const char *save, *resume; /* checkpoints; NULL: none */
+    int64_t stop_after;        /* stop (and save) after this many steps; 0: never */
 } opts;
+
+/* Set by SIGINT; the training loop stops at the next step boundary. */
+static volatile sig_atomic_t g_interrupted;
+
+static void on_sigint(int sig) {
+    (void)sig;
+    g_interrupted = 1;
+}
 
 /* What one training run measured. */
 typedef struct run_out {
@@ -337,6 +361,11 @@ typedef struct trainer {
     int64_t per_epoch, step;
     double train_s, bwd_total, loss_total; /* this epoch */
     run_out *r;
+    /* Where the run starts (a resumed run: later; order already shuffled
+     * for start_epoch when start_shuffled). */
+    int start_epoch;
+    int64_t start_batch;
+    bool start_shuffled;
 } trainer;
 
 static void trainer_free(trainer *t) {
@@ -459,6 +488,215 @@ static int trainer_epoch_end(trainer *t, int e, const dataset *te) {
     return 0;
 }
 
+/* ---------------------------------------------------------- checkpoints */
+
+static const char *const LAYER_NAMES[3] = {"fc1", "fc2", "fc3"};
+
+/* A new state dict holding the model's parameters under stable names
+ * (references to the live tensors), or NULL with gj_last_error set. */
+static gj_state_dict *model_dict(model *m) {
+    gj_state_dict *sd = gj_state_dict_new();
+    for (int i = 0; sd && i < 3; i++)
+        if (gj_linear_state_dict_add(&m->l[i], sd, LAYER_NAMES[i]) != 0) {
+            gj_state_dict_free(sd);
+            return NULL;
+        }
+    return sd;
+}
+
+static int meta_i64(gj_state_dict *sd, const char *key, int64_t v) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%" PRId64, v);
+    return gj_state_dict_set_metadata(sd, key, buf);
+}
+
+static int meta_f64(gj_state_dict *sd, const char *key, double v) {
+    char buf[40];
+    snprintf(buf, sizeof buf, "%.17g", v); /* round-trips exactly */
+    return gj_state_dict_set_metadata(sd, key, buf);
+}
+
+/* A copy of data [n] as a tensor named name in sd. */
+static int add_array(gj_state_dict *sd, const char *name, gj_dtype dt, int64_t n,
+                     const void *data) {
+    gj_tensor *t = gj_from_data(dt, 1, &n, data);
+    int rc = t ? gj_state_dict_add(sd, name, t) : -1;
+    gj_release(t);
+    return rc;
+}
+
+/* Saves everything the run needs to continue at batch b of epoch e
+ * (shuffled: that epoch's order is already drawn). 0, or 1 with a message. */
+static int trainer_save(trainer *t, const char *path, int e, int64_t b, bool shuffled,
+                        int64_t n_examples) {
+    const run_out *r = t->r;
+    gj_state_dict *sd = model_dict(&t->m);
+    char rng[32];
+    snprintf(rng, sizeof rng, "%" PRIu64, t->rng);
+    int rc = sd ? 0 : -1;
+    rc = rc || gj_optim_state_dict_add(t->opt, sd, "optim");
+    rc = rc || gj_rng_state_dict_add(sd, "rng");
+    rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
+    rc = rc || gj_state_dict_set_metadata(sd, "train.program", "train_fashion_mnist");
+    rc = rc || meta_i64(sd, "train.epoch", e) || meta_i64(sd, "train.batch", b);
+    rc = rc || meta_i64(sd, "train.shuffled", shuffled) || meta_i64(sd, "train.step", t->step);
+    rc = rc || gj_state_dict_set_metadata(sd, "train.shuffle_rng", rng);
+    rc = rc || meta_i64(sd, "train.batch_size", t->o->batch);
+    rc = rc || meta_i64(sd, "train.seed", (int64_t)t->o->seed);
+    rc = rc || meta_f64(sd, "train.train_s", t->train_s);
+    rc = rc || meta_f64(sd, "train.bwd_total", t->bwd_total);
+    rc = rc || meta_f64(sd, "train.loss_total", t->loss_total);
+    rc = rc || add_array(sd, "train.order", GJ_I64, n_examples, t->order);
+    rc = rc || add_array(sd, "train.loss", GJ_F64, t->step, r->loss);
+    rc = rc || add_array(sd, "train.acc", GJ_F64, e, r->acc);
+    rc = rc || add_array(sd, "train.epoch_s", GJ_F64, e, r->epoch_s);
+    rc = rc || add_array(sd, "train.bwd_ms", GJ_F64, e, r->bwd_ms);
+    rc = rc || add_array(sd, "train.train_loss", GJ_F64, e, r->train_loss);
+    rc = rc || gj_save_safetensors(sd, path);
+    gj_state_dict_free(sd);
+    if (rc) {
+        fprintf(stderr, "train_fashion_mnist: saving %s: %s\n", path, gj_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+/* Metadata key as an integer within [lo, hi]. 0, or -1 with a message. */
+static int get_i64(const gj_state_dict *sd, const char *key, int64_t lo, int64_t hi,
+                   int64_t *out) {
+    const char *v = gj_state_dict_get_metadata(sd, key);
+    char *end = NULL;
+    errno = 0;
+    long long x = v ? strtoll(v, &end, 10) : 0;
+    if (!v || !*v || *end || errno || x < lo || x > hi) {
+        fprintf(stderr, "train_fashion_mnist: checkpoint: %s is %s, expected an integer in "
+                        "[%lld, %lld]\n",
+                key, v ? v : "absent", (long long)lo, (long long)hi);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int get_f64(const gj_state_dict *sd, const char *key, double *out) {
+    const char *v = gj_state_dict_get_metadata(sd, key);
+    char *end = NULL;
+    *out = v ? strtod(v, &end) : NAN;
+    if (!v || !*v || *end) {
+        fprintf(stderr, "train_fashion_mnist: checkpoint: %s is %s, expected a number\n", key,
+                v ? v : "absent");
+        return -1;
+    }
+    return 0;
+}
+
+/* Copies tensor name of sd (dtype dt, [n] elements) into out. */
+static int get_array(const gj_state_dict *sd, const char *name, gj_dtype dt, int64_t n,
+                     void *out, size_t elsize) {
+    gj_tensor *t = gj_state_dict_get(sd, name);
+    if (!t || gj_tensor_dtype(t) != dt || gj_tensor_ndim(t) != 1 || gj_tensor_numel(t) != n) {
+        fprintf(stderr, "train_fashion_mnist: checkpoint: %s must be a 1-d %s tensor of %lld "
+                        "elements\n",
+                name, dt == GJ_I64 ? "i64" : "f64", (long long)n);
+        return -1;
+    }
+    if (n > 0)
+        memcpy(out, gj_tensor_data(t), (size_t)n * elsize);
+    return 0;
+}
+
+/* Restores t (fresh from trainer_init) from a file of trainer_save. 0, or
+ * 1 with a message. */
+static int trainer_resume(trainer *t, const char *path, int64_t n_examples) {
+    const opts *o = t->o;
+    gj_state_dict *f = gj_load_safetensors(path), *m = f ? model_dict(&t->m) : NULL;
+    int rc = 1;
+    int64_t e, b, sh, step, bs, seed;
+    uint64_t rng;
+    if (!f || !m)
+        goto gj_fail;
+    if (get_i64(f, "train.batch_size", 1, INT64_MAX, &bs) || get_i64(f, "train.seed", INT64_MIN,
+        INT64_MAX, &seed) || get_i64(f, "train.epoch", 0, o->epochs, &e) ||
+        get_i64(f, "train.batch", 0, t->per_epoch - 1, &b) ||
+        get_i64(f, "train.shuffled", 0, 1, &sh) ||
+        get_i64(f, "train.step", 0, t->per_epoch * o->epochs, &step))
+        goto done;
+    if (bs != o->batch || (uint64_t)seed != o->seed) {
+        fprintf(stderr, "train_fashion_mnist: %s was saved with --batch %lld --seed %llu; resume "
+                        "with the same values (this run: --batch %d --seed %llu)\n",
+                path, (long long)bs, (unsigned long long)seed, o->batch,
+                (unsigned long long)o->seed);
+        goto done;
+    }
+    if (step != e * t->per_epoch + (sh ? b : 0)) {
+        fprintf(stderr, "train_fashion_mnist: %s: step %lld does not match epoch %lld batch "
+                        "%lld\n",
+                path, (long long)step, (long long)e, (long long)b);
+        goto done;
+    }
+    const char *rs = gj_state_dict_get_metadata(f, "train.shuffle_rng");
+    char *end = NULL;
+    rng = rs ? strtoull(rs, &end, 10) : 0;
+    if (!rs || !*rs || *end) {
+        fprintf(stderr, "train_fashion_mnist: %s: bad train.shuffle_rng\n", path);
+        goto done;
+    }
+    if (get_f64(f, "train.train_s", &t->train_s) || get_f64(f, "train.bwd_total", &t->bwd_total) ||
+        get_f64(f, "train.loss_total", &t->loss_total) ||
+        get_array(f, "train.order", GJ_I64, n_examples, t->order, sizeof *t->order) ||
+        get_array(f, "train.loss", GJ_F64, step, t->r->loss, sizeof(double)) ||
+        get_array(f, "train.acc", GJ_F64, e, t->r->acc, sizeof(double)) ||
+        get_array(f, "train.epoch_s", GJ_F64, e, t->r->epoch_s, sizeof(double)) ||
+        get_array(f, "train.bwd_ms", GJ_F64, e, t->r->bwd_ms, sizeof(double)) ||
+        get_array(f, "train.train_loss", GJ_F64, e, t->r->train_loss, sizeof(double)))
+        goto done;
+    for (int64_t i = 0; i < n_examples; i++)
+        if (t->order[i] < 0 || t->order[i] >= n_examples) {
+            fprintf(stderr, "train_fashion_mnist: %s: train.order holds %lld\n", path,
+                    (long long)t->order[i]);
+            goto done;
+        }
+    /* Model, optimizer and RNG: each checks names, shapes and dtypes. */
+    if (gj_state_dict_copy_into(m, f, false) != 0 ||
+        gj_optim_load_state_dict(t->opt, f, "optim") != 0 || gj_rng_load_state_dict(f, "rng") != 0)
+        goto gj_fail;
+    t->rng = rng;
+    t->step = step;
+    t->start_epoch = (int)e;
+    t->start_batch = sh ? b : 0;
+    t->start_shuffled = sh != 0;
+    if (!o->quiet)
+        printf("[%s] resumed from %s at epoch %lld, batch %lld (step %lld)\n", t->tag, path,
+               (long long)e + 1, (long long)t->start_batch, (long long)step);
+    rc = 0;
+    goto done;
+gj_fail:
+    fprintf(stderr, "train_fashion_mnist: resuming from %s: %s\n", path, gj_last_error());
+done:
+    gj_state_dict_free(m);
+    gj_state_dict_free(f);
+    return rc;
+}
+
+/* The run stops at batch b of epoch e: saves if --save was given. Returns
+ * 130 (the status of a SIGINT'ed program), or 1 if saving failed. */
+static int trainer_stop(trainer *t, int e, int64_t b, bool shuffled, int64_t n_examples) {
+    const opts *o = t->o;
+    if (o->tty && !o->quiet)
+        printf("\n");
+    const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
+    if (!o->save) {
+        printf("[%s] %s at step %lld; no --save FILE given, nothing saved\n", t->tag, why,
+               (long long)t->step);
+        return 130;
+    }
+    if (trainer_save(t, o->save, e, b, shuffled, n_examples) != 0)
+        return 1;
+    printf("[%s] %s at step %lld: saved %s (continue with --resume %s)\n", t->tag, why,
+           (long long)t->step, o->save, o->save);
+    return 130;
+}
+
 static void progress_bar(char *bar, int64_t b, int64_t n) {
     int fill = (int)((b + 1) * BAR_W / n);
     for (int k = 0; k < BAR_W; k++)
@@ -477,18 +715,33 @@ static bool progress_due(const opts *o, int64_t b, int64_t n) {
     return (b + 1) % tenth == 0 && b + 1 != n;
 }
 
-/* One training run in the given mode; fills r. 0, or 1 with a message. */
+/* One training run in the given mode (resumed from o->resume if given);
+ * fills r. 0, 130 if it stopped early (SIGINT, --stop-after; saved to
+ * o->save if given), or 1 with a message. */
 static int train(const opts *o, bool compiled, const dataset *tr, const dataset *te,
                  run_out *r) {
     trainer t;
     int rc = 1;
+    int64_t run_steps = 0;
     gj_compiled_autograd_reset_stats();
     if (trainer_init(&t, o, compiled, tr, r) != 0)
         goto done;
-    for (int e = 0; e < o->epochs; e++) {
-        trainer_epoch_begin(&t, tr);
-        for (int64_t b = 0; b < t.per_epoch; b++) {
+    if (o->resume && trainer_resume(&t, o->resume, tr->n) != 0)
+        goto done;
+    for (int e = t.start_epoch; e < o->epochs; e++) {
+        int64_t b0 = 0;
+        if (e == t.start_epoch && t.start_shuffled)
+            b0 = t.start_batch; /* resumed inside this epoch: order restored */
+        else
+            trainer_epoch_begin(&t, tr);
+        for (int64_t b = b0; b < t.per_epoch; b++) {
             double bwd;
+            /* A step boundary: the place to stop and save. */
+            if (g_interrupted || (o->stop_after > 0 && run_steps == o->stop_after)) {
+                rc = trainer_stop(&t, e, b, true, tr->n);
+                goto done;
+            }
+            run_steps++;
             if (trainer_step(&t, tr, b, &bwd) != 0)
                 goto done;
             if (progress_due(o, b, t.per_epoch)) {
@@ -515,6 +768,12 @@ static int train(const opts *o, bool compiled, const dataset *tr, const dataset 
         fflush(stdout);
     }
     gj_compiled_autograd_stats(&r->ca);
+    if (o->save) {
+        if (trainer_save(&t, o->save, o->epochs, 0, false, tr->n) != 0)
+            goto done;
+        if (!o->quiet)
+            printf("[%s] saved %s\n", t.tag, o->save);
+    }
     rc = 0;
 done:
     trainer_free(&t);
@@ -604,11 +863,16 @@ static void usage(FILE *f) {
     fprintf(f, "usage: train_fashion_mnist [--compiled-autograd | --both] [--epochs N] "
                "[--batch N] [--lr X]\n"
                "                           [--seed N] [--threads N] [--quiet] [--csv FILE] "
-               "[--png FILE] [--ddp]\n"
+               "[--png FILE]\n"
+               "                           [--save FILE] [--resume FILE] [--stop-after N] [--ddp]\n"
                "  --ddp: data parallel over MPI ranks (mpirun -np N train_fashion_mnist --ddp):\n"
                "         each rank takes 1/N of every batch, gradients are averaged\n"
                "  --csv/--png: loss curve files (defaults fashion_mnist_loss.csv/.png; "
-               "\"-\": none)\n");
+               "\"-\": none)\n"
+               "  --save FILE: checkpoint (safetensors) at the end, on Ctrl-C and at "
+               "--stop-after N steps\n"
+               "  --resume FILE: continue a saved run bit-identically (same --batch, --seed, "
+               "--threads)\n");
 }
 
 static int parse_opts(int argc, char **argv, opts *o) {
@@ -666,6 +930,15 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 o->csv = strcmp(v, "-") ? v : NULL;
             } else if (!strcmp(a, "--png")) {
                 o->png = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--save")) {
+                o->save = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--resume")) {
+                o->resume = strcmp(v, "-") ? v : NULL;
+            } else if (!strcmp(a, "--stop-after")) {
+                long long n = strtoll(v, &end, 10);
+                if (*end || errno || n < 1)
+                    goto bad;
+                o->stop_after = n;
             } else {
                 fprintf(stderr, "train_fashion_mnist: unknown option %s\n", a);
                 return -1;
@@ -679,6 +952,11 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->size = 1;
     if (o->both && o->compiled) {
         fprintf(stderr, "train_fashion_mnist: --both already runs the compiled mode\n");
+        return -1;
+    }
+    if (o->both && (o->save || o->resume || o->stop_after)) {
+        fprintf(stderr, "train_fashion_mnist: --save, --resume and --stop-after are for one "
+                        "run, not --both\n");
         return -1;
     }
     return 0;
@@ -802,7 +1080,7 @@ int main(int argc, char **argv) {
         }
         if (o.rank != 0) { /* rank 0 reports; the others only train */
             o.quiet = true;
-            o.csv = o.png = NULL;
+            o.csv = o.png = o.save = NULL; /* rank 0 writes the files */
             if (!freopen("/dev/null", "w", stdout)) return 1;
         }
     }
@@ -841,8 +1119,17 @@ int main(int argc, char **argv) {
     run_out a = {0}, b = {0};
     rc = 1;
     if (!o.both) {
-        if (train(&o, o.compiled, &tr, &te, &a) != 0)
+        /* Ctrl-C: finish the step, save (--save), exit 130; a second one kills. */
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_sigint;
+        sa.sa_flags = SA_RESETHAND;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+        rc = train(&o, o.compiled, &tr, &te, &a);
+        if (rc != 0)
             goto out;
+        rc = 1;
         if (o.compiled)
             print_ca("compiled", &a.ca);
         printf("final test accuracy %.4f after %d epoch(s) (target %.2f within 3 epochs: %s)\n",

@@ -21,4 +21,21 @@ void gj_fe_count_backward(void);
  * the scope it opened (see gj_ag_set_user_scope). */
 void *gj_fe_user_scope_push(void);
 
+/* The metadata value of key as a plain decimal u64 ("0" to
+ * "18446744073709551615", no sign or spaces): 0, or -1 (no error set) if
+ * absent or malformed. (safetensors.c) */
+int gj_fe_meta_u64(const gj_state_dict *sd, const char *key, uint64_t *out);
+
+/* A list of problems for one error message that reports them all
+ * ("3 mismatches, nothing changed: a; b; c"), truncated with "and N more"
+ * only if it would overflow the error buffer. */
+typedef struct gj_fe_msg {
+    char buf[3200];
+    size_t pos;
+    int count, dropped;
+} gj_fe_msg;
+void gj_fe_msg_add(gj_fe_msg *m, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Sets the error "<op>: <count> <one|many>, nothing changed: ..."; returns -1. */
+int gj_fe_msg_fail(const gj_fe_msg *m, const char *op, const char *one, const char *many);
+
 #endif /* GJ_FE_H */

@@ -50,6 +50,7 @@ typedef enum gj_dtype {
 } gj_dtype;
 
 typedef struct gj_tensor gj_tensor;
+typedef struct gj_state_dict gj_state_dict; /* named tensors: checkpoints */
 
 /* ---------------------------------------------------------------- errors */
 
@@ -290,6 +291,22 @@ GJ_API int gj_optim_step(gj_optim *o);
 GJ_API void gj_optim_zero_grad(gj_optim *o); /* sets every .grad to NULL */
 GJ_API void gj_optim_set_lr(gj_optim *o, double lr);
 GJ_API void gj_optim_free(gj_optim *o);
+/* The optimizer's state under prefix (NULL: "optim"), for checkpoints:
+ * per parameter i (in the constructor's order) that has state, tensors
+ * "<prefix>.<i>.momentum_buffer" (SGD with momentum) or
+ * "<prefix>.<i>.exp_avg", "<prefix>.<i>.exp_avg_sq" and the i64 scalar
+ * "<prefix>.<i>.step" (AdamW), as torch.optim names them; metadata
+ * "<prefix>.kind" ("sgd"/"adamw"), "<prefix>.n_params" and the
+ * hyperparameters ("<prefix>.lr", ... exact decimal). The state tensors
+ * are the optimizer's own (borrowed, the dict takes references): build the
+ * dict right before saving. 0, or -1 with an error. */
+GJ_API int gj_optim_state_dict_add(gj_optim *o, gj_state_dict *sd, const char *prefix);
+/* Restores what gj_optim_state_dict_add stored into o (same kind, same
+ * parameter count and shapes): state tensors are copied, parameters
+ * without saved state get none (as before their first step), and the
+ * hyperparameters (lr included) are set from the file. Checks everything
+ * first; on a mismatch o is unchanged and the error lists every problem. */
+GJ_API int gj_optim_load_state_dict(gj_optim *o, const gj_state_dict *sd, const char *prefix);
 
 /* --------------------------------------------------- training utilities */
 
@@ -314,6 +331,98 @@ GJ_API gj_tensor *gj_argmax(gj_tensor *x, int axis, bool keepdim);
 /* Fraction of rows of logits [N, K] whose argmax equals labels [N] (i64),
  * or NaN with an error. */
 GJ_API double gj_accuracy(gj_tensor *logits, gj_tensor *labels);
+
+/* ------------------------------------------ checkpoints (safetensors) */
+/* A state dict is an ordered list of (name, tensor) plus string metadata,
+ * as torch's state_dict; it is what checkpoints are saved from and loaded
+ * into. Files use the safetensors format (8-byte little-endian header
+ * length N, N bytes of JSON header padded with spaces to a multiple of 8,
+ * then the raw little-endian data), readable by the safetensors, PyTorch
+ * and numpy world. Dtypes: F32, F64, BF16, I64 (gj_dtype's four).
+ * Names are non-empty valid UTF-8, unique, and not "__metadata__".
+ * Resuming bit-identically: save the model (gj_*_state_dict_add), the
+ * optimizer (gj_optim_state_dict_add) and the RNG (gj_rng_state_dict_add)
+ * into one dict; load with gj_state_dict_copy_into, gj_optim_load_state_dict
+ * and gj_rng_load_state_dict (docs/guide.md). */
+/* New empty dict (free with gj_state_dict_free), or NULL with an error. */
+GJ_API gj_state_dict *gj_state_dict_new(void);
+/* Drops the dict's references to its tensors; NULL is ignored. */
+GJ_API void gj_state_dict_free(gj_state_dict *sd);
+/* Appends (name, t). t borrowed: the dict takes a reference of its own
+ * (the tensor is shared, not copied: saving later saves its values then).
+ * -1 with an error for a NULL or dead tensor, a bad or duplicate name. */
+GJ_API int gj_state_dict_add(gj_state_dict *sd, const char *name, gj_tensor *t);
+GJ_API int gj_state_dict_size(const gj_state_dict *sd);
+/* Entry i (0 <= i < size) in order: name and tensor, both borrowed (valid
+ * while the dict lives); NULL if i is out of range. */
+GJ_API const char *gj_state_dict_name(const gj_state_dict *sd, int i);
+GJ_API gj_tensor *gj_state_dict_tensor(const gj_state_dict *sd, int i);
+/* The tensor named name (borrowed), or NULL (no error set) if absent. */
+GJ_API gj_tensor *gj_state_dict_get(const gj_state_dict *sd, const char *name);
+/* The tensors in order as an array of size entries (borrowed; valid until
+ * the next gj_state_dict_add or free): e.g. an optimizer's parameter list. */
+GJ_API gj_tensor *const *gj_state_dict_tensors(const gj_state_dict *sd);
+/* String metadata ("__metadata__" of the file). set copies key and value
+ * (valid UTF-8) and replaces an existing key. get: borrowed or NULL. */
+GJ_API int gj_state_dict_set_metadata(gj_state_dict *sd, const char *key, const char *value);
+GJ_API const char *gj_state_dict_get_metadata(const gj_state_dict *sd, const char *key);
+GJ_API int gj_state_dict_metadata_size(const gj_state_dict *sd);
+/* Metadata entry i: *key and *value borrowed. 0, or -1 if out of range. */
+GJ_API int gj_state_dict_metadata_at(const gj_state_dict *sd, int i, const char **key,
+                                     const char **value);
+
+/* Writes sd to path (through a temporary file in the same directory,
+ * then renamed over path, so an interrupted save leaves the old file).
+ * Tensors are stored in the reference implementation's order (larger
+ * element size first, then by name), non-contiguous views as contiguous
+ * data. 0, or -1 with an error. */
+GJ_API int gj_save_safetensors(const gj_state_dict *sd, const char *path);
+/* The same file as bytes: *out receives malloc'd memory (free() it) of
+ * *len bytes. 0, or -1 with an error. */
+GJ_API int gj_save_safetensors_buffer(const gj_state_dict *sd, void **out, size_t *len);
+/* Reads a safetensors file into a new dict (free with gj_state_dict_free)
+ * holding new tensors (the dict owns them; not requiring grad), in the
+ * header's order. The file is checked before anything is allocated for
+ * data: a truncated file, a header length beyond the file, malformed or
+ * non-strict JSON, unknown or unsupported dtypes, more than GJ_MAX_DIMS
+ * dims, sizes that overflow, offsets that overlap, leave gaps or leave the
+ * data region, a size that does not match the shape, duplicate names, are
+ * each an error naming the file, the tensor and the problem (NULL). */
+GJ_API gj_state_dict *gj_load_safetensors(const char *path);
+/* The same from len bytes of memory (borrowed; copied). */
+GJ_API gj_state_dict *gj_load_safetensors_buffer(const void *data, size_t len);
+
+/* Copies the values of src's tensors into dst's tensors of the same names
+ * (in place, under no-grad, bumping versions; dst's tensors keep their
+ * identity, so optimizers and graphs holding them see the new values).
+ * Every tensor of dst must be in src with the same dtype and shape; with
+ * strict, src must not hold other names either (else they are ignored:
+ * e.g. a checkpoint that also holds optimizer state). Checks everything
+ * first: on any mismatch nothing is copied and the error lists every
+ * missing name, unexpected name (strict), shape and dtype mismatch. */
+GJ_API int gj_state_dict_copy_into(gj_state_dict *dst, const gj_state_dict *src, bool strict);
+/* gj_load_safetensors(path) then gj_state_dict_copy_into(dst, it, strict). */
+GJ_API int gj_load_safetensors_into(gj_state_dict *dst, const char *path, bool strict);
+
+/* Parameters of the nn layers under stable names, as torch names them:
+ * "<prefix>.weight" and "<prefix>.bias" (when the layer has one). The
+ * tensors are the layer's own (borrowed; the dict takes references), so
+ * gj_state_dict_copy_into with such a dict loads into the layer. */
+GJ_API int gj_linear_state_dict_add(gj_linear_layer *l, gj_state_dict *sd, const char *prefix);
+GJ_API int gj_layer_norm_state_dict_add(gj_layer_norm_layer *l, gj_state_dict *sd,
+                                        const char *prefix);
+GJ_API int gj_embedding_state_dict_add(gj_embedding_layer *l, gj_state_dict *sd,
+                                       const char *prefix);
+
+/* The RNG's whole state: its seed and the counter of values drawn so far
+ * (randn, rand and dropout draw from the stream (seed, counter)). */
+GJ_API void gj_rng_get_state(uint64_t *seed, uint64_t *counter);
+GJ_API void gj_rng_set_state(uint64_t seed, uint64_t counter);
+/* Stores / restores the RNG state as metadata "<prefix>.seed" and
+ * "<prefix>.counter" (decimal; prefix NULL means "rng"). load: -1 with an
+ * error (state unchanged) if missing or not decimal u64 values. */
+GJ_API int gj_rng_state_dict_add(gj_state_dict *sd, const char *prefix);
+GJ_API int gj_rng_load_state_dict(const gj_state_dict *sd, const char *prefix);
 
 /* ------------------------------------------------- compiled autograd */
 

@@ -11,6 +11,7 @@
 #include "fe.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 /* A fresh parameter (new reference owned by the caller, not by a scope)
@@ -166,4 +167,52 @@ void gj_embedding_free(gj_embedding_layer *l) {
         return;
     gj_release(l->weight);
     memset(l, 0, sizeof *l);
+}
+
+/* ------------------------------------------------- names (state dicts) */
+
+/* Adds "<prefix>.<field>" -> t. */
+static int nn_add_named(gj_state_dict *sd, const char *op, const char *prefix, const char *field,
+                        gj_tensor *t) {
+    if (!prefix || !prefix[0]) {
+        gj_rt_set_error("%s: prefix must be a non-empty string", op);
+        return -1;
+    }
+    char name[512];
+    if ((size_t)snprintf(name, sizeof name, "%s.%s", prefix, field) >= sizeof name) {
+        gj_rt_set_error("%s: prefix \"%.100s...\" is too long", op, prefix);
+        return -1;
+    }
+    return gj_state_dict_add(sd, name, t);
+}
+
+int gj_linear_state_dict_add(gj_linear_layer *l, gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_linear_state_dict_add";
+    if (!l || !l->weight || !sd) {
+        gj_rt_set_error("%s: NULL or uninitialised layer, or NULL state dict", op);
+        return -1;
+    }
+    if (nn_add_named(sd, op, prefix, "weight", l->weight) != 0)
+        return -1;
+    return l->bias ? nn_add_named(sd, op, prefix, "bias", l->bias) : 0;
+}
+
+int gj_layer_norm_state_dict_add(gj_layer_norm_layer *l, gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_layer_norm_state_dict_add";
+    if (!l || !l->weight || !sd) {
+        gj_rt_set_error("%s: NULL or uninitialised layer, or NULL state dict", op);
+        return -1;
+    }
+    if (nn_add_named(sd, op, prefix, "weight", l->weight) != 0)
+        return -1;
+    return l->bias ? nn_add_named(sd, op, prefix, "bias", l->bias) : 0;
+}
+
+int gj_embedding_state_dict_add(gj_embedding_layer *l, gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_embedding_state_dict_add";
+    if (!l || !l->weight || !sd) {
+        gj_rt_set_error("%s: NULL or uninitialised layer, or NULL state dict", op);
+        return -1;
+    }
+    return nn_add_named(sd, op, prefix, "weight", l->weight);
 }

@@ -25,6 +25,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef enum opt_kind { OPT_SGD = 0, OPT_ADAMW = 1 } opt_kind;
@@ -358,4 +359,252 @@ void gj_optim_free(gj_optim *o) {
     }
     gj_rt_free(o->ps);
     gj_rt_free(o);
+}
+
+/* ------------------------------------------------------- checkpoints */
+
+/* "<prefix>.<k>.<field>" into buf; false (error set) if it does not fit. */
+static bool opt_key(char *buf, size_t cap, const char *op, const char *prefix, int k,
+                    const char *field) {
+    int n = k >= 0 ? snprintf(buf, cap, "%s.%d.%s", prefix, k, field)
+                   : snprintf(buf, cap, "%s.%s", prefix, field);
+    if (n < 0 || (size_t)n >= cap) {
+        gj_rt_set_error("%s: prefix \"%.100s...\" is too long", op, prefix);
+        return false;
+    }
+    return true;
+}
+
+/* The hyperparameters, in the order stored; pointers into o. */
+typedef struct opt_hyper {
+    const char *name;
+    double *v;
+} opt_hyper;
+
+static int opt_hypers(gj_optim *o, opt_hyper *h) {
+    int n = 0;
+    h[n++] = (opt_hyper){"lr", &o->lr};
+    h[n++] = (opt_hyper){"weight_decay", &o->weight_decay};
+    if (o->kind == OPT_SGD) {
+        h[n++] = (opt_hyper){"momentum", &o->momentum};
+    } else {
+        h[n++] = (opt_hyper){"beta1", &o->beta1};
+        h[n++] = (opt_hyper){"beta2", &o->beta2};
+        h[n++] = (opt_hyper){"eps", &o->eps};
+    }
+    return n;
+}
+
+int gj_optim_state_dict_add(gj_optim *o, gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_optim_state_dict_add";
+    if (!o || !sd) {
+        gj_rt_set_error("%s: NULL optimizer or state dict", op);
+        return -1;
+    }
+    if (!prefix)
+        prefix = "optim";
+    char key[512], val[64];
+    if (!opt_key(key, sizeof key, op, prefix, -1, "kind") ||
+        gj_state_dict_set_metadata(sd, key, o->kind == OPT_SGD ? "sgd" : "adamw") != 0)
+        return -1;
+    snprintf(val, sizeof val, "%d", o->n);
+    if (!opt_key(key, sizeof key, op, prefix, -1, "n_params") ||
+        gj_state_dict_set_metadata(sd, key, val) != 0)
+        return -1;
+    opt_hyper h[6];
+    int nh = opt_hypers(o, h);
+    for (int i = 0; i < nh; i++) {
+        snprintf(val, sizeof val, "%.17g", *h[i].v); /* round-trips exactly */
+        if (!opt_key(key, sizeof key, op, prefix, -1, h[i].name) ||
+            gj_state_dict_set_metadata(sd, key, val) != 0)
+            return -1;
+    }
+    for (int k = 0; k < o->n; k++) {
+        opt_param *q = &o->ps[k];
+        if (!q->s1)
+            continue;
+        if (o->kind == OPT_SGD) {
+            if (!opt_key(key, sizeof key, op, prefix, k, "momentum_buffer") ||
+                gj_state_dict_add(sd, key, q->s1) != 0)
+                return -1;
+            continue;
+        }
+        if (!opt_key(key, sizeof key, op, prefix, k, "exp_avg") ||
+            gj_state_dict_add(sd, key, q->s1) != 0 ||
+            !opt_key(key, sizeof key, op, prefix, k, "exp_avg_sq") ||
+            gj_state_dict_add(sd, key, q->s2) != 0 ||
+            !opt_key(key, sizeof key, op, prefix, k, "step"))
+            return -1;
+        gj_tensor *st = gj_rt_tensor_new(GJ_I64, 0, NULL);
+        if (!st)
+            return -1;
+        *(int64_t *)gj_rt_data_ptr(st) = q->step;
+        int rc = gj_state_dict_add(sd, key, st);
+        gj_rt_tensor_release(st); /* the dict holds its own reference */
+        if (rc != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Whether t is a state tensor fit for parameter p (shape and state dtype). */
+static bool opt_state_fits(const gj_tensor *t, const gj_tensor *p) {
+    if (t->dtype != (p->dtype == GJ_F64 ? GJ_F64 : GJ_F32) || t->ndim != p->ndim)
+        return false;
+    for (int d = 0; d < p->ndim; d++)
+        if (t->shape[d] != p->shape[d])
+            return false;
+    return true;
+}
+
+/* A private contiguous copy of a state tensor. */
+static gj_tensor *opt_copy_state(gj_tensor *t) {
+    gj_tensor *c = gj_rt_tensor_empty(t->dtype, t->ndim, t->shape);
+    if (c && gj_rt_copy_into(c, t) != 0) {
+        gj_rt_tensor_release(c);
+        return NULL;
+    }
+    return c;
+}
+
+int gj_optim_load_state_dict(gj_optim *o, const gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_optim_load_state_dict";
+    if (!o || !sd) {
+        gj_rt_set_error("%s: NULL optimizer or state dict", op);
+        return -1;
+    }
+    if (!prefix)
+        prefix = "optim";
+    const char *kind = o->kind == OPT_SGD ? "sgd" : "adamw";
+    int rc = -1;
+    gj_fe_msg *m = gj_rt_calloc(1, sizeof *m);
+    gj_tensor **n1 = gj_rt_calloc((size_t)o->n, sizeof *n1);
+    gj_tensor **n2 = gj_rt_calloc((size_t)o->n, sizeof *n2);
+    int64_t *steps = gj_rt_calloc((size_t)o->n, sizeof *steps);
+    if (!m || !n1 || !n2 || !steps)
+        goto done;
+    char key[512];
+    /* Kind, parameter count, hyperparameters. */
+    if (!opt_key(key, sizeof key, op, prefix, -1, "kind"))
+        goto done;
+    const char *fk = gj_state_dict_get_metadata(sd, key);
+    if (!fk || strcmp(fk, kind) != 0)
+        gj_fe_msg_add(m, "\"%s\" is \"%.40s\", this optimizer is \"%s\"", key,
+                      fk ? fk : "(absent)", kind);
+    uint64_t np = 0;
+    if (!opt_key(key, sizeof key, op, prefix, -1, "n_params"))
+        goto done;
+    if (gj_fe_meta_u64(sd, key, &np) != 0 || np != (uint64_t)o->n)
+        gj_fe_msg_add(m, "\"%s\" is \"%.40s\", this optimizer has %d parameters", key,
+                      gj_state_dict_get_metadata(sd, key) ?: "(absent)", o->n);
+    opt_hyper h[6];
+    double hv[6];
+    int nh = opt_hypers(o, h);
+    for (int i = 0; i < nh; i++) {
+        if (!opt_key(key, sizeof key, op, prefix, -1, h[i].name))
+            goto done;
+        const char *v = gj_state_dict_get_metadata(sd, key);
+        char *end = NULL;
+        hv[i] = v ? strtod(v, &end) : NAN;
+        bool beta = !strncmp(h[i].name, "beta", 4);
+        if (!v || !v[0] || *end || !isfinite(hv[i]) || hv[i] < 0 || (beta && hv[i] >= 1))
+            gj_fe_msg_add(m, "\"%s\" is \"%.40s\", not a finite number in [0, %s)", key,
+                          v ? v : "(absent)", beta ? "1" : "inf");
+    }
+    /* Per-parameter state: shapes and dtypes against the parameters. */
+    for (int k = 0; k < o->n; k++) {
+        const gj_tensor *p = o->ps[k].p;
+        const char *f1 = o->kind == OPT_SGD ? "momentum_buffer" : "exp_avg";
+        gj_tensor *t1, *t2 = NULL, *ts = NULL;
+        if (!opt_key(key, sizeof key, op, prefix, k, f1))
+            goto done;
+        t1 = gj_state_dict_get(sd, key);
+        char sp[160], st[160];
+        if (t1 && !opt_state_fits(t1, p))
+            gj_fe_msg_add(m, "\"%s\" is %s %s, parameter %d needs %s %s", key,
+                          gj_rt_dtype_name(t1->dtype),
+                          gj_rt_fmt_shape(st, sizeof st, t1->ndim, t1->shape), k,
+                          p->dtype == GJ_F64 ? "f64" : "f32",
+                          gj_rt_fmt_shape(sp, sizeof sp, p->ndim, p->shape));
+        if (o->kind == OPT_ADAMW) {
+            if (!opt_key(key, sizeof key, op, prefix, k, "exp_avg_sq"))
+                goto done;
+            t2 = gj_state_dict_get(sd, key);
+            if (t2 && !opt_state_fits(t2, p))
+                gj_fe_msg_add(m, "\"%s\" is %s %s, parameter %d needs %s %s", key,
+                              gj_rt_dtype_name(t2->dtype),
+                              gj_rt_fmt_shape(st, sizeof st, t2->ndim, t2->shape), k,
+                              p->dtype == GJ_F64 ? "f64" : "f32",
+                              gj_rt_fmt_shape(sp, sizeof sp, p->ndim, p->shape));
+            if (!opt_key(key, sizeof key, op, prefix, k, "step"))
+                goto done;
+            ts = gj_state_dict_get(sd, key);
+            if (!t1 != !t2 || !t1 != !ts)
+                gj_fe_msg_add(m, "parameter %d: exp_avg, exp_avg_sq and step must be given "
+                                 "together",
+                              k);
+            else if (ts && (ts->dtype != GJ_I64 || ts->numel != 1 ||
+                            gj_rt_get(ts, 0) < 1))
+                gj_fe_msg_add(m, "\"%s\" must be one i64 value >= 1", key);
+            else if (ts)
+                steps[k] = *(const int64_t *)gj_rt_data_ptr(ts);
+        }
+        if (m->count == 0 && t1) {
+            n1[k] = opt_copy_state(t1);
+            n2[k] = t2 ? opt_copy_state(t2) : NULL;
+            if (!n1[k] || (t2 && !n2[k]))
+                goto done;
+        }
+    }
+    /* Names under the prefix that this optimizer would not have written. */
+    size_t pl = strlen(prefix);
+    for (int i = 0; i < gj_state_dict_size(sd); i++) {
+        const char *nm = gj_state_dict_name(sd, i);
+        if (strncmp(nm, prefix, pl) != 0 || nm[pl] != '.')
+            continue;
+        char *end = NULL;
+        long k = strtol(nm + pl + 1, &end, 10);
+        bool ok = end != nm + pl + 1 && *end == '.' && k >= 0 && k < o->n;
+        if (ok) {
+            const char *f = end + 1;
+            ok = o->kind == OPT_SGD ? !strcmp(f, "momentum_buffer")
+                                    : !strcmp(f, "exp_avg") || !strcmp(f, "exp_avg_sq") ||
+                                          !strcmp(f, "step");
+        }
+        if (!ok)
+            gj_fe_msg_add(m, "unexpected \"%.200s\" for a %s optimizer of %d parameters", nm,
+                          kind, o->n);
+    }
+    if (m->count > 0) {
+        gj_fe_msg_fail(m, op, "problem", "problems");
+        goto done;
+    }
+    /* Everything checked and copied: swap the state in. */
+    for (int k = 0; k < o->n; k++) {
+        opt_param *q = &o->ps[k];
+        if (q->s1)
+            gj_rt_tensor_release(q->s1);
+        if (q->s2)
+            gj_rt_tensor_release(q->s2);
+        q->s1 = n1[k];
+        q->s2 = n2[k];
+        n1[k] = n2[k] = NULL;
+        q->step = steps[k];
+    }
+    for (int i = 0; i < nh; i++)
+        *h[i].v = hv[i];
+    rc = 0;
+done:
+    if (n1 && n2)
+        for (int k = 0; k < o->n; k++) {
+            if (n1[k])
+                gj_rt_tensor_release(n1[k]);
+            if (n2[k])
+                gj_rt_tensor_release(n2[k]);
+        }
+    gj_rt_free(m);
+    gj_rt_free(n1);
+    gj_rt_free(n2);
+    gj_rt_free(steps);
+    return rc;
 }

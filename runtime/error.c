@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#define GJ_RT_ERROR_CAP 1024
+#define GJ_RT_ERROR_CAP 4096
 
 static _Thread_local char gj_rt_error_buf[GJ_RT_ERROR_CAP];
 

@@ -51,3 +51,18 @@ void gj_rt_rng_set_seed(uint64_t seed) {
 uint64_t gj_rt_rng_reserve(uint64_t n) { return atomic_fetch_add(&g_counter, n); }
 
 void gj_manual_seed(uint64_t seed) { gj_rt_rng_set_seed(seed); }
+
+/* The whole state is (seed, counter): a checkpoint that restores both makes
+ * every later draw the same as in the run that saved it. Not atomic as a
+ * pair: call it when no other thread draws. */
+void gj_rng_get_state(uint64_t *seed, uint64_t *counter) {
+    if (seed)
+        *seed = atomic_load(&g_seed);
+    if (counter)
+        *counter = atomic_load(&g_counter);
+}
+
+void gj_rng_set_state(uint64_t seed, uint64_t counter) {
+    atomic_store(&g_seed, seed);
+    atomic_store(&g_counter, counter);
+}

@@ -4,7 +4,7 @@
 # Idempotent: does nothing when everything is already installed.
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config llvm-19-dev clang-19 libopenblas-dev libffi-dev
-      libcmocka-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin)
+      libcmocka-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin python3-numpy)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

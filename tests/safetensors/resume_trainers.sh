@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# The example trainers resume bit-identically (ctest resume_trainers):
+#   resume_trainers.sh <build dir> <python3>
+# For train_charlm (text from base-files, always present) and, when the
+# dataset-fashion-mnist package is installed, train_fashion_mnist:
+#   1. one uninterrupted run with --save;
+#   2. a run stopped by --stop-after N (exit 130, checkpoint saved), resumed
+#      with --resume to the end;
+#   3. a run stopped by a real SIGINT in mid-run, resumed likewise.
+# The loss curves (CSV) must be identical, and the final checkpoints must
+# hold the same bytes for every tensor (model, AdamW state, losses) and the
+# same metadata (RNG, step), timings excepted.
+set -uo pipefail
+build=$1 py=$2
+work=$build/test-resume
+rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
+status=0
+
+same_state() { # a.st b.st: tensors and metadata equal except timings
+  "$py" - "$1" "$2" <<'PYEOF'
+import json, struct, sys
+def rd(p):
+    raw = open(p, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    h = json.loads(raw[8:8 + n])
+    meta = h.pop("__metadata__", {})
+    d = raw[8 + n:]
+    return {k: (v["dtype"], v["shape"], d[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in h.items()}, meta
+timing = {"train.train_s", "train.bwd_total", "train.t_train", "train.fwd_total",
+          "train.epoch_s", "train.bwd_ms"}
+(ta, ma), (tb, mb) = rd(sys.argv[1]), rd(sys.argv[2])
+bad = sorted(k for k in set(ta) | set(tb) if k not in timing and ta.get(k) != tb.get(k))
+bad += sorted(k for k in set(ma) | set(mb) if k not in timing and ma.get(k) != mb.get(k))
+if bad:
+    sys.exit(f"{sys.argv[2]} differs from {sys.argv[1]} in {bad}")
+print(f"  {sys.argv[2]}: {len(ta)} tensors and {len(ma)} metadata entries equal to "
+      f"{sys.argv[1]} (timings aside)")
+PYEOF
+}
+
+# check NAME PROGRAM PROGRESS_PATTERN STOP_AFTER ARGS...
+check() {
+  local name=$1 prog=$2 pattern=$3 stop=$4; shift 4
+  echo "== $name: $*"
+  "$prog" "$@" --csv straight.csv --save straight.st > straight.out 2>&1 ||
+    { echo "straight run failed:"; cat straight.out; return 1; }
+  "$prog" "$@" --csv - --save stop.st --stop-after "$stop" > stop.out 2>&1
+  local rc=$?
+  [ $rc -eq 130 ] || { echo "--stop-after: exit $rc, expected 130"; cat stop.out; return 1; }
+  "$prog" "$@" --csv resumed.csv --save resumed.st --resume stop.st > resumed.out 2>&1 ||
+    { echo "resumed run failed:"; cat resumed.out; return 1; }
+  grep -h "stopped\|resumed from" stop.out resumed.out | sed 's/^/  /'
+  cmp straight.csv resumed.csv || { echo "loss curves differ after --stop-after"; return 1; }
+  same_state straight.st resumed.st || return 1
+  # a real Ctrl-C in mid-run
+  "$prog" "$@" --csv - --save int.st > int.out 2>&1 &
+  local pid=$! i
+  for i in $(seq 600); do grep -q "$pattern" int.out && break; sleep 0.1; done
+  kill -INT $pid
+  wait $pid; rc=$?
+  [ $rc -eq 130 ] || { echo "SIGINT: exit $rc, expected 130"; cat int.out; return 1; }
+  "$prog" "$@" --csv int-resumed.csv --save int-resumed.st --resume int.st > int-resumed.out 2>&1 ||
+    { echo "resumed run (after SIGINT) failed:"; cat int-resumed.out; return 1; }
+  grep -h "interrupted\|resumed from" int.out int-resumed.out | sed 's/^/  /'
+  cmp straight.csv int-resumed.csv || { echo "loss curves differ after SIGINT"; return 1; }
+  same_state straight.st int-resumed.st || return 1
+  echo "  $name: $(($(wc -l < straight.csv) - 1)) losses bit-identical after both resumes"
+}
+
+check train_charlm "$build/train_charlm" "step 12/60" 23 \
+  --steps 60 --batch 8 --ctx 32 --threads 1 --sample 40 --png - || status=1
+if [ -r /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  check train_fashion_mnist "$build/train_fashion_mnist" "epoch 1/1 \[" 17 \
+    --epochs 1 --batch 1500 --threads 1 --png - || status=1
+else
+  echo "== train_fashion_mnist: skipped (dataset-fashion-mnist is not installed)"
+fi
+exit $status
