@@ -14,6 +14,8 @@
  *   together   forward, then backward + gj_ddp_wait with the reducer on.
  * overlap = (backward + allreduce - together) / allreduce: 1 when the whole
  * allreduce hid behind the backward, 0 when none did. Medians over rounds.
+ * "comm ms": the mean time per reducing step the communication thread spent
+ * in collectives (from issue to completion, gj_ddp_stats.comm_ms).
  */
 #include "bench.h"
 
@@ -56,8 +58,8 @@ typedef struct ddp_row {
     gj_ddp_stats st;
 } ddp_row;
 
-static int measure(const bench_workload *wl, bench_state *s, gj_ddp *d, bool compiled,
-                   int rounds, ddp_row *row) {
+static int measure(gj_pg *pg, const bench_workload *wl, bench_state *s, gj_ddp *d,
+                   bool compiled, int rounds, ddp_row *row) {
     double *a = calloc((size_t)rounds, sizeof *a), *b = calloc((size_t)rounds, sizeof *b),
            *c = calloc((size_t)rounds, sizeof *c);
     int rc = -1;
@@ -69,10 +71,14 @@ static int measure(const bench_workload *wl, bench_state *s, gj_ddp *d, bool com
         gj_ddp_set_sync(d, false);
         if (one_step(wl, s, d, false, &x) != 0) goto out;
         gj_ddp_set_sync(d, true);
+        /* the ranks' backwards end at different times: line them up so
+         * that neither timing includes waiting for a slower rank */
+        if (gj_pg_barrier(pg) != 0) goto out;
         double t0 = d_now_ms();
         if (gj_ddp_wait(d) != 0) goto out;
         y = d_now_ms() - t0;
         clear_grads(s);
+        if (gj_pg_barrier(pg) != 0) goto out;
         if (one_step(wl, s, d, true, &z) != 0) goto out;
         if (r >= 0) {
             a[r] = x;
@@ -117,9 +123,9 @@ int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char 
                "overlap = (backward + allreduce - together) / allreduce\n\n",
                size, info.num_threads, info.blas_core ? info.blas_core : "?", cpu, bucket_mb,
                rounds);
-        printf("%-4s %-9s %8s %18s %13s %18s %8s %8s %8s\n", "wl", "mode", "buckets",
+        printf("%-4s %-9s %8s %18s %13s %18s %8s %8s %8s %8s\n", "wl", "mode", "buckets",
                "backward ms [IQR]", "allreduce ms", "together ms [IQR]", "overlap", "MB/step",
-               "by hook");
+               "comm ms", "by hook");
     }
     for (int w = 0; w < bench_n_workloads; w++) {
         if (!(workloads & (1u << w))) continue;
@@ -138,7 +144,7 @@ int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char 
         for (int m = 0; d && m < 2; m++) {
             gj_ddp_stats before;
             gj_ddp_stats_get(d, &before);
-            if (measure(wl, &s, d, m == 1, rounds, &row[m]) != 0) {
+            if (measure(pg, wl, &s, d, m == 1, rounds, &row[m]) != 0) {
                 fprintf(stderr, "%s (%s): %s\n", wl->id, m ? "compiled" : "eager",
                         gj_last_error());
                 failed = 1;
@@ -146,16 +152,17 @@ int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char 
             }
             int64_t steps = row[m].st.steps - before.steps;
             double mb = steps ? (double)(row[m].st.bytes - before.bytes) / (double)steps / 1e6 : 0;
+            double comm = steps ? (row[m].st.comm_ms - before.comm_ms) / (double)steps : 0;
             /* buckets started from a hook during the "together" backwards
              * (the "allreduce" measurement starts all of them in the wait) */
             double hook = (double)(row[m].st.started_by_hook - before.started_by_hook) /
                           ((double)(rounds + 3) * row[m].st.n_buckets);
             if (rank == 0)
                 printf("%-4s %-9s %8d %7.3f [%.2f-%.2f] %13.3f %7.3f [%.2f-%.2f] %8.2f %8.2f "
-                       "%7.0f%%\n",
+                       "%8.2f %7.0f%%\n",
                        wl->id, m ? "compiled" : "eager", row[m].st.n_buckets, row[m].bwd,
                        row[m].bwd_q1, row[m].bwd_q3, row[m].ar, row[m].both, row[m].both_q1,
-                       row[m].both_q3, row[m].overlap, mb, 100.0 * hook);
+                       row[m].both_q3, row[m].overlap, mb, comm, 100.0 * hook);
             if (rank == 0 && m == 1)
                 printf("%-4s compiled/eager DDP step (backward + allreduce): %.3fx faster\n",
                        wl->id, row[0].both / row[1].both);

@@ -69,6 +69,10 @@ static gj_dtype wire_of(gj_dtype param, bool bf16) {
 /* Copies tensor g (any layout; f32/f64/bf16) into wire buffer dst. */
 static int pack(gj_tensor *g, gj_dtype wire, void *dst) {
     int64_t n = gj_tensor_numel(g);
+    if (gj_tensor_dtype(g) == wire && gj_tensor_is_contiguous(g)) { /* the usual case */
+        memcpy(dst, gj_tensor_data(g), (size_t)n * wire_bytes(wire));
+        return 0;
+    }
     if (wire == GJ_F64) return gj_tensor_to_f64(g, dst);
     if (wire == GJ_F32) return gj_tensor_to_f32(g, dst);
     float *tmp = gj_rt_malloc((size_t)(n ? n : 1) * sizeof *tmp);
