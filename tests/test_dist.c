@@ -491,6 +491,93 @@ static void test_ddp_agreement(void **state) {
     for (int k = 0; k < 4; k++) gj_release(junk[k]);
 }
 
+/* A user's own ZeRO-style bucketing (what DeepSpeed does) under the flag:
+ * post-accumulate hooks copy each .grad into a flat bucket, record_stream
+ * it on a communication stream, and the last one averages the bucket over
+ * the ranks and writes the averages back. record_stream makes the key
+ * eager-only after the first compiled run (GJ_CA_RECORD_STREAM: that run
+ * still completes, later steps fall back); every step calls each hook
+ * once and issues exactly one collective, and the gradients are exact. */
+typedef struct zero_ctx {
+    gj_tensor *bucket;   /* flat f64 [total] */
+    gj_stream *stream;
+    gj_tensor **p;
+    int64_t off[NP];
+    int hooks, collectives, failures;
+} zero_ctx;
+
+static zero_ctx g_zero;
+
+static void zero_hook(gj_tensor *leaf, void *user) {
+    zero_ctx *z = &g_zero;
+    int i = (int)(intptr_t)user;
+    gj_tensor *g = gj_tensor_grad(leaf);
+    memcpy((double *)gj_tensor_data(z->bucket) + z->off[i], gj_tensor_data(g),
+           sizeof(double) * (size_t)gj_tensor_numel(g));
+    gj_tensor_record_stream(z->bucket, z->stream);
+    if (++z->hooks % NP != 0) return;
+    z->collectives++;
+    if (gj_allreduce(g_pg, z->bucket, GJ_REDUCE_AVG) != 0) {
+        z->failures++;
+        return;
+    }
+    for (int k = 0; k < NP; k++) {
+        gj_tensor *gk = gj_tensor_grad(z->p[k]);
+        memcpy(gj_tensor_data(gk), (double *)gj_tensor_data(z->bucket) + z->off[k],
+               sizeof(double) * (size_t)gj_tensor_numel(gk));
+    }
+}
+
+static void test_user_zero_hook(void **state) {
+    (void)state;
+    gj_tensor *p[NP];
+    make_params(GJ_F64, 23, p);
+    zero_ctx *z = &g_zero;
+    memset(z, 0, sizeof *z);
+    z->p = p;
+    int64_t total = 0;
+    for (int i = 0; i < NP; i++) {
+        z->off[i] = total;
+        total += gj_tensor_numel(p[i]);
+    }
+    z->bucket = gj_zeros(GJ_F64, 1, &total);
+    z->stream = gj_stream_new();
+    int64_t h[NP];
+    for (int i = NP - 1; i >= 0; i--) /* the order backward finalises them */
+        h[i] = gj_register_post_accumulate_grad_hook(p[i], zero_hook, (void *)(intptr_t)i);
+    gj_set_compiled_autograd(true);
+    gj_compiled_autograd_set_quiet(true);
+    gj_ca_stats a = gjt_ca_now();
+    const int steps = 3;
+    for (int s = 0; s < steps; s++) {
+        double *want[NP];
+        reference_grads(GJ_F64, 23, s, 4, false, want);
+        for (int i = 0; i < NP; i++) gj_tensor_set_grad(p[i], NULL);
+        gj_tensor *x = shard(GJ_F64, s, g_rank, 4); /* outside the scope: released below */
+        gj_scope_push();
+        assert_int_equal(gj_backward(model_loss(p, x, false), NULL), 0);
+        gj_scope_pop();
+        gj_release(x);
+        check_grads("user ZeRO hook", p, want, 1e-14);
+        free_want(want);
+        assert_int_equal(z->hooks, NP * (s + 1));      /* each hook once per step */
+        assert_int_equal(z->collectives, s + 1);       /* one collective per step */
+    }
+    gj_ca_stats b = gjt_ca_now();
+    assert_int_equal(z->failures, 0);
+    assert_int_equal(b.backwards - a.backwards, steps);
+    /* the first step ran compiled and tripped the record_stream guard; the
+     * key is eager-only after it */
+    assert_int_equal(b.fallbacks_by_reason[GJ_CA_RECORD_STREAM] -
+                         a.fallbacks_by_reason[GJ_CA_RECORD_STREAM], steps);
+    gj_compiled_autograd_set_quiet(false);
+    gj_set_compiled_autograd(gjt_compiled());
+    for (int i = 0; i < NP; i++) gj_remove_hook(h[i]);
+    gj_stream_free(z->stream);
+    gj_release(z->bucket);
+    free_params(p);
+}
+
 static void test_ddp_errors(void **state) {
     (void)state;
     gj_tensor *p[NP];
@@ -555,6 +642,7 @@ int main(void) {
         cmocka_unit_test(test_ddp_compiled_overlap),
         cmocka_unit_test(test_ddp_no_sync),
         cmocka_unit_test(test_ddp_agreement),
+        cmocka_unit_test(test_user_zero_hook),
         cmocka_unit_test(test_ddp_errors),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
