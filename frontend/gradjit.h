@@ -424,6 +424,43 @@ GJ_API void gj_rng_set_state(uint64_t seed, uint64_t counter);
 GJ_API int gj_rng_state_dict_add(gj_state_dict *sd, const char *prefix);
 GJ_API int gj_rng_load_state_dict(const gj_state_dict *sd, const char *prefix);
 
+/* ------------------------------------------------------ data and text */
+
+/* Reads an IDX file (the MNIST / Fashion-MNIST format; gzip-compressed or
+ * plain), any of its element types (u8, i8, i16, i32, f32, f64), into a
+ * new tensor of its shape: float dtypes get value * scale (1/255.0 maps
+ * image bytes to [0, 1]), GJ_I64 the integers as they are (scale must be
+ * 1). NULL with an error naming the file for a missing, damaged, truncated
+ * or oversized file (trailing bytes included). */
+GJ_API gj_tensor *gj_idx_load(const char *path, gj_dtype dtype, double scale);
+
+/* Mini-batches over in-memory tensors that share their first dimension
+ * (e.g. images [N, ...] and labels [N]): each epoch visits every row once,
+ * in a permutation drawn from seed and the epoch number when shuffle
+ * (reproducible, different each epoch), else in order; the last batch is
+ * shorter unless drop_last. The iterator holds its own reference to (a
+ * contiguous copy of) each tensor. */
+typedef struct gj_batches gj_batches;
+GJ_API gj_batches *gj_batches_new(int n_tensors, gj_tensor *const *tensors, int64_t batch,
+                                  bool shuffle, bool drop_last, uint64_t seed);
+/* The next batch: out[k] receives a new reference (rows of tensor k) and
+ * true, or false at the end of the epoch (gj_last_error() empty) or on
+ * error (set). */
+GJ_API bool gj_batches_next(gj_batches *it, gj_tensor **out);
+/* Starts the next epoch (a new permutation when shuffling). */
+GJ_API void gj_batches_reset(gj_batches *it);
+GJ_API int64_t gj_batches_len(const gj_batches *it); /* batches per epoch */
+GJ_API void gj_batches_free(gj_batches *it);
+
+/* t's values as text in the layout of PyTorch's repr ("tensor([[1.0000,
+ * ...]], dtype=f32)"); a dimension longer than 2 * edge + 1 shows its first
+ * and last edge entries around "..." (edge < 1: 3). A new string (free it
+ * with gj_free_string), or NULL with an error. */
+GJ_API char *gj_tensor_format(const gj_tensor *t, int edge);
+GJ_API void gj_free_string(char *s);
+/* gj_tensor_format(t, 3) and a newline on stdout. 0 or -1. */
+GJ_API int gj_tensor_print(const gj_tensor *t);
+
 /* ------------------------------------------------- compiled autograd */
 
 GJ_API void gj_set_compiled_autograd(bool on); /* also GRADJIT_COMPILED_AUTOGRAD=1 */
