@@ -229,13 +229,13 @@ bool gj_ag_leaf_grad_fits(const gj_tensor *leaf, const gj_rt_meta *g, const char
     if (leaf->ndim == g->ndim &&
         memcmp(leaf->shape, g->shape, (size_t)g->ndim * sizeof g->shape[0]) == 0)
         return true;
-    char was[96], now[96];
+    char was[96], now[96], nm[160];
     gj_rt_fmt_shape(was, sizeof was, g->ndim, g->shape);
     gj_rt_fmt_shape(now, sizeof now, leaf->ndim, leaf->shape);
-    gj_rt_set_error("backward: the gradient of a leaf tensor has shape %s%s%s%s, but the leaf "
+    gj_rt_set_error("backward: the gradient of a leaf tensor%s has shape %s%s%s%s, but the leaf "
                     "is now %s %s: gj_tensor_set_ changed its shape after the forward used it "
                     "(AccumulateGrad expects a gradient of the leaf's shape)",
-                    was, op ? " (the shape op " : "", op ? op : "", op ? " saw in the forward)" : "",
+                    gj_rt_tensor_label(leaf, nm, sizeof nm), was, op ? " (the shape op " : "", op ? op : "", op ? " saw in the forward)" : "",
                     gj_rt_dtype_name(leaf->dtype), now);
     return false;
 }
@@ -264,13 +264,14 @@ static int graph_validate(const graph *g) {
         for (int k = 0; k < n->n_saved; k++) {
             int64_t v = atomic_load(&n->saved[k].t->storage->version);
             if (v != n->saved[k].version) {
-                char sh[96];
+                char sh[96], nm[160];
                 gj_rt_fmt_shape(sh, sizeof sh, n->saved[k].t->ndim, n->saved[k].t->shape);
-                gj_rt_set_error("backward: a tensor saved by op %s (saved #%d, %s %s) was "
+                gj_rt_set_error("backward: a tensor%s saved by op %s (saved #%d, %s %s) was "
                                 "modified by an in-place operation: it is at version %lld, "
                                 "expected version %lld",
-                                n->op->name, k, gj_rt_dtype_name(n->saved[k].t->dtype), sh,
-                                (long long)v, (long long)n->saved[k].version);
+                                gj_rt_tensor_label(n->saved[k].t, nm, sizeof nm), n->op->name,
+                                k, gj_rt_dtype_name(n->saved[k].t->dtype), sh, (long long)v,
+                                (long long)n->saved[k].version);
                 return -1;
             }
         }

@@ -311,6 +311,12 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
             gj_tensor *st = gj_ag_val_tensor(fctx.saved[s]);
             node->saved[s].t = gj_rt_tensor_alias(st);
             if (!node->saved[s].t) goto fail_node;
+            if (st->name) { /* messages about the saved value quote the user's name */
+                size_t nl = strlen(st->name) + 1;
+                node->saved[s].t->name = gj_rt_malloc(nl);
+                if (!node->saved[s].t->name) goto fail_node;
+                memcpy(node->saved[s].t->name, st->name, nl);
+            }
             node->saved[s].version = atomic_load(&st->storage->version);
             node->n_saved = s + 1;
         }

@@ -254,8 +254,10 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
     }
     for (int i = 0; i < n_params; i++) {
         gj_tensor *p = params[i];
+        char nm[160];
         if (!p || !gj_is_leaf(p) || !gj_requires_grad(p)) {
-            gj_rt_set_error("gj_ddp_new: parameter %d is %s", i,
+            gj_rt_set_error("gj_ddp_new: parameter %d%s is %s", i,
+                            p ? gj_rt_tensor_label(p, nm, sizeof nm) : "",
                             !p ? "NULL" : "not a leaf that requires grad");
             return NULL;
         }

@@ -138,6 +138,14 @@ GJ_API int gj_tensor_to_f32(const gj_tensor *t, float *out);
 /* Element at a flat row-major index, as double (NaN and an error if out of range). */
 GJ_API double gj_tensor_item_at(const gj_tensor *t, int64_t index);
 GJ_API double gj_tensor_item(const gj_tensor *t); /* the single element */
+/* A name for messages and dumps (copied; NULL or "" clears it; at most 255
+ * bytes): errors about the tensor (a saved tensor modified in place, a
+ * .grad of the wrong shape, optimizer and DDP parameter errors) quote it.
+ * Views and copies do not inherit it. The nn layers' *_state_dict_add
+ * name their parameters "<prefix>.weight" ... when they have no name. */
+GJ_API int gj_tensor_set_name(gj_tensor *t, const char *name);
+/* The name, or NULL (borrowed: valid until renamed or t dies). */
+GJ_API const char *gj_tensor_name(const gj_tensor *t);
 /* Version counter: bumped by every in-place op on the storage. */
 GJ_API int64_t gj_tensor_version(const gj_tensor *t);
 

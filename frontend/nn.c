@@ -183,6 +183,7 @@ static int nn_add_named(gj_state_dict *sd, const char *op, const char *prefix, c
         gj_rt_set_error("%s: prefix \"%.100s...\" is too long", op, prefix);
         return -1;
     }
+    if (!t->name && gj_tensor_set_name(t, name) != 0) return -1; /* the layer names it */
     return gj_state_dict_add(sd, name, t);
 }
 

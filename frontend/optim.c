@@ -263,12 +263,12 @@ int gj_optim_step(gj_optim *o) {
         gj_tensor *p = q->p, *g = gj_tensor_grad(p);
         if (!g)
             continue;
-        char sp[160], sg[160];
+        char sp[160], sg[160], nm[160];
         if (!gj_rt_is_contiguous(p) || !gj_rt_dtype_is_float(p->dtype) ||
             !gj_rt_dtype_is_float(g->dtype) || g->numel != p->numel) {
-            gj_rt_set_error("%s: parameter %d (%s %s) must be a contiguous float tensor with a "
+            gj_rt_set_error("%s: parameter %d%s (%s %s) must be a contiguous float tensor with a "
                             "float .grad of the same shape (got %s %s)",
-                            op, k, gj_rt_dtype_name(p->dtype),
+                            op, k, gj_rt_tensor_label(p, nm, sizeof nm), gj_rt_dtype_name(p->dtype),
                             gj_rt_fmt_shape(sp, sizeof sp, p->ndim, p->shape),
                             gj_rt_dtype_name(g->dtype),
                             gj_rt_fmt_shape(sg, sizeof sg, g->ndim, g->shape));

@@ -318,6 +318,31 @@ int64_t gj_tensor_version(const gj_tensor *t) {
     return atomic_load(&t->storage->version);
 }
 
+/* --------------------------------------------------------------- names */
+
+int gj_tensor_set_name(gj_tensor *t, const char *name) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_set_name", "t")) return -1;
+    char *copy = NULL;
+    if (name && name[0]) {
+        size_t n = strlen(name);
+        if (n > 255) {
+            gj_rt_set_error("gj_tensor_set_name: name of %zu bytes (at most 255)", n);
+            return -1;
+        }
+        copy = gj_rt_malloc(n + 1);
+        if (!copy) return -1;
+        memcpy(copy, name, n + 1);
+    }
+    gj_rt_free(t->name);
+    t->name = copy;
+    return 0;
+}
+
+const char *gj_tensor_name(const gj_tensor *t) {
+    if (!gj_rt_check_tensor(t, "gj_tensor_name", "t")) return NULL;
+    return t->name;
+}
+
 /* ------------------------------------------------------------ autograd */
 
 int gj_set_requires_grad(gj_tensor *t, bool requires_grad) {

@@ -33,7 +33,9 @@ int gj_clip_grad_norm(int n, gj_tensor *const *params, double max_norm, double *
         gj_tensor *g = gj_tensor_grad(params[k]);
         if (!g) continue; /* no gradient this step: skipped, as in PyTorch */
         if (!gj_rt_dtype_is_float(g->dtype)) {
-            gj_rt_set_error("%s: .grad of parameter %d is %s, not a float dtype", op, k,
+            char nm[160];
+            gj_rt_set_error("%s: .grad of parameter %d%s is %s, not a float dtype", op, k,
+                            gj_rt_tensor_label(params[k], nm, sizeof nm),
                             gj_rt_dtype_name(g->dtype));
             return -1;
         }

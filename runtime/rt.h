@@ -86,7 +86,12 @@ struct gj_tensor {
      * drop refcount to this level, since those references are not the
      * caller's to drop. Changed only through their owners. */
     atomic_int pinned;
+    char *name;   /* gj_tensor_set_name (owned), or NULL; views do not inherit it */
 };
+
+/* " 'name'" for a named tensor (for messages), else "" (borrowed: t's own
+ * string or a static empty one; valid while t is not renamed). */
+const char *gj_rt_tensor_label(const gj_tensor *t, char *buf, size_t cap);
 
 size_t gj_rt_dtype_size(gj_dtype dt);
 bool gj_rt_dtype_is_float(gj_dtype dt);

@@ -303,7 +303,14 @@ void gj_rt_tensor_release(gj_tensor *t) {
     gj_rt_storage_release(t->storage);
     t->storage = NULL;
     t->magic = GJ_RT_TENSOR_DEAD;
+    gj_rt_free(t->name);
     gj_rt_free(t);
+}
+
+const char *gj_rt_tensor_label(const gj_tensor *t, char *buf, size_t cap) {
+    if (!t || !t->name || cap == 0) return "";
+    snprintf(buf, cap, " '%s'", t->name);
+    return buf;
 }
 
 void gj_rt_set_ag_free(void (*fn)(gj_tensor *t)) { g_ag_free = fn; }
