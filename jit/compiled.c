@@ -975,7 +975,9 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     gj_ca_reason code = GJ_CA_OTHER;
     int rc = 0;
     unsigned fl = gj_jit_log_flags();
-    double tp0 = (fl & GJ_JIT_LOG_PROF) ? now_ms() : 0, tp1 = 0, tp2 = 0;
+    bool timed = (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0;
+    double tp0 = timed ? now_ms() : 0, tp1 = 0, tp2 = 0;
+    bool fresh = false; /* this backward compiled or loaded its program */
     if (gj_jit_walk_build(&w, n_roots, roots, seeds) != 0) {
         gj_jit_walk_free(&w);
         fallback(GJ_CA_OTHER, "out of memory while computing the key", false);
@@ -1000,16 +1002,16 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         snprintf(why, sizeof why, "%s", e->reason);
         code = e->code;
         pthread_mutex_unlock(&g_lock);
-        if (fl & GJ_JIT_LOG_CACHE)
-            fprintf(stderr, "[gradjit cache] hit eager-only %016llx%016llx\n",
+        if (fl & GJ_JIT_LOG_STEPS)
+            fprintf(stderr, "[gradjit steps] cache hit eager-only %016llx%016llx\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1]);
         goto fall;
     }
     if (e) {
         prog = e->prog;
         g_stats.mem_hits++;
-        if (fl & GJ_JIT_LOG_CACHE)
-            fprintf(stderr, "[gradjit cache] hit %016llx%016llx\n", (unsigned long long)w.hash[0],
+        if (fl & GJ_JIT_LOG_STEPS)
+            fprintf(stderr, "[gradjit steps] cache hit %016llx%016llx\n", (unsigned long long)w.hash[0],
                     (unsigned long long)w.hash[1]);
     } else {
         int limit = atomic_load(&g_recompile_limit);
@@ -1061,6 +1063,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
                 goto fall;
             }
             g_stats.disk_hits++;
+            fresh = true;
             if (fl & GJ_JIT_LOG_CACHE)
                 fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
                         (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
@@ -1089,6 +1092,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
             goto fall;
         }
         g_stats.compiles++;
+        fresh = true;
         g_stats.compile_ms += now_ms() - t0;
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms\n",
@@ -1150,11 +1154,15 @@ run:
     rc = r == 0 ? 0 : -1;
     *handled = true;
     if (rc == 0 && !retain_graph) gj_ag_release_graph(n_roots, roots);
-    if ((fl & GJ_JIT_LOG_PROF) && rc == 0)
-        fprintf(stderr,
-                "[gradjit prof] backward %.3f ms: key and lookup %.3f, program %.3f (steps and "
-                "buffers), graph release %.3f\n",
-                now_ms() - tp0, tp1 - tp0, tp2 - tp1, now_ms() - tp2);
+    if (timed && rc == 0) {
+        double tend = now_ms();
+        if (fl & GJ_JIT_LOG_STEPS)
+            fprintf(stderr,
+                    "[gradjit steps] backward %.3f ms: key and lookup %.3f, program %.3f (steps "
+                    "and buffers), graph release %.3f\n",
+                    tend - tp0, tp1 - tp0, tp2 - tp1, tend - tp2);
+        gj_jit_prof_backward(fresh, tend - tp0, tp1 - tp0, tp2 - tp1, tend - tp2);
+    }
     goto out;
 fall:
     fallback(code, why, false);

@@ -321,7 +321,9 @@ unsigned gj_jit_log_flags(void) {
         {"plan", "buffers, kernels and steps of each plan", GJ_JIT_LOG_PLAN},
         {"cache", "memory/disk hits, compiles, saves, rejected disk entries", GJ_JIT_LOG_CACHE},
         {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
-        {"prof", "compile phases and the time of every step of every run", GJ_JIT_LOG_PROF},
+        {"prof", "compile phases, and at exit a summary of the compiled runs (phases, "
+                 "the steps that took the most time)", GJ_JIT_LOG_PROF},
+        {"steps", "one line per compiled backward and per step of it", GJ_JIT_LOG_STEPS},
         {"recompiles", "why a call site compiles again: the first difference from its "
                        "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
         {"all", "all of the above", 0xffu},
@@ -347,12 +349,14 @@ unsigned gj_jit_log_flags(void) {
             }
         if (!known && report)
             fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
-                            "graph, ir, plan, cache, fallback, prof, recompiles, all, help)\n",
+                            "graph, ir, plan, cache, fallback, prof, steps, recompiles, all, "
+                            "help)\n",
                     (int)n, e);
         e += n;
         e += strspn(e, ", ");
     }
     atomic_store(&cached, (int)fl);
+    if (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_CACHE)) gj_jit_log_summary_at_exit();
     return fl;
 }
 

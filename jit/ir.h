@@ -181,8 +181,18 @@ enum {
     GJ_JIT_LOG_PLAN = 16,
     GJ_JIT_LOG_PROF = 32, /* time of every step of every compiled run */
     GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
+    GJ_JIT_LOG_STEPS = 128, /* one line per backward and per step of every compiled run */
 };
 /* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
 unsigned gj_jit_log_flags(void);
+/* GRADJIT_LOG=prof: adds one step's time to the summary printed at exit,
+ * under its kind or kernel name. */
+void gj_jit_prof_step(const char *what, double ms);
+/* GRADJIT_LOG=prof: adds one compiled backward's phases to the summary
+ * (fresh: it compiled or loaded its program; counted apart, since the
+ * compile is in its "key and lookup"). */
+void gj_jit_prof_backward(bool fresh, double total, double key, double program, double release);
+/* Registers (once) the exit-time summary of GRADJIT_LOG=prof / cache. */
+void gj_jit_log_summary_at_exit(void);
 
 #endif /* GJ_JIT_IR_H */

@@ -391,7 +391,9 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
             max_params = p->steps[s].k.n_params;
-    bool prof = (gj_jit_log_flags() & GJ_JIT_LOG_PROF) != 0;
+    unsigned lf = gj_jit_log_flags();
+    bool prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0,
+         steps_log = (lf & GJ_JIT_LOG_STEPS) != 0;
     void **bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *bp);
     void **ctx = gj_rt_calloc((size_t)max_params, sizeof *ctx);
     if (!bp || !ctx) goto done;
@@ -450,14 +452,19 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             for (int q = 0; q < k->n_params; q++) ctx[q] = bp[k->param_buf[q]];
             gj_rt_parallel_for(k->rows, k->grain, k->fn, ctx);
         }
-        if (prof)
-            fprintf(stderr, "[gradjit prof] step %d%s %s: %.3f ms\n", s, e - s > 1 ? "+" : "",
-                    st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
-                    : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
-                    : st->kind == GJ_JIT_STEP_CALL  ? "custom"
-                    : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter" : "gather")
-                                                    : st->k.name,
-                    prof_now() - t0);
+        if (prof) {
+            const char *what = st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
+                               : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
+                               : st->kind == GJ_JIT_STEP_CALL  ? "custom"
+                               : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter"
+                                                                                 : "gather")
+                                                               : st->k.name;
+            double ms = prof_now() - t0;
+            if (steps_log)
+                fprintf(stderr, "[gradjit steps] step %d%s %s: %.3f ms\n", s,
+                        e - s > 1 ? "+" : "", what, ms);
+            gj_jit_prof_step(what, ms);
+        }
         for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_step < e; li++) {
             int b = p->by_last[li];
             if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
