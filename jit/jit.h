@@ -57,4 +57,17 @@ char *gj_jit_key_string(int n_roots, gj_tensor *const *roots, gj_tensor *const *
  * GRADJIT_LOG=fallback, a stderr line. detail may be NULL. */
 void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
 
+/* Appended by helper "cache". The memory cache's size limit in bytes
+ * (< 0: none): what gj_compiled_autograd_set_mem_cache_limit sets; until
+ * then GRADJIT_CACHE_MEM_LIMIT (read once), else the default. Setting a
+ * lower limit evicts at once (compiled.c's file comment). */
+#define GJ_JIT_MEM_LIMIT_DEFAULT ((int64_t)256 << 20)
+int64_t gj_jit_mem_limit(void);
+void gj_jit_set_mem_limit(int64_t bytes);
+/* The disk cache's size limit in bytes (< 0: none), likewise with
+ * GRADJIT_CACHE_DISK_LIMIT; applied at the next save (diskcache.h). */
+#define GJ_JIT_DISK_LIMIT_DEFAULT ((int64_t)1 << 30)
+int64_t gj_jit_disk_limit(void);
+void gj_jit_set_disk_limit(int64_t bytes);
+
 #endif /* GJ_JIT_H */
