@@ -12,8 +12,9 @@
  * compiles again when its key comes back and gives the eager gradients.
  * Least recently used order: a key hit after another is kept when a third
  * one needs room. Programs evicted while another thread runs them are
- * freed by that thread's run, not under it (two threads, limit 0; run
- * under ASan and TSan).
+ * freed by that thread's run, not under it: once for sure (a run held
+ * inside a tensor hook while another key evicts its program) and in a
+ * free-running race (two threads, limit 0); run under ASan and TSan.
  *
  * Disk: after every save the entries in the directory fit the limit (sizes
  * from stat, and the disk_bytes level agrees), deletions are counted, an
@@ -419,6 +420,102 @@ static void test_threads_evict(void **st) {
     fresh();
 }
 
+/* A tensor hook that, when armed, tells the main thread that the compiled
+ * run is inside it and waits until the main thread says go on. */
+static pthread_mutex_t g_hs_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_hs_cond = PTHREAD_COND_INITIALIZER;
+static int g_hs_state; /* 0 idle, 1 armed, 2 a run is in the hook, 3 go on */
+static mlp g_hm;
+static int g_hs_rc;
+
+static gj_tensor *blocking_hook(gj_tensor *grad, void *user) {
+    (void)grad;
+    (void)user;
+    pthread_mutex_lock(&g_hs_lock);
+    if (g_hs_state == 1) {
+        g_hs_state = 2;
+        pthread_cond_broadcast(&g_hs_cond);
+        while (g_hs_state != 3) pthread_cond_wait(&g_hs_cond, &g_hs_lock);
+    }
+    pthread_mutex_unlock(&g_hs_lock);
+    return NULL; /* keep the gradient */
+}
+
+/* mean(tanh(h)), h = x @ w^T + b with the blocking hook on h; batch 3. */
+static int hooked_run(mlp *m) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 3);
+    gj_scope_push();
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){3, 6}, -1, 1);
+    gj_tensor *h = gj_linear(x, m->w, m->b);
+    int rc = -1;
+    if (h && gj_register_hook(h, blocking_hook, NULL) >= 0)
+        rc = gj_backward(gj_mean(gj_tanh(h), 0, NULL, false), NULL);
+    gj_scope_pop();
+    return rc;
+}
+
+static void *hooked_worker(void *arg) {
+    (void)arg;
+    g_hs_rc = hooked_run(&g_hm);
+    return NULL;
+}
+
+/* The program a thread is running is evicted under it, deterministically:
+ * a worker's compiled run (a memory hit) blocks in a tensor hook while the
+ * main thread compiles another key with limit 0, which evicts the worker's
+ * program; the worker then finishes its run on that program (freed only
+ * when the run ends: ASan would see a use after free otherwise) with the
+ * eager gradients. */
+static void test_evict_running_program(void **st) {
+    (void)st;
+    gj_jit_set_disk_cache(NULL);
+    mlp other;
+    mlp_init(&g_hm);
+    mlp_init(&other);
+    g_hs_state = 0;
+    assert_int_equal(hooked_run(&g_hm), 0); /* eager reference */
+    double *ref = take_grads(&g_hm);
+    gj_compiled_autograd_set_mem_cache_limit(0);
+    fresh();
+    gj_set_compiled_autograd(true);
+    assert_int_equal(hooked_run(&g_hm), 0); /* compiles (hook not armed) */
+    double *g = take_grads(&g_hm);
+    assert_true(gjt_allclose("hooked, compiled", g, ref, 28, 1e-6, 1e-5));
+    free(g);
+    g_hs_state = 1;
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, hooked_worker, NULL), 0);
+    pthread_mutex_lock(&g_hs_lock);
+    while (g_hs_state != 2) pthread_cond_wait(&g_hs_cond, &g_hs_lock);
+    pthread_mutex_unlock(&g_hs_lock);
+    assert_int_equal(mlp_run(&other, 4), 0); /* another key: evicts the running program */
+    gj_ca_stats s = stats();
+    assert_int_equal(s.compiles, 2);
+    assert_int_equal(s.mem_hits, 1);
+    assert_int_equal(s.mem_evictions, 1);
+    assert_int_equal(s.mem_entries, 1);
+    pthread_mutex_lock(&g_hs_lock);
+    g_hs_state = 3;
+    pthread_cond_broadcast(&g_hs_cond);
+    pthread_mutex_unlock(&g_hs_lock);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    gj_set_compiled_autograd(false);
+    assert_int_equal(g_hs_rc, 0);
+    assert_int_equal(stats().fallbacks, 0);
+    g = take_grads(&g_hm);
+    assert_true(gjt_allclose("hooked, evicted while running", g, ref, 28, 1e-6, 1e-5));
+    free(g);
+    free(ref);
+    g_hs_state = 0;
+    gj_compiled_autograd_set_mem_cache_limit(-1);
+    fresh();
+    assert_int_equal(gj_tensor_set_grad(other.w, NULL), 0);
+    assert_int_equal(gj_tensor_set_grad(other.b, NULL), 0);
+    mlp_free(&other);
+    mlp_free(&g_hm);
+}
+
 /* -------------------------------------------------------------- disk */
 
 /* Our entries in dir (<32 hex>.gjc regular files): count and bytes. */
@@ -726,7 +823,8 @@ int main(int argc, char **argv) {
     if (only && *only) cmocka_set_test_filter(only);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_evicted_recompiles), cmocka_unit_test(test_lru_order),
-        cmocka_unit_test(test_threads_evict),      cmocka_unit_test(test_disk_limit),
+        cmocka_unit_test(test_threads_evict),      cmocka_unit_test(test_evict_running_program),
+        cmocka_unit_test(test_disk_limit),
         cmocka_unit_test(test_env_limits),         cmocka_unit_test(test_env_log_evictions),
         cmocka_unit_test(test_mem_bound_1000_keys),
     };
