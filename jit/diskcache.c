@@ -39,9 +39,12 @@
  *     without following links, regular files owned by this user -- are
  *     summed; while the sum is over the limit the least recently used one
  *     (oldest modification time; a used load sets it to the present) is
- *     unlinked, never the entry just written. Anything else in the
- *     directory (other names, temporaries, symlinks, directories, other
- *     users' files) is neither counted nor deleted. unlinkat never follows
+ *     unlinked, never the entry just written. A temporary file of ours
+ *     (exactly tmp_name's pattern, a regular file of this user) is not
+ *     counted, and is deleted once it is more than an hour old (a writer
+ *     died before its rename). Anything else in the directory (other
+ *     names, symlinks, directories, other users' files) is neither
+ *     counted nor deleted. unlinkat never follows
  *     a link, and the directory is private to the user, so the worst a
  *     race does is delete an entry another process of ours just wrote
  *     (it is compiled again).
@@ -247,14 +250,27 @@ static void entry_name(char out[40], const uint64_t h[2]) {
     snprintf(out, 40, "%016llx%016llx.gjc", (unsigned long long)h[0], (unsigned long long)h[1]);
 }
 
+static bool all_hex(const char *s, int n) {
+    for (int i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return false;
+    return true;
+}
+
 /* Whether name is exactly what entry_name makes: 32 lowercase hex digits
  * and ".gjc". */
 static bool is_entry_name(const char *name) {
-    for (int i = 0; i < 32; i++)
-        if (!((name[i] >= '0' && name[i] <= '9') || (name[i] >= 'a' && name[i] <= 'f')))
-            return false;
-    return strcmp(name + 32, ".gjc") == 0;
+    return strlen(name) == 36 && all_hex(name, 32) && strcmp(name + 32, ".gjc") == 0;
 }
+
+/* Whether name is exactly what tmp_name makes: ".gjc-" and 16 lowercase
+ * hex digits. */
+static bool is_tmp_name(const char *name) {
+    return strlen(name) == 21 && strncmp(name, ".gjc-", 5) == 0 && all_hex(name + 5, 16);
+}
+
+/* A temporary file older than this was left by a writer that died between
+ * creating and renaming it (a save takes well under a second). */
+#define GJ_DISK_STALE_TMP_SEC 3600
 
 /* ----------------------------------------------------------- the limit */
 
@@ -291,11 +307,20 @@ static int trim_dir(int dfd, const char *dir, const char *keep, int64_t limit,
         return -1;
     }
     uid_t me = geteuid();
+    time_t now = time(NULL);
     for (struct dirent *de; (de = readdir(d));) {
-        if (strlen(de->d_name) != 36 || !is_entry_name(de->d_name)) continue;
+        bool entry = is_entry_name(de->d_name), tmp = !entry && is_tmp_name(de->d_name);
+        if (!entry && !tmp) continue;
         struct stat st;
         if (fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue; /* gone */
         if (!S_ISREG(st.st_mode) || st.st_uid != me) continue; /* not ours */
+        if (tmp) { /* never counted; deleted once clearly abandoned */
+            if (now - st.st_mtim.tv_sec > GJ_DISK_STALE_TMP_SEC &&
+                unlinkat(dfd, de->d_name, 0) == 0 && log)
+                fprintf(stderr, "[gradjit cache] deleted %s/%s: a temporary file abandoned by a "
+                                "writer that did not finish\n", dir, de->d_name);
+            continue;
+        }
         if (n == cap) {
             int nc = cap ? cap * 2 : 64;
             disk_entry *nv = gj_rt_realloc(v, (size_t)nc * sizeof *nv);

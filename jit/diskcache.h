@@ -37,8 +37,9 @@ typedef struct gj_jit_disk_usage {
  * readers never see half a file. Creates the directory 0700 if needed;
  * refuses one not private to the user (message on stderr, once). Then
  * keeps the directory within gj_jit_disk_limit(): the entries (regular
- * files of this user named <32 hex digits>.gjc; nothing else is counted or
- * touched, and no symlink followed) are deleted least recently used first
+ * files of this user named <32 hex digits>.gjc; nothing else is counted,
+ * no symlink followed, and nothing else deleted but our own temporary files
+ * more than an hour old) are deleted least recently used first
  * (by modification time: a save writes it, a load that is used sets it to
  * the present), never the one just written; *u (may be NULL) receives what
  * that found. 0, or -1 (the reason logged under GRADJIT_LOG=cache; never

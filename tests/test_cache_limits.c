@@ -19,8 +19,10 @@
  * Disk: after every save the entries in the directory fit the limit (sizes
  * from stat, and the disk_bytes level agrees), deletions are counted, an
  * entry loaded from disk is younger than one only written before it, and
- * files that are not ours (other names, a temporary, a symlink named like
- * an entry, a directory) are neither deleted nor counted nor followed.
+ * files that are not ours (other names, a symlink named like an entry, a
+ * directory) are neither deleted nor counted nor followed; a temporary of
+ * ours is not counted, and deleted only when two hours old (a dead
+ * writer's).
  *
  * Environment: GRADJIT_CACHE_MEM_LIMIT and GRADJIT_CACHE_DISK_LIMIT take a
  * whole number with an optional binary unit or "none"; anything else warns
@@ -42,6 +44,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -103,6 +106,30 @@ static void mlp_init(mlp *m) {
 static void mlp_free(mlp *m) {
     gj_release(m->w);
     gj_release(m->b);
+}
+
+/* Whether a leaf of m shares a .grad lock stripe with a leaf of o. */
+static bool stripes_meet(const mlp *m, const mlp *o) {
+    int a[2] = {gj_ag_leaf_stripe(m->w), gj_ag_leaf_stripe(m->b)};
+    int b[2] = {gj_ag_leaf_stripe(o->w), gj_ag_leaf_stripe(o->b)};
+    return a[0] == b[0] || a[0] == b[1] || a[1] == b[0] || a[1] == b[1];
+}
+
+/* mlp_init for a model whose leaves share no lock stripe with o's. The
+ * stripes hash the leaves' addresses, so two threads' models collide now
+ * and then: a compiled run then falls back (the stripe is taken) and its
+ * eager backward waits for the other thread -- for ever, if that thread is
+ * held in a hook until this one finishes. */
+static void mlp_init_apart(mlp *m, const mlp *o) {
+    mlp tried[16];
+    int n = 0;
+    mlp_init(m);
+    while (stripes_meet(m, o) && n < 16) {
+        tried[n++] = *m; /* kept until the end: new tensors get new addresses */
+        mlp_init(m);
+    }
+    assert_false(stripes_meet(m, o));
+    for (int i = 0; i < n; i++) mlp_free(&tried[i]);
 }
 
 /* One backward of batch n in the current mode (the flag untouched). */
@@ -385,7 +412,8 @@ static void test_threads_evict(void **st) {
     gj_jit_set_disk_cache(NULL);
     double ref[NT][28];
     for (int t = 0; t < NT; t++) {
-        mlp_init(&g_tm[t]);
+        if (t == 0) mlp_init(&g_tm[t]);
+        else mlp_init_apart(&g_tm[t], &g_tm[0]);
         for (int i = 0; i < TITERS; i++)
             assert_int_equal(mlp_step(&g_tm[t], 2 + t * 3 + i % 3, false), 0);
         double *g = take_grads(&g_tm[t]);
@@ -472,7 +500,7 @@ static void test_evict_running_program(void **st) {
     gj_jit_set_disk_cache(NULL);
     mlp other;
     mlp_init(&g_hm);
-    mlp_init(&other);
+    mlp_init_apart(&other, &g_hm);
     g_hs_state = 0;
     assert_int_equal(hooked_run(&g_hm), 0); /* eager reference */
     double *ref = take_grads(&g_hm);
@@ -582,6 +610,15 @@ static void test_disk_limit(void **st) {
     write_file(path, "the user's notes");
     snprintf(path, sizeof path, "%s/.gjc-0123456789abcdef", dir);
     write_file(path, "someone's temporary");
+    /* two hours old: a temporary a dead writer left (ours: deleted), and
+     * the user's notes (not ours: kept) */
+    struct timespec old[2] = {{time(NULL) - 7200, 0}, {time(NULL) - 7200, 0}};
+    snprintf(path, sizeof path, "%s/.gjc-00000000deadbeef", dir);
+    write_file(path, "abandoned temporary");
+    assert_int_equal(utimensat(AT_FDCWD, path, old, 0), 0);
+    snprintf(path, sizeof path, "%s/old-notes.txt", dir);
+    write_file(path, "the user's old notes");
+    assert_int_equal(utimensat(AT_FDCWD, path, old, 0), 0);
 
     mlp m;
     mlp_init(&m);
@@ -653,6 +690,8 @@ static void test_disk_limit(void **st) {
     assert_true(exists(dir, upper));
     assert_true(exists(dir, "notes.txt"));
     assert_true(exists(dir, ".gjc-0123456789abcdef"));
+    assert_true(exists(dir, "old-notes.txt"));
+    assert_false(exists(dir, ".gjc-00000000deadbeef"));
     char buf[64] = "";
     FILE *f = fopen(target, "r");
     assert_non_null(f);
