@@ -100,3 +100,11 @@ const char *gj_compiled_autograd_last_fallback(void) { return gj_jit_last_fallba
 void gj_compiled_autograd_set_quiet(bool quiet) { gj_jit_set_quiet(quiet); }
 
 void gj_compiled_autograd_set_recompile_limit(int n) { gj_jit_set_recompile_limit(n); }
+
+void gj_compiled_autograd_set_mem_cache_limit(int64_t bytes) { gj_jit_set_mem_limit(bytes); }
+
+int64_t gj_compiled_autograd_mem_cache_limit(void) { return gj_jit_mem_limit(); }
+
+void gj_compiled_autograd_set_disk_cache_limit(int64_t bytes) { gj_jit_set_disk_limit(bytes); }
+
+int64_t gj_compiled_autograd_disk_cache_limit(void) { return gj_jit_disk_limit(); }

@@ -498,6 +498,16 @@ typedef struct gj_ca_stats {
     double compile_ms;
     double run_ms;
     int64_t fallbacks_by_reason[GJ_CA_N_REASONS];
+    /* The cache limits (gj_compiled_autograd_set_mem_cache_limit, ..._disk_...).
+     * Counters (reset by gj_compiled_autograd_reset_stats): */
+    int64_t mem_evictions;  /* entries evicted from the memory cache by its limit */
+    int64_t disk_evictions; /* disk cache entries this process deleted for its limit */
+    /* Levels now (not reset): */
+    int64_t mem_bytes;      /* bytes the memory cache charges: programs (plan data and
+                               machine code), keys, eager-only marks */
+    int64_t mem_entries;    /* its entries (programs and eager-only keys) */
+    int64_t disk_bytes;     /* bytes of the disk cache's entries after this process's
+                               last save (0: none yet) */
 } gj_ca_stats;
 GJ_API void gj_compiled_autograd_stats(gj_ca_stats *out);
 GJ_API void gj_compiled_autograd_reset_stats(void);
@@ -513,6 +523,23 @@ GJ_API void gj_compiled_autograd_set_quiet(bool quiet);
  * creation order, dtypes and ranks (so a model run at many batch sizes is
  * one site). Default 8; n < 0: no limit; 0: nothing new compiles. */
 GJ_API void gj_compiled_autograd_set_recompile_limit(int n);
+/* Size limits of the program caches, in bytes; bytes < 0: no limit.
+ * Memory: compiled programs (plan data and machine code, freed with their
+ * ORC resource tracker) and keys; when an insertion or a lower limit takes
+ * it over, the least recently used entries are evicted (never the one in
+ * use; a program a backward is running is freed when that run ends), and
+ * an evicted key compiles again, or loads from disk, when next seen. It no
+ * longer counts toward its call site's recompile limit. Default 256 MiB,
+ * or GRADJIT_CACHE_MEM_LIMIT. Disk: after each save, the least recently
+ * written or loaded entries are deleted until the cache directory's
+ * entries fit (only gradjit's own entry files are counted or deleted).
+ * Default 1 GiB, or GRADJIT_CACHE_DISK_LIMIT. The variables are read once
+ * and take a whole number with an optional binary unit (512M, 2G, 65536,
+ * 64KiB) or "none"; a setter wins over its variable. */
+GJ_API void gj_compiled_autograd_set_mem_cache_limit(int64_t bytes);
+GJ_API int64_t gj_compiled_autograd_mem_cache_limit(void);
+GJ_API void gj_compiled_autograd_set_disk_cache_limit(int64_t bytes);
+GJ_API int64_t gj_compiled_autograd_disk_cache_limit(void);
 
 /* What the compiled program of the calling thread's last compiled backward
  * does (for profiles and benchmarks' lower bounds). gemms[] lists its BLAS

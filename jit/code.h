@@ -31,6 +31,12 @@ gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *ob
  * object code depends on besides the plan ("" if LLVM cannot start). */
 const char *gj_jit_host_id(void);
 void gj_jit_code_free(gj_jit_code *c);
+/* The bytes of machine code c holds in the JIT: its object file's size
+ * rounded up to whole pages, plus one page for each further segment the
+ * linker maps (JITLink gives code, read-only data and data their own
+ * page-aligned segments). An estimate from outside LLVM: ORC's C API does
+ * not report what its memory manager mapped. 0 for NULL. */
+size_t gj_jit_code_bytes(const gj_jit_code *c);
 
 /* Disposes the process-wide LLJIT and target machine (they are created
  * again on demand). Every gj_jit_code must have been freed. */

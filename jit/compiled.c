@@ -8,15 +8,30 @@
  *     no graph freed. It is counted and its reason kept; the caller runs
  *     the eager engine, which gives the reference gradients (or the error).
  *   - The cache maps a key (full canonical text, indexed by its 128-bit
- *     hash) to a program or to "eager-only" with the reason. Entries live
- *     until gj_jit_clear_cache. A lookup compares the whole text. A memory
+ *     hash) to a program or to "eager-only" with the reason. A lookup
+ *     compares the whole text. A memory
  *     miss captures and plans, then asks the disk cache (diskcache.c) for
  *     object code compiled for exactly that plan (the file's plan is never
  *     run, only compared); a compiled program is written there (its kernels
  *     are named after the key's hash, so object code from another process
  *     links without clashes).
  *   - One mutex guards the cache and the statistics; compiling holds it
- *     (compiles are rare); running a program does not.
+ *     (compiles are rare); running a program does not: a run holds a
+ *     reference to its program (prog->refs, taken under the mutex), the
+ *     cache another, and whoever drops the last one frees it.
+ *   - Size limit (gj_jit_set_mem_limit, GRADJIT_CACHE_MEM_LIMIT, default
+ *     GJ_JIT_MEM_LIMIT_DEFAULT): every entry is charged its bytes (the
+ *     entry, its key text, and its program's data and machine code,
+ *     gj_jit_program_bytes) into g_mem_bytes. After an insertion or a
+ *     lower limit, entries are evicted least recently used first (a tick
+ *     stamped at insertion and at every lookup that finds the entry) until
+ *     g_mem_bytes is within the limit, except the most recently used entry,
+ *     which stays even if alone it is larger. Evicting a program drops the
+ *     cache's reference: its machine code goes with it (its own ORC
+ *     resource tracker, code.h; kernels are shared only within a program,
+ *     dedupe.c). Eager-only entries are evicted as well (the key is then
+ *     judged again when seen again), and an evicted key no longer counts
+ *     toward its call site's recompile limit.
  *   - Inputs of a run come from the walk (canonical origins) unless the
  *     program needs a re-capture; saved tensors are checked exactly as the
  *     eager engine checks them (walk validation) before anything runs.
@@ -51,7 +66,8 @@
  *     in that step); a post hook's trip keeps the run, and the .grads not
  *     yet written get what the eager accumulate makes of them (a leaf now
  *     bf16: a bf16 .grad). Either way the key becomes eager-only (a demoted
- *     entry keeps its program alive until gj_jit_clear_cache).
+ *     entry drops its program, which runs in progress keep alive, but
+ *     still counts toward its call site's recompile limit).
  *   - Custom ops: a custom op's backward is a call step of the plan; its C
  *     function gets fresh tensors holding copies of the output gradients
  *     and saved arguments, and the gradients it returns are copied into
@@ -77,9 +93,11 @@ typedef struct cache_entry {
     uint64_t site[2]; /* call site (recompile limit) */
     char *key;
     size_t key_len;
-    gj_jit_program *prog; /* NULL: eager-only */
-    bool demoted;         /* eager-only since a hook guard tripped (prog kept) */
+    gj_jit_program *prog; /* NULL: eager-only (the cache's reference) */
+    bool demoted;         /* eager-only since a hook guard tripped (program dropped) */
     gj_ca_reason code;    /* eager-only: why */
+    uint64_t last_use;    /* g_tick when inserted or last found */
+    int64_t bytes;        /* charged to g_mem_bytes */
     char reason[256];
     uint64_t agreed_gen;  /* the agreement registration this key was agreed under */
 } cache_entry;
@@ -88,6 +106,10 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static cache_entry *g_cache;
 static int g_n_cache, g_cap_cache;
 static gj_ca_stats g_stats;
+static int64_t g_mem_bytes;   /* sum of the entries' bytes */
+static uint64_t g_tick;       /* LRU clock */
+static uint64_t g_next_id = 1; /* program ids */
+static int64_t g_disk_bytes;  /* our disk entries' bytes after this process's last save */
 static atomic_bool g_quiet;
 static atomic_int g_recompile_limit = 8;
 /* Cross-process key agreement (gj_jit_set_agreement), under g_lock. */
@@ -111,12 +133,12 @@ static int agree(const gj_jit_walk *w, cache_entry *e) {
     if (e) e->agreed_gen = g_agree_gen;
     return 0;
 }
+static pthread_once_t g_mem_limit_once = PTHREAD_ONCE_INIT;
+static _Atomic int64_t g_mem_limit;
 static _Thread_local char g_last_reason[400];
-/* The last program this thread ran (compared by address and cache
- * generation, never dereferenced after a clear) and its description. */
-static atomic_uint g_cache_gen;
-static _Thread_local const gj_jit_program *g_last_prog;
-static _Thread_local unsigned g_last_gen;
+/* The id of the last program this thread ran (ids are never reused, so a
+ * freed program is never mistaken for a new one) and its description. */
+static _Thread_local uint64_t g_last_id;
 static _Thread_local gj_ca_program_info g_last_info;
 static _Thread_local bool g_have_last;
 
@@ -134,6 +156,9 @@ void gj_jit_stats(gj_ca_stats *out) {
     int64_t backwards = out->backwards;
     *out = g_stats;
     out->backwards = backwards;
+    out->mem_bytes = g_mem_bytes;
+    out->mem_entries = g_n_cache;
+    out->disk_bytes = g_disk_bytes;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -151,14 +176,12 @@ bool gj_jit_last_program_info(gj_ca_program_info *out) {
     return g_have_last;
 }
 
-/* Remembers prog as this thread's last program (its description is made
- * once per program and cache generation). */
+/* Remembers prog (a reference held) as this thread's last program (its
+ * description is made once per program). */
 static void note_last_program(const gj_jit_program *prog) {
-    unsigned gen = atomic_load(&g_cache_gen);
-    if (g_have_last && prog == g_last_prog && gen == g_last_gen) return;
+    if (g_have_last && prog->id == g_last_id) return;
     gj_jit_plan_info(&prog->plan, &g_last_info);
-    g_last_prog = prog;
-    g_last_gen = gen;
+    g_last_id = prog->id;
     g_have_last = true;
 }
 
@@ -174,11 +197,15 @@ void gj_jit_set_recompile_limit(int n) { atomic_store(&g_recompile_limit, n < 0 
 
 int gj_jit_recompile_limit(void) { return atomic_load(&g_recompile_limit); }
 
+/* Whether entry e stands for a compiled program (running or demoted). */
+static bool has_program(const cache_entry *e) { return e->prog || e->demoted; }
+
 /* Programs in the cache for the call site of w (lock held). */
 static int site_programs(const gj_jit_walk *w) {
     int n = 0;
     for (int i = 0; i < g_n_cache; i++)
-        n += g_cache[i].prog && g_cache[i].site[0] == w->site[0] && g_cache[i].site[1] == w->site[1];
+        n += has_program(&g_cache[i]) && g_cache[i].site[0] == w->site[0] &&
+             g_cache[i].site[1] == w->site[1];
     return n;
 }
 
@@ -191,7 +218,7 @@ static void log_recompile(const gj_jit_walk *w, int n_site, int limit) {
     int best_d = 0;
     for (int i = 0; i < g_n_cache; i++) {
         const cache_entry *e = &g_cache[i];
-        if (!e->prog || e->site[0] != w->site[0] || e->site[1] != w->site[1]) continue;
+        if (!has_program(e) || e->site[0] != w->site[0] || e->site[1] != w->site[1]) continue;
         int d = gj_jit_key_distance(e->key, e->key_len, w->key, w->key_len);
         if (!best || d <= best_d) {
             best = e;
@@ -222,35 +249,111 @@ static gj_ca_reason build_reason(const char *why) {
     return GJ_CA_OTHER;
 }
 
+/* Drops one reference to p (lock held); true when it was the last (the
+ * caller frees p, with or without the lock). */
+static bool unref_locked(gj_jit_program *p) { return p && --p->refs == 0; }
+
+/* Drops a run's reference to p (lock not held), freeing p if it was the
+ * last (the entry was evicted, demoted or cleared during the run). */
+static void prog_release(gj_jit_program *p) {
+    if (!p) return;
+    pthread_mutex_lock(&g_lock);
+    bool last = unref_locked(p);
+    pthread_mutex_unlock(&g_lock);
+    if (last) gj_jit_program_free(p);
+}
+
+/* Removes entry i (lock held): drops the cache's reference to its program
+ * (freed if no run holds it) and its charge. Later entries move down one. */
+static void cache_remove(int i) {
+    cache_entry *e = &g_cache[i];
+    if (unref_locked(e->prog)) gj_jit_program_free(e->prog);
+    gj_rt_free(e->key);
+    g_mem_bytes -= e->bytes;
+    memmove(e, e + 1, (size_t)(g_n_cache - i - 1) * sizeof *e);
+    g_n_cache--;
+}
+
+/* Evicts least recently used entries (lock held) while the cache holds
+ * more bytes than the limit, never the most recently used one. */
+static void evict_to_limit(void) {
+    int64_t limit = gj_jit_mem_limit();
+    unsigned fl = gj_jit_log_flags();
+    while (limit >= 0 && g_mem_bytes > limit && g_n_cache > 1) {
+        int lru = 0, mru = 0;
+        for (int i = 1; i < g_n_cache; i++) {
+            if (g_cache[i].last_use < g_cache[lru].last_use) lru = i;
+            if (g_cache[i].last_use > g_cache[mru].last_use) mru = i;
+        }
+        if (lru == mru) break; /* cannot happen with n > 1 (ticks are unique) */
+        const cache_entry *e = &g_cache[lru];
+        if (fl & GJ_JIT_LOG_CACHE)
+            fprintf(stderr,
+                    "[gradjit cache] evicted %016llx%016llx (%s, %lld bytes): the memory cache "
+                    "held %lld bytes, limit %lld\n",
+                    (unsigned long long)e->hash[0], (unsigned long long)e->hash[1],
+                    e->prog ? "program" : "eager-only mark", (long long)e->bytes,
+                    (long long)g_mem_bytes, (long long)limit);
+        g_stats.mem_evictions++;
+        cache_remove(lru);
+    }
+}
+
 void gj_jit_clear_cache(void) {
     pthread_mutex_lock(&g_lock);
-    atomic_fetch_add(&g_cache_gen, 1);
+    bool busy = false; /* a program some run still holds (a misuse): keep the LLJIT */
     for (int i = 0; i < g_n_cache; i++) {
-        gj_jit_program_free(g_cache[i].prog);
+        gj_jit_program *p = g_cache[i].prog;
+        if (unref_locked(p)) gj_jit_program_free(p);
+        else if (p) busy = true;
         gj_rt_free(g_cache[i].key);
     }
     gj_rt_free(g_cache);
     g_cache = NULL;
     g_n_cache = g_cap_cache = 0;
+    g_mem_bytes = 0;
     pthread_mutex_unlock(&g_lock);
-    gj_jit_llvm_shutdown();
+    if (!busy) gj_jit_llvm_shutdown();
 }
 
-/* Entry of key (lock held), or NULL. */
+/* Reads GRADJIT_CACHE_MEM_LIMIT (once). */
+static void mem_limit_from_env(void) {
+    atomic_store(&g_mem_limit,
+                 gj_jit_env_bytes("GRADJIT_CACHE_MEM_LIMIT", GJ_JIT_MEM_LIMIT_DEFAULT));
+}
+
+int64_t gj_jit_mem_limit(void) {
+    pthread_once(&g_mem_limit_once, mem_limit_from_env);
+    return atomic_load(&g_mem_limit);
+}
+
+void gj_jit_set_mem_limit(int64_t bytes) {
+    pthread_once(&g_mem_limit_once, mem_limit_from_env); /* the setter wins over the env */
+    atomic_store(&g_mem_limit, bytes < 0 ? -1 : bytes);
+    pthread_mutex_lock(&g_lock);
+    evict_to_limit();
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Entry of key (lock held), or NULL. Finding it counts as a use (LRU). */
 static cache_entry *cache_find(const gj_jit_walk *w) {
     for (int i = 0; i < g_n_cache; i++) {
         cache_entry *e = &g_cache[i];
         if (e->hash[0] == w->hash[0] && e->hash[1] == w->hash[1] && e->key_len == w->key_len &&
-            memcmp(e->key, w->key, w->key_len) == 0)
+            memcmp(e->key, w->key, w->key_len) == 0) {
+            e->last_use = ++g_tick;
             return e;
+        }
     }
     return NULL;
 }
 
-/* Inserts a new entry (lock held); prog may be NULL (eager-only). Returns
- * the entry or NULL on OOM (prog is then freed). */
-static cache_entry *cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_ca_reason code,
-                                 const char *reason) {
+/* Inserts a new entry (lock held) as the most recently used one, then
+ * evicts down to the limit; prog may be NULL (eager-only), else the cache
+ * takes its first reference. 0, or -1 on OOM (prog is then freed). The
+ * entry pointer is not returned: eviction moves entries. */
+static int cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_ca_reason code,
+                        const char *reason) {
     if (g_n_cache == g_cap_cache) {
         int nc = g_cap_cache ? g_cap_cache * 2 : 16;
         cache_entry *c = gj_rt_realloc(g_cache, (size_t)nc * sizeof *c);
@@ -272,11 +375,19 @@ static cache_entry *cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_
     e->key_len = w->key_len;
     e->prog = prog;
     e->agreed_gen = g_agree_gen; /* the miss that inserts it agreed first */
+    if (prog) {
+        prog->refs = 1;
+        prog->id = g_next_id++;
+    }
+    e->last_use = ++g_tick;
+    e->bytes = (int64_t)(sizeof *e + w->key_len + 1 + gj_jit_program_bytes(prog));
+    g_mem_bytes += e->bytes;
     if (reason) snprintf(e->reason, sizeof e->reason, "%s", reason);
-    return e;
+    evict_to_limit();
+    return 0;
 fail:
     gj_jit_program_free(prog);
-    return NULL;
+    return -1;
 }
 
 /* Records a fallback of class code (lock NOT held): counts it, keeps its
@@ -923,12 +1034,19 @@ static bool demote(const gj_jit_walk *w, gj_ca_reason code, const char *why) {
     pthread_mutex_lock(&g_lock);
     cache_entry *e = cache_find(w);
     bool first = e && e->prog && !e->demoted;
+    gj_jit_program *drop = NULL;
     if (first) {
         e->demoted = true;
         e->code = code;
         snprintf(e->reason, sizeof e->reason, "%.250s", why);
+        int64_t pb = (int64_t)gj_jit_program_bytes(e->prog);
+        e->bytes -= pb;
+        g_mem_bytes -= pb;
+        if (unref_locked(e->prog)) drop = e->prog; /* the caller's run still holds it */
+        e->prog = NULL;
     }
     pthread_mutex_unlock(&g_lock);
+    gj_jit_program_free(drop);
     return first;
 }
 
@@ -968,6 +1086,7 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     gj_jit_walk w;
     gj_jit_capture cap;
     memset(&cap, 0, sizeof cap);
+    gj_jit_program *held = NULL; /* the run's reference */
     bool have_cap = false;
     gj_tensor **tensors = NULL;
     uint64_t stripes = 0; /* leaf-lock stripes held during the run */
@@ -1057,8 +1176,9 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
             fprintf(stderr, "[gradjit cache] disk entry %016llx%016llx not used: %s\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
         if (loaded) {
-            if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
+            if (cache_insert(&w, prog, GJ_CA_OTHER, NULL) != 0) {
                 pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
+                prog = NULL;
                 snprintf(why, sizeof why, "out of memory in the cache");
                 goto fall;
             }
@@ -1085,8 +1205,9 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
             }
             goto fall;
         }
-        if (!cache_insert(&w, prog, GJ_CA_OTHER, NULL)) {
-            pthread_mutex_unlock(&g_lock);
+        if (cache_insert(&w, prog, GJ_CA_OTHER, NULL) != 0) {
+            pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
+            prog = NULL;
             gj_rt_free(obj);
             snprintf(why, sizeof why, "out of memory in the cache");
             goto fall;
@@ -1097,10 +1218,17 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0);
-        if (obj && prog->n_hooks == 0 && prog->n_calls == 0) gj_jit_disk_save(&w, prog, prefix, obj, obj_size);
+        if (obj && prog->n_hooks == 0 && prog->n_calls == 0) {
+            gj_jit_disk_usage du = {0, -1};
+            gj_jit_disk_save(&w, prog, prefix, obj, obj_size, &du);
+            g_stats.disk_evictions += du.evictions;
+            if (du.bytes >= 0) g_disk_bytes = du.bytes;
+        }
         gj_rt_free(obj);
     }
 run:
+    prog->refs++; /* this run's reference (held): eviction cannot free it under us */
+    held = prog;
     pthread_mutex_unlock(&g_lock);
 
     /* .grads are read (as inputs, and when accumulating in place) and
@@ -1168,6 +1296,7 @@ fall:
     fallback(code, why, false);
 out:
     gj_ag_leaf_unlock_stripes(stripes);
+    prog_release(held);
     gj_rt_free(tensors);
     if (have_cap) gj_jit_capture_free(&cap);
     gj_jit_walk_free(&w);

@@ -33,12 +33,29 @@
  *   - Entries are written to a temporary file of a new random name created
  *     with O_CREAT|O_EXCL|O_NOFOLLOW, 0600, then renamed over the entry, so
  *     readers never see half a file and two writers never share a file.
+ *   - Size limit (gj_jit_disk_limit: GRADJIT_CACHE_DISK_LIMIT, default
+ *     GJ_JIT_DISK_LIMIT_DEFAULT): after each save the directory is listed
+ *     and our entries -- exactly the names <32 lowercase hex>.gjc, lstat'ed
+ *     without following links, regular files owned by this user -- are
+ *     summed; while the sum is over the limit the least recently used one
+ *     (oldest modification time; a used load sets it to the present) is
+ *     unlinked, never the entry just written. A temporary file of ours
+ *     (exactly tmp_name's pattern, a regular file of this user) is not
+ *     counted, and is deleted once it is more than an hour old (a writer
+ *     died before its rename). Anything else in the directory (other
+ *     names, symlinks, directories, other users' files) is neither
+ *     counted nor deleted. unlinkat never follows
+ *     a link, and the directory is private to the user, so the worst a
+ *     race does is delete an entry another process of ours just wrote
+ *     (it is compiled again).
  *   - Nothing here sets the thread's error message: a cache problem is
  *     never the caller's error.
  */
 #include "diskcache.h"
+#include "jit.h"
 #include "wbuf.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -60,6 +77,23 @@ static pthread_mutex_t g_dir_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *g_dir_override; /* gj_rt_malloc'd */
 static int g_dir_mode = -1;  /* -1: environment, 0: off, 1: override */
 static char *g_dir_default;  /* $XDG_CACHE_HOME/gradjit or $HOME/.cache/gradjit */
+static pthread_once_t g_limit_once = PTHREAD_ONCE_INIT;
+static _Atomic int64_t g_limit;
+
+/* Reads GRADJIT_CACHE_DISK_LIMIT (once). */
+static void limit_from_env(void) {
+    atomic_store(&g_limit, gj_jit_env_bytes("GRADJIT_CACHE_DISK_LIMIT", GJ_JIT_DISK_LIMIT_DEFAULT));
+}
+
+int64_t gj_jit_disk_limit(void) {
+    pthread_once(&g_limit_once, limit_from_env);
+    return atomic_load(&g_limit);
+}
+
+void gj_jit_set_disk_limit(int64_t bytes) {
+    pthread_once(&g_limit_once, limit_from_env); /* the setter wins over the env */
+    atomic_store(&g_limit, bytes < 0 ? -1 : bytes);
+}
 
 void gj_jit_set_disk_cache(const char *dir) {
     pthread_mutex_lock(&g_dir_lock);
@@ -214,6 +248,115 @@ fail:
 
 static void entry_name(char out[40], const uint64_t h[2]) {
     snprintf(out, 40, "%016llx%016llx.gjc", (unsigned long long)h[0], (unsigned long long)h[1]);
+}
+
+static bool all_hex(const char *s, int n) {
+    for (int i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return false;
+    return true;
+}
+
+/* Whether name is exactly what entry_name makes: 32 lowercase hex digits
+ * and ".gjc". */
+static bool is_entry_name(const char *name) {
+    return strlen(name) == 36 && all_hex(name, 32) && strcmp(name + 32, ".gjc") == 0;
+}
+
+/* Whether name is exactly what tmp_name makes: ".gjc-" and 16 lowercase
+ * hex digits. */
+static bool is_tmp_name(const char *name) {
+    return strlen(name) == 21 && strncmp(name, ".gjc-", 5) == 0 && all_hex(name + 5, 16);
+}
+
+/* A temporary file older than this was left by a writer that died between
+ * creating and renaming it (a save takes well under a second). */
+#define GJ_DISK_STALE_TMP_SEC 3600
+
+/* ----------------------------------------------------------- the limit */
+
+typedef struct disk_entry {
+    char name[40];
+    int64_t size;
+    struct timespec mtime;
+} disk_entry;
+
+/* Older first; equal times by name (a total order, so the result does not
+ * depend on the listing's order). */
+static int older_first(const void *a, const void *b) {
+    const disk_entry *x = a, *y = b;
+    if (x->mtime.tv_sec != y->mtime.tv_sec) return x->mtime.tv_sec < y->mtime.tv_sec ? -1 : 1;
+    if (x->mtime.tv_nsec != y->mtime.tv_nsec) return x->mtime.tv_nsec < y->mtime.tv_nsec ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* Keeps our entries in directory dfd (path dir, for messages) within
+ * limit bytes, least recently used first, never deleting `keep` (see the
+ * file comment). Fills *u. 0, or -1 (listing failed or out of memory:
+ * nothing deleted beyond what *u counts). */
+static int trim_dir(int dfd, const char *dir, const char *keep, int64_t limit,
+                    gj_jit_disk_usage *u, char *why, size_t why_cap) {
+    bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
+    int lfd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = lfd >= 0 ? fdopendir(lfd) : NULL;
+    disk_entry *v = NULL;
+    int n = 0, cap = 0, rc = -1;
+    int64_t total = 0;
+    if (!d) {
+        if (lfd >= 0) close(lfd);
+        snprintf(why, why_cap, "cannot list the directory: %s", strerror(errno));
+        return -1;
+    }
+    uid_t me = geteuid();
+    time_t now = time(NULL);
+    for (struct dirent *de; (de = readdir(d));) {
+        bool entry = is_entry_name(de->d_name), tmp = !entry && is_tmp_name(de->d_name);
+        if (!entry && !tmp) continue;
+        struct stat st;
+        if (fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue; /* gone */
+        if (!S_ISREG(st.st_mode) || st.st_uid != me) continue; /* not ours */
+        if (tmp) { /* never counted; deleted once clearly abandoned */
+            if (now - st.st_mtim.tv_sec > GJ_DISK_STALE_TMP_SEC &&
+                unlinkat(dfd, de->d_name, 0) == 0 && log)
+                fprintf(stderr, "[gradjit cache] deleted %s/%s: a temporary file abandoned by a "
+                                "writer that did not finish\n", dir, de->d_name);
+            continue;
+        }
+        if (n == cap) {
+            int nc = cap ? cap * 2 : 64;
+            disk_entry *nv = gj_rt_realloc(v, (size_t)nc * sizeof *nv);
+            if (!nv) {
+                snprintf(why, why_cap, "out of memory");
+                goto done;
+            }
+            v = nv;
+            cap = nc;
+        }
+        memcpy(v[n].name, de->d_name, 37);
+        v[n].size = (int64_t)st.st_size;
+        v[n].mtime = st.st_mtim;
+        total += v[n].size;
+        n++;
+    }
+    if (limit >= 0 && total > limit) {
+        qsort(v, (size_t)n, sizeof *v, older_first);
+        for (int i = 0; i < n && total > limit; i++) {
+            if (strcmp(v[i].name, keep) == 0) continue;
+            if (unlinkat(dfd, v[i].name, 0) != 0 && errno != ENOENT) continue;
+            total -= v[i].size;
+            u->evictions++;
+            if (log)
+                fprintf(stderr,
+                        "[gradjit cache] disk evicted %s/%s (%lld bytes, least recently used): "
+                        "limit %lld bytes\n",
+                        dir, v[i].name, (long long)v[i].size, (long long)limit);
+        }
+    }
+    u->bytes = total;
+    rc = 0;
+done:
+    closedir(d); /* closes lfd */
+    gj_rt_free(v);
+    return rc;
 }
 
 /* ------------------------------------------------------------ buffers */
@@ -463,7 +606,11 @@ static int read_all(int fd, unsigned char *p, size_t n) {
 /* ---------------------------------------------------------- save/load */
 
 int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
-                     const void *obj, size_t obj_size) {
+                     const void *obj, size_t obj_size, gj_jit_disk_usage *u) {
+    gj_jit_disk_usage scratch;
+    if (!u) u = &scratch;
+    u->evictions = 0;
+    u->bytes = -1;
     const char *dir = gj_jit_disk_dir();
     const char *host = gj_jit_host_id();
     bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
@@ -513,6 +660,8 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
     tmp[0] = '\0';
     rc = 0;
     if (log) fprintf(stderr, "[gradjit cache] saved %s/%s (%zu bytes)\n", dir, name, b.n);
+    if (trim_dir(dfd, dir, name, gj_jit_disk_limit(), u, why, sizeof why) != 0 && log)
+        fprintf(stderr, "[gradjit cache] could not apply the size limit to %s: %s\n", dir, why);
 done:
     if (fd >= 0) close(fd);
     if (tmp[0]) unlinkat(dfd, tmp, 0);
@@ -638,6 +787,7 @@ int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefi
         snprintf(why, why_cap, "%s", lwhy);
         goto fail;
     }
+    (void)futimens(fd, NULL); /* used now: the LRU stamp (we own it; failure is harmless) */
     close(fd);
     close(dfd);
     gj_rt_free(data);

@@ -25,21 +25,35 @@
  * $XDG_CACHE_HOME/gradjit, else $HOME/.cache/gradjit (any length). */
 const char *gj_jit_disk_dir(void);
 
+/* What a save found in the directory: entries it deleted for the size
+ * limit, and the bytes of our entries left (-1: not measured). */
+typedef struct gj_jit_disk_usage {
+    int64_t evictions;
+    int64_t bytes;
+} gj_jit_disk_usage;
+
 /* Writes program pr (planned for key w, no hook or call steps) with its
  * object code: to a new temporary file (O_EXCL, 0600), then renamed, so
  * readers never see half a file. Creates the directory 0700 if needed;
- * refuses one not private to the user (message on stderr, once). 0, or -1
- * (the reason logged under GRADJIT_LOG=cache; never an error for the
- * caller). */
+ * refuses one not private to the user (message on stderr, once). Then
+ * keeps the directory within gj_jit_disk_limit(): the entries (regular
+ * files of this user named <32 hex digits>.gjc; nothing else is counted,
+ * no symlink followed, and nothing else deleted but our own temporary files
+ * more than an hour old) are deleted least recently used first
+ * (by modification time: a save writes it, a load that is used sets it to
+ * the present), never the one just written; *u (may be NULL) receives what
+ * that found. 0, or -1 (the reason logged under GRADJIT_LOG=cache; never
+ * an error for the caller). */
 int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
-                     const void *obj, size_t obj_size);
+                     const void *obj, size_t obj_size, gj_jit_disk_usage *u);
 
 /* Looks up key w for pr, the program this process planned for it
  * (gj_jit_program_plan; no code yet): if the entry is usable and its plan
  * is byte for byte pr's, loads its object code into pr (pr->code set) and
  * returns 0. Otherwise -1 and pr unchanged: *found false if there is no
  * entry, true if there was one that could not be used (why[] says why:
- * stale, damaged, refused, or an LLVM error). Sets no error. */
+ * stale, damaged, refused, or an LLVM error). A used entry's
+ * modification time is set to the present (its LRU stamp). Sets no error. */
 int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
                      char *why, size_t why_cap);
 

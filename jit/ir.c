@@ -319,7 +319,8 @@ unsigned gj_jit_log_flags(void) {
         {"graph", "the captured graph, before and after CSE/DCE", GJ_JIT_LOG_GRAPH},
         {"ir", "the LLVM IR of each compiled module", GJ_JIT_LOG_IR},
         {"plan", "buffers, kernels and steps of each plan", GJ_JIT_LOG_PLAN},
-        {"cache", "memory/disk hits, compiles, saves, rejected disk entries", GJ_JIT_LOG_CACHE},
+        {"cache", "memory/disk hits, compiles, saves, evictions, rejected disk entries",
+         GJ_JIT_LOG_CACHE},
         {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
         {"prof", "compile phases, and at exit a summary of the compiled runs (phases, "
                  "the steps that took the most time)", GJ_JIT_LOG_PROF},
@@ -358,6 +359,49 @@ unsigned gj_jit_log_flags(void) {
     atomic_store(&cached, (int)fl);
     if (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_CACHE)) gj_jit_log_summary_at_exit();
     return fl;
+}
+
+int gj_jit_parse_bytes(const char *s, int64_t *out) {
+    if (!s || !*s) return -1;
+    if (strcasecmp(s, "none") == 0 || strcasecmp(s, "unlimited") == 0 || strcmp(s, "-1") == 0) {
+        *out = -1;
+        return 0;
+    }
+    uint64_t v = 0;
+    const char *c = s;
+    for (; *c >= '0' && *c <= '9'; c++) {
+        if (v > (UINT64_MAX - 9) / 10) return -1;
+        v = v * 10 + (uint64_t)(*c - '0');
+    }
+    if (c == s) return -1;
+    int shift = 0;
+    switch (*c) {
+    case 'k': case 'K': shift = 10; break;
+    case 'm': case 'M': shift = 20; break;
+    case 'g': case 'G': shift = 30; break;
+    case 't': case 'T': shift = 40; break;
+    default: break;
+    }
+    if (shift) {
+        c++;
+        if (strcasecmp(c, "ib") == 0) c += 2;
+    }
+    if (*c == 'b' || *c == 'B') c++;
+    if (*c != '\0') return -1;
+    if (v > ((uint64_t)INT64_MAX >> shift)) return -1;
+    *out = (int64_t)(v << shift);
+    return 0;
+}
+
+int64_t gj_jit_env_bytes(const char *var, int64_t dflt) {
+    const char *e = getenv(var);
+    int64_t v;
+    if (!e || !*e) return dflt;
+    if (gj_jit_parse_bytes(e, &v) == 0) return v;
+    fprintf(stderr, "gradjit: %s='%s' is not a size (a whole number of bytes with an optional "
+                    "unit K, M, G or T, e.g. 512M; or none): using the default, %lld bytes\n",
+            var, e, (long long)dflt);
+    return dflt;
 }
 
 int gj_jit_graph_add_hook(gj_jit_graph *g, const gj_jit_hookref *h) {

@@ -195,4 +195,16 @@ void gj_jit_prof_backward(bool fresh, double total, double key, double program, 
 /* Registers (once) the exit-time summary of GRADJIT_LOG=prof / cache. */
 void gj_jit_log_summary_at_exit(void);
 
+/* A size in bytes from text s, strictly: a whole number with an optional
+ * binary unit (K, M, G or T, any case, optionally followed by "iB" or "B";
+ * "B" alone: bytes), or "none"/"unlimited"/"-1" for no limit (*out = -1).
+ * Nothing else is accepted: no sign, space, fraction or overflow. 0 and
+ * *out set, or -1. */
+int gj_jit_parse_bytes(const char *s, int64_t *out);
+/* The size limit in environment variable var (gj_jit_parse_bytes syntax);
+ * dflt when unset or empty. A value that does not parse is reported on
+ * stderr (naming the variable, the value and the syntax) and dflt used.
+ * Callers read it once per process. */
+int64_t gj_jit_env_bytes(const char *var, int64_t dflt);
+
 #endif /* GJ_JIT_IR_H */

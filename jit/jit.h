@@ -63,6 +63,7 @@ void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
  * a hook called mid-program, see GJ_HOOK_NO_GRAPH_WRITES, has a smaller
  * number). Returns the number of calls (up to cap written). For tests. */
 #define GJ_JIT_MAX_POST_LOG 256
+int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps);
 
 /* Cross-process agreement (dist/ registers it while a gj_ddp lives): while
  * fn is set, the first use of each key under this registration (a compile,
@@ -73,6 +74,18 @@ void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
  * removes it. */
 typedef int (*gj_jit_agree_fn)(void *ctx, const uint64_t hash[2]);
 void gj_jit_set_agreement(gj_jit_agree_fn fn, void *ctx);
-int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps);
+
+/* Appended by helper "cache". The memory cache's size limit in bytes
+ * (< 0: none): what gj_compiled_autograd_set_mem_cache_limit sets; until
+ * then GRADJIT_CACHE_MEM_LIMIT (read once), else the default. Setting a
+ * lower limit evicts at once (compiled.c's file comment). */
+#define GJ_JIT_MEM_LIMIT_DEFAULT ((int64_t)256 << 20)
+int64_t gj_jit_mem_limit(void);
+void gj_jit_set_mem_limit(int64_t bytes);
+/* The disk cache's size limit in bytes (< 0: none), likewise with
+ * GRADJIT_CACHE_DISK_LIMIT; applied at the next save (diskcache.h). */
+#define GJ_JIT_DISK_LIMIT_DEFAULT ((int64_t)1 << 30)
+int64_t gj_jit_disk_limit(void);
+void gj_jit_set_disk_limit(int64_t bytes);
 
 #endif /* GJ_JIT_H */

@@ -10,7 +10,8 @@
  *     of them (compiling is rare; running compiled code takes no lock).
  *   - One module per plan, optimised, compiled to an object file by the
  *     pass target machine and added to the LLJIT's object layer under its
- *     own resource tracker (freeing a program frees its machine code). The
+ *     own resource tracker (freeing a program frees its machine code, and
+ *     the symbol names no longer used leave ORC's string pool). The
  *     same object bytes are what the disk cache stores and loads.
  *   - Every LLVMErrorRef is consumed: turned into text in why[] (and the
  *     caller falls back to eager). LLVM never aborts the process on our
@@ -37,12 +38,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 extern const unsigned char gj_rt_math_bc[];
 extern const size_t gj_rt_math_bc_size;
 
 struct gj_jit_code {
     LLVMOrcResourceTrackerRef rt;
+    size_t obj_bytes; /* size of the object file it was loaded from */
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -269,6 +272,7 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
         goto fail;
     }
     code->rt = rt;
+    code->obj_bytes = n;
     return code;
 fail: {
     LLVMErrorRef e2 = LLVMOrcResourceTrackerRemove(rt);
@@ -400,9 +404,20 @@ void gj_jit_code_free(gj_jit_code *c) {
         LLVMErrorRef err = LLVMOrcResourceTrackerRemove(c->rt);
         if (err) LLVMConsumeError(err);
         LLVMOrcReleaseResourceTracker(c->rt);
+        /* the kernels' names (unique per key) would stay interned forever */
+        if (g.jit)
+            LLVMOrcSymbolStringPoolClearDeadEntries(LLVMOrcExecutionSessionGetSymbolStringPool(
+                LLVMOrcLLJITGetExecutionSession(g.jit)));
     }
     pthread_mutex_unlock(&g_lock);
     gj_rt_free(c);
+}
+
+size_t gj_jit_code_bytes(const gj_jit_code *c) {
+    if (!c) return 0;
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t page = pg > 0 ? (size_t)pg : 4096;
+    return (c->obj_bytes + page - 1) / page * page + 2 * page;
 }
 
 void gj_jit_llvm_shutdown(void) {

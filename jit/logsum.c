@@ -80,6 +80,9 @@ static void print_summary(void) {
                 "hits, %lld fallbacks",
                 (long long)st.compiles, st.compile_ms, (long long)st.mem_hits,
                 (long long)st.disk_hits, (long long)st.fallbacks);
+        if (st.mem_evictions || st.disk_evictions)
+            fprintf(stderr, ", evictions: %lld memory, %lld disk", (long long)st.mem_evictions,
+                    (long long)st.disk_evictions);
         for (int r = 0; r < GJ_CA_N_REASONS; r++)
             if (st.fallbacks_by_reason[r])
                 fprintf(stderr, " %s=%lld", gj_ca_reason_name((gj_ca_reason)r),

@@ -124,6 +124,26 @@ void gj_jit_program_free(gj_jit_program *pr) {
     gj_rt_free(pr);
 }
 
+size_t gj_jit_program_bytes(const gj_jit_program *pr) {
+    if (!pr) return 0;
+    const gj_jit_plan *p = &pr->plan;
+    size_t n = sizeof *pr + gj_jit_code_bytes(pr->code);
+    n += (size_t)p->cap_steps * sizeof *p->steps + (size_t)p->cap_bufs * sizeof *p->bufs;
+    for (int s = 0; s < p->n_steps; s++) {
+        const gj_jit_kernel *k = &p->steps[s].k;
+        n += (size_t)k->cap_acc * sizeof *k->acc + (size_t)k->cap_ex * sizeof *k->ex +
+             (size_t)k->cap_st * sizeof *k->st + (size_t)k->n_params * sizeof *k->param_buf;
+    }
+    n += (size_t)(p->n_by_first + p->n_by_last) * sizeof(int);
+    n += (size_t)p->n_inputs * sizeof *p->in_meta;
+    n += (size_t)p->n_outputs * (sizeof *p->out_meta + sizeof *p->out_buf);
+    n += (size_t)p->n_rt_params * 2 * sizeof(int);
+    n += (size_t)(pr->n_inputs + 1) * sizeof *pr->inputs;
+    n += (size_t)(pr->n_outputs + 1) * sizeof *pr->outputs;
+    n += (size_t)pr->n_hooks * sizeof *pr->hooks;
+    return n;
+}
+
 static int64_t meta_bytes(const gj_rt_meta *m) {
     int64_t n = 1;
     for (int d = 0; d < m->ndim; d++) n *= m->shape[d];

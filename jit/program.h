@@ -8,6 +8,10 @@
  *     in the order the plan expects them (canonical origins, see ir.h).
  *   - recapture: some input has no canonical origin, so every run captures
  *     again (cheap: no kernel runs) to collect the input tensors.
+ *   - refs and id belong to compiled.c (under its cache lock): the memory
+ *     cache holds one reference, and every run of the program one more, so
+ *     an entry evicted or demoted while a thread (or a hook re-entering
+ *     gj_backward) runs it is freed by the last run, not under it.
  */
 #ifndef GJ_JIT_PROGRAM_H
 #define GJ_JIT_PROGRAM_H
@@ -26,6 +30,8 @@ typedef struct gj_jit_program {
     gj_jit_hookref *hooks; /* tensor hooks (hook steps) and post-accumulate hooks */
     int n_hooks;
     int n_calls; /* custom call steps (the program then lives in memory only) */
+    int refs;    /* compiled.c: the cache's reference + runs in progress */
+    uint64_t id; /* compiled.c: unique in the process, never reused */
 } gj_jit_program;
 
 /* Optimises g in place (CSE, DCE), plans and compiles it with kernel
@@ -44,6 +50,10 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
                                      size_t *obj_size, char *why, size_t why_cap,
                                      bool *permanent);
 void gj_jit_program_free(gj_jit_program *pr);
+/* The bytes pr holds: the program and its plan's heap arrays (at their
+ * capacities), the input/output/hook tables and its machine code
+ * (gj_jit_code_bytes). What the memory cache's limit counts. */
+size_t gj_jit_program_bytes(const gj_jit_program *pr);
 /* The public description of plan p (gradjit.h: gj_ca_program_info). */
 void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out);
 
