@@ -57,6 +57,7 @@
  * terminal, progress is printed at every tenth of the run.
  */
 #include "gradjit.h"
+#include "common.h"
 #include "plot.h"
 
 #include <dirent.h>
@@ -236,14 +237,6 @@ static double unigram_entropy(const corpus *c) {
             h -= p * log(p);
         }
     return h;
-}
-
-/* splitmix64: batch offsets and sampling. */
-static uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 /* B windows of T+1 characters at random offsets inside [lo, hi): inputs
@@ -432,12 +425,6 @@ typedef struct opts {
 } opts;
 
 /* Set by SIGINT; the training loop stops at the next step boundary. */
-static volatile sig_atomic_t g_interrupted;
-
-static void on_sigint(int sig) {
-    (void)sig;
-    g_interrupted = 1;
-}
 
 typedef struct run_out {
     double *loss;     /* [steps] training loss per step */
@@ -450,12 +437,6 @@ typedef struct run_out {
     char *sample;     /* generated text (malloc'd, NUL-terminated) */
     gj_ca_stats ca;
 } run_out;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void run_out_free(run_out *r) {
     free(r->loss);
@@ -699,18 +680,6 @@ static gj_state_dict *model_dict(model *m) {
     return sd;
 }
 
-static int meta_i64(gj_state_dict *sd, const char *key, int64_t v) {
-    char buf[32];
-    snprintf(buf, sizeof buf, "%" PRId64, v);
-    return gj_state_dict_set_metadata(sd, key, buf);
-}
-
-static int meta_f64(gj_state_dict *sd, const char *key, double v) {
-    char buf[40];
-    snprintf(buf, sizeof buf, "%.17g", v); /* round-trips exactly */
-    return gj_state_dict_set_metadata(sd, key, buf);
-}
-
 static int add_f64s(gj_state_dict *sd, const char *name, int64_t n, const double *data) {
     gj_tensor *t = gj_from_data(GJ_F64, 1, &n, data);
     int rc = t ? gj_state_dict_add(sd, name, t) : -1;
@@ -931,11 +900,6 @@ static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
 done:
     trainer_free(&t);
     return rc;
-}
-
-static int cmp_dbl(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* --both: eager and compiled runs from the same seed, one step each in turn

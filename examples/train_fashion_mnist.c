@@ -49,6 +49,7 @@
  * a terminal, progress is printed at every tenth of an epoch.
  */
 #include "gradjit.h"
+#include "common.h"
 #include "plot.h"
 
 #include <errno.h>
@@ -214,14 +215,6 @@ static void gather(const dataset *d, const int64_t *idx, int64_t first, int64_t 
     }
 }
 
-/* splitmix64: the shuffle generator. */
-static uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static void shuffle(int64_t *v, int64_t n, uint64_t *state) {
     for (int64_t i = n - 1; i > 0; i--) {
         int64_t j = (int64_t)(splitmix64(state) % (uint64_t)(i + 1));
@@ -312,12 +305,6 @@ typedef struct opts {
 } opts;
 
 /* Set by SIGINT; the training loop stops at the next step boundary. */
-static volatile sig_atomic_t g_interrupted;
-
-static void on_sigint(int sig) {
-    (void)sig;
-    g_interrupted = 1;
-}
 
 /* What one training run measured. */
 typedef struct run_out {
@@ -329,12 +316,6 @@ typedef struct run_out {
     double *train_loss;  /* [epochs] mean training loss */
     gj_ca_stats ca;
 } run_out;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void run_out_free(run_out *r) {
     free(r->loss);
@@ -502,18 +483,6 @@ static gj_state_dict *model_dict(model *m) {
             return NULL;
         }
     return sd;
-}
-
-static int meta_i64(gj_state_dict *sd, const char *key, int64_t v) {
-    char buf[32];
-    snprintf(buf, sizeof buf, "%" PRId64, v);
-    return gj_state_dict_set_metadata(sd, key, buf);
-}
-
-static int meta_f64(gj_state_dict *sd, const char *key, double v) {
-    char buf[40];
-    snprintf(buf, sizeof buf, "%.17g", v); /* round-trips exactly */
-    return gj_state_dict_set_metadata(sd, key, buf);
 }
 
 /* A copy of data [n] as a tensor named name in sd. */
@@ -778,11 +747,6 @@ static int train(const opts *o, bool compiled, const dataset *tr, const dataset 
 done:
     trainer_free(&t);
     return rc;
-}
-
-static int cmp_dbl(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* --both: the eager and the compiled run side by side, one step of each in

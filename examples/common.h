@@ -1,0 +1,61 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * common.h - small helpers the example trainers share (header-only, all
+ * static inline: a trainer that does not use one pays nothing): a
+ * monotonic clock, a qsort comparator, the seeded shuffle's generator,
+ * checkpoint metadata as exact decimals, and the Ctrl-C flag. Not part of
+ * the library.
+ */
+#ifndef GJ_EXAMPLES_COMMON_H
+#define GJ_EXAMPLES_COMMON_H
+
+#include "gradjit.h"
+
+#include <inttypes.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+/* Set by the SIGINT handler: the trainer finishes its step, saves (--save)
+ * and exits 130. */
+static volatile sig_atomic_t g_interrupted;
+
+static inline void on_sigint(int sig) {
+    (void)sig;
+    g_interrupted = 1;
+}
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static inline uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Checkpoint metadata: integers and doubles as decimals that read back
+ * exactly (%.17g round-trips a double). 0 or -1 (error set). */
+static inline int meta_i64(gj_state_dict *sd, const char *key, int64_t v) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%" PRId64, v);
+    return gj_state_dict_set_metadata(sd, key, buf);
+}
+
+static inline int meta_f64(gj_state_dict *sd, const char *key, double v) {
+    char buf[40];
+    snprintf(buf, sizeof buf, "%.17g", v);
+    return gj_state_dict_set_metadata(sd, key, buf);
+}
+
+#endif /* GJ_EXAMPLES_COMMON_H */
