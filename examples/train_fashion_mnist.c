@@ -27,9 +27,10 @@
  * curve(s) and the test accuracy per epoch (examples/plot.h).
  *
  * Data: Debian's dataset-fashion-mnist package, /usr/share/datasets/
- * fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz (IDX files,
- * big-endian header, read through zlib). Magic numbers, dimensions and label
- * range are checked; a missing file exits with code 2 and names the package.
+ * fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz, read with the
+ * library's gj_idx_load (examples/fashion_data.h): header, dimensions, exact
+ * length and label range are checked; a missing file exits with code 2 and
+ * names the package.
  * Pixels are scaled to [0,1] and standardised with the dataset's mean/std
  * (0.2860 / 0.3530).
  *
@@ -50,6 +51,7 @@
  */
 #include "gradjit.h"
 #include "common.h"
+#include "fashion_data.h"
 #include "plot.h"
 
 #include <errno.h>
@@ -61,10 +63,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#include <zlib.h>
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist"
-#define DATA_PACKAGE "dataset-fashion-mnist"
 #define PIX_MEAN 0.2860f
 #define PIX_STD 0.3530f
 #define TARGET_ACC 0.87
@@ -75,131 +74,6 @@
 enum { ROWS = 28, COLS = 28, IN = ROWS * COLS, H1 = 512, H2 = 256, K = 10 };
 
 /* ---------------------------------------------------------------- data */
-
-typedef struct dataset {
-    uint8_t *images; /* [n, 784] */
-    uint8_t *labels; /* [n], values 0..9 */
-    int64_t n;
-} dataset;
-
-static uint32_t be32(const uint8_t *p) {
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
-/* Reads exactly len bytes from g; 0 on success. */
-static int gz_read_all(gzFile g, uint8_t *buf, size_t len) {
-    while (len > 0) {
-        unsigned chunk = len > (1u << 30) ? (1u << 30) : (unsigned)len;
-        int got = gzread(g, buf, chunk);
-        if (got <= 0)
-            return -1;
-        buf += got;
-        len -= (size_t)got;
-    }
-    return 0;
-}
-
-/* Loads one IDX file: magic 0x801 (labels, 1 dim) or 0x803 (images, 3 dims
- * of n x 28 x 28). *out receives a malloc'd buffer of *n_items items.
- * Returns 0, 2 if the file is missing, or 1 (message printed) if damaged. */
-static int load_idx(const char *path, uint32_t magic, uint8_t **out, int64_t *n_items) {
-    *out = NULL;
-    if (access(path, R_OK) != 0) {
-        fprintf(stderr,
-                "train_fashion_mnist: cannot read %s (%s).\n"
-                "The Fashion-MNIST data comes from the Debian package \"%s\": "
-                "apt install %s\n",
-                path, strerror(errno), DATA_PACKAGE, DATA_PACKAGE);
-        return 2;
-    }
-    gzFile g = gzopen(path, "rb");
-    if (!g) {
-        fprintf(stderr, "train_fashion_mnist: gzopen %s failed\n", path);
-        return 1;
-    }
-    int ndim = (int)(magic & 0xff);
-    uint8_t hdr[16];
-    size_t hlen = 4 + 4 * (size_t)ndim;
-    int rc = 1;
-    if (gz_read_all(g, hdr, hlen) != 0) {
-        fprintf(stderr, "train_fashion_mnist: %s: truncated IDX header\n", path);
-        goto done;
-    }
-    if (be32(hdr) != magic) {
-        fprintf(stderr, "train_fashion_mnist: %s: magic 0x%08x, expected 0x%08x\n", path,
-                be32(hdr), magic);
-        goto done;
-    }
-    int64_t n = be32(hdr + 4), per = 1;
-    for (int d = 1; d < ndim; d++)
-        per *= be32(hdr + 4 + 4 * d);
-    if (ndim == 3 && (be32(hdr + 8) != ROWS || be32(hdr + 12) != COLS)) {
-        fprintf(stderr, "train_fashion_mnist: %s: images are %ux%u, expected %dx%d\n", path,
-                be32(hdr + 8), be32(hdr + 12), ROWS, COLS);
-        goto done;
-    }
-    if (n <= 0 || n > 10000000) {
-        fprintf(stderr, "train_fashion_mnist: %s: implausible item count %lld\n", path,
-                (long long)n);
-        goto done;
-    }
-    size_t bytes = (size_t)(n * per);
-    *out = malloc(bytes);
-    if (!*out) {
-        fprintf(stderr, "train_fashion_mnist: out of memory reading %s\n", path);
-        goto done;
-    }
-    if (gz_read_all(g, *out, bytes) != 0) {
-        fprintf(stderr, "train_fashion_mnist: %s: truncated data (expected %zu bytes)\n", path,
-                bytes);
-        goto done;
-    }
-    uint8_t extra;
-    if (gzread(g, &extra, 1) != 0) {
-        fprintf(stderr, "train_fashion_mnist: %s: trailing bytes after %zu data bytes\n", path,
-                bytes);
-        goto done;
-    }
-    *n_items = n;
-    rc = 0;
-done:
-    if (rc != 0) {
-        free(*out);
-        *out = NULL;
-    }
-    gzclose(g);
-    return rc;
-}
-
-/* Loads split ("train" or "t10k") with expected_n items; 0, 1 or 2 as load_idx. */
-static int load_split(const char *split, int64_t expected_n, dataset *d) {
-    char ip[512], lp[512];
-    snprintf(ip, sizeof ip, "%s/%s-images-idx3-ubyte.gz", DATA_DIR, split);
-    snprintf(lp, sizeof lp, "%s/%s-labels-idx1-ubyte.gz", DATA_DIR, split);
-    int64_t ni = 0, nl = 0;
-    int rc = load_idx(ip, 0x00000803u, &d->images, &ni);
-    if (rc == 0)
-        rc = load_idx(lp, 0x00000801u, &d->labels, &nl);
-    if (rc == 0 && (ni != expected_n || nl != expected_n)) {
-        fprintf(stderr, "train_fashion_mnist: %s: %lld images and %lld labels, expected %lld\n",
-                split, (long long)ni, (long long)nl, (long long)expected_n);
-        rc = 1;
-    }
-    for (int64_t i = 0; rc == 0 && i < nl; i++)
-        if (d->labels[i] >= K) {
-            fprintf(stderr, "train_fashion_mnist: %s: label %u at %lld out of range\n", split,
-                    d->labels[i], (long long)i);
-            rc = 1;
-        }
-    d->n = ni;
-    return rc;
-}
-
-static void dataset_free(dataset *d) {
-    free(d->images);
-    free(d->labels);
-    *d = (dataset){0};
-}
 
 /* Standardised pixels of rows idx[0..n) (or rows first..first+n if idx is
  * NULL) into x [n, 784] and their labels into y [n]. */
@@ -1049,9 +923,9 @@ int main(int argc, char **argv) {
         }
     }
     dataset tr = {0}, te = {0};
-    int rc = load_split("train", 60000, &tr);
+    int rc = load_split("train_fashion_mnist", "train", 60000, &tr);
     if (rc == 0)
-        rc = load_split("t10k", 10000, &te);
+        rc = load_split("train_fashion_mnist", "t10k", 10000, &te);
     if (rc != 0) {
         dataset_free(&tr);
         dataset_free(&te);
