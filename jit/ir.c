@@ -261,7 +261,14 @@ static const char *role_name(gj_jit_role r) {
     }
 }
 
+/* " 'name'" of the leaf of accumulate node acc, when the graph knows it. */
+static const char *acc_label(const gj_jit_graph *g, int acc, char *buf, size_t cap) {
+    if (!g->walk_nodes || acc < 0 || acc >= g->n_walk_nodes || !g->walk_nodes[acc]) return "";
+    return gj_rt_tensor_label(g->walk_nodes[acc]->leaf, buf, cap);
+}
+
 void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
+    char nb[300];
     char mb[200], ab[200];
     fprintf(f, "graph: %d inputs, %d nodes, %d outputs\n", g->n_inputs, g->n_nodes,
             g->n_outputs);
@@ -271,7 +278,8 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         fprintf(f, "  %%%d = input #%d %s", in->value, i, role_name(in->role));
         if (in->role == GJ_JIT_IN_SAVED) fprintf(f, " node %d slot %d", in->node, in->slot);
         if (in->role == GJ_JIT_IN_SEED) fprintf(f, " root %d", in->slot);
-        if (in->role == GJ_JIT_IN_GRAD) fprintf(f, " of acc node %d", in->node);
+        if (in->role == GJ_JIT_IN_GRAD)
+            fprintf(f, " of acc node %d%s", in->node, acc_label(g, in->node, nb, sizeof nb));
         fprintf(f, " : %s\n", mb);
     }
     for (int i = 0; i < g->n_nodes; i++) {
@@ -300,7 +308,8 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
                     g->hooks[i].node, g->hooks[i].j);
     for (int i = 0; i < g->n_outputs; i++) {
         const gj_jit_output *o = &g->outputs[i];
-        fprintf(f, "  output #%d: %%%d -> .grad of acc node %d%s\n", i, o->value, o->acc_node,
+        fprintf(f, "  output #%d: %%%d -> .grad of acc node %d%s%s\n", i, o->value, o->acc_node,
+                acc_label(g, o->acc_node, nb, sizeof nb),
                 o->grad_input >= 0 ? " (in place)" : " (new)");
     }
 }

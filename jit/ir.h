@@ -106,6 +106,11 @@ typedef struct gj_jit_graph {
     int n_outputs, cap_outputs;
     gj_jit_hookref *hooks; /* every hook call, in the engine's order */
     int n_hooks, cap_hooks;
+    /* For messages only: the accumulate nodes' leaves by canonical index
+     * (borrowed from the capture's walk, valid while it lives), so dumps can
+     * quote a leaf's gj_tensor_set_name. NULL: none. */
+    gj_ag_node *const *walk_nodes;
+    int n_walk_nodes;
 } gj_jit_graph;
 
 void gj_jit_graph_init(gj_jit_graph *g);

@@ -379,6 +379,8 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
     memset(cap, 0, sizeof *cap);
     cap->code = GJ_CA_OTHER;
     gj_jit_graph_init(&cap->g);
+    cap->g.walk_nodes = w->nodes; /* leaf names in GRADJIT_LOG=graph */
+    cap->g.n_walk_nodes = w->n;
     recorder r = {
         .b = {.emit = rec_emit,
               .meta = rec_meta,

@@ -6,7 +6,9 @@
 #include "gjtest.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static void test_name_api(void **state) {
     (void)state;
@@ -81,12 +83,56 @@ static void test_errors_quote_names(void **state) {
     gj_release(w);
 }
 
+/* GRADJIT_LOG=graph (set in main) quotes a leaf's name in the captured
+ * graph's .grad outputs: stderr goes to a file for one compiled backward. */
+static void test_graph_dump_quotes_names(void **state) {
+    (void)state;
+    char path[] = "/tmp/gjt_names_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    gj_tensor *w = gj_ones(GJ_F32, 2, (int64_t[]){3, 3});
+    gj_tensor *x = gj_ones(GJ_F32, 2, (int64_t[]){2, 3});
+    assert_int_equal(gj_set_requires_grad(w, true), 0);
+    assert_int_equal(gj_tensor_set_name(w, "encoder.w_q"), 0);
+    bool was = gj_compiled_autograd_enabled();
+    gj_set_compiled_autograd(true);
+    fflush(stderr);
+    int saved = dup(2);
+    assert_true(dup2(fd, 2) >= 0);
+    gj_scope_push();
+    gj_tensor *loss = gj_sum(gj_tanh(gj_matmul(x, w)), 0, NULL, false);
+    int rc = gj_backward(loss, NULL);
+    gj_scope_pop();
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    gj_set_compiled_autograd(was);
+    assert_int_equal(rc, 0);
+    char buf[65536];
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    close(fd);
+    unlink(path);
+    assert_true(n > 0);
+    buf[n] = 0;
+    if (!strstr(buf, ".grad of acc node") || !strstr(buf, "'encoder.w_q'")) {
+        fprintf(stderr, "graph dump without the name:\n%s\n", buf);
+        fail();
+    }
+    gj_release(x);
+    gj_release(w);
+}
+
 int main(void) {
+    /* before anything reads GRADJIT_LOG (once per process); a disk cache
+     * hit would skip the capture that prints the graph */
+    setenv("GRADJIT_LOG", "graph", 1);
+    setenv("GRADJIT_CACHE_DIR", "off", 1);
     gjt_setup();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_name_api),
         cmocka_unit_test(test_layers_name_params),
         cmocka_unit_test(test_errors_quote_names),
+        cmocka_unit_test(test_graph_dump_quotes_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
