@@ -14,6 +14,7 @@
  *   demo_w1 [--steps N] [--threads N]
  */
 #include "gradjit.h"
+#include "args.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -123,20 +124,15 @@ static double median(const double *v, int n) {
 
 int main(int argc, char **argv) {
     int steps = 20, threads = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--steps") && i + 1 < argc)
-            steps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
-            threads = atoi(argv[++i]);
-        else {
-            fprintf(stderr, "usage: demo_w1 [--steps N] [--threads N]\n");
-            return 2;
-        }
-    }
-    if (steps < 1 || steps > MAX_STEPS) {
-        fprintf(stderr, "demo_w1: --steps must be 1..%d\n", MAX_STEPS);
-        return 2;
-    }
+    const arg_spec specs[] = {
+        ARG_OPT("steps", ARG_INT, &steps, 1, MAX_STEPS, "training steps"),
+        ARG_OPT("threads", ARG_INT, &threads, 0, 4096, "gradjit threads (0: every CPU)"),
+    };
+    int prc = args_parse("demo_w1",
+                         "Trains W1 (784-1024-1024-10 GELU MLP, synthetic data) eagerly and "
+                         "compiled and prints both step times.",
+                         argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
+    if (prc != 0) return prc > 0 ? 0 : 2;
     gj_set_num_threads(threads);
     gj_info info;
     gj_get_info(&info);

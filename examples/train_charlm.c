@@ -57,6 +57,7 @@
  * terminal, progress is printed at every tenth of the run.
  */
 #include "gradjit.h"
+#include "args.h"
 #include "common.h"
 #include "plot.h"
 
@@ -968,23 +969,7 @@ done:
 
 /* ---------------------------------------------------------------- main */
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: train_charlm [--compiled-autograd | --both] [--steps N | --epochs N] "
-            "[--batch N] [--ctx T]\n"
-            "                    [--lr X] [--seed N] [--threads N] [--quiet] [--text PATH]...\n"
-            "                    [--sample N] [--temperature X] [--csv FILE] [--png FILE]\n"
-            "                    [--save FILE] [--resume FILE] [--stop-after N]\n"
-            "  defaults: 300 steps, batch 16, ctx 64, lr 6e-3, seed 42, all threads, text: the\n"
-            "  files of %s, sample 400 chars at temperature 0.8,\n"
-            "  charlm_loss.csv / charlm_loss.png (\"-\": none)\n"
-            "  --save FILE: checkpoint (safetensors) at the end, on Ctrl-C and at --stop-after "
-            "N steps;\n"
-            "  --resume FILE: continue a saved run bit-identically (same settings and "
-            "--threads)\n",
-            DEFAULT_DIR);
-}
-
+/* The options (examples/args.h). 0, 1 (--help/--version printed) or -1. */
 static int parse_opts(int argc, char **argv, opts *o) {
     *o = (opts){.steps = 300,
                 .batch = 16,
@@ -996,98 +981,38 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 .csv = "charlm_loss.csv",
                 .png = "charlm_loss.png"};
     bool steps_given = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        char *end = NULL;
-        if (!strcmp(a, "--compiled-autograd")) {
-            o->compiled = true;
-        } else if (!strcmp(a, "--both")) {
-            o->both = true;
-        } else if (!strcmp(a, "--quiet")) {
-            o->quiet = true;
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!v) {
-            fprintf(stderr, "train_charlm: unknown option or missing value: %s\n", a);
-            return -1;
-        } else {
-            i++;
-            errno = 0;
-            long n = 0;
-            if (!strcmp(a, "--steps")) {
-                n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 10000000)
-                    goto bad;
-                o->steps = n;
-                steps_given = true;
-            } else if (!strcmp(a, "--epochs")) {
-                n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 10000)
-                    goto bad;
-                o->epochs = (int)n;
-            } else if (!strcmp(a, "--batch")) {
-                n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 4096)
-                    goto bad;
-                o->batch = (int)n;
-            } else if (!strcmp(a, "--ctx")) {
-                n = strtol(v, &end, 10);
-                if (*end || errno || n < 2 || n > 1024)
-                    goto bad;
-                o->ctx = (int)n;
-            } else if (!strcmp(a, "--threads")) {
-                n = strtol(v, &end, 10);
-                if (*end || errno || n < 0 || n > 4096)
-                    goto bad;
-                o->threads = (int)n;
-            } else if (!strcmp(a, "--sample")) {
-                n = strtol(v, &end, 10);
-                if (*end || errno || n < 0 || n > 100000)
-                    goto bad;
-                o->sample = (int)n;
-            } else if (!strcmp(a, "--lr")) {
-                o->lr = strtod(v, &end);
-                if (*end || errno || !(o->lr > 0) || !isfinite(o->lr))
-                    goto bad;
-            } else if (!strcmp(a, "--temperature")) {
-                o->temperature = strtod(v, &end);
-                if (*end || errno || !(o->temperature > 0) || !isfinite(o->temperature))
-                    goto bad;
-            } else if (!strcmp(a, "--seed")) {
-                o->seed = strtoull(v, &end, 10);
-                if (*end || errno)
-                    goto bad;
-            } else if (!strcmp(a, "--text")) {
-                if (o->n_texts == MAX_TEXTS) {
-                    fprintf(stderr, "train_charlm: at most %d --text files\n", MAX_TEXTS);
-                    return -1;
-                }
-                o->texts[o->n_texts++] = v;
-            } else if (!strcmp(a, "--csv")) {
-                o->csv = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--png")) {
-                o->png = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--save")) {
-                o->save = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--resume")) {
-                o->resume = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--stop-after")) {
-                long long k = strtoll(v, &end, 10);
-                if (*end || errno || k < 1)
-                    goto bad;
-                o->stop_after = k;
-            } else {
-                fprintf(stderr, "train_charlm: unknown option %s\n", a);
-                return -1;
-            }
-            continue;
-        bad:
-            fprintf(stderr, "train_charlm: bad value for %s: '%s'\n", a, v);
-            return -1;
-        }
-    }
+    arg_spec specs[] = {
+        ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("both", ARG_FLAG, &o->both, 0, 0,
+                "train eager and compiled side by side (steps in turn, ABBA), paired ratios"),
+        ARG_OPT("steps", ARG_I64, &o->steps, 1, 10000000, "training steps"),
+        ARG_OPT("epochs", ARG_INT, &o->epochs, 1, 10000,
+                "epochs over the text instead of --steps (0: use --steps)"),
+        ARG_OPT("batch", ARG_INT, &o->batch, 1, 4096, "sequences per batch"),
+        ARG_OPT("ctx", ARG_INT, &o->ctx, 2, 1024, "context length (characters)"),
+        ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
+        ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "seed of the weights and the batches"),
+        ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
+        ARG_OPT("quiet", ARG_FLAG, &o->quiet, 0, 0, "no per-step progress"),
+        {.name = "text", .kind = ARG_STRS, .dst = (void *)o->texts, .count = &o->n_texts,
+         .max = MAX_TEXTS, .help = "a text file to train on (repeatable; default: the files "
+                                   "of " DEFAULT_DIR ")"},
+        ARG_OPT("sample", ARG_INT, &o->sample, 0, 100000, "characters sampled at the end"),
+        ARG_OPT("temperature", ARG_DOUBLE, &o->temperature, 0, 1e6, "sampling temperature"),
+        ARG_OPT("csv", ARG_FILE, &o->csv, 0, 0, "loss curve as CSV (\"-\": none)"),
+        ARG_OPT("png", ARG_FILE, &o->png, 0, 0, "loss curves as PNG (\"-\": none)"),
+        ARG_OPT("save", ARG_FILE, &o->save, 0, 0,
+                "safetensors checkpoint at the end, on Ctrl-C and at --stop-after"),
+        ARG_OPT("resume", ARG_FILE, &o->resume, 0, 0,
+                "continue a saved run bit-identically (same settings and --threads)"),
+        ARG_OPT("stop-after", ARG_I64, &o->stop_after, 1, 9e18, "stop (and save) after N steps"),
+    };
+    specs[2].given = &steps_given;
+    int rc = args_parse("train_charlm",
+                        "Trains a character-level transformer on text files, eager or with "
+                        "compiled autograd, and samples from it.",
+                        argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
+    if (rc != 0) return rc;
     if (o->both && o->compiled) {
         fprintf(stderr, "train_charlm: --both already runs the compiled mode\n");
         return -1;
@@ -1217,10 +1142,8 @@ static void print_result(const char *tag, const run_out *r, double h_uni, const 
 
 int main(int argc, char **argv) {
     opts o;
-    if (parse_opts(argc, argv, &o) != 0) {
-        usage(stderr);
-        return 2;
-    }
+    int prc = parse_opts(argc, argv, &o);
+    if (prc != 0) return prc > 0 ? 0 : 2;
     o.tty = isatty(STDOUT_FILENO) != 0;
     /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
      * (read here, before this program sets the flag itself). */

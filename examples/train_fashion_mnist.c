@@ -50,6 +50,7 @@
  * a terminal, progress is printed at every tenth of an epoch.
  */
 #include "gradjit.h"
+#include "args.h"
 #include "common.h"
 #include "fashion_data.h"
 #include "plot.h"
@@ -697,22 +698,7 @@ done:
 
 /* ---------------------------------------------------------------- main */
 
-static void usage(FILE *f) {
-    fprintf(f, "usage: train_fashion_mnist [--compiled-autograd | --both] [--epochs N] "
-               "[--batch N] [--lr X]\n"
-               "                           [--seed N] [--threads N] [--quiet] [--csv FILE] "
-               "[--png FILE]\n"
-               "                           [--save FILE] [--resume FILE] [--stop-after N] [--ddp]\n"
-               "  --ddp: data parallel over MPI ranks (mpirun -np N train_fashion_mnist --ddp):\n"
-               "         each rank takes 1/N of every batch, gradients are averaged\n"
-               "  --csv/--png: loss curve files (defaults fashion_mnist_loss.csv/.png; "
-               "\"-\": none)\n"
-               "  --save FILE: checkpoint (safetensors) at the end, on Ctrl-C and at "
-               "--stop-after N steps\n"
-               "  --resume FILE: continue a saved run bit-identically (same --batch, --seed, "
-               "--threads)\n");
-}
-
+/* The options (examples/args.h). 0, 1 (--help/--version printed) or -1. */
 static int parse_opts(int argc, char **argv, opts *o) {
     *o = (opts){.epochs = 3,
                 .batch = 128,
@@ -720,73 +706,32 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 .seed = 42,
                 .csv = "fashion_mnist_loss.csv",
                 .png = "fashion_mnist_loss.png"};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        char *end = NULL;
-        if (!strcmp(a, "--compiled-autograd")) {
-            o->compiled = true;
-        } else if (!strcmp(a, "--both")) {
-            o->both = true;
-        } else if (!strcmp(a, "--quiet")) {
-            o->quiet = true;
-        } else if (!strcmp(a, "--ddp")) {
-            o->ddp = true;
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!v) {
-            fprintf(stderr, "train_fashion_mnist: unknown option or missing value: %s\n", a);
-            return -1;
-        } else {
-            i++;
-            errno = 0;
-            if (!strcmp(a, "--epochs")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 1000)
-                    goto bad;
-                o->epochs = (int)n;
-            } else if (!strcmp(a, "--batch")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 60000)
-                    goto bad;
-                o->batch = (int)n;
-            } else if (!strcmp(a, "--threads")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 0 || n > 4096)
-                    goto bad;
-                o->threads = (int)n;
-            } else if (!strcmp(a, "--lr")) {
-                o->lr = strtod(v, &end);
-                if (*end || errno || !(o->lr > 0) || !isfinite(o->lr))
-                    goto bad;
-            } else if (!strcmp(a, "--seed")) {
-                o->seed = strtoull(v, &end, 10);
-                if (*end || errno)
-                    goto bad;
-            } else if (!strcmp(a, "--csv")) {
-                o->csv = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--png")) {
-                o->png = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--save")) {
-                o->save = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--resume")) {
-                o->resume = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--stop-after")) {
-                long long n = strtoll(v, &end, 10);
-                if (*end || errno || n < 1)
-                    goto bad;
-                o->stop_after = n;
-            } else {
-                fprintf(stderr, "train_fashion_mnist: unknown option %s\n", a);
-                return -1;
-            }
-            continue;
-        bad:
-            fprintf(stderr, "train_fashion_mnist: bad value for %s: '%s'\n", a, v);
-            return -1;
-        }
-    }
+    const arg_spec specs[] = {
+        ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("both", ARG_FLAG, &o->both, 0, 0,
+         "train eager and compiled side by side (steps in turn, ABBA) and print paired ratios"),
+        ARG_OPT("epochs", ARG_INT, &o->epochs, 1, 1000, "epochs"),
+        ARG_OPT("batch", ARG_INT, &o->batch, 1, 60000, "examples per batch"),
+        ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
+        ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "seed of the weights and the shuffle"),
+        ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
+        ARG_OPT("quiet", ARG_FLAG, &o->quiet, 0, 0, "no per-step progress"),
+        ARG_OPT("csv", ARG_FILE, &o->csv, 0, 0, "loss curve as CSV (\"-\": none)"),
+        ARG_OPT("png", ARG_FILE, &o->png, 0, 0, "loss curve and accuracy as PNG (\"-\": none)"),
+        ARG_OPT("save", ARG_FILE, &o->save, 0, 0,
+         "safetensors checkpoint at the end, on Ctrl-C and at --stop-after"),
+        ARG_OPT("resume", ARG_FILE, &o->resume, 0, 0,
+         "continue a saved run bit-identically (same --batch, --seed, --threads)"),
+        ARG_OPT("stop-after", ARG_I64, &o->stop_after, 1, 9e18, "stop (and save) after N steps"),
+        ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
+         "data parallel over MPI ranks (mpirun -np N ... --ddp): each rank takes 1/N of every "
+         "batch, gradients are averaged"),
+    };
+    int rc = args_parse("train_fashion_mnist",
+                        "Trains a 784-512-256-10 GELU MLP on Fashion-MNIST (Debian's "
+                        "dataset-fashion-mnist), eager or with compiled autograd.",
+                        argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
+    if (rc != 0) return rc;
     o->size = 1;
     if (o->both && o->compiled) {
         fprintf(stderr, "train_fashion_mnist: --both already runs the compiled mode\n");
@@ -894,10 +839,8 @@ static void print_ca(const char *tag, const gj_ca_stats *c) {
 
 int main(int argc, char **argv) {
     opts o;
-    if (parse_opts(argc, argv, &o) != 0) {
-        usage(stderr);
-        return 2;
-    }
+    int prc = parse_opts(argc, argv, &o);
+    if (prc != 0) return prc > 0 ? 0 : 2;
     o.tty = isatty(STDOUT_FILENO) != 0;
     /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
      * (read here, before this program sets the flag itself). */
