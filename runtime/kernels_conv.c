@@ -80,13 +80,29 @@ typedef struct gj_k_im2col_ctx {
     uint64_t pad; /* the pad value's bits in the dtype (low el bytes) */
 } gj_k_im2col_ctx;
 
-/* One row (n, c, i, j) of OH*OW elements, for an element type T. */
+/* The output columns [*lo, *hi) whose tap lands inside [0, size): tap
+ * offset t (= -pad + tap * dilation), stride st; position o reads o*st + t. */
+static void gj_k_in_range(int64_t n_out, int64_t size, int64_t st, int64_t t, int64_t *lo,
+                          int64_t *hi) {
+    int64_t a = t >= 0 ? 0 : (-t + st - 1) / st;         /* first o with o*st + t >= 0 */
+    int64_t b = size - t <= 0 ? 0 : (size - t - 1) / st + 1; /* first o with o*st + t >= size */
+    *lo = a < n_out ? a : n_out;
+    *hi = b < n_out ? b : n_out;
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
+/* One row (n, c, i, j) of OH*OW elements, for an element type T: pad
+ * outside the image, a straight copy (contiguous when stride and the
+ * image's column stride are 1) inside. */
 #define GJ_K_IM2COL_ROW(T)                                                              \
     do {                                                                                \
         const T *xp = (const T *)c->x;                                                  \
         T *op = (T *)c->out + r * g->OH * g->OW;                                        \
         T pad;                                                                          \
         memcpy(&pad, &c->pad, sizeof pad);                                              \
+        int64_t tw = j * g->dw - g->pw, lo, hi;                                         \
+        gj_k_in_range(g->OW, g->W, g->sw, tw, &lo, &hi);                                \
         for (int64_t oh = 0; oh < g->OH; oh++, op += g->OW) {                           \
             int64_t h = oh * g->sh - g->ph + i * g->dh;                                 \
             if (h < 0 || h >= g->H) {                                                   \
@@ -94,10 +110,15 @@ typedef struct gj_k_im2col_ctx {
                 continue;                                                               \
             }                                                                           \
             const T *row = xp + n * xs[0] + ch * xs[1] + h * xs[2];                     \
-            for (int64_t ow = 0; ow < g->OW; ow++) {                                    \
-                int64_t w = ow * g->sw - g->pw + j * g->dw;                             \
-                op[ow] = (w < 0 || w >= g->W) ? pad : row[w * xs[3]];                   \
+            for (int64_t ow = 0; ow < lo; ow++) op[ow] = pad;                           \
+            if (g->sw == 1 && xs[3] == 1) {                                             \
+                memcpy(op + lo, row + lo + tw, (size_t)(hi - lo) * sizeof(T));          \
+            } else {                                                                    \
+                int64_t step = g->sw * xs[3];                                           \
+                const T *src = row + (lo * g->sw + tw) * xs[3];                         \
+                for (int64_t ow = lo; ow < hi; ow++, src += step) op[ow] = *src;        \
             }                                                                           \
+            for (int64_t ow = hi; ow < g->OW; ow++) op[ow] = pad;                       \
         }                                                                               \
     } while (0)
 
@@ -145,24 +166,32 @@ typedef struct gj_k_col2im_ctx {
     void *acc; /* [N, C, H, W]: the output (f32, f64) or an f32 scratch (bf16) */
 } gj_k_col2im_ctx;
 
-/* Plane (n, ch): acc = 0, then every tap added in (i, j, oh, ow) order. */
+/* Plane (n, ch): acc = 0, then every tap added in (i, j, oh, ow) order
+ * (only the columns whose tap lands in the image; a unit-stride inner loop
+ * when the stride and the columns' last stride are 1). */
 #define GJ_K_COL2IM_PLANE(TA, LOAD)                                                     \
     do {                                                                                \
         TA *ap = (TA *)c->acc + p * g->H * g->W;                                        \
         for (int64_t q = 0; q < g->H * g->W; q++) ap[q] = 0;                            \
         for (int64_t i = 0; i < g->kh; i++)                                             \
-            for (int64_t j = 0; j < g->kw; j++)                                         \
+            for (int64_t j = 0; j < g->kw; j++) {                                       \
+                int64_t tw = j * g->dw - g->pw, lo, hi;                                 \
+                gj_k_in_range(g->OW, g->W, g->sw, tw, &lo, &hi);                        \
                 for (int64_t oh = 0; oh < g->OH; oh++) {                                \
                     int64_t h = oh * g->sh - g->ph + i * g->dh;                         \
                     if (h < 0 || h >= g->H) continue;                                   \
                     int64_t base = n * cs[0] + ch * cs[1] + i * cs[2] + j * cs[3] +     \
                                    oh * cs[4];                                          \
                     TA *arow = ap + h * g->W;                                           \
-                    for (int64_t ow = 0; ow < g->OW; ow++) {                            \
-                        int64_t w = ow * g->sw - g->pw + j * g->dw;                     \
-                        if (w >= 0 && w < g->W) arow[w] += LOAD(base + ow * cs[5]);     \
+                    if (g->sw == 1 && cs[5] == 1) {                                     \
+                        for (int64_t ow = lo; ow < hi; ow++)                            \
+                            arow[ow + tw] += LOAD(base + ow);                           \
+                    } else {                                                            \
+                        for (int64_t ow = lo; ow < hi; ow++)                            \
+                            arow[ow * g->sw + tw] += LOAD(base + ow * cs[5]);           \
                     }                                                                   \
                 }                                                                       \
+            }                                                                           \
     } while (0)
 
 static void gj_k_col2im_range(void *vctx, int64_t b, int64_t e) {

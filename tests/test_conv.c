@@ -310,6 +310,54 @@ static void test_cnn_grad(void **s) {
     assert_int_equal(nfail, 0);
 }
 
+/* conv, relu, max-pool inside a checkpoint region (recomputed in backward;
+ * compiled: the recomputation's im2col becomes a fold step). */
+static int ckpt_body(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    gj_tensor *h = gj_conv2d(in[0], in[1], in[2], 1, 1, 1, 1);
+    h = h ? gj_relu(h) : NULL;
+    out[0] = h ? gj_max_pool2d(h, 2, 2, 0) : NULL;
+    return out[0] ? 0 : -1;
+}
+
+static gj_tensor *f_ckpt(gj_tensor **in, void *ctx) {
+    gj_tensor *y = NULL;
+    if (gj_checkpoint(ckpt_body, NULL, 3, in, 1, &y, NULL, NULL) != 0)
+        return NULL;
+    return y;
+}
+
+static void test_checkpointed_grad(void **s) {
+    int nfail = 0;
+    CHECK({.name = "conv relu max-pool in a checkpoint", .fn = f_ckpt, .n_in = 3,
+           .in = {{SH(2, 2, 4, 4), .distinct = true}, {SH(3, 2, 3, 3)}, {SH(3)}},
+           .data_seed = 41});
+    assert_int_equal(nfail, 0);
+}
+
+/* f32 and bf16 forwards and gradients against f64 on the same values. */
+static void test_low_precision(void **s) {
+    int nfail = 0;
+    const conv_cfg *c = &g_cases[3]; /* groups 2, padding 1, bias */
+    pool_ctx mp = {true, 3, 2, 1}, ap = {false, 3, 2, 1};
+    for (int d = 0; d < 2; d++) {
+        gj_dtype dt = d ? GJ_BF16 : GJ_F32;
+        double tol = d ? 5e-2 : 1e-5;
+        gjt_check cc = {.name = d ? "conv2d bf16" : "conv2d f32", .fn = f_conv, .ctx = (void *)c,
+                        .n_in = 3,
+                        .in = {{SH(1, 4, 5, 5)}, {SH(6, 2, 3, 3)}, {SH(6)}},
+                        .data_seed = 51};
+        nfail += gjt_gradcompare(&cc, dt, tol, tol) != 0;
+        gjt_check cm = {.name = d ? "max_pool2d bf16" : "max_pool2d f32", .fn = f_pool,
+                        .ctx = &mp, .n_in = 1, .in = {{SH(2, 2, 7, 6), .distinct = true}},
+                        .data_seed = 52};
+        nfail += gjt_gradcompare(&cm, dt, tol, tol) != 0;
+        gjt_check ca = {.name = d ? "avg_pool2d bf16" : "avg_pool2d f32", .fn = f_pool,
+                        .ctx = &ap, .n_in = 1, .in = {{SH(2, 2, 7, 6)}}, .data_seed = 53};
+        nfail += gjt_gradcompare(&ca, dt, tol, tol) != 0;
+    }
+    assert_int_equal(nfail, 0);
+}
+
 /* ---------------------------------------------------- exact semantics */
 
 /* Max-pool on a constant image: every window ties, so the gradient goes to
@@ -493,6 +541,8 @@ int main(void) {
         cmocka_unit_test(test_conv_grad),
         cmocka_unit_test(test_pool_grad),
         cmocka_unit_test(test_cnn_grad),
+        cmocka_unit_test(test_checkpointed_grad),
+        cmocka_unit_test(test_low_precision),
         cmocka_unit_test(test_max_pool_ties),
         cmocka_unit_test(test_avg_pool_include_pad),
         cmocka_unit_test(test_bad_input),
