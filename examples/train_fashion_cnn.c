@@ -8,7 +8,7 @@
  *
  *   train_fashion_cnn [--compiled-autograd | --both] [--epochs N] [--batch N]
  *                     [--lr X] [--seed N] [--threads N] [--channels C1,C2]
- *                     [--limit N] [--quiet] [--csv FILE] [--png FILE]
+ *                     [--limit N] [--cosine] [--quiet] [--csv FILE] [--png FILE]
  *
  * Output: a progress bar (on a terminal) with loss, examples/s and backward
  * ms; a line per epoch with test accuracy; the loss curve of every step as
@@ -31,7 +31,8 @@
  * +-1/sqrt(fan_in) as torch.nn.Conv2d/Linear; cross-entropy, AdamW (betas
  * 0.9/0.999, eps 1e-8, weight decay 0.01). Target: test accuracy >= 0.91
  * within 5 epochs. --limit N trains on the first N examples of each epoch's
- * order only (a quick look; the full set by default). Every epoch visits the
+ * order only (a quick look; the full set by default); --cosine decays the
+ * learning rate from --lr to 0 along a cosine over the run (gj_lr_cosine). Every epoch visits the
  * training set in a fresh shuffled order (splitmix64 from --seed) in full
  * batches only (the remainder of 60000 / batch is skipped that epoch, so every
  * step has one shape), and ends with test accuracy (no-grad forward, argmax).
@@ -333,7 +334,7 @@ fail:
 /* ------------------------------------------------------------ training */
 
 typedef struct opts {
-    bool compiled, both, quiet, tty;
+    bool compiled, both, quiet, tty, cosine;
     int epochs, batch, threads;
     int64_t c1, c2, limit;
     double lr;
@@ -449,6 +450,9 @@ static void trainer_epoch_begin(trainer *t, const dataset *tr) {
 static int trainer_step(trainer *t, const dataset *tr, int64_t b, double *bwd_ms) {
     const opts *o = t->o;
     gj_set_compiled_autograd(t->compiled);
+    if (o->cosine) /* cosine from lr to 0 over the whole run, no warm-up */
+        gj_optim_set_lr(t->opt, gj_lr_cosine(o->lr, t->step, 0,
+                                              t->per_epoch * (int64_t)o->epochs, 0.0));
     double ts = now_s();
     gather(tr, t->order, b * o->batch, o->batch, t->xb, t->yb);
     gj_scope_push();
@@ -636,10 +640,12 @@ static void usage(FILE *f) {
     fprintf(f, "usage: train_fashion_cnn [--compiled-autograd | --both] [--epochs N] "
                "[--batch N] [--lr X]\n"
                "                         [--seed N] [--threads N] [--channels C1,C2] "
-               "[--limit N] [--quiet]\n"
+               "[--limit N] [--cosine] [--quiet]\n"
                "                         [--csv FILE] [--png FILE]\n"
                "  defaults: --epochs %d --batch 128 --lr 0.001 --seed 42 --channels 32,64\n"
                "  --limit N: train on N examples per epoch (default: all 60000)\n"
+               "  --cosine: cosine learning-rate decay from --lr to 0 over the run "
+               "(default: constant)\n"
                "  --csv/--png: loss curve files (defaults fashion_cnn_loss.csv/.png; "
                "\"-\": none)\n", TARGET_EPOCHS);
 }
@@ -661,6 +667,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
             o->compiled = true;
         } else if (!strcmp(a, "--both")) {
             o->both = true;
+        } else if (!strcmp(a, "--cosine")) {
+            o->cosine = true;
         } else if (!strcmp(a, "--quiet")) {
             o->quiet = true;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -863,10 +871,11 @@ int main(int argc, char **argv) {
     if (!o.quiet)
         printf("gradjit %s, %d threads, BLAS %s | Fashion-MNIST %lld train / %lld test | "
                "CNN conv5x5 1-%lld, pool, conv5x5 %lld-%lld, pool, linear %lld-%d (ReLU), "
-               "AdamW lr %g, batch %d, %d epochs, seed %llu\n",
+               "AdamW lr %g%s, batch %d, %d epochs, seed %llu\n",
                info.version, info.num_threads, info.blas_core ? info.blas_core : "?",
                (long long)tr.n, (long long)te.n, (long long)o.c1, (long long)o.c1,
-               (long long)o.c2, (long long)(o.c2 * 49), K, o.lr, o.batch, o.epochs,
+               (long long)o.c2, (long long)(o.c2 * 49), K, o.lr, o.cosine ? " cosine" : "",
+               o.batch, o.epochs,
                (unsigned long long)o.seed);
 
     run_out a = {0}, b = {0};
