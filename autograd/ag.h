@@ -283,6 +283,9 @@ extern const gj_ag_opdef gj_ag_op_add, gj_ag_op_sub, gj_ag_op_mul, gj_ag_op_div,
 /* Appended by ops: masked_fill(x, mask) with f[0] = value; linear(x, w[, b])
  * with i[0] = has_bias (see autograd/ops_*.c for every op's attributes). */
 extern const gj_ag_opdef gj_ag_op_masked_fill, gj_ag_op_linear;
+/* Appended by conv (ops_conv.c, its header lists the attributes): conv2d(x,
+ * w[, b]), max_pool2d(x), avg_pool2d(x), NCHW. */
+extern const gj_ag_opdef gj_ag_op_conv2d, gj_ag_op_max_pool2d, gj_ag_op_avg_pool2d;
 
 /* ------------------------------------ checkpoint regions (helper ckpt) */
 /* Activation checkpointing (autograd/checkpoint.c, public gj_checkpoint).

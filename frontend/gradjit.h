@@ -249,6 +249,28 @@ GJ_API gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b);
 GJ_API gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value);
 GJ_API gj_tensor *gj_cast(gj_tensor *x, gj_dtype dtype);
 
+/* Convolution and pooling, NCHW layout (f32, f64, bf16; new reference).
+ * gj_conv2d: x [N, C, H, W], w [OC, C / groups, kh, kw], b [OC] or NULL;
+ * out [N, OC, OH, OW] with OH = (H + 2 padding - dilation (kh - 1) - 1) /
+ * stride + 1 (the same for OW), as torch.nn.functional.conv2d with the same
+ * stride, padding and dilation on both axes. Needs stride >= 1, padding
+ * >= 0, dilation >= 1, groups >= 1 dividing both C and OC, equal dtypes
+ * and OH, OW >= 1; otherwise NULL and an error naming the op, the shapes,
+ * dtypes and attributes. */
+GJ_API gj_tensor *gj_conv2d(gj_tensor *x, gj_tensor *w, gj_tensor *b, int64_t stride,
+                            int64_t padding, int64_t dilation, int64_t groups);
+/* Pools over kernel x kernel windows: x [N, C, H, W] -> [N, C, OH, OW],
+ * OH = (H + 2 padding - kernel) / stride + 1 (floor, PyTorch's default
+ * ceil_mode=False). stride 0 means stride = kernel (PyTorch's default);
+ * padding must be at most kernel / 2.
+ * gj_max_pool2d pads with -inf; its gradient goes to the first position of
+ * each window (row-major) holding the maximum, as PyTorch's (a NaN counts
+ * as the maximum).
+ * gj_avg_pool2d pads with zeros and always divides by kernel * kernel:
+ * padded positions count (PyTorch's count_include_pad=True default). */
+GJ_API gj_tensor *gj_max_pool2d(gj_tensor *x, int64_t kernel, int64_t stride, int64_t padding);
+GJ_API gj_tensor *gj_avg_pool2d(gj_tensor *x, int64_t kernel, int64_t stride, int64_t padding);
+
 /* In-place ops: bump the version counter; return 0 or an error status.
  * Not allowed on a leaf that requires grad while grad mode is on. */
 GJ_API int gj_add_(gj_tensor *x, gj_tensor *y);  /* x += y (y broadcast to x) */

@@ -973,3 +973,114 @@ int gj_copy_(gj_tensor *dst, gj_tensor *src) {
     gj_rt_bump_version(dst);
     return 0;
 }
+
+/* ------------------------------------------------ convolution and pooling */
+
+/* Sets "<op>: <what> (x [..] dt[, w [..] dt], <geometry>)" and returns NULL. */
+static gj_tensor *fe_win_error(const char *op, const char *what, const gj_tensor *x,
+                               const gj_tensor *w, const char *geo) {
+    char sx[160], sw[160] = "";
+    gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
+    if (w)
+        gj_rt_fmt_shape(sw, sizeof sw, w->ndim, w->shape);
+    gj_rt_set_error("%s: %s (x %s %s%s%s%s%s, %s)", op, what, sx, gj_rt_dtype_name(x->dtype),
+                    w ? ", w " : "", sw, w ? " " : "", w ? gj_rt_dtype_name(w->dtype) : "", geo);
+    return NULL;
+}
+
+/* Output positions of a window along one axis (<= 0: none). */
+static int64_t fe_win_out(int64_t size, int64_t k, int64_t s, int64_t p, int64_t d) {
+    int64_t room = size + 2 * p - d * (k - 1) - 1;
+    return room < 0 ? 0 : room / s + 1;
+}
+
+#define FE_WIN_MAX (INT64_C(1) << 30) /* bound on sizes and window attributes */
+
+gj_tensor *gj_conv2d(gj_tensor *x, gj_tensor *w, gj_tensor *b, int64_t stride, int64_t padding,
+                     int64_t dilation, int64_t groups) {
+    const char *op = "gj_conv2d";
+    if (!fe_check_float(x, op, "x") || !fe_check_float(w, op, "w") ||
+        !fe_same_dtype(x, w, op, "x", "w"))
+        return NULL;
+    char geo[200];
+    snprintf(geo, sizeof geo, "stride %lld, padding %lld, dilation %lld, groups %lld",
+             (long long)stride, (long long)padding, (long long)dilation, (long long)groups);
+    if (x->ndim != 4 || w->ndim != 4)
+        return fe_win_error(op, "expected x [N, C, H, W] and w [OC, C/groups, kh, kw]", x, w,
+                            geo);
+    if (stride < 1 || padding < 0 || dilation < 1 || groups < 1 || stride > FE_WIN_MAX ||
+        padding > FE_WIN_MAX || dilation > FE_WIN_MAX || groups > FE_WIN_MAX)
+        return fe_win_error(op, "needs stride >= 1, padding >= 0, dilation >= 1, groups >= 1",
+                            x, w, geo);
+    for (int k = 0; k < 4; k++)
+        if (x->shape[k] < 1 || w->shape[k] < 1 || x->shape[k] > FE_WIN_MAX ||
+            w->shape[k] > FE_WIN_MAX)
+            return fe_win_error(op, "every size of x and w must be >= 1", x, w, geo);
+    int64_t C = x->shape[1], OC = w->shape[0];
+    if (C % groups != 0 || OC % groups != 0)
+        return fe_win_error(op, "the channels of x (C) and of w (OC) must be divisible by groups",
+                            x, w, geo);
+    if (w->shape[1] != C / groups)
+        return fe_win_error(op, "w.shape[1] must be C / groups", x, w, geo);
+    if (fe_win_out(x->shape[2], w->shape[2], stride, padding, dilation) < 1 ||
+        fe_win_out(x->shape[3], w->shape[3], stride, padding, dilation) < 1)
+        return fe_win_error(op, "output size would be <= 0 (kernel larger than the padded input)",
+                            x, w, geo);
+    if (b) {
+        if (!fe_check_float(b, op, "b") || !fe_same_dtype(x, b, op, "x", "b"))
+            return NULL;
+        if (b->ndim != 1 || b->shape[0] != OC) {
+            char sb[160], msg[256];
+            snprintf(msg, sizeof msg, "b must have shape [%lld] (OC), got %s", (long long)OC,
+                     gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape));
+            return fe_win_error(op, msg, x, w, geo);
+        }
+    }
+    gj_ag_attrs a = {0};
+    int64_t at[8] = {stride, stride, padding, padding, dilation, dilation, groups, b != NULL};
+    memcpy(a.i, at, sizeof at);
+    a.ni = 8;
+    gj_tensor *in[3] = {x, w, b};
+    return fe_apply1(op, &gj_ag_op_conv2d, &a, b ? 3 : 2, in);
+}
+
+/* Shared checks of the pools; NULL with an error, else runs op. */
+static gj_tensor *fe_pool(const char *op, const gj_ag_opdef *def, gj_tensor *x, int64_t kernel,
+                          int64_t stride, int64_t padding) {
+    if (!fe_check_float(x, op, "x"))
+        return NULL;
+    char geo[160];
+    snprintf(geo, sizeof geo, "kernel %lld, stride %lld, padding %lld", (long long)kernel,
+             (long long)stride, (long long)padding);
+    if (x->ndim != 4)
+        return fe_win_error(op, "expected x [N, C, H, W]", x, NULL, geo);
+    if (stride == 0)
+        stride = kernel;
+    if (kernel < 1 || stride < 1 || padding < 0 || kernel > FE_WIN_MAX || stride > FE_WIN_MAX)
+        return fe_win_error(op, "needs kernel >= 1, stride >= 1 (0: the kernel), padding >= 0",
+                            x, NULL, geo);
+    if (padding > kernel / 2)
+        return fe_win_error(op, "padding must be at most half the kernel size", x, NULL, geo);
+    for (int k = 0; k < 4; k++)
+        if (x->shape[k] < 1 || x->shape[k] > FE_WIN_MAX)
+            return fe_win_error(op, "every size of x must be >= 1", x, NULL, geo);
+    if (fe_win_out(x->shape[2], kernel, stride, padding, 1) < 1 ||
+        fe_win_out(x->shape[3], kernel, stride, padding, 1) < 1)
+        return fe_win_error(op, "output size would be <= 0 (kernel larger than the padded input)",
+                            x, NULL, geo);
+    if (def == &gj_ag_op_max_pool2d && x->dtype == GJ_BF16 && kernel * kernel > 256)
+        return fe_win_error(op, "bf16 supports at most 256 taps (kernel <= 16)", x, NULL, geo);
+    gj_ag_attrs a = {0};
+    int64_t at[8] = {kernel, kernel, stride, stride, padding, padding, 1, 1};
+    memcpy(a.i, at, sizeof at);
+    a.ni = 8;
+    return fe_apply1(op, def, &a, 1, &x);
+}
+
+gj_tensor *gj_max_pool2d(gj_tensor *x, int64_t kernel, int64_t stride, int64_t padding) {
+    return fe_pool("gj_max_pool2d", &gj_ag_op_max_pool2d, x, kernel, stride, padding);
+}
+
+gj_tensor *gj_avg_pool2d(gj_tensor *x, int64_t kernel, int64_t stride, int64_t padding) {
+    return fe_pool("gj_avg_pool2d", &gj_ag_op_avg_pool2d, x, kernel, stride, padding);
+}

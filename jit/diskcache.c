@@ -7,7 +7,8 @@
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
- *                                  05: dropout parameters read from checkpoint tapes)
+ *                                  05: dropout parameters read from checkpoint tapes;
+ *                                  06: fold steps, IM2COL / COL2IM)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -66,7 +67,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '5'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '6'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -407,7 +408,8 @@ static uint64_t layout_signature(void) {
     uint64_t s[] = {sizeof(gj_jit_buffer), sizeof(gj_jit_access), sizeof(gj_jit_expr),
                     sizeof(gj_jit_store),  sizeof(gj_jit_kernel), sizeof(gj_jit_matmul),
                     sizeof(gj_rt_meta),    sizeof(gj_jit_input),  sizeof(gj_jit_output),
-                    sizeof(gj_jit_index),  GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT};
+                    sizeof(gj_jit_index),  GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT,
+                    sizeof(gj_jit_fold)};
     uint64_t h[2];
     gj_jit_hash128(s, sizeof s, h);
     return h[0];
@@ -491,6 +493,20 @@ static void put_index(wbuf *b, const gj_jit_index *x) {
     put_i64(b, x->src_s1);
 }
 
+static void put_fold(wbuf *b, const gj_jit_fold *x) {
+    const gj_rt_win *w = &x->win;
+    put_u64(b, x->col2im);
+    put_i64(b, x->dtype);
+    put_i64(b, x->src_buf);
+    put_i64(b, x->out_buf);
+    put_i64(b, x->src_off);
+    put_dims(b, x->src_st, x->col2im ? 6 : 4);
+    int64_t g[14] = {w->N, w->C, w->H, w->W, w->kh, w->kw, w->sh,
+                     w->sw, w->ph, w->pw, w->dh, w->dw, w->OH, w->OW};
+    for (int k = 0; k < 14; k++) put_i64(b, g[k]);
+    put_f64(b, x->pad);
+}
+
 /* The canonical serialisation of program pr (no hook or call steps): every
  * field that the plan's execution or its object code depends on, one
  * 8-byte word each (no padding, no pointers), so the same graph
@@ -542,6 +558,7 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         put_i64(b, st->kind);
         if (st->kind == GJ_JIT_STEP_MATMUL) put_matmul(b, &st->mm);
         else if (st->kind == GJ_JIT_STEP_INDEX) put_index(b, &st->ix);
+        else if (st->kind == GJ_JIT_STEP_FOLD) put_fold(b, &st->fd);
         else put_kernel(b, &st->k);
     }
     put_ints(b, p->rt_param_node, p->n_rt_params);
@@ -558,7 +575,8 @@ static bool disk_able(const gj_jit_program *pr) {
     if (pr->n_hooks > 0 || pr->n_calls > 0) return false;
     for (int s = 0; s < pr->plan.n_steps; s++) {
         gj_jit_step_kind k = pr->plan.steps[s].kind;
-        if (k != GJ_JIT_STEP_KERNEL && k != GJ_JIT_STEP_MATMUL && k != GJ_JIT_STEP_INDEX)
+        if (k != GJ_JIT_STEP_KERNEL && k != GJ_JIT_STEP_MATMUL && k != GJ_JIT_STEP_INDEX &&
+            k != GJ_JIT_STEP_FOLD)
             return false;
     }
     return true;

@@ -28,6 +28,9 @@ int gj_jit_plan_memory(gj_jit_plan *p) {
             touch(p, st->mm.a_buf, s);
             touch(p, st->mm.b_buf, s);
             touch(p, st->mm.c_buf, s);
+        } else if (st->kind == GJ_JIT_STEP_FOLD) {
+            touch(p, st->fd.src_buf, s);
+            touch(p, st->fd.out_buf, s);
         } else if (st->kind == GJ_JIT_STEP_HOOK) {
             touch(p, st->hk.src_buf, s);
             touch(p, st->hk.out_buf, s);

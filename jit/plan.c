@@ -67,7 +67,8 @@ typedef enum pstep_kind {
     PS_DEAD = 3,    /* merged into another group */
     PS_INDEX = 4,   /* gather / scatter-add of rows */
     PS_HOOK = 5,    /* a tensor hook call */
-    PS_CALL = 6     /* a custom op's backward call */
+    PS_CALL = 6,    /* a custom op's backward call */
+    PS_FOLD = 7     /* an im2col / col2im */
 } pstep_kind;
 
 typedef struct pstep {
@@ -93,6 +94,8 @@ typedef struct planner {
     int n_hk, cap_hk;
     gj_jit_callstep *cls;
     int n_cl, cap_cl;
+    gj_jit_fold *fds;
+    int n_fd, cap_fd;
     int last_hook_step; /* -1, or the pstep of the latest hook or custom call */
     pstep *ps;
     int n_ps, cap_ps;
@@ -768,6 +771,46 @@ static int plan_index(planner *pl, int i) {
     return 0;
 }
 
+/* IM2COL / COL2IM: one fold step (plan.h) reading its source in place
+ * through a strided view when that is a real buffer (a fused value is
+ * materialised first; a constant or a virtual buffer is copied). */
+static int plan_fold(planner *pl, int i) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    int v = n->in[0];
+    const gj_rt_meta *sm = vmeta(pl, v), *om = vmeta(pl, n->out[0]);
+    gj_jit_fold fd;
+    memset(&fd, 0, sizeof fd);
+    fd.col2im = n->inst.prim == GJ_P_COL2IM;
+    fd.dtype = om->dtype;
+    fd.pad = n->inst.scalar;
+    if (sm->dtype == GJ_I64) return no_lowering(pl, n, "on i64");
+    if (!gj_rt_win_of(&n->inst, sm, &fd.win)) return no_lowering(pl, n, "(geometry)");
+    vinfo *x = &pl->vi[v];
+    if (x->kind == V_FUSED && materialize(pl, v) != 0) return -1;
+    if (x->kind != V_CONST && x->buf >= 0 && !buf_virtual(&pl->p->bufs[x->buf])) {
+        fd.src_buf = x->buf;
+        fd.src_off = x->offset;
+        for (int k = 0; k < sm->ndim; k++) fd.src_st[k] = sm->shape[k] > 1 ? x->strides[k] : 0;
+    } else {
+        if (contiguous_operand(pl, v, i, &fd.src_buf) != 0) return -1;
+        contig_strides(sm->ndim, sm->shape, fd.src_st);
+    }
+    fd.out_buf = new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
+    if (fd.out_buf < 0) return oom(pl);
+    if (grow((void **)&pl->fds, pl->n_fd, &pl->cap_fd, sizeof *pl->fds) != 0) return oom(pl);
+    int sid = new_pstep(pl, PS_FOLD, pl->n_fd, 2 * (int64_t)i + 1);
+    if (sid < 0) return oom(pl);
+    pl->fds[pl->n_fd++] = fd;
+    if (add_dep(pl, sid, pl->p->bufs[fd.src_buf].writer) != 0) return oom(pl);
+    pl->p->bufs[fd.out_buf].writer = sid;
+    vinfo *o = &pl->vi[n->out[0]];
+    o->kind = V_VIEW;
+    o->buf = fd.out_buf;
+    o->offset = 0;
+    contig_strides(om->ndim, om->shape, o->strides);
+    return 0;
+}
+
 /* A tensor hook call (node.hook >= 0): the input as a contiguous buffer, a
  * new contiguous temporary for the value flowing on, one hook step after
  * the previous hook step (the engine's order of hook calls). */
@@ -1350,6 +1393,8 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             r = plan_pad_cat(&pl, i);
         } else if (pr == GJ_P_GATHER_ROWS || pr == GJ_P_SCATTER_ADD_ROWS) {
             r = plan_index(&pl, i);
+        } else if (pr == GJ_P_IM2COL || pr == GJ_P_COL2IM) {
+            r = plan_fold(&pl, i);
         } else {
             r = no_lowering(&pl, n, NULL);
         }
@@ -1413,6 +1458,11 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             st->ix = pl.ixs[ps->idx];
             continue;
         }
+        if (ps->kind == PS_FOLD) {
+            st->kind = GJ_JIT_STEP_FOLD;
+            st->fd = pl.fds[ps->idx];
+            continue;
+        }
         if (ps->kind == PS_HOOK) {
             st->kind = GJ_JIT_STEP_HOOK;
             st->hk = pl.hks[ps->idx];
@@ -1447,6 +1497,7 @@ done:
     gj_rt_free(pl.ixs);
     gj_rt_free(pl.hks);
     gj_rt_free(pl.cls);
+    gj_rt_free(pl.fds);
     for (int t = 0; t < pl.n_ps; t++) gj_rt_free(pl.ps[t].deps);
     gj_rt_free(pl.ps);
     gj_rt_free(pl.stack);
@@ -1520,6 +1571,18 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
             gj_rt_fmt_shape(sh, sizeof sh, st->hk.meta.ndim, st->hk.meta.shape);
             fprintf(f, "  step %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,
                     st->hk.src_buf, gj_rt_dtype_name(st->hk.meta.dtype), sh);
+            continue;
+        }
+        if (st->kind == GJ_JIT_STEP_FOLD) {
+            const gj_jit_fold *x = &st->fd;
+            const gj_rt_win *w = &x->win;
+            fprintf(f, "  step %d: %s b%d = b%d+%lld %s N=%lld C=%lld H=%lld W=%lld kernel=%lldx%lld "
+                    "stride=%lldx%lld pad=%lldx%lld dilation=%lldx%lld out=%lldx%lld\n", s,
+                    x->col2im ? "col2im" : "im2col", x->out_buf, x->src_buf, (long long)x->src_off,
+                    gj_rt_dtype_name(x->dtype), (long long)w->N, (long long)w->C, (long long)w->H,
+                    (long long)w->W, (long long)w->kh, (long long)w->kw, (long long)w->sh,
+                    (long long)w->sw, (long long)w->ph, (long long)w->pw, (long long)w->dh,
+                    (long long)w->dw, (long long)w->OH, (long long)w->OW);
             continue;
         }
         if (st->kind == GJ_JIT_STEP_INDEX) {

@@ -141,6 +141,21 @@ typedef struct gj_jit_index {
     int64_t src_off, src_s0, src_s1;
 } gj_jit_index;
 
+/* IM2COL / COL2IM, run by the runtime's own cores (gj_rt_im2col_run /
+ * gj_rt_col2im_run, the eager kernels' code: the same bits, the same split
+ * over (n, c) planes). The source is read through a strided view of
+ * src_buf (element offset src_off, strides src_st over the source's 4 or 6
+ * dims); out_buf is a new contiguous temporary of the output's meta. */
+typedef struct gj_jit_fold {
+    bool col2im;
+    gj_dtype dtype;
+    int src_buf, out_buf;
+    int64_t src_off;
+    int64_t src_st[6];
+    gj_rt_win win;
+    double pad; /* IM2COL: the value outside the image */
+} gj_jit_fold;
+
 /* An opaque call of tensor hook #hook (the program's hook table): the
  * run-time callback gets src_buf (contiguous, of meta) and writes the value
  * flowing on to out_buf (contiguous, same meta). Hook steps run in the
@@ -176,7 +191,8 @@ typedef enum gj_jit_step_kind {
     GJ_JIT_STEP_MATMUL = 1,
     GJ_JIT_STEP_INDEX = 2,
     GJ_JIT_STEP_HOOK = 3,
-    GJ_JIT_STEP_CALL = 4
+    GJ_JIT_STEP_CALL = 4,
+    GJ_JIT_STEP_FOLD = 5
 } gj_jit_step_kind;
 
 typedef struct gj_jit_step {
@@ -188,6 +204,7 @@ typedef struct gj_jit_step {
     gj_jit_index ix;
     gj_jit_hookstep hk;
     gj_jit_callstep cs;
+    gj_jit_fold fd;
 } gj_jit_step;
 
 typedef struct gj_jit_plan {

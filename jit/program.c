@@ -444,6 +444,15 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             run_matmuls(p, s, e, bp, threads);
         } else if (st->kind == GJ_JIT_STEP_INDEX) {
             if (run_index(&st->ix, bp) != 0) goto done;
+        } else if (st->kind == GJ_JIT_STEP_FOLD) {
+            const gj_jit_fold *x = &st->fd;
+            const char *src = (const char *)bp[x->src_buf] +
+                              x->src_off * (int64_t)gj_rt_dtype_size(x->dtype);
+            if (!x->col2im) {
+                gj_rt_im2col_run(&x->win, x->dtype, src, x->src_st, x->pad, bp[x->out_buf]);
+            } else if (gj_rt_col2im_run(&x->win, x->dtype, src, x->src_st, bp[x->out_buf]) != 0) {
+                goto done;
+            }
         } else if (st->kind == GJ_JIT_STEP_CALL) {
             if (!call) {
                 gj_rt_set_error("compiled backward: a custom call step without a runner");
@@ -476,6 +485,8 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             const char *what = st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
                                : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
                                : st->kind == GJ_JIT_STEP_CALL  ? "custom"
+                               : st->kind == GJ_JIT_STEP_FOLD  ? (st->fd.col2im ? "col2im"
+                                                                                : "im2col")
                                : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter"
                                                                                  : "gather")
                                                                : st->k.name;

@@ -52,6 +52,10 @@ static void step_bufs(const gj_jit_step *st, int *r, int *nr, int *w, int *nw, i
         GJ_ADD(r, nr, st->ix.idx_buf);
         GJ_ADD(w, nw, st->ix.out_buf);
         break;
+    case GJ_JIT_STEP_FOLD:
+        GJ_ADD(r, nr, st->fd.src_buf);
+        GJ_ADD(w, nw, st->fd.out_buf);
+        break;
     case GJ_JIT_STEP_KERNEL:
         for (int e = 0; e < st->k.n_ex; e++)
             if (st->k.ex[e].kind == GJ_JIT_E_LOAD) GJ_ADD(r, nr, st->k.acc[st->k.ex[e].access].buf);

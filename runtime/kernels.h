@@ -116,6 +116,11 @@ int gj_rt_k_gather_rows(gj_tensor *table, gj_tensor *idx, gj_tensor *out);
 int gj_rt_k_scatter_add_rows(const gj_rt_inst *inst, gj_tensor *src, gj_tensor *idx,
                              gj_tensor *out);
 
+/* kernels_conv.c. IM2COL: x any strides, out [N,C,kh,kw,OH,OW]; COL2IM:
+ * cols any strides, out [N,C,H,W] (written whole). */
+int gj_rt_k_im2col(const gj_rt_inst *inst, gj_tensor *x, gj_tensor *out);
+int gj_rt_k_col2im(const gj_rt_inst *inst, gj_tensor *cols, gj_tensor *out);
+
 /* kernels_composite.c. SOFTMAX .. CE_BWD over the last axis; outs as
  * inferred (LN_FWD: xhat, mean, rstd; CE_FWD: loss, lse). */
 int gj_rt_k_composite(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);

@@ -120,6 +120,12 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     case GJ_P_IOTA:
         rc = gj_rt_k_iota(inst, outs[0]);
         break;
+    case GJ_P_IM2COL:
+        rc = gj_rt_k_im2col(inst, in[0], outs[0]);
+        break;
+    case GJ_P_COL2IM:
+        rc = gj_rt_k_col2im(inst, in[0], outs[0]);
+        break;
     case GJ_P_NEG: case GJ_P_EXP: case GJ_P_LOG: case GJ_P_TANH: case GJ_P_SIGMOID:
     case GJ_P_RELU: case GJ_P_GELU: case GJ_P_SQRT: case GJ_P_RSQRT: case GJ_P_RECIP:
     case GJ_P_GELU_GRAD: case GJ_P_STEP: case GJ_P_ADD_SCALAR: case GJ_P_MUL_SCALAR:

@@ -41,7 +41,7 @@ static const char *const g_lower[GJ_P_COUNT] = {
     [GJ_P_LOG_SOFTMAX] = "log_softmax", [GJ_P_SOFTMAX_BWD] = "softmax_bwd",
     [GJ_P_LOG_SOFTMAX_BWD] = "log_softmax_bwd", [GJ_P_LN_FWD] = "ln_fwd",
     [GJ_P_LN_BWD] = "ln_bwd", [GJ_P_CE_FWD] = "ce_fwd", [GJ_P_CE_BWD] = "ce_bwd",
-    [GJ_P_IOTA] = "iota",
+    [GJ_P_IOTA] = "iota", [GJ_P_IM2COL] = "im2col", [GJ_P_COL2IM] = "col2im",
 };
 
 const char *gj_rt_prim_name(gj_rt_prim p) {
@@ -533,6 +533,41 @@ int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out) {
                                gj_rt_prim_name(inst->prim)))
             return -1;
         gj_rt_k_set_meta(out, inst->dtype, inst->ndim, inst->shape);
+        return 1;
+    }
+    case GJ_P_IM2COL: case GJ_P_COL2IM: {
+        bool im = inst->prim == GJ_P_IM2COL;
+        if (!gj_rt_k_is_float(x->dtype))
+            IERR("needs a float input (f32, f64, bf16), got %s", dn);
+        if (x->ndim != (im ? 4 : 6))
+            IERR("needs a %s, got rank %d", im ? "4-D image [N, C, H, W]"
+                                                : "6-D input [N, C, kh, kw, OH, OW]", x->ndim);
+        const int64_t *a = inst->shape;
+        if (inst->ndim != GJ_RT_WIN_NDIM || a[0] < 1 || a[1] < 1 || a[2] < 1 || a[3] < 1 ||
+            a[4] < 0 || a[5] < 0 || a[6] < 1 || a[7] < 1)
+            IERR("invalid window (kernel %lldx%lld, stride %lldx%lld, padding %lldx%lld, "
+                 "dilation %lldx%lld)", (long long)a[0], (long long)a[1], (long long)a[2],
+                 (long long)a[3], (long long)a[4], (long long)a[5], (long long)a[6],
+                 (long long)a[7]);
+        if (!im && (inst->start < 1 || inst->len < 1))
+            IERR("invalid image size %lldx%lld", (long long)inst->start, (long long)inst->len);
+        gj_rt_win g;
+        if (!gj_rt_win_of(inst, x, &g))
+            IERR("the window does not fit: image %lldx%lld, kernel %lldx%lld, stride "
+                 "%lldx%lld, padding %lldx%lld, dilation %lldx%lld%s",
+                 (long long)(im ? x->shape[2] : inst->start),
+                 (long long)(im ? x->shape[3] : inst->len), (long long)a[0], (long long)a[1],
+                 (long long)a[2], (long long)a[3], (long long)a[4], (long long)a[5],
+                 (long long)a[6], (long long)a[7],
+                 im ? " (no output position)" : " (or the columns' shape disagrees)");
+        int64_t sh[6] = {g.N, g.C, g.kh, g.kw, g.OH, g.OW};
+        if (!im) {
+            sh[2] = g.H;
+            sh[3] = g.W;
+        }
+        if (!gj_rt_check_shape(im ? 6 : 4, sh, x->dtype, gj_rt_prim_name(inst->prim)))
+            return -1;
+        gj_rt_k_set_meta(out, x->dtype, im ? 6 : 4, sh);
         return 1;
     }
     default:

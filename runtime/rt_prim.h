@@ -59,7 +59,10 @@
     X(CE_FWD)           /* (logits[N,K], labels[N]) -> loss[], lse[N] */              \
     X(CE_BWD)           /* (logits, lse, labels, g[]) -> glogits[N,K] */           \
     /* nullary, appended (used by the CE decompositions for the one-hot) */           \
-    X(IOTA)             /* inst.shape/dtype: value = index along inst.axis */
+    X(IOTA)             /* inst.shape/dtype: value = index along inst.axis */        \
+    /* sliding windows (conv2d, pooling), appended; geometry in inst.shape, below */  \
+    X(IM2COL)  /* x[N,C,H,W] -> [N,C,kh,kw,OH,OW], scalar outside the image */        \
+    X(COL2IM)  /* cols[N,C,kh,kw,OH,OW] -> [N,C,H=start,W=len], overlaps summed */
 
 typedef enum gj_rt_prim {
 #define GJ_RT_PRIM_ENUM(name) GJ_P_##name,
@@ -86,9 +89,19 @@ typedef struct gj_rt_inst {
     int64_t start;   /* SLICE/PAD */
     int64_t len;     /* SLICE: length taken; PAD: output length; SCATTER_ADD_ROWS: V */
     uint64_t seed, rng_offset; /* DROPOUT_MASK */
-    int ndim;        /* RESHAPE/EXPAND/FILL/DROPOUT_MASK target, PERMUTE rank */
+    int ndim;        /* RESHAPE/EXPAND/FILL/DROPOUT_MASK target, PERMUTE rank;
+                        IM2COL/COL2IM: 8, the window geometry in shape[] */
     int64_t shape[GJ_MAX_DIMS];
 } gj_rt_inst;
+
+/* IM2COL / COL2IM geometry: inst.shape = {kh, kw, sh, sw, ph, pw, dh, dw}
+ * (kernel, stride, zero padding, dilation; ndim = 8). Output position
+ * (oh, ow) and kernel tap (i, j) read image row h = oh*sh - ph + i*dh and
+ * column w = ow*sw - pw + j*dw; OH = (H + 2 ph - dh (kh - 1) - 1) / sh + 1,
+ * the same for OW. IM2COL writes inst.scalar where (h, w) is outside the
+ * image; COL2IM (its adjoint, inst.start = H, inst.len = W) drops those
+ * taps and adds the others into their image element. */
+#define GJ_RT_WIN_NDIM 8
 
 /* Shape and dtype of a value. */
 typedef struct gj_rt_meta {
@@ -109,5 +122,30 @@ int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
  * primitives return views sharing storage when the layout allows). Returns
  * the number of outputs, or -1 with an error set (nothing leaked). */
 int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
+
+/* The geometry of an IM2COL / COL2IM instruction on its input meta. */
+typedef struct gj_rt_win {
+    int64_t N, C, H, W;               /* image [N, C, H, W] */
+    int64_t kh, kw, sh, sw, ph, pw, dh, dw;
+    int64_t OH, OW;                   /* output positions */
+} gj_rt_win;
+/* Fills *g from inst and its input meta (IM2COL: the image; COL2IM: the
+ * columns). false (no error set) if they do not fit together; gj_rt_infer
+ * has the checks with messages. */
+bool gj_rt_win_of(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_win *g);
+/* The two window kernels on raw memory, shared by the eager kernels and
+ * the compiled program (so both give the same bits). x points at image
+ * element (0,0,0,0) with element strides xs[4]; cols at element 0 with
+ * strides cs[6]; out is contiguous. im2col copies (any float dtype, pad
+ * value rounded to dt); col2im zero-fills out and adds each plane's taps in
+ * (i, j, oh, ow) order, so every image element receives its terms in
+ * (i, j) order, in dt (f32 and f64) or in an f32 scratch rounded once
+ * (bf16). Both split over (n, c) planes only: results do not depend on the
+ * thread count. col2im returns 0, or -1 with an error (out of memory for
+ * the bf16 scratch). */
+void gj_rt_im2col_run(const gj_rt_win *g, gj_dtype dt, const void *x, const int64_t *xs,
+                      double pad, void *out);
+int gj_rt_col2im_run(const gj_rt_win *g, gj_dtype dt, const void *cols, const int64_t *cs,
+                     void *out);
 
 #endif /* GJ_RT_PRIM_H */
