@@ -33,6 +33,7 @@ typedef enum arg_kind {
     ARG_U64,    /* uint64_t, any whole number >= 0 */
     ARG_DOUBLE, /* double, finite, lo < value <= hi */
     ARG_FILE,   /* const char *, "-" means none (NULL) */
+    ARG_STR,    /* const char *, as given (the program checks it) */
     ARG_STRS,   /* repeatable: const char *dst[max], *count of them */
 } arg_kind;
 
@@ -55,6 +56,7 @@ static inline const char *args_value_name(arg_kind k) {
     case ARG_INT: case ARG_I64: case ARG_U64: return "N";
     case ARG_DOUBLE: return "X";
     case ARG_FILE: case ARG_STRS: return "FILE";
+    case ARG_STR: return "S";
     default: return "";
     }
 }
@@ -73,6 +75,11 @@ static inline void args_default(const arg_spec *s, char *buf, size_t cap) {
         break;
     }
     case ARG_STRS: snprintf(buf, cap, "%s", *s->count ? "given" : "none"); break;
+    case ARG_STR: {
+        const char *v = *(const char **)s->dst;
+        snprintf(buf, cap, "%s", v ? v : "none");
+        break;
+    }
     }
 }
 
@@ -160,6 +167,7 @@ static inline int args_parse(const char *prog, const char *summary, int argc, ch
             break;
         }
         case ARG_FILE: *(const char **)s->dst = strcmp(v, "-") ? v : NULL; break;
+        case ARG_STR: *(const char **)s->dst = v; break;
         case ARG_STRS:
             if (*s->count >= s->max) {
                 fprintf(stderr, "%s: --%s at most %d times\n", prog, s->name, s->max);

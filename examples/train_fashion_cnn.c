@@ -47,6 +47,9 @@
  * a terminal, progress is printed at every tenth of an epoch.
  */
 #include "gradjit.h"
+#include "args.h"
+#include "common.h"
+#include "fashion_data.h"
 #include "plot.h"
 
 #include <errno.h>
@@ -58,8 +61,6 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist"
-#define DATA_PACKAGE "dataset-fashion-mnist"
 #define PIX_MEAN 0.2860f
 #define PIX_STD 0.3530f
 #define TARGET_ACC 0.91
@@ -71,131 +72,6 @@
 enum { ROWS = 28, COLS = 28, IN = ROWS * COLS, K = 10, KS = 5 };
 
 /* ---------------------------------------------------------------- data */
-
-typedef struct dataset {
-    uint8_t *images; /* [n, 784] */
-    uint8_t *labels; /* [n], values 0..9 */
-    int64_t n;
-} dataset;
-
-static uint32_t be32(const uint8_t *p) {
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-
-/* Reads exactly len bytes from g; 0 on success. */
-static int gz_read_all(gzFile g, uint8_t *buf, size_t len) {
-    while (len > 0) {
-        unsigned chunk = len > (1u << 30) ? (1u << 30) : (unsigned)len;
-        int got = gzread(g, buf, chunk);
-        if (got <= 0)
-            return -1;
-        buf += got;
-        len -= (size_t)got;
-    }
-    return 0;
-}
-
-/* Loads one IDX file: magic 0x801 (labels, 1 dim) or 0x803 (images, 3 dims
- * of n x 28 x 28). *out receives a malloc'd buffer of *n_items items.
- * Returns 0, 2 if the file is missing, or 1 (message printed) if damaged. */
-static int load_idx(const char *path, uint32_t magic, uint8_t **out, int64_t *n_items) {
-    *out = NULL;
-    if (access(path, R_OK) != 0) {
-        fprintf(stderr,
-                "train_fashion_cnn: cannot read %s (%s).\n"
-                "The Fashion-MNIST data comes from the Debian package \"%s\": "
-                "apt install %s\n",
-                path, strerror(errno), DATA_PACKAGE, DATA_PACKAGE);
-        return 2;
-    }
-    gzFile g = gzopen(path, "rb");
-    if (!g) {
-        fprintf(stderr, "train_fashion_cnn: gzopen %s failed\n", path);
-        return 1;
-    }
-    int ndim = (int)(magic & 0xff);
-    uint8_t hdr[16];
-    size_t hlen = 4 + 4 * (size_t)ndim;
-    int rc = 1;
-    if (gz_read_all(g, hdr, hlen) != 0) {
-        fprintf(stderr, "train_fashion_cnn: %s: truncated IDX header\n", path);
-        goto done;
-    }
-    if (be32(hdr) != magic) {
-        fprintf(stderr, "train_fashion_cnn: %s: magic 0x%08x, expected 0x%08x\n", path,
-                be32(hdr), magic);
-        goto done;
-    }
-    int64_t n = be32(hdr + 4), per = 1;
-    for (int d = 1; d < ndim; d++)
-        per *= be32(hdr + 4 + 4 * d);
-    if (ndim == 3 && (be32(hdr + 8) != ROWS || be32(hdr + 12) != COLS)) {
-        fprintf(stderr, "train_fashion_cnn: %s: images are %ux%u, expected %dx%d\n", path,
-                be32(hdr + 8), be32(hdr + 12), ROWS, COLS);
-        goto done;
-    }
-    if (n <= 0 || n > 10000000) {
-        fprintf(stderr, "train_fashion_cnn: %s: implausible item count %lld\n", path,
-                (long long)n);
-        goto done;
-    }
-    size_t bytes = (size_t)(n * per);
-    *out = malloc(bytes);
-    if (!*out) {
-        fprintf(stderr, "train_fashion_cnn: out of memory reading %s\n", path);
-        goto done;
-    }
-    if (gz_read_all(g, *out, bytes) != 0) {
-        fprintf(stderr, "train_fashion_cnn: %s: truncated data (expected %zu bytes)\n", path,
-                bytes);
-        goto done;
-    }
-    uint8_t extra;
-    if (gzread(g, &extra, 1) != 0) {
-        fprintf(stderr, "train_fashion_cnn: %s: trailing bytes after %zu data bytes\n", path,
-                bytes);
-        goto done;
-    }
-    *n_items = n;
-    rc = 0;
-done:
-    if (rc != 0) {
-        free(*out);
-        *out = NULL;
-    }
-    gzclose(g);
-    return rc;
-}
-
-/* Loads split ("train" or "t10k") with expected_n items; 0, 1 or 2 as load_idx. */
-static int load_split(const char *split, int64_t expected_n, dataset *d) {
-    char ip[512], lp[512];
-    snprintf(ip, sizeof ip, "%s/%s-images-idx3-ubyte.gz", DATA_DIR, split);
-    snprintf(lp, sizeof lp, "%s/%s-labels-idx1-ubyte.gz", DATA_DIR, split);
-    int64_t ni = 0, nl = 0;
-    int rc = load_idx(ip, 0x00000803u, &d->images, &ni);
-    if (rc == 0)
-        rc = load_idx(lp, 0x00000801u, &d->labels, &nl);
-    if (rc == 0 && (ni != expected_n || nl != expected_n)) {
-        fprintf(stderr, "train_fashion_cnn: %s: %lld images and %lld labels, expected %lld\n",
-                split, (long long)ni, (long long)nl, (long long)expected_n);
-        rc = 1;
-    }
-    for (int64_t i = 0; rc == 0 && i < nl; i++)
-        if (d->labels[i] >= K) {
-            fprintf(stderr, "train_fashion_cnn: %s: label %u at %lld out of range\n", split,
-                    d->labels[i], (long long)i);
-            rc = 1;
-        }
-    d->n = ni;
-    return rc;
-}
-
-static void dataset_free(dataset *d) {
-    free(d->images);
-    free(d->labels);
-    *d = (dataset){0};
-}
 
 /* Standardised pixels of rows idx[0..n) (or rows first..first+n if idx is
  * NULL) into x [n, 784] and their labels into y [n]. */
@@ -209,14 +85,6 @@ static void gather(const dataset *d, const int64_t *idx, int64_t first, int64_t 
             x[i * IN + j] = (float)p[j] * scale - shift;
         y[i] = d->labels[r];
     }
-}
-
-/* splitmix64: the shuffle generator. */
-static uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 static void shuffle(int64_t *v, int64_t n, uint64_t *state) {
@@ -352,12 +220,6 @@ typedef struct run_out {
     double *train_loss;  /* [epochs] mean training loss */
     gj_ca_stats ca;
 } run_out;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void run_out_free(run_out *r) {
     free(r->loss);
@@ -557,11 +419,6 @@ done:
     return rc;
 }
 
-static int cmp_dbl(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* --both: the eager and the compiled run side by side, one step of each in
  * turn (ABBA: eager first on even steps, compiled first on odd ones), so a
  * change of the machine's speed weighs on both alike. ratio[e] receives the
@@ -636,20 +493,7 @@ done:
 
 /* ---------------------------------------------------------------- main */
 
-static void usage(FILE *f) {
-    fprintf(f, "usage: train_fashion_cnn [--compiled-autograd | --both] [--epochs N] "
-               "[--batch N] [--lr X]\n"
-               "                         [--seed N] [--threads N] [--channels C1,C2] "
-               "[--limit N] [--cosine] [--quiet]\n"
-               "                         [--csv FILE] [--png FILE]\n"
-               "  defaults: --epochs %d --batch 128 --lr 0.001 --seed 42 --channels 32,64\n"
-               "  --limit N: train on N examples per epoch (default: all 60000)\n"
-               "  --cosine: cosine learning-rate decay from --lr to 0 over the run "
-               "(default: constant)\n"
-               "  --csv/--png: loss curve files (defaults fashion_cnn_loss.csv/.png; "
-               "\"-\": none)\n", TARGET_EPOCHS);
-}
-
+/* The options (examples/args.h). 0, 1 (--help/--version printed) or -1. */
 static int parse_opts(int argc, char **argv, opts *o) {
     *o = (opts){.epochs = TARGET_EPOCHS,
                 .batch = 128,
@@ -659,77 +503,40 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 .c2 = 64,
                 .csv = "fashion_cnn_loss.csv",
                 .png = "fashion_cnn_loss.png"};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        char *end = NULL;
-        if (!strcmp(a, "--compiled-autograd")) {
-            o->compiled = true;
-        } else if (!strcmp(a, "--both")) {
-            o->both = true;
-        } else if (!strcmp(a, "--cosine")) {
-            o->cosine = true;
-        } else if (!strcmp(a, "--quiet")) {
-            o->quiet = true;
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!v) {
-            fprintf(stderr, "train_fashion_cnn: unknown option or missing value: %s\n", a);
-            return -1;
-        } else {
-            i++;
-            errno = 0;
-            if (!strcmp(a, "--epochs")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 1000)
-                    goto bad;
-                o->epochs = (int)n;
-            } else if (!strcmp(a, "--batch")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 1 || n > 60000)
-                    goto bad;
-                o->batch = (int)n;
-            } else if (!strcmp(a, "--threads")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 0 || n > 4096)
-                    goto bad;
-                o->threads = (int)n;
-            } else if (!strcmp(a, "--lr")) {
-                o->lr = strtod(v, &end);
-                if (*end || errno || !(o->lr > 0) || !isfinite(o->lr))
-                    goto bad;
-            } else if (!strcmp(a, "--seed")) {
-                o->seed = strtoull(v, &end, 10);
-                if (*end || errno)
-                    goto bad;
-            } else if (!strcmp(a, "--channels")) {
-                long long c1, c2;
-                int used = 0;
-                if (sscanf(v, "%lld,%lld%n", &c1, &c2, &used) != 2 || v[used] || c1 < 1 ||
-                    c2 < 1 || c1 > 4096 || c2 > 4096)
-                    goto bad;
-                o->c1 = c1;
-                o->c2 = c2;
-            } else if (!strcmp(a, "--limit")) {
-                long n = strtol(v, &end, 10);
-                if (*end || errno || n < 1)
-                    goto bad;
-                o->limit = n;
-            } else if (!strcmp(a, "--csv")) {
-                o->csv = strcmp(v, "-") ? v : NULL;
-            } else if (!strcmp(a, "--png")) {
-                o->png = strcmp(v, "-") ? v : NULL;
-            } else {
-                fprintf(stderr, "train_fashion_cnn: unknown option %s\n", a);
-                return -1;
-            }
-            continue;
-        bad:
-            fprintf(stderr, "train_fashion_cnn: bad value for %s: '%s'\n", a, v);
-            return -1;
-        }
+    const char *channels = "32,64";
+    const arg_spec specs[] = {
+        ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("both", ARG_FLAG, &o->both, 0, 0,
+                "train eager and compiled side by side (steps in turn, ABBA), paired ratios"),
+        ARG_OPT("epochs", ARG_INT, &o->epochs, 1, 1000, "epochs"),
+        ARG_OPT("batch", ARG_INT, &o->batch, 1, 60000, "examples per batch"),
+        ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
+        ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "seed of the weights and the shuffle"),
+        ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
+        ARG_OPT("channels", ARG_STR, &channels, 0, 0, "channels of the two conv layers, C1,C2"),
+        ARG_OPT("limit", ARG_I64, &o->limit, 1, 60000,
+                "train on N examples per epoch (0: all 60000)"),
+        ARG_OPT("cosine", ARG_FLAG, &o->cosine, 0, 0,
+                "cosine learning-rate decay from --lr to 0 over the run"),
+        ARG_OPT("quiet", ARG_FLAG, &o->quiet, 0, 0, "no per-step progress"),
+        ARG_OPT("csv", ARG_FILE, &o->csv, 0, 0, "loss curve as CSV (\"-\": none)"),
+        ARG_OPT("png", ARG_FILE, &o->png, 0, 0, "loss curve and accuracy as PNG (\"-\": none)"),
+    };
+    int rc = args_parse("train_fashion_cnn",
+                        "Trains a two-conv CNN on Fashion-MNIST (Debian's dataset-fashion-mnist), "
+                        "eager or with compiled autograd.",
+                        argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
+    if (rc != 0) return rc;
+    long long c1, c2;
+    int used = 0;
+    if (sscanf(channels, "%lld,%lld%n", &c1, &c2, &used) != 2 || channels[used] || c1 < 1 ||
+        c2 < 1 || c1 > 4096 || c2 > 4096) {
+        fprintf(stderr, "train_fashion_cnn: --channels: '%s' is not C1,C2 with both in "
+                        "[1, 4096]\n", channels);
+        return -1;
     }
+    o->c1 = c1;
+    o->c2 = c2;
     if (o->both && o->compiled) {
         fprintf(stderr, "train_fashion_cnn: --both already runs the compiled mode\n");
         return -1;
@@ -839,19 +646,17 @@ static void print_ca(const char *tag, const gj_ca_stats *c) {
 
 int main(int argc, char **argv) {
     opts o;
-    if (parse_opts(argc, argv, &o) != 0) {
-        usage(stderr);
-        return 2;
-    }
+    int prc = parse_opts(argc, argv, &o);
+    if (prc != 0) return prc > 0 ? 0 : 2;
     o.tty = isatty(STDOUT_FILENO) != 0;
     /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
      * (read here, before this program sets the flag itself). */
     if (!o.both && !o.compiled && gj_compiled_autograd_enabled())
         o.compiled = true;
     dataset tr = {0}, te = {0};
-    int rc = load_split("train", 60000, &tr);
+    int rc = load_split("train_fashion_cnn", "train", 60000, &tr);
     if (rc == 0)
-        rc = load_split("t10k", 10000, &te);
+        rc = load_split("train_fashion_cnn", "t10k", 10000, &te);
     if (rc != 0) {
         dataset_free(&tr);
         dataset_free(&te);

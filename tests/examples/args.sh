@@ -16,7 +16,7 @@ check() { # name expected-status needle command...
     echo "ok   $name"
   fi
 }
-for p in train_fashion_mnist train_charlm demo_w1; do
+for p in train_fashion_mnist train_charlm train_fashion_cnn demo_w1; do
   check "$p --help" 0 "--threads N" "$b/$p" --help
   check "$p --version" 0 "(gradjit " "$b/$p" --version
   check "$p --bogus" 2 "unknown option" "$b/$p" --bogus
