@@ -58,4 +58,27 @@ static inline int meta_f64(gj_state_dict *sd, const char *key, double v) {
     return gj_state_dict_set_metadata(sd, key, buf);
 }
 
+/* Moving average of v[0..n) over w steps (fewer at the start) into out. */
+static inline void smooth(const double *v, int64_t n, int w, double *out) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        acc += v[i];
+        if (i >= w) acc -= v[i - w];
+        out[i] = acc / (double)(i < w ? i + 1 : w);
+    }
+}
+
+/* The compiled-autograd counters of a run, and a warning when nothing ran
+ * compiled or something fell back. */
+static inline void print_ca(const char *tag, const gj_ca_stats *c) {
+    printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
+           "%lld disk hits, %lld fallbacks\n",
+           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
+           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->fallbacks);
+    if (c->backwards == 0) printf("[%s] WARNING: no backward went through the compiled path\n", tag);
+    if (c->fallbacks > 0)
+        printf("[%s] WARNING: %lld backwards fell back to the eager engine (%s)\n", tag,
+               (long long)c->fallbacks, gj_compiled_autograd_last_fallback());
+}
+
 #endif /* GJ_EXAMPLES_COMMON_H */

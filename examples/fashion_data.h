@@ -12,6 +12,7 @@
 #define GJ_EXAMPLES_FASHION_DATA_H
 
 #include "gradjit.h"
+#include "common.h"
 
 #include <errno.h>
 #include <stdint.h>
@@ -92,6 +93,35 @@ static int load_split(const char *prog, const char *split, int64_t expected_n, d
         }
     d->n = ni;
     return rc;
+}
+
+/* The dataset's pixel mean and standard deviation (of the [0, 1] scale). */
+#define PIX_MEAN 0.2860f
+#define PIX_STD 0.3530f
+enum { FASHION_PIXELS = 28 * 28 };
+
+/* Standardised pixels of rows idx[first..first+n) (or rows first..first+n
+ * if idx is NULL) into x [n, 784] and their labels into y [n]. */
+static void gather(const dataset *d, const int64_t *idx, int64_t first, int64_t n, float *x,
+                   int64_t *y) {
+    const float scale = 1.0f / (255.0f * PIX_STD), shift = PIX_MEAN / PIX_STD;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = idx ? idx[first + i] : first + i;
+        const uint8_t *p = d->images + r * FASHION_PIXELS;
+        for (int j = 0; j < FASHION_PIXELS; j++)
+            x[i * FASHION_PIXELS + j] = (float)p[j] * scale - shift;
+        y[i] = d->labels[r];
+    }
+}
+
+/* Fisher-Yates shuffle of v[0..n) drawing from *state (splitmix64). */
+static void shuffle(int64_t *v, int64_t n, uint64_t *state) {
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t j = (int64_t)(splitmix64(state) % (uint64_t)(i + 1));
+        int64_t t = v[i];
+        v[i] = v[j];
+        v[j] = t;
+    }
 }
 
 static void dataset_free(dataset *d) {

@@ -1117,18 +1117,6 @@ done:
     return rc;
 }
 
-static void print_ca(const char *tag, const gj_ca_stats *c) {
-    printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
-           "%lld disk hits, %lld fallbacks\n",
-           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
-           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->fallbacks);
-    if (c->backwards == 0)
-        printf("[%s] WARNING: no backward went through the compiled path\n", tag);
-    if (c->fallbacks > 0)
-        printf("[%s] WARNING: %lld backwards fell back to the eager engine (%s)\n", tag,
-               (long long)c->fallbacks, gj_compiled_autograd_last_fallback());
-}
-
 static void print_result(const char *tag, const run_out *r, double h_uni, const opts *o) {
     printf("[%s] loss reached: train %.4f (mean of the last 20 steps), validation %.4f "
            "nats/char (%.3f bits); unigram entropy %.4f nats; %.1f s for %lld steps, "

@@ -61,8 +61,6 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#define PIX_MEAN 0.2860f
-#define PIX_STD 0.3530f
 #define TARGET_ACC 0.91
 #define TARGET_EPOCHS 5
 #define EVAL_CHUNK 200 /* images per no-grad forward (conv columns are 25x the activations) */
@@ -72,29 +70,6 @@
 enum { ROWS = 28, COLS = 28, IN = ROWS * COLS, K = 10, KS = 5 };
 
 /* ---------------------------------------------------------------- data */
-
-/* Standardised pixels of rows idx[0..n) (or rows first..first+n if idx is
- * NULL) into x [n, 784] and their labels into y [n]. */
-static void gather(const dataset *d, const int64_t *idx, int64_t first, int64_t n, float *x,
-                   int64_t *y) {
-    const float scale = 1.0f / (255.0f * PIX_STD), shift = PIX_MEAN / PIX_STD;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r = idx ? idx[first + i] : first + i;
-        const uint8_t *p = d->images + r * IN;
-        for (int j = 0; j < IN; j++)
-            x[i * IN + j] = (float)p[j] * scale - shift;
-        y[i] = d->labels[r];
-    }
-}
-
-static void shuffle(int64_t *v, int64_t n, uint64_t *state) {
-    for (int64_t i = n - 1; i > 0; i--) {
-        int64_t j = (int64_t)(splitmix64(state) % (uint64_t)(i + 1));
-        int64_t t = v[i];
-        v[i] = v[j];
-        v[j] = t;
-    }
-}
 
 /* --------------------------------------------------------------- model */
 
@@ -565,17 +540,6 @@ static int write_csv(const char *path, const run_out *a, const run_out *b) {
     return 0;
 }
 
-/* Moving average of v[0..n) over the last `w` values (fewer at the start). */
-static void smooth(const double *v, int64_t n, int w, double *out) {
-    double acc = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        acc += v[i];
-        if (i >= w)
-            acc -= v[i - w];
-        out[i] = acc / (double)(i < w ? i + 1 : w);
-    }
-}
-
 /* The loss curve(s) (moving average; the raw eager loss faint behind) and
  * the test accuracy per epoch, as a PNG. b may be NULL (one run). */
 static int write_png(const char *path, const opts *o, const run_out *a, const run_out *b,
@@ -630,18 +594,6 @@ static const char *target_met(const opts *o, const run_out *r) {
         if (r->acc[e] >= TARGET_ACC)
             return "met";
     return o->epochs >= TARGET_EPOCHS ? "NOT met" : "not reached yet";
-}
-
-static void print_ca(const char *tag, const gj_ca_stats *c) {
-    printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
-           "%lld disk hits, %lld fallbacks\n",
-           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
-           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->fallbacks);
-    if (c->backwards == 0)
-        printf("[%s] WARNING: no backward went through the compiled path\n", tag);
-    if (c->fallbacks > 0)
-        printf("[%s] WARNING: %lld backwards fell back to the eager engine\n", tag,
-               (long long)c->fallbacks);
 }
 
 int main(int argc, char **argv) {
