@@ -12,7 +12,7 @@ while IFS= read -r -d '' f; do
   if ! head -n 3 "$f" | grep -q "SPDX-License-Identifier: MIT"; then
     echo "no SPDX line: $f"; missing=$((missing + 1))
   fi
-done < <(find runtime autograd jit frontend tests bench examples scripts cmake .ci \
+done < <(find runtime autograd jit frontend dist tests bench examples scripts cmake .ci \
               -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' \
               -o -name '*.cmake' -o -name run \) -print0; printf '%s\0' CMakeLists.txt)
 echo "$n files checked, $missing without an SPDX line"
