@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* A leaf of dtype dt whose .grad holds g[0..n) (also of dtype dt). */
 static gj_tensor *leaf_with_grad(gj_dtype dt, int64_t n, const double *g) {
@@ -163,6 +164,80 @@ static void test_argmax_accuracy(void **state) {
     gj_release(lab);
 }
 
+/* A model's parameters as one object: layers built into a state dict, whose
+ * tensor array feeds the optimizer and clipping (and gj_ddp_new, see
+ * test_dist) and which is the checkpoint; a fresh model loads it and
+ * computes the same loss bit for bit. */
+static gj_tensor *two_layer_loss(gj_linear_layer *a, gj_linear_layer *b, gj_tensor *x) {
+    return gj_sum(gj_mul(gj_linear_forward(b, gj_tanh(gj_linear_forward(a, x))),
+                         gj_linear_forward(b, gj_tanh(gj_linear_forward(a, x)))),
+                  0, NULL, false);
+}
+
+static void test_state_dict_as_param_list(void **state) {
+    (void)state;
+    gj_manual_seed(5);
+    gj_linear_layer a, b, a2, b2;
+    assert_int_equal(gj_linear_init(&a, 4, 6, true, GJ_F64), 0);
+    assert_int_equal(gj_linear_init(&b, 6, 3, true, GJ_F64), 0);
+    gj_state_dict *ps = gj_state_dict_new();
+    assert_int_equal(gj_linear_state_dict_add(&a, ps, "enc"), 0);
+    assert_int_equal(gj_linear_state_dict_add(&b, ps, "head"), 0);
+    assert_int_equal(gj_state_dict_size(ps), 4);
+    assert_string_equal(gj_tensor_name(gj_state_dict_tensor(ps, 0)), "enc.weight");
+    gj_optim *opt = gj_adamw_new(gj_state_dict_size(ps), gj_state_dict_tensors(ps), 0.05, 0.9,
+                                 0.999, 1e-8, 0.0);
+    assert_non_null(opt);
+    gjt_rng r;
+    gjt_rng_seed(&r, 9);
+    gj_tensor *x = gjt_uniform(&r, GJ_F64, 2, (int64_t[]){5, 4}, -1, 1);
+    for (int step = 0; step < 3; step++) {
+        gj_scope_push();
+        assert_int_equal(gj_backward(two_layer_loss(&a, &b, x), NULL), 0);
+        double norm = 0;
+        assert_int_equal(gj_clip_grad_norm(gj_state_dict_size(ps), gj_state_dict_tensors(ps), 1.0,
+                                           &norm), 0);
+        assert_true(norm > 0);
+        assert_int_equal(gj_optim_step(opt), 0);
+        gj_optim_zero_grad(opt);
+        gj_scope_pop();
+    }
+    char path[] = "/tmp/gjt_params_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(gj_save_safetensors(ps, path), 0);
+    /* a fresh model of other values, built the same way, loads the file */
+    gj_manual_seed(77);
+    assert_int_equal(gj_linear_init(&a2, 4, 6, true, GJ_F64), 0);
+    assert_int_equal(gj_linear_init(&b2, 6, 3, true, GJ_F64), 0);
+    gj_state_dict *ps2 = gj_state_dict_new();
+    assert_int_equal(gj_linear_state_dict_add(&a2, ps2, "enc"), 0);
+    assert_int_equal(gj_linear_state_dict_add(&b2, ps2, "head"), 0);
+    assert_int_equal(gj_load_safetensors_into(ps2, path, true), 0);
+    unlink(path);
+    gj_scope_push();
+    double l1 = gj_tensor_item(two_layer_loss(&a, &b, x));
+    double l2 = gj_tensor_item(two_layer_loss(&a2, &b2, x));
+    gj_scope_pop();
+    assert_true(l1 == l2);
+    for (int i = 0; i < 4; i++) {
+        double *u = gjt_values(gj_state_dict_tensor(ps, i));
+        double *v = gjt_values(gj_state_dict_tensor(ps2, i));
+        assert_memory_equal(u, v, sizeof(double) * (size_t)gj_tensor_numel(gj_state_dict_tensor(ps, i)));
+        free(u);
+        free(v);
+    }
+    gj_optim_free(opt);
+    gj_state_dict_free(ps);
+    gj_state_dict_free(ps2);
+    gj_linear_free(&a);
+    gj_linear_free(&b);
+    gj_linear_free(&a2);
+    gj_linear_free(&b2);
+    gj_release(x);
+}
+
 int main(void) {
     gjt_setup();
     const struct CMUnitTest tests[] = {
@@ -170,6 +245,7 @@ int main(void) {
         cmocka_unit_test(test_clip_grad_norm_errors),
         cmocka_unit_test(test_lr_schedules),
         cmocka_unit_test(test_argmax_accuracy),
+        cmocka_unit_test(test_state_dict_as_param_list),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
