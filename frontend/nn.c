@@ -187,33 +187,29 @@ static int nn_add_named(gj_state_dict *sd, const char *op, const char *prefix, c
     return gj_state_dict_add(sd, name, t);
 }
 
-int gj_linear_state_dict_add(gj_linear_layer *l, gj_state_dict *sd, const char *prefix) {
-    const char *op = "gj_linear_state_dict_add";
-    if (!l || !l->weight || !sd) {
+/* Adds "<prefix>.weight" and, when there is one, "<prefix>.bias" (the
+ * three layer kinds: bias NULL for the embedding). */
+static int nn_add_layer(gj_state_dict *sd, const char *op, const char *prefix, gj_tensor *weight,
+                        gj_tensor *bias) {
+    if (!weight || !sd) {
         gj_rt_set_error("%s: NULL or uninitialised layer, or NULL state dict", op);
         return -1;
     }
-    if (nn_add_named(sd, op, prefix, "weight", l->weight) != 0)
+    if (nn_add_named(sd, op, prefix, "weight", weight) != 0)
         return -1;
-    return l->bias ? nn_add_named(sd, op, prefix, "bias", l->bias) : 0;
+    return bias ? nn_add_named(sd, op, prefix, "bias", bias) : 0;
+}
+
+int gj_linear_state_dict_add(gj_linear_layer *l, gj_state_dict *sd, const char *prefix) {
+    return nn_add_layer(sd, "gj_linear_state_dict_add", prefix, l ? l->weight : NULL,
+                        l ? l->bias : NULL);
 }
 
 int gj_layer_norm_state_dict_add(gj_layer_norm_layer *l, gj_state_dict *sd, const char *prefix) {
-    const char *op = "gj_layer_norm_state_dict_add";
-    if (!l || !l->weight || !sd) {
-        gj_rt_set_error("%s: NULL or uninitialised layer, or NULL state dict", op);
-        return -1;
-    }
-    if (nn_add_named(sd, op, prefix, "weight", l->weight) != 0)
-        return -1;
-    return l->bias ? nn_add_named(sd, op, prefix, "bias", l->bias) : 0;
+    return nn_add_layer(sd, "gj_layer_norm_state_dict_add", prefix, l ? l->weight : NULL,
+                        l ? l->bias : NULL);
 }
 
 int gj_embedding_state_dict_add(gj_embedding_layer *l, gj_state_dict *sd, const char *prefix) {
-    const char *op = "gj_embedding_state_dict_add";
-    if (!l || !l->weight || !sd) {
-        gj_rt_set_error("%s: NULL or uninitialised layer, or NULL state dict", op);
-        return -1;
-    }
-    return nn_add_named(sd, op, prefix, "weight", l->weight);
+    return nn_add_layer(sd, "gj_embedding_state_dict_add", prefix, l ? l->weight : NULL, NULL);
 }
