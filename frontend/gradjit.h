@@ -576,6 +576,8 @@ typedef struct gj_ca_gemm {
 typedef struct gj_ca_program_info {
     int steps, kernel_steps, gemm_steps, other_steps;
     int kernel_functions;       /* distinct compiled kernels (identical ones are shared) */
+    int code_parts;             /* object files of its machine code: kernels are compiled in
+                                   up to one module per thread (at most 4) at once */
     int parallel_groups;        /* groups of steps the program runs side by side */
     double gemm_flops;          /* 2*M*N*K*batch over the GEMM steps */
     int64_t input_bytes;        /* graph inputs some step reads (saved tensors, seeds, .grad) */

@@ -3,7 +3,7 @@
  * code.h - compiled machine code for a plan, without LLVM types (the LLVM
  * side is llvmjit.c). Internal to jit/.
  *
- * A gj_jit_code owns the JIT resources (one LLVM module, tracked by its own
+ * A gj_jit_code owns the JIT resources (its object files, tracked by one
  * resource tracker in the process-wide LLJIT) of one plan; the kernel
  * function pointers it writes into the plan stay valid until it is freed.
  */
@@ -14,11 +14,13 @@
 
 typedef struct gj_jit_code gj_jit_code;
 
-/* Compiles every kernel of p (one module, optimised with default<O3> for
- * the host CPU, compiled to an object file) under symbol prefix `prefix`
- * and stores each kernel's entry in p->steps[s].k.fn. If obj_out is not
- * NULL it receives a gj_rt_malloc'd copy of the object file (or NULL if
- * that copy could not be made) and *obj_size its size. Returns the code,
+/* Compiles every distinct kernel of p (optimised with default<O3> for the
+ * host CPU) under symbol prefix `prefix` and stores each kernel's entry in
+ * p->steps[s].k.fn. The kernels are split into up to one module per
+ * thread (gj_rt_num_threads, at most 4), compiled at the same time, each
+ * to its own object file. If obj_out is not NULL it receives a
+ * gj_rt_malloc'd blob of the object code (one object file, or several
+ * behind a "GJMO" header) or NULL, and *obj_size its size. Returns the code,
  * or NULL with why[] set and the error set (every LLVM error is converted,
  * never fatal). */
 gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
@@ -31,9 +33,11 @@ gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *ob
  * object code depends on besides the plan ("" if LLVM cannot start). */
 const char *gj_jit_host_id(void);
 void gj_jit_code_free(gj_jit_code *c);
-/* The bytes of machine code c holds in the JIT: its object file's size
- * rounded up to whole pages, plus one page for each further segment the
- * linker maps (JITLink gives code, read-only data and data their own
+/* How many object files c was made of (0 for NULL). */
+int gj_jit_code_parts(const gj_jit_code *c);
+/* The bytes of machine code c holds in the JIT: its object files' size
+ * rounded up to whole pages, plus, per object file, one page for each
+ * further segment the linker maps (JITLink gives code, read-only data and data their own
  * page-aligned segments). An estimate from outside LLVM: ORC's C API does
  * not report what its memory manager mapped. 0 for NULL. */
 size_t gj_jit_code_bytes(const gj_jit_code *c);

@@ -181,6 +181,7 @@ bool gj_jit_last_program_info(gj_ca_program_info *out) {
 static void note_last_program(const gj_jit_program *prog) {
     if (g_have_last && prog->id == g_last_id) return;
     gj_jit_plan_info(&prog->plan, &g_last_info);
+    g_last_info.code_parts = gj_jit_code_parts(prog->code);
     g_last_id = prog->id;
     g_have_last = true;
 }

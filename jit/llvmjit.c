@@ -45,10 +45,14 @@ extern const size_t gj_rt_math_bc_size;
 
 struct gj_jit_code {
     LLVMOrcResourceTrackerRef rt;
-    size_t obj_bytes; /* size of the object file it was loaded from */
+    size_t obj_bytes; /* size of the object code it was loaded from */
+    int parts;        /* object files in it */
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define GJ_JIT_MAX_SHARDS 4 /* modules of one parallel compile, at most */
+static const char GJ_MULTI_MAGIC[4] = {'G', 'J', 'M', 'O'}; /* several objects in one */
 
 static double ms_now(void) {
     struct timespec ts;
@@ -238,14 +242,43 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
         snprintf(why, why_cap, "out of memory");
         return NULL;
     }
-    LLVMMemoryBufferRef mb =
-        LLVMCreateMemoryBufferWithMemoryRangeCopy((const char *)obj, n, prefix);
     LLVMOrcResourceTrackerRef rt =
         LLVMOrcJITDylibCreateResourceTracker(LLVMOrcLLJITGetMainJITDylib(g.jit));
-    LLVMErrorRef err = LLVMOrcLLJITAddObjectFileWithRT(g.jit, rt, mb); /* consumes mb */
-    if (err) {
-        take_error(err, "add object", why, why_cap);
-        goto fail;
+    LLVMErrorRef err;
+    const char *bytes = obj;
+    int parts = 1;
+    if (n >= 8 && memcmp(bytes, GJ_MULTI_MAGIC, 4) == 0) { /* several objects */
+        uint32_t cnt;
+        memcpy(&cnt, bytes + 4, 4);
+        size_t off = 8 + 8 * (size_t)cnt;
+        if (cnt < 1 || cnt > GJ_JIT_MAX_SHARDS || off > n) {
+            snprintf(why, why_cap, "LLVM error (add object): malformed multi-object code");
+            goto fail;
+        }
+        for (uint32_t i = 0; i < cnt; i++) {
+            uint64_t sz;
+            memcpy(&sz, bytes + 8 + 8 * (size_t)i, 8);
+            if (sz > n - off) {
+                snprintf(why, why_cap, "LLVM error (add object): malformed multi-object code");
+                goto fail;
+            }
+            LLVMMemoryBufferRef mb =
+                LLVMCreateMemoryBufferWithMemoryRangeCopy(bytes + off, (size_t)sz, prefix);
+            err = LLVMOrcLLJITAddObjectFileWithRT(g.jit, rt, mb); /* consumes mb */
+            if (err) {
+                take_error(err, "add object", why, why_cap);
+                goto fail;
+            }
+            off += (size_t)sz;
+        }
+        parts = (int)cnt;
+    } else {
+        LLVMMemoryBufferRef mb = LLVMCreateMemoryBufferWithMemoryRangeCopy(bytes, n, prefix);
+        err = LLVMOrcLLJITAddObjectFileWithRT(g.jit, rt, mb); /* consumes mb */
+        if (err) {
+            take_error(err, "add object", why, why_cap);
+            goto fail;
+        }
     }
     g.session_error[0] = '\0';
     for (int s = 0; s < p->n_steps; s++) {
@@ -273,6 +306,7 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
     }
     code->rt = rt;
     code->obj_bytes = n;
+    code->parts = parts;
     return code;
 fail: {
     LLVMErrorRef e2 = LLVMOrcResourceTrackerRemove(rt);
@@ -284,85 +318,231 @@ fail: {
 }
 }
 
-gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
-                                 size_t *obj_size, char *why, size_t why_cap) {
-    gj_jit_code *code = NULL;
-    LLVMContextRef C = NULL;
-    LLVMModuleRef M = NULL;
-    LLVMPassBuilderOptionsRef opts = NULL;
-    LLVMMemoryBufferRef objbuf = NULL;
-    why[0] = '\0';
-    if (obj_out) *obj_out = NULL;
-    if (obj_size) *obj_size = 0;
+/* --------------------------------------------------- parallel compile */
+
+/* A program's distinct kernels are lowered into up to GJ_JIT_MAX_SHARDS
+ * modules, each in its own LLVM context with its own target machine, and
+ * optimised and compiled to object code on as many threads at once (the
+ * caller runs shard 0). Several objects travel as one blob:
+ *     "GJMO" | u32 count | count x u64 size | the objects, in order
+ * (an ELF object never starts with "GJMO"); add_object takes either. */
+
+typedef struct shard_job {
+    gj_jit_plan *p;
+    const char *prefix;
+    const int *shard_of_step;
+    int shard;
+    LLVMMemoryBufferRef obj; /* out */
+    double t[4];             /* bitcode, IR, passes, codegen (ms, when prof) */
+    char why[512];
+} shard_job;
+
+/* Lowers, optimises and compiles shard j->shard of j->p into j->obj. Runs
+ * with g_lock held by the thread that started the compile; reads only g's
+ * target description. */
+static void *compile_shard(void *arg) {
+    shard_job *j = arg;
     bool prof = (gj_jit_log_flags() & GJ_JIT_LOG_PROF) != 0;
-    double t[6] = {0}, cpu0 = prof ? cpu_ms_now() : 0;
-    t[0] = prof ? ms_now() : 0;
-    pthread_mutex_lock(&g_lock);
-    if (ensure_jit(why, why_cap) != 0) goto done;
-    C = LLVMContextCreate();
-    M = LLVMModuleCreateWithNameInContext(prefix, C);
+    double t0 = prof ? ms_now() : 0, t1 = t0, t2 = t0, t3 = t0;
+    LLVMContextRef C = LLVMContextCreate();
+    LLVMModuleRef M = LLVMModuleCreateWithNameInContext(j->prefix, C);
+    LLVMPassBuilderOptionsRef opts = NULL;
+    LLVMTargetMachineRef tm = NULL;
+    char *msg = NULL;
+    LLVMTargetRef target;
     LLVMSetTarget(M, g.triple);
     LLVMSetDataLayout(M, g.layout);
-    if (link_math(M, why, why_cap) != 0) goto done;
-    t[1] = prof ? ms_now() : 0;
-    if (gj_jit_lower_plan(M, p, prefix, g.cpu, g.features, why, why_cap) != 0) goto done;
+    if (link_math(M, j->why, sizeof j->why) != 0) goto done;
+    t1 = prof ? ms_now() : 0;
+    if (gj_jit_lower_plan(M, j->p, j->prefix, g.cpu, g.features, j->shard_of_step, j->shard,
+                          j->why, sizeof j->why) != 0)
+        goto done;
     drop_unused_math(M);
-    t[2] = prof ? ms_now() : 0;
-    char *vmsg = NULL;
-    if (LLVMVerifyModule(M, LLVMReturnStatusAction, &vmsg) != 0) {
-        snprintf(why, why_cap, "LLVM error (verifier): %.400s", vmsg ? vmsg : "?");
-        LLVMDisposeMessage(vmsg);
+    t2 = prof ? ms_now() : 0;
+    if (LLVMVerifyModule(M, LLVMReturnStatusAction, &msg) != 0) {
+        snprintf(j->why, sizeof j->why, "LLVM error (verifier): %.400s", msg ? msg : "?");
         goto done;
     }
-    LLVMDisposeMessage(vmsg);
+    LLVMDisposeMessage(msg);
+    msg = NULL;
+    /* a target machine per thread: LLVM's are not safe to share */
+    if (LLVMGetTargetFromTriple(g.triple, &target, &msg) != 0 ||
+        !(tm = LLVMCreateTargetMachine(target, g.triple, g.cpu, g.features,
+                                       LLVMCodeGenLevelAggressive, LLVMRelocPIC,
+                                       LLVMCodeModelJITDefault))) {
+        snprintf(j->why, sizeof j->why, "LLVM error: cannot create a target machine for %s: %s",
+                 g.triple, msg ? msg : "?");
+        goto done;
+    }
     opts = LLVMCreatePassBuilderOptions();
     LLVMPassBuilderOptionsSetLoopVectorization(opts, 1);
     LLVMPassBuilderOptionsSetSLPVectorization(opts, 1);
     LLVMPassBuilderOptionsSetLoopUnrolling(opts, 1);
     LLVMPassBuilderOptionsSetLoopInterleaving(opts, 1);
-    LLVMErrorRef err = LLVMRunPasses(M, "default<O3>", g.tm, opts);
+    LLVMErrorRef err = LLVMRunPasses(M, "default<O3>", tm, opts);
     if (err) {
-        take_error(err, "optimisation", why, why_cap);
+        take_error(err, "optimisation", j->why, sizeof j->why);
         goto done;
     }
-    t[3] = prof ? ms_now() : 0;
+    t3 = prof ? ms_now() : 0;
     if (gj_jit_log_flags() & GJ_JIT_LOG_IR) {
-        char *s = LLVMPrintModuleToString(M);
-        fprintf(stderr, "[gradjit ir] module %s\n%s\n", prefix, s);
-        LLVMDisposeMessage(s);
+        char *ir = LLVMPrintModuleToString(M);
+        fprintf(stderr, "[gradjit ir] module %s (part %d)\n%s\n", j->prefix, j->shard, ir);
+        LLVMDisposeMessage(ir);
     }
-    char *emsg = NULL;
-    if (LLVMTargetMachineEmitToMemoryBuffer(g.tm, M, LLVMObjectFile, &emsg, &objbuf) != 0) {
-        snprintf(why, why_cap, "LLVM error (code generation): %.400s", emsg ? emsg : "?");
-        LLVMDisposeMessage(emsg);
-        objbuf = NULL;
-        goto done;
-    }
-    const char *bytes = LLVMGetBufferStart(objbuf);
-    size_t n = LLVMGetBufferSize(objbuf);
-    t[4] = prof ? ms_now() : 0;
-    code = add_object(p, prefix, bytes, n, why, why_cap);
-    if (prof) {
-        t[5] = ms_now();
-        fprintf(stderr,
-                "[gradjit prof] compile %s: math bitcode %.1f ms, IR %.1f ms, O3 %.1f ms, "
-                "codegen %.1f ms, load %.1f ms (%zu bytes; %.1f ms of CPU)\n",
-                prefix, t[1] - t[0], t[2] - t[1], t[3] - t[2], t[4] - t[3], t[5] - t[4], n,
-                cpu_ms_now() - cpu0);
-    }
-    if (code && obj_out) { /* a copy for the disk cache (optional: no error) */
-        *obj_out = gj_rt_malloc(n);
-        if (*obj_out) {
-            memcpy(*obj_out, bytes, n);
-            *obj_size = n;
-        }
+    if (LLVMTargetMachineEmitToMemoryBuffer(tm, M, LLVMObjectFile, &msg, &j->obj) != 0) {
+        snprintf(j->why, sizeof j->why, "LLVM error (code generation): %.400s", msg ? msg : "?");
+        j->obj = NULL;
     }
 done:
-    if (objbuf) LLVMDisposeMemoryBuffer(objbuf);
+    if (prof) {
+        double t4 = ms_now();
+        j->t[0] = t1 - t0;
+        j->t[1] = t2 - t1;
+        j->t[2] = t3 - t2;
+        j->t[3] = t4 - t3;
+    }
+    if (msg) LLVMDisposeMessage(msg);
     if (opts) LLVMDisposePassBuilderOptions(opts);
-    if (M) LLVMDisposeModule(M);
-    if (C) LLVMContextDispose(C);
+    if (tm) LLVMDisposeTargetMachine(tm);
+    LLVMDisposeModule(M);
+    LLVMContextDispose(C);
+    return NULL;
+}
+
+/* How many modules p's kernels are compiled in, and which one each kernel
+ * step's function goes to (shard_of_step, -1 for other steps): distinct
+ * kernels, largest first (expressions + stores), each to the module with
+ * the least so far; steps sharing a function (dedupe.c) share its module.
+ * One module when there is one thread or fewer than 2 distinct kernels. */
+static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
+    int n_distinct = 0, threads = gj_rt_num_threads();
+    for (int s = 0; s < p->n_steps; s++) {
+        shard_of_step[s] = -1;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        bool seen = false;
+        for (int t = 0; t < s && !seen; t++)
+            seen = shard_of_step[t] >= 0 && strcmp(p->steps[t].k.name, p->steps[s].k.name) == 0;
+        if (!seen) n_distinct++;
+        shard_of_step[s] = 0;
+    }
+    int n = threads < GJ_JIT_MAX_SHARDS ? threads : GJ_JIT_MAX_SHARDS;
+    if (n > n_distinct) n = n_distinct;
+    if (n < 2) return 1;
+    long load[GJ_JIT_MAX_SHARDS] = {0};
+    for (int s = 0; s < p->n_steps; s++) shard_of_step[s] = p->steps[s].kind == GJ_JIT_STEP_KERNEL ? -2 : -1;
+    for (;;) { /* the largest unassigned distinct kernel */
+        int best = -1;
+        long best_cost = -1;
+        for (int s = 0; s < p->n_steps; s++) {
+            if (shard_of_step[s] != -2) continue;
+            long cost = p->steps[s].k.n_ex + 4L * p->steps[s].k.n_st + 8;
+            if (cost > best_cost) best = s, best_cost = cost;
+        }
+        if (best < 0) break;
+        int lo = 0;
+        for (int i = 1; i < n; i++)
+            if (load[i] < load[lo]) lo = i;
+        load[lo] += best_cost;
+        for (int s = 0; s < p->n_steps; s++) /* every step with this function */
+            if (shard_of_step[s] == -2 && strcmp(p->steps[s].k.name, p->steps[best].k.name) == 0)
+                shard_of_step[s] = lo;
+    }
+    return n;
+}
+
+gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
+                                 size_t *obj_size, char *why, size_t why_cap) {
+    gj_jit_code *code = NULL;
+    shard_job job[GJ_JIT_MAX_SHARDS];
+    pthread_t tid[GJ_JIT_MAX_SHARDS];
+    bool started[GJ_JIT_MAX_SHARDS] = {false};
+    int *shard_of_step = gj_rt_malloc((size_t)(p->n_steps + 1) * sizeof(int));
+    char *blob = NULL;
+    size_t n = 0;
+    int nshards = 0;
+    why[0] = '\0';
+    if (obj_out) *obj_out = NULL;
+    if (obj_size) *obj_size = 0;
+    bool prof = (gj_jit_log_flags() & GJ_JIT_LOG_PROF) != 0;
+    double t0 = prof ? ms_now() : 0, t1 = t0, cpu0 = prof ? cpu_ms_now() : 0;
+    if (!shard_of_step) {
+        snprintf(why, why_cap, "out of memory");
+        goto out;
+    }
+    pthread_mutex_lock(&g_lock);
+    if (ensure_jit(why, why_cap) != 0) goto done;
+    nshards = plan_shards(p, shard_of_step);
+    for (int i = 0; i < nshards; i++) {
+        job[i] = (shard_job){p, prefix, nshards > 1 ? shard_of_step : NULL, i, NULL, {0}, ""};
+        /* shards 1.. on their own threads; if one cannot start, the caller
+         * runs it after its own */
+        if (i > 0) started[i] = pthread_create(&tid[i], NULL, compile_shard, &job[i]) == 0;
+    }
+    compile_shard(&job[0]);
+    for (int i = 1; i < nshards; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else compile_shard(&job[i]);
+    }
+    t1 = prof ? ms_now() : 0;
+    for (int i = 0; i < nshards; i++)
+        if (!job[i].obj) {
+            snprintf(why, why_cap, "%s", job[i].why[0] ? job[i].why : "LLVM error: compilation failed");
+            goto done;
+        }
+    if (nshards == 1) {
+        n = LLVMGetBufferSize(job[0].obj);
+        blob = gj_rt_malloc(n ? n : 1);
+        if (blob) memcpy(blob, LLVMGetBufferStart(job[0].obj), n);
+    } else {
+        n = 8 + 8 * (size_t)nshards;
+        for (int i = 0; i < nshards; i++) n += LLVMGetBufferSize(job[i].obj);
+        blob = gj_rt_malloc(n);
+        if (blob) {
+            uint32_t cnt = (uint32_t)nshards;
+            memcpy(blob, GJ_MULTI_MAGIC, 4);
+            memcpy(blob + 4, &cnt, 4);
+            size_t off = 8 + 8 * (size_t)nshards;
+            for (int i = 0; i < nshards; i++) {
+                uint64_t sz = LLVMGetBufferSize(job[i].obj);
+                memcpy(blob + 8 + 8 * (size_t)i, &sz, 8);
+                memcpy(blob + off, LLVMGetBufferStart(job[i].obj), sz);
+                off += sz;
+            }
+        }
+    }
+    if (!blob) {
+        snprintf(why, why_cap, "out of memory");
+        goto done;
+    }
+    code = add_object(p, prefix, blob, n, why, why_cap);
+    if (prof) {
+        double tb = 0, ti = 0, to = 0, tc = 0;
+        for (int i = 0; i < nshards; i++) {
+            tb += job[i].t[0];
+            ti += job[i].t[1];
+            to += job[i].t[2];
+            tc += job[i].t[3];
+        }
+        fprintf(stderr,
+                "[gradjit prof] compile %s: %.1f ms in %d part%s (summed over parts: math bitcode "
+                "%.1f ms, IR %.1f ms, O3 %.1f ms, codegen %.1f ms), load %.1f ms (%zu bytes; %.1f "
+                "ms of CPU on this thread)\n",
+                prefix, t1 - t0, nshards, nshards > 1 ? "s" : "", tb, ti, to, tc, ms_now() - t1, n,
+                cpu_ms_now() - cpu0);
+    }
+    if (code && obj_out) { /* the blob goes to the disk cache (optional: no error) */
+        *obj_out = blob;
+        *obj_size = n;
+        blob = NULL;
+    }
+done:
+    for (int i = 0; i < nshards; i++)
+        if (job[i].obj) LLVMDisposeMemoryBuffer(job[i].obj);
     pthread_mutex_unlock(&g_lock);
+out:
+    gj_rt_free(blob);
+    gj_rt_free(shard_of_step);
     if (!code) {
         for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
         if (!why[0]) snprintf(why, why_cap, "LLVM error: compilation failed");
@@ -413,11 +593,13 @@ void gj_jit_code_free(gj_jit_code *c) {
     gj_rt_free(c);
 }
 
+int gj_jit_code_parts(const gj_jit_code *c) { return c ? c->parts : 0; }
+
 size_t gj_jit_code_bytes(const gj_jit_code *c) {
     if (!c) return 0;
     long pg = sysconf(_SC_PAGESIZE);
     size_t page = pg > 0 ? (size_t)pg : 4096;
-    return (c->obj_bytes + page - 1) / page * page + 2 * page;
+    return (c->obj_bytes + page - 1) / page * page + 2 * page * (size_t)(c->parts > 0 ? c->parts : 1);
 }
 
 void gj_jit_llvm_shutdown(void) {

@@ -758,7 +758,8 @@ done:
 }
 
 int gj_jit_lower_plan(LLVMModuleRef M, const gj_jit_plan *p, const char *prefix,
-                      const char *cpu, const char *features, char *why, size_t why_cap) {
+                      const char *cpu, const char *features, const int *shard_of_step,
+                      int shard, char *why, size_t why_cap) {
     kg g;
     memset(&g, 0, sizeof g);
     g.C = LLVMGetModuleContext(M);
@@ -777,6 +778,7 @@ int gj_jit_lower_plan(LLVMModuleRef M, const gj_jit_plan *p, const char *prefix,
     int rc = 0;
     for (int s = 0; s < p->n_steps && rc == 0; s++) {
         if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        if (shard_of_step && shard_of_step[s] != shard) continue;
         bool seen = false; /* a kernel shared with an earlier step (dedupe.c) */
         for (int t = 0; t < s && !seen; t++)
             seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&

@@ -21,6 +21,7 @@
  *     kernel_functions), with eager's gradients bit for bit.
  */
 #include "gjtest.h"
+#include "jit/jit.h"
 #include "runtime/rt.h"
 
 #include <math.h>
@@ -28,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------ GEMM splitting */
 
@@ -315,6 +317,72 @@ static void test_identical_layers_share_kernels(void **state) {
     for (int i = 0; i < 2 * DL; i++) gj_linear_free(&l[i]);
 }
 
+/* The kernels of a program compile in one module per thread at once
+ * (llvmjit.c): with 2 threads a program with 4 distinct kernels is made of
+ * 2 object files, with 1 thread of one; both give eager's bits; the disk
+ * cache keeps the several objects as one entry and a process with any
+ * thread count loads it (a fresh cache directory, so the first compile
+ * cannot be a disk hit). */
+static void test_parallel_compile(void **state) {
+    (void)state;
+    char dir[] = "/tmp/gj_parcompile_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char *old = getenv("GRADJIT_CACHE_DIR") ? strdup(getenv("GRADJIT_CACHE_DIR")) : NULL;
+    setenv("GRADJIT_CACHE_DIR", dir, 1);
+    gj_manual_seed(21);
+    gj_linear_layer l[2 * DL];
+    for (int i = 0; i < DL; i++) {
+        assert_int_equal(gj_linear_init(&l[2 * i], DC, DH, true, GJ_F32), 0);
+        assert_int_equal(gj_linear_init(&l[2 * i + 1], DH, DC, true, GJ_F32), 0);
+    }
+    gjt_rng r;
+    gjt_rng_seed(&r, 23);
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){DB, DC}, -1, 1);
+    int64_t n1, n2;
+    double *e = deep_grads(l, x, false, &n1);
+    struct { int threads; const char *cache; int parts; int64_t compiles, disk_hits; } runs[] = {
+        {2, dir, 2, 1, 0},   /* compiled: two object files, saved as one entry */
+        {1, dir, 2, 0, 1},   /* one thread loads the two-part entry */
+        {1, "off", 1, 1, 0}, /* one thread compiles one object file */
+        {2, dir, 2, 0, 1},
+    };
+    for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
+        setenv("GRADJIT_CACHE_DIR", runs[k].cache, 1);
+        gj_set_num_threads(runs[k].threads);
+        gj_jit_clear_cache();
+        gj_ca_stats a, b;
+        gj_compiled_autograd_stats(&a);
+        double *c = deep_grads(l, x, true, &n2);
+        gj_compiled_autograd_stats(&b);
+        assert_int_equal(n1, n2);
+        if (memcmp(e, c, (size_t)n1 * sizeof *e) != 0) fail_msg("run %zu: not eager's bits", k);
+        gj_ca_program_info pi;
+        assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
+        print_message("  run %zu: %d thread(s), cache %s: %d distinct kernels in %d object file(s), "
+                      "%lld compile(s), %lld disk hit(s)\n",
+                      k, runs[k].threads, runs[k].cache == dir ? "dir" : "off", pi.kernel_functions,
+                      pi.code_parts, (long long)(b.compiles - a.compiles),
+                      (long long)(b.disk_hits - a.disk_hits));
+        assert_true(pi.kernel_functions >= 4);
+        assert_int_equal(pi.code_parts, runs[k].parts);
+        assert_int_equal(b.compiles - a.compiles, runs[k].compiles);
+        assert_int_equal(b.disk_hits - a.disk_hits, runs[k].disk_hits);
+        assert_int_equal(b.fallbacks, a.fallbacks);
+        free(c);
+    }
+    gj_set_num_threads(0);
+    gj_jit_clear_cache();
+    if (old) setenv("GRADJIT_CACHE_DIR", old, 1);
+    else unsetenv("GRADJIT_CACHE_DIR");
+    free(old);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+    free(e);
+    gj_release(x);
+    for (int i = 0; i < 2 * DL; i++) gj_linear_free(&l[i]);
+}
+
 static void *no_program_thread(void *arg) {
     int *rc = arg;
     gj_ca_program_info pi;
@@ -344,6 +412,7 @@ int main(void) {
         cmocka_unit_test(test_hook_between_gemms),
         cmocka_unit_test(test_last_program_errors),
         cmocka_unit_test(test_identical_layers_share_kernels),
+        cmocka_unit_test(test_parallel_compile),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
