@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ RNG */
 
@@ -221,6 +223,66 @@ void gjt_setup(void) {
         return;
     gj_set_compiled_autograd(true);
     fprintf(stderr, "gjtest: compiled mode (every backward compiled, checked against eager)\n");
+}
+
+void gjt_mlp_init(gjt_mlp *m, uint64_t seed) {
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    m->w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){4, 6}, -0.5, 0.5);
+    m->b = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){4}, -0.5, 0.5);
+    assert_int_equal(gj_set_requires_grad(m->w, true), 0);
+    assert_int_equal(gj_set_requires_grad(m->b, true), 0);
+}
+
+void gjt_mlp_free(gjt_mlp *m) {
+    gj_release(m->w);
+    gj_release(m->b);
+}
+
+/* The rest of the file at fd (from its start) as a malloc'd string. */
+static char *read_back(int fd) {
+    char *s = calloc(1, 1 << 16);
+    assert_non_null(s);
+    lseek(fd, 0, SEEK_SET);
+    ssize_t n = read(fd, s, (1 << 16) - 1);
+    s[n > 0 ? n : 0] = '\0';
+    return s;
+}
+
+int gjt_run_self(const char *self, const char *mode, const char *const *env, char **out,
+                 char **err) {
+    char op[] = "/tmp/gjt-out-XXXXXX", ep[] = "/tmp/gjt-err-XXXXXX";
+    int ofd = mkstemp(op), efd = mkstemp(ep);
+    assert_true(ofd >= 0 && efd >= 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        for (int i = 0; env && env[i]; i++) {
+            const char *eq = strchr(env[i], '=');
+            if (!eq) {
+                unsetenv(env[i]);
+                continue;
+            }
+            char name[256];
+            assert_true(eq - env[i] < (ptrdiff_t)sizeof name);
+            snprintf(name, sizeof name, "%.*s", (int)(eq - env[i]), env[i]);
+            setenv(name, eq + 1, 1);
+        }
+        dup2(ofd, 1);
+        dup2(efd, 2);
+        execl(self, self, mode, (char *)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (out) *out = read_back(ofd);
+    if (err) *err = read_back(efd);
+    close(ofd);
+    close(efd);
+    unlink(op);
+    unlink(ep);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 gj_ca_stats gjt_ca_now(void) {

@@ -179,6 +179,23 @@ int gjt_backward(gj_tensor *root, gj_tensor *seed, bool retain_graph);
  * afterwards. */
 bool gjt_backward_fails(gj_tensor *root, gj_tensor *seed, bool retain_graph);
 
+/* The small model of several jit tests: a layer w [4, 6], b [4] (f32,
+ * requiring grad) drawn uniform in [-0.5, 0.5) from seed. */
+typedef struct gjt_mlp {
+    gj_tensor *w, *b;
+} gjt_mlp;
+void gjt_mlp_init(gjt_mlp *m, uint64_t seed);
+void gjt_mlp_free(gjt_mlp *m);
+
+/* Runs program self (this test's binary) with the one argument mode in a
+ * child process whose environment is this one's with each "NAME=VALUE" of
+ * env set and each bare "NAME" unset (env NULL-terminated; NULL: no
+ * change). Its stdout goes to *out and its stderr to *err (malloc'd, up to
+ * 64 KiB each; a NULL pointer discards it). Returns the child's exit
+ * status, -1 if it did not exit. */
+int gjt_run_self(const char *self, const char *mode, const char *const *env, char **out,
+                 char **err);
+
 /* Compiled-autograd counters now (gj_compiled_autograd_stats). */
 gj_ca_stats gjt_ca_now(void);
 /* true if exactly n backwards ran between before and after, each compiled

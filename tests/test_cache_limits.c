@@ -60,12 +60,6 @@
 
 static const char *g_self; /* this binary, for the child runs */
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* A fresh start: no cached program, counters at zero, quiet. */
 static void fresh(void) {
     gj_jit_clear_cache();
@@ -90,23 +84,7 @@ static int mul_step(gj_tensor *w, int64_t a, int64_t b, bool compiled) {
 
 /* mean(tanh(x @ w^T + b)) with x [n, 6], w [4, 6], b [4]: a matmul step
  * and fused kernels; each batch size n is its own key. */
-typedef struct mlp {
-    gj_tensor *w, *b;
-} mlp;
-
-static void mlp_init(mlp *m) {
-    gjt_rng r;
-    gjt_rng_seed(&r, 77);
-    m->w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){4, 6}, -0.5, 0.5);
-    m->b = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){4}, -0.5, 0.5);
-    assert_int_equal(gj_set_requires_grad(m->w, true), 0);
-    assert_int_equal(gj_set_requires_grad(m->b, true), 0);
-}
-
-static void mlp_free(mlp *m) {
-    gj_release(m->w);
-    gj_release(m->b);
-}
+typedef gjt_mlp mlp; /* gjtest.h */
 
 /* Whether a leaf of m shares a .grad lock stripe with a leaf of o. */
 static bool stripes_meet(const mlp *m, const mlp *o) {
@@ -123,13 +101,13 @@ static bool stripes_meet(const mlp *m, const mlp *o) {
 static void mlp_init_apart(mlp *m, const mlp *o) {
     mlp tried[16];
     int n = 0;
-    mlp_init(m);
+    gjt_mlp_init(m, 77);
     while (stripes_meet(m, o) && n < 16) {
         tried[n++] = *m; /* kept until the end: new tensors get new addresses */
-        mlp_init(m);
+        gjt_mlp_init(m, 77);
     }
     assert_false(stripes_meet(m, o));
-    for (int i = 0; i < n; i++) mlp_free(&tried[i]);
+    for (int i = 0; i < n; i++) gjt_mlp_free(&tried[i]);
 }
 
 /* One backward of batch n in the current mode (the flag untouched). */
@@ -175,10 +153,10 @@ static double *take_grads(mlp *m) {
 
 /* One compiled backward of batch n: no fallback, the eager gradients. */
 static void mlp_check(mlp *m, int64_t n, const double *ref) {
-    int64_t fb = stats().fallbacks;
+    int64_t fb = gjt_ca_now().fallbacks;
     assert_int_equal(mlp_step(m, n, true), 0);
-    if (stats().fallbacks != fb) print_error("fallback: %s\n", gj_compiled_autograd_last_fallback());
-    assert_int_equal(stats().fallbacks, fb);
+    if (gjt_ca_now().fallbacks != fb) print_error("fallback: %s\n", gj_compiled_autograd_last_fallback());
+    assert_int_equal(gjt_ca_now().fallbacks, fb);
     double *g = take_grads(m);
     bool ok = gjt_allclose("compiled vs eager", g, ref, 28, 1e-6, 1e-5);
     free(g);
@@ -227,9 +205,9 @@ static void test_mem_bound_1000_keys(void **st) {
     gj_compiled_autograd_set_mem_cache_limit(-1);
     fresh();
     assert_int_equal(mul_step(w[BMAX], AMAX, BMAX, true), 0); /* LLJIT, BLAS, pool up */
-    int64_t h0 = heap_bytes(), c0 = stats().mem_bytes;
+    int64_t h0 = heap_bytes(), c0 = gjt_ca_now().mem_bytes;
     for (int k = 0; k < 50; k++) assert_int_equal(mul_step(w[1 + k % 5], 1 + k / 5, 1 + k % 5, true), 0);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 51);
     assert_int_equal(s.mem_evictions, 0);
     assert_int_equal(s.mem_entries, 51);
@@ -251,7 +229,7 @@ static void test_mem_bound_1000_keys(void **st) {
     for (int a = 1; a <= AMAX; a++) {
         for (int b = 1; b <= BMAX; b++) {
             assert_int_equal(mul_step(w[b], a, b, true), 0);
-            s = stats();
+            s = gjt_ca_now();
             assert_int_equal(s.fallbacks, 0);
             if (s.mem_bytes > max_bytes) max_bytes = s.mem_bytes;
             assert_true(s.mem_bytes <= limit);
@@ -261,7 +239,7 @@ static void test_mem_bound_1000_keys(void **st) {
             }
         }
     }
-    s = stats();
+    s = gjt_ca_now();
     int64_t heap_growth = heap_bytes() - heap200, rss_growth = rss_bytes() - rss200;
     print_message("1000 keys, limit %lld: %lld compiles, %lld evictions, %lld entries kept, "
                   "at most %lld bytes charged; from key 200 to 1000 the heap grew by %lld "
@@ -280,11 +258,11 @@ static void test_mem_bound_1000_keys(void **st) {
     }
     /* the entries kept are the most recent keys: the last one is a hit */
     assert_int_equal(mul_step(w[BMAX], AMAX, BMAX, true), 0);
-    assert_int_equal(stats().mem_hits, 1);
-    assert_int_equal(stats().compiles, 1000);
+    assert_int_equal(gjt_ca_now().mem_hits, 1);
+    assert_int_equal(gjt_ca_now().compiles, 1000);
     /* a lower limit evicts at once, down to the most recently used entry */
     gj_compiled_autograd_set_mem_cache_limit(0);
-    s = stats();
+    s = gjt_ca_now();
     assert_int_equal(s.mem_entries, 1);
     assert_int_equal(s.mem_evictions + s.mem_entries, 1000);
 
@@ -301,7 +279,7 @@ static void test_mem_bound_1000_keys(void **st) {
 static void test_evicted_recompiles(void **st) {
     (void)st;
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     gj_jit_set_disk_cache(NULL);
     const int64_t A = 5, B = 7;
     assert_int_equal(mlp_step(&m, A, false), 0);
@@ -313,14 +291,14 @@ static void test_evicted_recompiles(void **st) {
     fresh();
     mlp_check(&m, A, ref_a);
     mlp_check(&m, B, ref_b);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 2);
     assert_int_equal(s.mem_evictions, 1);
     assert_int_equal(s.mem_entries, 1);
     mlp_check(&m, A, ref_a); /* evicted: compiled again */
     mlp_check(&m, A, ref_a); /* now the entry in use: a hit */
     mlp_check(&m, B, ref_b);
-    s = stats();
+    s = gjt_ca_now();
     assert_int_equal(s.compiles, 4);
     assert_int_equal(s.mem_hits, 1);
     assert_int_equal(s.mem_evictions, 3);
@@ -329,7 +307,7 @@ static void test_evicted_recompiles(void **st) {
     gj_compiled_autograd_set_mem_cache_limit(-1);
     mlp_check(&m, A, ref_a);
     mlp_check(&m, A, ref_a);
-    s = stats();
+    s = gjt_ca_now();
     assert_int_equal(s.compiles, 5);
     assert_int_equal(s.mem_hits, 2);
     assert_int_equal(s.mem_evictions, 3);
@@ -338,7 +316,7 @@ static void test_evicted_recompiles(void **st) {
     fresh();
     free(ref_a);
     free(ref_b);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
 }
 
 /* Keys A, B, then A again (a hit), then C: with room for A and the larger
@@ -347,7 +325,7 @@ static void test_evicted_recompiles(void **st) {
 static void test_lru_order(void **st) {
     (void)st;
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     gj_jit_set_disk_cache(NULL);
     const int64_t A = 11, B = 12, C = 13;
     /* what each entry is charged */
@@ -357,8 +335,8 @@ static void test_lru_order(void **st) {
     const int64_t keys[3] = {A, B, C};
     for (int i = 0; i < 3; i++) {
         assert_int_equal(mlp_fresh_step(&m, keys[i]), 0);
-        sz[i] = stats().mem_bytes - before;
-        before = stats().mem_bytes;
+        sz[i] = gjt_ca_now().mem_bytes - before;
+        before = gjt_ca_now().mem_bytes;
         assert_true(sz[i] > 0);
     }
     int64_t limit = sz[0] + (sz[1] > sz[2] ? sz[1] : sz[2]);
@@ -367,27 +345,27 @@ static void test_lru_order(void **st) {
     fresh();
     assert_int_equal(mlp_fresh_step(&m, A), 0);
     assert_int_equal(mlp_fresh_step(&m, B), 0);
-    assert_int_equal(stats().mem_evictions, 0);
+    assert_int_equal(gjt_ca_now().mem_evictions, 0);
     assert_int_equal(mlp_fresh_step(&m, A), 0);
-    assert_int_equal(stats().mem_hits, 1);
+    assert_int_equal(gjt_ca_now().mem_hits, 1);
     assert_int_equal(mlp_fresh_step(&m, C), 0);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 3);
     assert_int_equal(s.mem_evictions, 1);
     assert_int_equal(s.mem_entries, 2);
     assert_int_equal(s.mem_bytes, sz[0] + sz[2]);
     assert_int_equal(mlp_fresh_step(&m, A), 0); /* kept */
-    assert_int_equal(stats().mem_hits, 2);
-    assert_int_equal(stats().compiles, 3);
+    assert_int_equal(gjt_ca_now().mem_hits, 2);
+    assert_int_equal(gjt_ca_now().compiles, 3);
     assert_int_equal(mlp_fresh_step(&m, B), 0); /* evicted */
-    assert_int_equal(stats().compiles, 4);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 4);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
 
     gj_compiled_autograd_set_mem_cache_limit(-1);
     fresh();
     assert_int_equal(gj_tensor_set_grad(m.w, NULL), 0);
     assert_int_equal(gj_tensor_set_grad(m.b, NULL), 0);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
 }
 
 /* ----------------------------------------------------------- threads */
@@ -412,7 +390,7 @@ static void test_threads_evict(void **st) {
     gj_jit_set_disk_cache(NULL);
     double ref[NT][28];
     for (int t = 0; t < NT; t++) {
-        if (t == 0) mlp_init(&g_tm[t]);
+        if (t == 0) gjt_mlp_init(&g_tm[t], 77);
         else mlp_init_apart(&g_tm[t], &g_tm[0]);
         for (int i = 0; i < TITERS; i++)
             assert_int_equal(mlp_step(&g_tm[t], 2 + t * 3 + i % 3, false), 0);
@@ -428,7 +406,7 @@ static void test_threads_evict(void **st) {
         assert_int_equal(pthread_create(&th[t], NULL, evict_worker, (void *)(intptr_t)t), 0);
     for (int t = 0; t < NT; t++) assert_int_equal(pthread_join(th[t], NULL), 0);
     gj_set_compiled_autograd(false);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     print_message("threads, limit 0: %lld compiles, %lld hits, %lld evictions, %lld fallbacks\n",
                   (long long)s.compiles, (long long)s.mem_hits, (long long)s.mem_evictions,
                   (long long)s.fallbacks);
@@ -442,7 +420,7 @@ static void test_threads_evict(void **st) {
         bool ok = gjt_allclose("threads: compiled vs eager", g, ref[t], 28, 1e-6, 1e-5);
         free(g);
         assert_true(ok);
-        mlp_free(&g_tm[t]);
+        gjt_mlp_free(&g_tm[t]);
     }
     gj_compiled_autograd_set_mem_cache_limit(-1);
     fresh();
@@ -499,7 +477,7 @@ static void test_evict_running_program(void **st) {
     (void)st;
     gj_jit_set_disk_cache(NULL);
     mlp other;
-    mlp_init(&g_hm);
+    gjt_mlp_init(&g_hm, 77);
     mlp_init_apart(&other, &g_hm);
     g_hs_state = 0;
     assert_int_equal(hooked_run(&g_hm), 0); /* eager reference */
@@ -518,7 +496,7 @@ static void test_evict_running_program(void **st) {
     while (g_hs_state != 2) pthread_cond_wait(&g_hs_cond, &g_hs_lock);
     pthread_mutex_unlock(&g_hs_lock);
     assert_int_equal(mlp_run(&other, 4), 0); /* another key: evicts the running program */
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 2);
     assert_int_equal(s.mem_hits, 1);
     assert_int_equal(s.mem_evictions, 1);
@@ -530,7 +508,7 @@ static void test_evict_running_program(void **st) {
     assert_int_equal(pthread_join(th, NULL), 0);
     gj_set_compiled_autograd(false);
     assert_int_equal(g_hs_rc, 0);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     g = take_grads(&g_hm);
     assert_true(gjt_allclose("hooked, evicted while running", g, ref, 28, 1e-6, 1e-5));
     free(g);
@@ -540,8 +518,8 @@ static void test_evict_running_program(void **st) {
     fresh();
     assert_int_equal(gj_tensor_set_grad(other.w, NULL), 0);
     assert_int_equal(gj_tensor_set_grad(other.b, NULL), 0);
-    mlp_free(&other);
-    mlp_free(&g_hm);
+    gjt_mlp_free(&other);
+    gjt_mlp_free(&g_hm);
 }
 
 /* -------------------------------------------------------------- disk */
@@ -583,7 +561,7 @@ static void write_file(const char *path, const char *text) {
 }
 
 /* A limit of 3.5 entries: after every save the directory's entries fit
- * (and stats().disk_bytes is their size), the deletions are counted, an
+ * (and gjt_ca_now().disk_bytes is their size), the deletions are counted, an
  * entry loaded from disk survives a save that needs room while an older
  * one only written goes, and what is not ours stays untouched. */
 static void test_disk_limit(void **st) {
@@ -621,7 +599,7 @@ static void test_disk_limit(void **st) {
     assert_int_equal(utimensat(AT_FDCWD, path, old, 0), 0);
 
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     gj_jit_set_disk_cache(dir);
     gj_compiled_autograd_set_disk_cache_limit(-1);
     fresh();
@@ -629,7 +607,7 @@ static void test_disk_limit(void **st) {
     assert_int_equal(mlp_fresh_step(&m, 21), 0);
     int64_t one;
     assert_int_equal(dir_entries(dir, &one), 1);
-    assert_int_equal(stats().disk_bytes, one);
+    assert_int_equal(gjt_ca_now().disk_bytes, one);
     const int64_t limit = one * 7 / 2;
     gj_compiled_autograd_set_disk_cache_limit(limit);
 
@@ -642,27 +620,27 @@ static void test_disk_limit(void **st) {
         written++;
         assert_int_equal(dir_entries(dir, &bytes), 3 > written ? written : 3);
     }
-    assert_int_equal(stats().disk_evictions, 0);
+    assert_int_equal(gjt_ca_now().disk_evictions, 0);
     gj_jit_clear_cache();
-    int64_t dh = stats().disk_hits;
+    int64_t dh = gjt_ca_now().disk_hits;
     assert_int_equal(mlp_fresh_step(&m, 21), 0);
-    assert_int_equal(stats().disk_hits, dh + 1);
+    assert_int_equal(gjt_ca_now().disk_hits, dh + 1);
     gj_jit_clear_cache();
     assert_int_equal(mlp_fresh_step(&m, 24), 0);
     written++;
     assert_int_equal(dir_entries(dir, &bytes), 3);
     assert_true(bytes <= limit);
-    assert_int_equal(stats().disk_bytes, bytes);
-    assert_int_equal(stats().disk_evictions, 1);
+    assert_int_equal(gjt_ca_now().disk_bytes, bytes);
+    assert_int_equal(gjt_ca_now().disk_evictions, 1);
     gj_jit_clear_cache();
-    dh = stats().disk_hits;
-    int64_t comp = stats().compiles;
+    dh = gjt_ca_now().disk_hits;
+    int64_t comp = gjt_ca_now().compiles;
     assert_int_equal(mlp_fresh_step(&m, 21), 0); /* loaded after 22 was written: kept */
-    assert_int_equal(stats().disk_hits, dh + 1);
-    assert_int_equal(stats().compiles, comp);
+    assert_int_equal(gjt_ca_now().disk_hits, dh + 1);
+    assert_int_equal(gjt_ca_now().compiles, comp);
     gj_jit_clear_cache();
     assert_int_equal(mlp_fresh_step(&m, 22), 0); /* the least recently used: deleted */
-    assert_int_equal(stats().compiles, comp + 1);
+    assert_int_equal(gjt_ca_now().compiles, comp + 1);
     written++;
 
     /* ten more keys: the directory never holds more than the limit */
@@ -672,17 +650,17 @@ static void test_disk_limit(void **st) {
         written++;
         int c = dir_entries(dir, &bytes);
         assert_true(bytes <= limit);
-        assert_int_equal(stats().disk_bytes, bytes);
-        assert_int_equal(stats().disk_evictions, written - c);
+        assert_int_equal(gjt_ca_now().disk_bytes, bytes);
+        assert_int_equal(gjt_ca_now().disk_evictions, written - c);
     }
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
 
     /* limit 0: only the entry just written stays */
     gj_compiled_autograd_set_disk_cache_limit(0);
     gj_jit_clear_cache();
     assert_int_equal(mlp_fresh_step(&m, 50), 0);
     assert_int_equal(dir_entries(dir, &bytes), 1);
-    assert_int_equal(stats().disk_bytes, bytes);
+    assert_int_equal(gjt_ca_now().disk_bytes, bytes);
 
     /* what is not ours is still there, untouched, never followed */
     assert_true(exists(dir, hexname));
@@ -704,7 +682,7 @@ static void test_disk_limit(void **st) {
     gj_compiled_autograd_set_disk_cache_limit(-1);
     assert_int_equal(gj_tensor_set_grad(m.w, NULL), 0);
     assert_int_equal(gj_tensor_set_grad(m.b, NULL), 0);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s'", dir, out);
     assert_int_equal(system(cmd), 0);
@@ -717,42 +695,11 @@ static void test_disk_limit(void **st) {
  * (malloc'd). Returns the exit status. */
 static int run_child(const char *mode, const char *var, const char *value, char **out,
                      char **err) {
-    char op[] = "/tmp/gjcl-out-XXXXXX", ep[] = "/tmp/gjcl-err-XXXXXX";
-    int ofd = mkstemp(op), efd = mkstemp(ep);
-    assert_true(ofd >= 0 && efd >= 0);
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        dup2(ofd, 1);
-        dup2(efd, 2);
-        unsetenv("GRADJIT_CACHE_MEM_LIMIT");
-        unsetenv("GRADJIT_CACHE_DISK_LIMIT");
-        unsetenv("GRADJIT_LOG");
-        setenv("GRADJIT_CACHE_DIR", "off", 1);
-        if (value) setenv(var, value, 1);
-        execl(g_self, g_self, mode, (char *)NULL);
-        _exit(127);
-    }
-    int status = 0;
-    assert_int_equal(waitpid(pid, &status, 0), pid);
-    char *bufs[2];
-    int fds[2] = {ofd, efd};
-    for (int i = 0; i < 2; i++) {
-        bufs[i] = calloc(1, 1 << 16);
-        assert_non_null(bufs[i]);
-        lseek(fds[i], 0, SEEK_SET);
-        ssize_t n = read(fds[i], bufs[i], (1 << 16) - 1);
-        bufs[i][n > 0 ? n : 0] = '\0';
-        close(fds[i]);
-    }
-    unlink(op);
-    unlink(ep);
-    *out = bufs[0];
-    if (err) *err = bufs[1];
-    else free(bufs[1]);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    char set[256];
+    snprintf(set, sizeof set, "%s=%s", var, value ? value : "");
+    const char *env[] = {"GRADJIT_CACHE_MEM_LIMIT", "GRADJIT_CACHE_DISK_LIMIT", "GRADJIT_LOG",
+                         "GRADJIT_CACHE_DIR=off", value ? set : NULL, NULL};
+    return gjt_run_self(g_self, mode, env, out, err);
 }
 
 static int count_of(const char *s, const char *needle) {
@@ -844,11 +791,11 @@ static int child(const char *mode) {
         gj_compiled_autograd_set_quiet(true);
         gj_compiled_autograd_set_mem_cache_limit(0);
         mlp m;
-        mlp_init(&m);
+        gjt_mlp_init(&m, 77);
         int rc = 0;
         for (int64_t n = 2; n <= 4; n++) rc |= mlp_step(&m, n, true);
-        gj_ca_stats s = stats();
-        mlp_free(&m);
+        gj_ca_stats s = gjt_ca_now();
+        gjt_mlp_free(&m);
         return rc == 0 && s.compiles == 3 && s.mem_evictions == 2 ? 0 : 1;
     }
     return 126;

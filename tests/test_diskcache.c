@@ -39,33 +39,11 @@
 
 static const char *g_self; /* this binary (argv[0]), for the child runs */
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* ---------------------------------------------------------------- model */
 
 /* x[5, 6] -> tanh(x @ w^T + b) -> mean: w [4, 6], b [4] require grad (a
  * matmul step and fused kernels in the plan). */
-typedef struct mlp {
-    gj_tensor *w, *b;
-} mlp;
-
-static void mlp_init(mlp *m) {
-    gjt_rng r;
-    gjt_rng_seed(&r, 77);
-    m->w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){4, 6}, -0.5, 0.5);
-    m->b = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){4}, -0.5, 0.5);
-    assert_int_equal(gj_set_requires_grad(m->w, true), 0);
-    assert_int_equal(gj_set_requires_grad(m->b, true), 0);
-}
-
-static void mlp_free(mlp *m) {
-    gj_release(m->w);
-    gj_release(m->b);
-}
+typedef gjt_mlp mlp; /* gjtest.h */
 
 /* One backward (inputs from a fixed seed); its status. */
 static int mlp_step(mlp *m, bool compiled) {
@@ -109,7 +87,7 @@ static gj_ca_stats run_compiled(mlp *m, const double *ref) {
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     assert_int_equal(mlp_step(m, true), 0);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     if (s.fallbacks) print_error("fallback: %s\n", gj_jit_last_fallback());
     assert_int_equal(s.fallbacks, 0);
     assert_int_equal(s.compiles + s.disk_hits, 1);
@@ -290,7 +268,7 @@ static void test_forged_plan(void **st) {
     assert_non_null(mkdtemp(dir));
     gj_jit_set_disk_cache(dir);
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     double *ref = eager_grads(&m);
     run_compiled(&m, ref);
     char path[512];
@@ -372,7 +350,7 @@ static void test_forged_plan(void **st) {
     free(buf);
     free(orig);
     free(ref);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
     gj_jit_set_disk_cache(NULL);
     remove_tree(dir);
@@ -392,7 +370,7 @@ static void test_modes(void **st) {
     snprintf(dir, sizeof dir, "%s/sub/cache", base);
     gj_jit_set_disk_cache(dir);
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     double *ref = eager_grads(&m);
     assert_int_equal(run_compiled(&m, ref).compiles, 1);
     struct stat sd, se;
@@ -470,7 +448,7 @@ static void test_modes(void **st) {
     }
 
     free(ref);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
     gj_jit_set_disk_cache(NULL);
     remove_tree(base);
@@ -511,7 +489,7 @@ static void test_entry_kinds(void **st) {
     assert_non_null(mkdtemp(dir));
     gj_jit_set_disk_cache(dir);
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     double *ref = eager_grads(&m);
     assert_int_equal(run_compiled(&m, ref).compiles, 1);
     char path[512];
@@ -559,7 +537,7 @@ static void test_entry_kinds(void **st) {
     assert_true(read1 - read0 <= (64ll << 20));
 
     free(ref);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
     gj_jit_set_disk_cache(NULL);
     remove_tree(dir);
@@ -600,35 +578,15 @@ static char *deep_dir(const char *base, size_t len, int *depth) {
  * Returns the exit status (-1 if it did not exit); *err receives its stderr
  * (malloc'd) when err is not NULL. */
 static int run_child(const char *mode, const char *name, const char *value, char **err) {
-    char errp[] = "/tmp/gjdc-child-XXXXXX";
-    int efd = mkstemp(errp);
-    assert_true(efd >= 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        if (strcmp(name, "GRADJIT_CACHE_DIR") != 0) setenv("GRADJIT_CACHE_DIR", "off", 1);
-        if (value) setenv(name, value, 1);
-        else unsetenv(name);
-        dup2(efd, 2);
-        execl(g_self, g_self, mode, (char *)NULL);
-        _exit(127);
-    }
-    close(efd);
-    int status = 0;
-    assert_int_equal(waitpid(pid, &status, 0), pid);
-    if (err) {
-        FILE *f = fopen(errp, "rb");
-        assert_non_null(f);
-        char *s = calloc(1, 1 << 16);
-        assert_non_null(s);
-        size_t n = fread(s, 1, (1 << 16) - 1, f);
-        s[n] = '\0';
-        fclose(f);
-        *err = s;
-    }
-    unlink(errp);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    size_t n = strlen(name) + (value ? strlen(value) : 0) + 2; /* values of any length */
+    char *set = malloc(n);
+    assert_non_null(set);
+    snprintf(set, n, "%s=%s", name, value ? value : "");
+    const char *env[] = {strcmp(name, "GRADJIT_CACHE_DIR") != 0 ? "GRADJIT_CACHE_DIR=off" : "",
+                         value ? set : name, NULL};
+    int rc = gjt_run_self(g_self, mode, env[0][0] ? env : env + 1, NULL, err);
+    free(set);
+    return rc;
 }
 
 /* A cache directory of 2000 characters works (through the API and through
@@ -641,7 +599,7 @@ static void test_long_dir(void **st) {
     char base[] = "/tmp/gjdc-long-XXXXXX";
     assert_non_null(mkdtemp(base));
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     double *ref = eager_grads(&m);
 
     /* 2000, environment, in a new process */
@@ -708,7 +666,7 @@ static void test_long_dir(void **st) {
 
     free(d5);
     free(ref);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
     gj_jit_set_disk_cache(NULL);
     remove_tree(base);
@@ -725,7 +683,7 @@ static void test_tmp_name(void **st) {
     assert_non_null(mkdtemp(dir));
     gj_jit_set_disk_cache(dir);
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 77);
     double *ref = eager_grads(&m);
     run_compiled(&m, ref);
     char path[512], tmp[600], victim[300];
@@ -761,7 +719,7 @@ static void test_tmp_name(void **st) {
     unlink(tmp);
     unlink(victim);
     free(ref);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
     gj_jit_set_disk_cache(NULL);
     remove_tree(dir);
@@ -881,8 +839,8 @@ static int child(const char *mode) {
         m.b = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){4}, -0.5, 0.5);
         if (gj_set_requires_grad(m.w, true) || gj_set_requires_grad(m.b, true)) return 1;
         int rc = mlp_step(&m, true);
-        gj_ca_stats s = stats();
-        mlp_free(&m);
+        gj_ca_stats s = gjt_ca_now();
+        gjt_mlp_free(&m);
         gj_jit_clear_cache();
         return rc == 0 && s.fallbacks == 0 && s.compiles + s.disk_hits == 1 ? 0 : 1;
     }

@@ -35,12 +35,6 @@
 #define NH 96
 #define NO 10
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* ------------------------------------------- 1. set_ to bf16 mid-backward */
 
 typedef enum who { BY_NONE = 0, BY_TENSOR_HOOK, BY_POST_HOOK, BY_CUSTOM_OP } who;
@@ -173,7 +167,7 @@ static void check_swap(who by, int from) {
     gj_compiled_autograd_reset_stats();
     gj_compiled_autograd_set_quiet(true);
     grads got = mlp_run(by, from, true, &ccalls);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     for (int i = 0; i < 4; i++) {
         if (got.dt[i] != want.dt[i])
             print_error("param %d: compiled .grad dtype %d, eager %d\n", i,
@@ -292,7 +286,7 @@ static void test_compiled_backward_clears_error(void **st) {
         }
         for (int i = 0; i < 4; i++) gj_release(m.p[i]);
     }
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.mem_hits, 1);
     assert_int_equal(s.fallbacks, 0);
@@ -362,9 +356,9 @@ static void test_set_leaf_shape_is_error(void **st) {
         reshape_case(true, in_hook != 0, c, sizeof c);
         if (!in_hook) {
             assert_string_equal(c, e); /* the eager engine's message, not a fallback */
-            assert_int_equal(stats().fallbacks, 0);
+            assert_int_equal(gjt_ca_now().fallbacks, 0);
         } else {
-            assert_int_equal(stats().fallbacks_by_reason[GJ_CA_SET_MISMATCH], 1);
+            assert_int_equal(gjt_ca_now().fallbacks_by_reason[GJ_CA_SET_MISMATCH], 1);
         }
     }
     gj_jit_clear_cache();
@@ -446,7 +440,7 @@ static void test_embedding_dim0_compiled(void **st) {
                 assert_int_equal(gj_tensor_dtype(g), dts[d]);
             }
             if (mode == 1) {
-                gj_ca_stats s = stats(); /* really compiled: a new .grad, then into it */
+                gj_ca_stats s = gjt_ca_now(); /* really compiled: a new .grad, then into it */
                 assert_int_equal(s.compiles, 2);
                 assert_int_equal(s.fallbacks, 0);
             }

@@ -90,12 +90,6 @@ static int step(model *m, loss_fn f, bool compiled) {
     return rc;
 }
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* ------------------------------------------------------------- models */
 
 /* MLP: x[B,16] -> Linear(16,32) -> GELU -> Linear(32,10) -> CE(labels). */
@@ -233,7 +227,7 @@ static void test_mlp(void **st) {
 
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.fallbacks, 0);
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.mem_hits, 0);
@@ -243,7 +237,7 @@ static void test_mlp(void **st) {
 
     clear_grads(&m); /* same key again: a hit */
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    s = stats();
+    s = gjt_ca_now();
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.mem_hits, 1);
     assert_int_equal(s.fallbacks, 0);
@@ -262,7 +256,7 @@ static void test_mlp(void **st) {
     assert_int_equal(step(&m, mlp_loss, false), 0);
     double **ref2 = grads_of(&m);
     assert_grads_close(&m, got, ref2, 1e-6);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     grads_free(&m, got);
     grads_free(&m, ref2);
     grads_free(&m, ref);
@@ -282,8 +276,8 @@ static void test_w2(void **st) {
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, w2_loss, true), 0);
-    assert_int_equal(stats().fallbacks, 0);
-    assert_int_equal(stats().compiles, 1);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
     double **got = grads_of(&m);
     for (int i = 0; i < 3; i++) assert_memory_equal(got[i], ref[i], 5000 * sizeof(double));
     grads_free(&m, got);
@@ -303,7 +297,7 @@ static void test_mlp_f64(void **st) {
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     double **got = grads_of(&m);
     assert_grads_close(&m, got, ref, 1e-13);
     grads_free(&m, got);
@@ -324,9 +318,9 @@ static void test_block(void **st) {
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, block_loss, true), 0);
-    if (stats().fallbacks) print_error("fallback: %s\n", gj_jit_last_fallback_reason());
-    assert_int_equal(stats().fallbacks, 0);
-    assert_int_equal(stats().compiles, 1);
+    if (gjt_ca_now().fallbacks) print_error("fallback: %s\n", gj_jit_last_fallback_reason());
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
     double **got = grads_of(&m);
     assert_grads_close(&m, got, ref, 1e-6);
     grads_free(&m, got);
@@ -353,7 +347,7 @@ static void test_fallback_no_lowering(void **st) {
     gj_compiled_autograd_reset_stats();
     gj_jit_test_no_lowering(GJ_P_SCATTER_ADD_ROWS);
     assert_int_equal(step(&m, embed_loss, true), 0);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.fallbacks, 1);
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_NO_LOWERING], 1);
     assert_int_equal(s.compiles, 0);
@@ -365,16 +359,16 @@ static void test_fallback_no_lowering(void **st) {
     clear_grads(&m);
     gj_jit_test_no_lowering(-1);
     assert_int_equal(step(&m, embed_loss, true), 0); /* eager-only key: no new capture */
-    assert_int_equal(stats().fallbacks, 2);
-    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_NO_LOWERING], 2);
+    assert_int_equal(gjt_ca_now().fallbacks, 2);
+    assert_int_equal(gjt_ca_now().fallbacks_by_reason[GJ_CA_NO_LOWERING], 2);
     got = grads_of(&m);
     assert_memory_equal(got[0], ref[0], 9 * sizeof(double));
     grads_free(&m, got);
     gj_jit_clear_cache(); /* forget the eager-only mark: now it compiles */
     clear_grads(&m);
     assert_int_equal(step(&m, embed_loss, true), 0);
-    assert_int_equal(stats().fallbacks, 2);
-    assert_int_equal(stats().compiles, 1);
+    assert_int_equal(gjt_ca_now().fallbacks, 2);
+    assert_int_equal(gjt_ca_now().compiles, 1);
     got = grads_of(&m);
     assert_memory_equal(got[0], ref[0], 9 * sizeof(double));
     grads_free(&m, got);
@@ -395,7 +389,7 @@ static void test_narrow_cat(void **st) {
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, narrow_cat_loss, true), 0);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     double **got = grads_of(&m);
     for (int i = 0; i < 2; i++) assert_memory_equal(got[i], ref[i], 9 * sizeof(double));
     grads_free(&m, got);
@@ -419,10 +413,10 @@ static void test_fallback_llvm_error(void **st) {
     gj_jit_test_fail_llvm(true);
     assert_int_equal(step(&m, w2_loss, true), 0);
     gj_jit_test_fail_llvm(false);
-    assert_int_equal(stats().fallbacks, 1);
-    assert_int_equal(stats().compiles, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 1);
+    assert_int_equal(gjt_ca_now().compiles, 0);
     assert_non_null(strstr(gj_jit_last_fallback_reason(), "LLVM error"));
-    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_LLVM_ERROR], 1);
+    assert_int_equal(gjt_ca_now().fallbacks_by_reason[GJ_CA_LLVM_ERROR], 1);
     assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "llvm_error: "));
     double **got = grads_of(&m);
     for (int i = 0; i < 3; i++) assert_memory_equal(got[i], ref[i], 100 * sizeof(double));
@@ -445,10 +439,10 @@ static void test_retain_graph(void **st) {
     gj_tensor *loss = w2_loss(&m);
     assert_int_equal(gj_backward_ex(loss, NULL, true), 0);
     assert_int_equal(gj_backward_ex(loss, NULL, false), 0);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     assert_int_not_equal(gj_backward(loss, NULL), 0);
     GJT_ASSERT_ERROR("second time");
-    assert_int_equal(stats().fallbacks, 0); /* an error, not a fallback */
+    assert_int_equal(gjt_ca_now().fallbacks, 0); /* an error, not a fallback */
     gj_scope_pop();
     gj_set_compiled_autograd(false);
     double **got = grads_of(&m);
@@ -486,7 +480,7 @@ static void test_bf16_params(void **st) {
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, bf16_loss, true), 0);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     double **got = grads_of(&m);
     assert_grads_close(&m, got, ref, 1e-2); /* one bf16 ulp: the f32 gemm order may differ */
     grads_free(&m, got);
@@ -510,7 +504,7 @@ static void test_edge_cases(void **st) {
     gj_compiled_autograd_reset_stats();
     assert_int_equal(gj_backward(x, NULL), 0);
     gj_set_compiled_autograd(false);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     assert_true(gj_tensor_item(gj_tensor_grad(x)) == 1.0);
     gj_release(x);
 
@@ -529,7 +523,7 @@ static void test_edge_cases(void **st) {
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, shared_loss, true), 0);
     if (shared) {
-        assert_int_equal(stats().fallbacks, 1);
+        assert_int_equal(gjt_ca_now().fallbacks, 1);
         assert_non_null(strstr(gj_jit_last_fallback_reason(), "shares memory"));
     }
     double **got = grads_of(&m);
@@ -569,9 +563,9 @@ static void test_dropout(void **st) {
         grads_free(&m, got);
         grads_free(&m, ref);
     }
-    assert_int_equal(stats().compiles, 1);
-    assert_int_equal(stats().mem_hits, 2);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
+    assert_int_equal(gjt_ca_now().mem_hits, 2);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     model_free(&m);
     gj_jit_clear_cache();
 }
@@ -624,8 +618,8 @@ static void test_disk_cache(void **st) {
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    assert_int_equal(stats().compiles, 1);
-    assert_int_equal(stats().disk_hits, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
+    assert_int_equal(gjt_ca_now().disk_hits, 0);
     const char *file = cache_file(dir);
     assert_non_null(file);
     char path[1200];
@@ -635,9 +629,9 @@ static void test_disk_cache(void **st) {
     gj_jit_clear_cache();
     clear_grads(&m);
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    assert_int_equal(stats().compiles, 1);
-    assert_int_equal(stats().disk_hits, 1);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
+    assert_int_equal(gjt_ca_now().disk_hits, 1);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     double **got = grads_of(&m);
     assert_grads_close(&m, got, ref, 1e-6);
     grads_free(&m, got);
@@ -652,7 +646,7 @@ static void test_disk_cache(void **st) {
         model c;
         mlp_init(&c, 6, GJ_F32, 23);
         int rc = step(&c, mlp_loss, true);
-        gj_ca_stats s = stats();
+        gj_ca_stats s = gjt_ca_now();
         _exit(rc == 0 && s.disk_hits == 1 && s.compiles == 0 && s.fallbacks == 0 ? 0 : 1);
     }
     int status = 0;
@@ -672,8 +666,8 @@ static void test_disk_cache(void **st) {
     gj_compiled_autograd_reset_stats();
     clear_grads(&m);
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    assert_int_equal(stats().compiles, 1);
-    assert_int_equal(stats().disk_hits, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
+    assert_int_equal(gjt_ca_now().disk_hits, 0);
     got = grads_of(&m);
     assert_grads_close(&m, got, ref, 1e-6);
     grads_free(&m, got);
@@ -683,13 +677,13 @@ static void test_disk_cache(void **st) {
     gj_compiled_autograd_reset_stats();
     clear_grads(&m);
     assert_int_equal(step(&m, mlp_loss, true), 0);
-    assert_int_equal(stats().compiles, 1);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     gj_jit_clear_cache();
     clear_grads(&m);
     gj_compiled_autograd_reset_stats();
     assert_int_equal(step(&m, mlp_loss, true), 0); /* the rewritten file is good */
-    assert_int_equal(stats().disk_hits, 1);
+    assert_int_equal(gjt_ca_now().disk_hits, 1);
 
     grads_free(&m, ref);
     model_free(&m);

@@ -258,12 +258,6 @@ static void run_steps(run *r, bool compiled) {
     gj_release(r->x);
 }
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* Eager vs compiled for model m: bit-equal grads, no fallback, one compile
  * then hits, the same backward calls. */
 static void check_model(model m, double alpha) {
@@ -279,7 +273,7 @@ static void check_model(model m, double alpha) {
     run_steps(&e, false);
     gj_compiled_autograd_reset_stats();
     run_steps(&c, true);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     if (s.fallbacks) print_error("fallback: %s\n", gj_compiled_autograd_last_fallback());
     assert_int_equal(s.backwards, NSTEPS);
     assert_int_equal(s.fallbacks, 0);
@@ -344,7 +338,7 @@ static void test_keys(void **st) {
         r.alpha = seq[i].alpha;
         run_steps(&r, true);
     }
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.fallbacks, 0);
     assert_int_equal(s.compiles, 3);
     assert_int_equal(s.mem_hits, 5 * NSTEPS - 3);
@@ -379,7 +373,7 @@ static void test_failing_backward(void **st) {
         assert_non_null(gj_tensor_grad(w));
         gj_scope_pop();
     }
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.fallbacks, 2); /* the abandoned run, then eager-only */
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 2);
@@ -430,7 +424,7 @@ static void test_no_gradient_returned(void **st) {
     gj_compiled_autograd_reset_stats();
     run_steps(&c, true);
     g_drop_grad = false;
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.fallbacks, NSTEPS);
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_HOOK_GUARD], NSTEPS);
@@ -457,7 +451,7 @@ static void test_not_on_disk(void **st) {
     r.m = M_MIXED;
     r.alpha = 0.3;
     run_steps(&r, true);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.fallbacks, 0);
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.disk_hits, 0);
@@ -517,7 +511,7 @@ static void test_checkpoint_region(void **st) {
             }
         }
         gj_set_compiled_autograd(false);
-        gj_ca_stats s = stats();
+        gj_ca_stats s = gjt_ca_now();
         assert_memory_equal(gr[0], gr[1], sizeof gr[0]);
         assert_int_equal(s.fallbacks, 0);
         assert_int_equal(s.compiles, 1);
@@ -553,7 +547,7 @@ static void test_too_many_gradients(void **st) {
         gj_scope_pop();
     }
     gj_set_compiled_autograd(false);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 0);
     assert_int_equal(s.fallbacks, 2);
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_OTHER], 2);

@@ -21,30 +21,8 @@
 #include <string.h>
 #include <unistd.h>
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* x[batch, 6] -> tanh(x @ w^T + b) -> mean: w [4, 6], b [4] require grad. */
-typedef struct mlp {
-    gj_tensor *w, *b;
-} mlp;
-
-static void mlp_init(mlp *m) {
-    gjt_rng r;
-    gjt_rng_seed(&r, 41);
-    m->w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){4, 6}, -0.5, 0.5);
-    m->b = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){4}, -0.5, 0.5);
-    assert_int_equal(gj_set_requires_grad(m->w, true), 0);
-    assert_int_equal(gj_set_requires_grad(m->b, true), 0);
-}
-
-static void mlp_free(mlp *m) {
-    gj_release(m->w);
-    gj_release(m->b);
-}
+typedef gjt_mlp mlp; /* gjtest.h */
 
 /* One backward at this batch size (inputs from a fixed seed); returns the
  * backward's status. */
@@ -117,9 +95,9 @@ static void test_recompile_limit(void **st) {
     assert_int_equal(gj_jit_recompile_limit(), 8); /* the default */
     gj_compiled_autograd_set_recompile_limit(3);
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 41);
     for (int64_t batch = 1; batch <= 5; batch++) step_matches_eager(&m, batch, false);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 3);
     assert_int_equal(s.fallbacks, 2);
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_RECOMPILE_LIMIT], 2);
@@ -127,31 +105,31 @@ static void test_recompile_limit(void **st) {
     assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "limit 3"));
     step_matches_eager(&m, 4, false); /* remembered: eager again, no compile */
     step_matches_eager(&m, 2, false); /* compiled: a hit */
-    s = stats();
+    s = gjt_ca_now();
     assert_int_equal(s.compiles, 3);
     assert_int_equal(s.mem_hits, 1);
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_RECOMPILE_LIMIT], 3);
     step_matches_eager(&m, 1, true); /* another call site */
-    assert_int_equal(stats().compiles, 4);
-    assert_int_equal(stats().fallbacks, 3);
+    assert_int_equal(gjt_ca_now().compiles, 4);
+    assert_int_equal(gjt_ca_now().fallbacks, 3);
 
     gj_compiled_autograd_set_recompile_limit(0);
     step_matches_eager(&m, 2, true); /* new key of the sigmoid site: refused */
-    assert_int_equal(stats().compiles, 4);
-    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_RECOMPILE_LIMIT], 4);
+    assert_int_equal(gjt_ca_now().compiles, 4);
+    assert_int_equal(gjt_ca_now().fallbacks_by_reason[GJ_CA_RECOMPILE_LIMIT], 4);
     step_matches_eager(&m, 3, false); /* compiled before: still runs compiled */
-    assert_int_equal(stats().mem_hits, 2);
+    assert_int_equal(gjt_ca_now().mem_hits, 2);
 
     gj_compiled_autograd_set_recompile_limit(-1);
     for (int64_t batch = 6; batch <= 12; batch++) step_matches_eager(&m, batch, false);
-    assert_int_equal(stats().compiles, 11);
-    assert_int_equal(stats().fallbacks, 4);
+    assert_int_equal(gjt_ca_now().compiles, 11);
+    assert_int_equal(gjt_ca_now().fallbacks, 4);
 
     gj_compiled_autograd_set_recompile_limit(8);
     gj_compiled_autograd_reset_stats();
-    s = stats();
+    s = gjt_ca_now();
     for (int r = 0; r < GJ_CA_N_REASONS; r++) assert_int_equal(s.fallbacks_by_reason[r], 0);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
     assert_int_equal(gjt_live_bytes(), live0);
 }
@@ -196,19 +174,19 @@ static void two_refused_steps(mlp *m) {
 static void test_quiet(void **st) {
     (void)st;
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 41);
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     unsetenv("GRADJIT_LOG");
     gj_compiled_autograd_set_quiet(false);
     assert_int_equal(count_fallback_lines(two_refused_steps, &m), 1);
-    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_NO_LOWERING], 2);
+    assert_int_equal(gjt_ca_now().fallbacks_by_reason[GJ_CA_NO_LOWERING], 2);
     gj_jit_clear_cache();
     gj_compiled_autograd_set_quiet(true);
     assert_int_equal(count_fallback_lines(two_refused_steps, &m), 0);
-    assert_int_equal(stats().fallbacks_by_reason[GJ_CA_NO_LOWERING], 4);
+    assert_int_equal(gjt_ca_now().fallbacks_by_reason[GJ_CA_NO_LOWERING], 4);
     assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "no lowering for matmul"));
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
 }
 
@@ -234,21 +212,21 @@ static void retained_three(mlp *m, bool compiled) {
 static void test_retain_graph(void **st) {
     (void)st;
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 41);
     gj_jit_clear_cache();
     retained_three(&m, false);
     double *want = take_grads(&m);
     gj_compiled_autograd_reset_stats();
     retained_three(&m, true);
     double *got = take_grads(&m);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_RETAIN_GRAPH], 0);
     assert_int_equal(s.compiles + s.mem_hits, 3); /* .grad absent, then present: 2 keys */
     assert_int_equal(s.fallbacks, 0); /* the freed graph is eager's error, not a fallback */
     assert_memory_equal(got, want, 28 * sizeof *got);
     free(got);
     free(want);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
 }
 
@@ -279,7 +257,7 @@ static void hooked(mlp *m, bool compiled, bool hook) {
 static void test_hooks_compiled(void **st) {
     (void)st;
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 41);
     gj_jit_clear_cache();
     hooked(&m, false, true);
     double *want = take_grads(&m);
@@ -289,15 +267,15 @@ static void test_hooks_compiled(void **st) {
     double *got = take_grads(&m);
     assert_int_equal(g_hook_calls, 1);
     assert_memory_equal(got, want, 28 * sizeof *got);
-    assert_int_equal(stats().compiles, 1);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 1);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     hooked(&m, true, false); /* no hook: another key, compiled */
     free(take_grads(&m));
-    assert_int_equal(stats().compiles, 2);
-    assert_int_equal(stats().fallbacks, 0);
+    assert_int_equal(gjt_ca_now().compiles, 2);
+    assert_int_equal(gjt_ca_now().fallbacks, 0);
     free(got);
     free(want);
-    mlp_free(&m);
+    gjt_mlp_free(&m);
     gj_jit_clear_cache();
 }
 
@@ -305,7 +283,7 @@ static void test_hooks_compiled(void **st) {
 static void test_grad_counts_nothing(void **st) {
     (void)st;
     mlp m;
-    mlp_init(&m);
+    gjt_mlp_init(&m, 41);
     gj_compiled_autograd_reset_stats();
     gj_set_compiled_autograd(true);
     gj_scope_push();
@@ -322,11 +300,11 @@ static void test_grad_counts_nothing(void **st) {
     gj_release(x);
     gj_scope_pop();
     gj_set_compiled_autograd(false);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.backwards, 0);
     assert_int_equal(s.compiles + s.mem_hits + s.disk_hits + s.fallbacks, 0);
     assert_null(gj_tensor_grad(m.w));
-    mlp_free(&m);
+    gjt_mlp_free(&m);
 }
 
 int main(void) {

@@ -54,12 +54,6 @@ typedef struct scen {
     gj_stream *s;
 } scen;
 
-static gj_ca_stats stats(void) {
-    gj_ca_stats s;
-    gj_compiled_autograd_stats(&s);
-    return s;
-}
-
 /* Gradient hook: records a stream from step `from`, returns grad * 0.5. */
 static gj_tensor *hook_rs(gj_tensor *grad, void *user) {
     scen *sc = user;
@@ -214,7 +208,7 @@ static void check_scenario(scen tmpl, int reason, int extra_calls) {
         gj_compiled_autograd_set_quiet(quiet != 0);
         compiled_run c = {tmpl, got, 0};
         int lines = stderr_fallback_lines(do_compiled, &c);
-        gj_ca_stats s = stats();
+        gj_ca_stats s = gjt_ca_now();
         for (int st = 0; st < NSTEPS; st++) {
             if (memcmp(got[st], want[st], sizeof want[st]) != 0) {
                 for (int i = 0; i < NVALS; i++)
@@ -393,7 +387,7 @@ static void test_hook_order_and_pinning(void **st) {
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     order_run(true, 3, clog, cv);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.mem_hits, 2);
     assert_int_equal(s.fallbacks, 0);
@@ -478,7 +472,7 @@ static void test_hook_error_guard(void **st) {
     g_bad_calls = 0;
     bad_run(true, crc, cv);
     assert_int_equal(g_bad_calls, NSTEPS + 1);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles, 1);
     assert_int_equal(s.mem_hits, 2);
     assert_int_equal(s.fallbacks, NSTEPS - 2);
@@ -535,7 +529,7 @@ static void test_root_hook_and_accumulation(void **st) {
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     accum_run(true, cv, &cc);
-    gj_ca_stats s = stats();
+    gj_ca_stats s = gjt_ca_now();
     assert_int_equal(ec, 6);
     assert_int_equal(cc, 6);
     assert_int_equal(s.fallbacks, 0);
