@@ -509,7 +509,8 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
     bool *made = gj_rt_calloc((size_t)n_outputs, sizeof *made);
     gj_val **sv = gj_rt_calloc((size_t)n_outputs, sizeof *sv);
     gj_val **gv = gj_rt_calloc((size_t)n_inputs, sizeof *gv);
-    if (!sd || !made || !sv || !gv) goto done;
+    gj_tensor **gt = gj_rt_calloc((size_t)n_inputs, sizeof *gt);
+    if (!sd || !made || !sv || !gv || !gt) goto done;
     for (int i = 0; i < n_outputs; i++)
         if (!gj_rt_check_tensor(outputs[i], "gj_grad", "outputs[i]")) goto done;
     for (int i = 0; i < n_inputs; i++)
@@ -520,14 +521,28 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
         sv[i] = gj_ag_tensor_val(sd[i]);
     }
     if (gj_ag_backward_enter(n_outputs, outputs, "gj_grad") != 0) goto done;
-    gj_ag_builder *b = gj_ag_eager_builder();
-    int brc = gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
+    /* gt[i]: a reference to input i's gradient (the same tensor for an
+     * input given twice), or NULL when none reaches it, however it ran */
+    int brc = -1;
+    bool handled = false;
+    if (gj_fe_compiled_enabled()) {
+        gj_fe_count_backward();
+        if (!anomaly_blocks_compiled())
+            brc = gj_jit_grad(n_outputs, outputs, sd, n_inputs, inputs, gt, retain_graph,
+                              &handled);
+    }
+    if (!handled) {
+        gj_ag_builder *b = gj_ag_eager_builder();
+        brc = gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
                                  false);
+        for (int i = 0; i < n_inputs; i++) gt[i] = brc == 0 ? gj_ag_val_tensor(gv[i]) : NULL;
+    }
     gj_ag_backward_exit();
     if (brc != 0) goto done;
+    if (handled) gj_clear_error(); /* no stale message of the compiled path (gj_backward_ex) */
     rc = 0;
     for (int i = 0; i < n_inputs; i++) {
-        gj_tensor *g = gj_ag_val_tensor(gv[i]); /* a reference kept for us */
+        gj_tensor *g = gt[i]; /* a reference kept for us */
         if (g && rc == 0 && atomic_load(&g->refcount) > 1) {
             /* Someone else holds this tensor too: another slot (the same
              * input twice), the caller (its own seed flowing through), a
@@ -568,5 +583,6 @@ done:
     gj_rt_free(made);
     gj_rt_free(sv);
     gj_rt_free(gv);
+    gj_rt_free(gt);
     return rc;
 }

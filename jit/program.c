@@ -121,6 +121,7 @@ void gj_jit_program_free(gj_jit_program *pr) {
     gj_rt_free(pr->inputs);
     gj_rt_free(pr->outputs);
     gj_rt_free(pr->hooks);
+    gj_rt_free(pr->ret);
     gj_rt_free(pr);
 }
 
@@ -141,6 +142,7 @@ size_t gj_jit_program_bytes(const gj_jit_program *pr) {
     n += (size_t)(pr->n_inputs + 1) * sizeof *pr->inputs;
     n += (size_t)(pr->n_outputs + 1) * sizeof *pr->outputs;
     n += (size_t)pr->n_hooks * sizeof *pr->hooks;
+    n += (size_t)pr->n_ret * sizeof *pr->ret;
     return n;
 }
 
