@@ -240,6 +240,15 @@ static int sc_unused(mlp *m, gj_tensor **g, void *ctx) {
     return gj_grad(1, &l, NULL, 3, in, g, false, *(bool *)ctx);
 }
 
+/* u twice, the only inputs: no gradient reaches either (allow_unused). */
+static int sc_only_unused(mlp *m, gj_tensor **g, void *ctx) {
+    (void)ctx;
+    gj_tensor *h1, *h;
+    gj_tensor *l = loss_of(m, forward(m, &h1, &h));
+    gj_tensor *in[2] = {m->u, m->u};
+    return gj_grad(1, &l, NULL, 2, in, g, false, true);
+}
+
 /* --------------------------------------------------------------- tests */
 
 /* The MLP's weights, f32 and f64: one compile, then memory hits; the same
@@ -328,7 +337,8 @@ static void test_input_twice(void **st) {
 
 /* An unreachable input: zeros with allow_unused; without it, eager's error
  * (and, as eager, nothing handed out). Both compiled, from one program
- * (allow_unused only changes what gj_grad does with a missing gradient). */
+ * (allow_unused only changes what gj_grad does with a missing gradient).
+ * Only unreachable inputs: a program without outputs, all zeros. */
 static void test_allow_unused(void **st) {
     (void)st;
     mlp m;
@@ -343,6 +353,15 @@ static void test_allow_unused(void **st) {
     for (int64_t k = 0; k < got.numel[1]; k++) assert_true(got.v[1][k] == 0.0);
     res_free(&want);
     res_free(&got);
+    /* only unreachable inputs: a program without outputs, zeros */
+    run(sc_only_unused, &m, NULL, false, 2, &want);
+    run(sc_only_unused, &m, NULL, true, 2, &got);
+    assert_same("only unused", &got, &want);
+    assert_int_equal(got.rc, 0);
+    assert_true(got.distinct);
+    for (int64_t k = 0; k < got.numel[0]; k++) assert_true(got.v[0][k] == 0.0);
+    res_free(&want);
+    res_free(&got);
     allow = false;
     run(sc_unused, &m, &allow, false, 3, &want);
     run(sc_unused, &m, &allow, true, 3, &got);
@@ -352,8 +371,8 @@ static void test_allow_unused(void **st) {
     res_free(&want);
     res_free(&got);
     gj_ca_stats s = stats();
-    assert_int_equal(s.backwards, 2);
-    assert_int_equal(s.compiles, 1);
+    assert_int_equal(s.backwards, 3);
+    assert_int_equal(s.compiles, 2);
     assert_int_equal(s.mem_hits, 1);
     assert_int_equal(s.fallbacks, 0);
     mlp_free(&m);
