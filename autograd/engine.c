@@ -551,9 +551,10 @@ void gj_ag_node_free_saved(gj_ag_node *nd) {
 
 void gj_ag_release_graph(int n_roots, gj_tensor *const *roots) {
     graph g = {0};
-    gj_ag_node *start[64];
+    gj_ag_node **start = gj_rt_malloc(((size_t)n_roots + 1) * sizeof *start);
+    if (!start) return;
     int n = 0;
-    for (int r = 0; r < n_roots && n < 64; r++) {
+    for (int r = 0; r < n_roots; r++) {
         gj_ag_tensor_meta *m = roots[r]->ag;
         if (m && m->node) start[n++] = m->node;
     }
@@ -561,6 +562,7 @@ void gj_ag_release_graph(int n_roots, gj_tensor *const *roots) {
         for (int64_t i = 0; i < g.n; i++)
             if (g.tasks[i].node->kind == GJ_AG_OP) gj_ag_node_free_saved(g.tasks[i].node);
     }
+    gj_rt_free(start);
     gj_rt_free(g.tasks);
     gj_rt_free(g.slots);
 }

@@ -175,6 +175,13 @@ GJ_API gj_tensor *gj_detach(gj_tensor *t);
  * the running one; so does gj_grad. Unrelated graphs are fine. */
 GJ_API int gj_backward(gj_tensor *root, gj_tensor *seed);
 GJ_API int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
+/* Backward from several roots in one traversal (torch.autograd.backward
+ * with a list of tensors): seeds may be NULL or hold NULLs (ones, for
+ * one-element roots); what flows from every root is summed (a root given
+ * twice counts twice) and accumulated into .grad as gj_backward does,
+ * compiled like it when the flag is on (the key holds every root). */
+GJ_API int gj_backward_multi(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                             bool retain_graph);
 
 /* torch.autograd.grad: gradients of outputs w.r.t. inputs, without touching
  * any .grad. seeds may be NULL (ones for each scalar output) or hold NULLs.
