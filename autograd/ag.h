@@ -270,6 +270,9 @@ void gj_ag_backward_exit(void);
 /* Free the saved tensors of every node reachable from roots (what a
  * backward without retain_graph does at its end). */
 void gj_ag_release_graph(int n_roots, gj_tensor *const *roots);
+/* Free the saved tensors of one op node and mark it released (what the
+ * engine does to each node it ran, without retain_graph). */
+void gj_ag_node_free_saved(gj_ag_node *nd);
 
 /* ------------------------------------------------- op definitions table */
 

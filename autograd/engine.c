@@ -440,16 +440,9 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
         grads_out[i] = v;
     }
     if (!retain_graph) {
-        for (int64_t i = 0; i < g.n; i++) {
-            gj_ag_node *n = g.tasks[i].node;
-            if (!g.tasks[i].executed || n->kind != GJ_AG_OP) continue;
-            for (int k = 0; k < n->n_saved; k++) {
-                gj_rt_tensor_release(n->saved[k].t);
-                n->saved[k].t = NULL;
-            }
-            n->n_saved = 0;
-            n->released = true;
-        }
+        for (int64_t i = 0; i < g.n; i++)
+            if (g.tasks[i].executed && g.tasks[i].node->kind == GJ_AG_OP)
+                gj_ag_node_free_saved(g.tasks[i].node);
     }
     rc = 0;
 done:
@@ -547,26 +540,29 @@ void gj_ag_backward_exit(void) {
     if (g_n_running > 0) running_free(&g_running[--g_n_running]);
 }
 
+void gj_ag_node_free_saved(gj_ag_node *nd) {
+    for (int k = 0; k < nd->n_saved; k++) {
+        gj_rt_tensor_release(nd->saved[k].t);
+        nd->saved[k].t = NULL;
+    }
+    nd->n_saved = 0;
+    nd->released = true;
+}
+
 void gj_ag_release_graph(int n_roots, gj_tensor *const *roots) {
     graph g = {0};
-    gj_ag_node *start[64];
+    gj_ag_node **start = gj_rt_malloc(((size_t)n_roots + 1) * sizeof *start);
+    if (!start) return;
     int n = 0;
-    for (int r = 0; r < n_roots && n < 64; r++) {
+    for (int r = 0; r < n_roots; r++) {
         gj_ag_tensor_meta *m = roots[r]->ag;
         if (m && m->node) start[n++] = m->node;
     }
     if (graph_discover(&g, n, start) == 0) {
-        for (int64_t i = 0; i < g.n; i++) {
-            gj_ag_node *nd = g.tasks[i].node;
-            if (nd->kind != GJ_AG_OP) continue;
-            for (int k = 0; k < nd->n_saved; k++) {
-                gj_rt_tensor_release(nd->saved[k].t);
-                nd->saved[k].t = NULL;
-            }
-            nd->n_saved = 0;
-            nd->released = true;
-        }
+        for (int64_t i = 0; i < g.n; i++)
+            if (g.tasks[i].node->kind == GJ_AG_OP) gj_ag_node_free_saved(g.tasks[i].node);
     }
+    gj_rt_free(start);
     gj_rt_free(g.tasks);
     gj_rt_free(g.slots);
 }

@@ -7,7 +7,9 @@
  * The flag is process-wide (like torch's compiled_autograd context, but
  * sticky): gj_set_compiled_autograd wins over the environment variable
  * GRADJIT_COMPILED_AUTOGRAD, which is read once, at the first query.
- * gj_grad (torch.autograd.grad) always runs eagerly and counts nothing.
+ * gj_backward and gj_grad (torch.autograd.grad) both ask the compiled path
+ * first (jit/compiled.c) and both count in gj_ca_stats: a backward each,
+ * then a compile, hit or fallback.
  */
 #include "fe.h"
 #include "../jit/jit.h"

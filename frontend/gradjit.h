@@ -175,13 +175,26 @@ GJ_API gj_tensor *gj_detach(gj_tensor *t);
  * the running one; so does gj_grad. Unrelated graphs are fine. */
 GJ_API int gj_backward(gj_tensor *root, gj_tensor *seed);
 GJ_API int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph);
+/* Backward from several roots in one traversal (torch.autograd.backward
+ * with a list of tensors): seeds may be NULL or hold NULLs (ones, for
+ * one-element roots); what flows from every root is summed (a root given
+ * twice counts twice) and accumulated into .grad as gj_backward does,
+ * compiled like it when the flag is on (the key holds every root). */
+GJ_API int gj_backward_multi(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                             bool retain_graph);
 
 /* torch.autograd.grad: gradients of outputs w.r.t. inputs, without touching
  * any .grad. seeds may be NULL (ones for each scalar output) or hold NULLs.
  * grads_out[i] receives a new reference (zeros if input i is unreachable
  * and allow_unused, else an error), a tensor of its own: an input given
  * twice gets two distinct tensors (sharing storage), each to be released
- * once, and never is it the caller's seed pointer. */
+ * once, and never is it the caller's seed pointer. inputs may be
+ * intermediate tensors (the gradient flowing into them). With compiled
+ * autograd on it runs a compiled program (its key holds the inputs and the
+ * gj_grad mode; allow_unused is applied after it) and counts in
+ * gj_ca_stats like gj_backward, falling back to the eager engine with the
+ * same reasons; the gradients are the eager ones. No create_graph: a
+ * gradient is never differentiable again. */
 GJ_API int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds,
             int n_inputs, gj_tensor *const *inputs, gj_tensor **grads_out,
             bool retain_graph, bool allow_unused);

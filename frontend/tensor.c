@@ -461,26 +461,31 @@ static bool anomaly_blocks_compiled(void) {
     return true;
 }
 
-int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
-    if (!gj_rt_check_tensor(root, "gj_backward", "root")) return -1;
-    bool made;
-    gj_tensor *s = make_seed(root, seed, "gj_backward", 0, &made);
-    if (!s) return -1;
-    if (gj_ag_backward_enter(1, &root, "gj_backward") != 0) { /* re-entered from a hook */
-        if (made) gj_rt_tensor_release(s);
-        return -1;
-    }
+/* The backward of roots[0..n) (checked) with seeds (NULL, or entries
+ * NULL: ones), fn naming it in messages: compiled first when the flag is
+ * on, else (or on a fallback) eagerly. */
+static int backward_roots(int n, gj_tensor *const *roots, gj_tensor *const *seeds,
+                          bool retain_graph, const char *fn) {
     int rc = -1;
+    gj_tensor **sd = gj_rt_calloc((size_t)n, sizeof *sd);
+    bool *made = gj_rt_calloc((size_t)n, sizeof *made);
+    gj_val **sv = gj_rt_calloc((size_t)n, sizeof *sv);
+    if (!sd || !made || !sv) goto done;
+    for (int r = 0; r < n; r++) {
+        sd[r] = make_seed(roots[r], seeds ? seeds[r] : NULL, fn, r, &made[r]);
+        if (!sd[r]) goto done;
+        sv[r] = gj_ag_tensor_val(sd[r]);
+    }
+    if (gj_ag_backward_enter(n, roots, fn) != 0) goto done; /* re-entered from a hook */
     bool handled = false;
     if (gj_fe_compiled_enabled()) {
         gj_fe_count_backward();
         if (!anomaly_blocks_compiled())
-            rc = gj_jit_backward(1, &root, &s, retain_graph, &handled);
+            rc = gj_jit_backward(n, roots, sd, retain_graph, &handled);
     }
     if (!handled) {
         gj_ag_builder *b = gj_ag_eager_builder();
-        gj_val *sv = gj_ag_tensor_val(s);
-        rc = gj_ag_run_backward(b, 1, &root, &sv, 0, NULL, NULL, retain_graph, true);
+        rc = gj_ag_run_backward(b, n, roots, sv, 0, NULL, NULL, retain_graph, true);
     }
     /* A backward that succeeded leaves no error, however it ran (eager,
      * compiled, or a fallback that ended well: the compiler's message stays
@@ -488,8 +493,30 @@ int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
      * gj_last_error), so a stale message never outlives a good step. */
     if (rc == 0) gj_clear_error();
     gj_ag_backward_exit();
-    if (made) gj_rt_tensor_release(s);
+done:
+    for (int r = 0; sd && made && r < n; r++)
+        if (made[r]) gj_rt_tensor_release(sd[r]);
+    gj_rt_free(sd);
+    gj_rt_free(made);
+    gj_rt_free(sv);
     return rc;
+}
+
+int gj_backward_ex(gj_tensor *root, gj_tensor *seed, bool retain_graph) {
+    if (!gj_rt_check_tensor(root, "gj_backward", "root")) return -1;
+    return backward_roots(1, &root, &seed, retain_graph, "gj_backward");
+}
+
+int gj_backward_multi(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                      bool retain_graph) {
+    if (n_roots <= 0 || !roots) {
+        gj_rt_set_error("gj_backward_multi: needs n_roots > 0 and non-NULL roots (got %d)",
+                        n_roots);
+        return -1;
+    }
+    for (int r = 0; r < n_roots; r++)
+        if (!gj_rt_check_tensor(roots[r], "gj_backward_multi", "roots[r]")) return -1;
+    return backward_roots(n_roots, roots, seeds, retain_graph, "gj_backward_multi");
 }
 
 int gj_backward(gj_tensor *root, gj_tensor *seed) { return gj_backward_ex(root, seed, false); }
@@ -509,7 +536,8 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
     bool *made = gj_rt_calloc((size_t)n_outputs, sizeof *made);
     gj_val **sv = gj_rt_calloc((size_t)n_outputs, sizeof *sv);
     gj_val **gv = gj_rt_calloc((size_t)n_inputs, sizeof *gv);
-    if (!sd || !made || !sv || !gv) goto done;
+    gj_tensor **gt = gj_rt_calloc((size_t)n_inputs, sizeof *gt);
+    if (!sd || !made || !sv || !gv || !gt) goto done;
     for (int i = 0; i < n_outputs; i++)
         if (!gj_rt_check_tensor(outputs[i], "gj_grad", "outputs[i]")) goto done;
     for (int i = 0; i < n_inputs; i++)
@@ -520,14 +548,28 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
         sv[i] = gj_ag_tensor_val(sd[i]);
     }
     if (gj_ag_backward_enter(n_outputs, outputs, "gj_grad") != 0) goto done;
-    gj_ag_builder *b = gj_ag_eager_builder();
-    int brc = gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
+    /* gt[i]: a reference to input i's gradient (the same tensor for an
+     * input given twice), or NULL when none reaches it, however it ran */
+    int brc = -1;
+    bool handled = false;
+    if (gj_fe_compiled_enabled()) {
+        gj_fe_count_backward();
+        if (!anomaly_blocks_compiled())
+            brc = gj_jit_grad(n_outputs, outputs, sd, n_inputs, inputs, gt, retain_graph,
+                              &handled);
+    }
+    if (!handled) {
+        gj_ag_builder *b = gj_ag_eager_builder();
+        brc = gj_ag_run_backward(b, n_outputs, outputs, sv, n_inputs, inputs, gv, retain_graph,
                                  false);
+        for (int i = 0; i < n_inputs; i++) gt[i] = brc == 0 ? gj_ag_val_tensor(gv[i]) : NULL;
+    }
     gj_ag_backward_exit();
     if (brc != 0) goto done;
+    if (handled) gj_clear_error(); /* no stale message of the compiled path (gj_backward_ex) */
     rc = 0;
     for (int i = 0; i < n_inputs; i++) {
-        gj_tensor *g = gj_ag_val_tensor(gv[i]); /* a reference kept for us */
+        gj_tensor *g = gt[i]; /* a reference kept for us */
         if (g && rc == 0 && atomic_load(&g->refcount) > 1) {
             /* Someone else holds this tensor too: another slot (the same
              * input twice), the caller (its own seed flowing through), a
@@ -568,5 +610,6 @@ done:
     gj_rt_free(made);
     gj_rt_free(sv);
     gj_rt_free(gv);
+    gj_rt_free(gt);
     return rc;
 }

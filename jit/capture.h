@@ -37,6 +37,17 @@ typedef struct gj_jit_walk {
                          and attribute values -- op names, edges, creation ranks,
                          dtypes and ranks of every meta -- hashed */
     int n_hooks;      /* hooks on the graph's nodes and leaves (in the key) */
+    /* gj_grad mode (grad_mode): the requested inputs, borrowed, and per
+     * input the canonical index of its gradient edge's node (-1: not
+     * reachable from the roots) and the edge's input_nr. needed[] then
+     * marks what the engine runs in gj_grad mode (a requested input's node
+     * is reachable), and the key holds these edges, not the leaves' .grads
+     * (a gj_grad touches none). */
+    bool grad_mode;
+    int n_req;
+    gj_tensor *const *req_inputs;
+    int *req_node, *req_nr;
+    gj_ag_node **req_refs; /* references taken by gj_ag_edge_of (released by free) */
     bool invalid;     /* eager would refuse this backward (freed graph, stale saved tensor) */
     char reason[256]; /* why, when invalid */
 } gj_jit_walk;
@@ -47,6 +58,12 @@ typedef struct gj_jit_walk {
  * w->invalid instead of failing. */
 int gj_jit_walk_build(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
                       gj_tensor *const *seeds);
+/* The walk of a gj_grad of roots with respect to inputs[0..n_inputs)
+ * (borrowed, kept in w for the capture): as gj_jit_walk_build, in gj_grad
+ * mode (see grad_mode). An input that does not require grad makes the walk
+ * invalid (the eager engine reports it). */
+int gj_jit_walk_build_grad(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
+                           gj_tensor *const *seeds, int n_inputs, gj_tensor *const *inputs);
 void gj_jit_walk_free(gj_jit_walk *w);
 /* Canonical index of node, or -1. */
 int gj_jit_walk_find(const gj_jit_walk *w, const gj_ag_node *node);
@@ -87,13 +104,20 @@ typedef struct gj_jit_capture {
     gj_tensor **tensors; /* per graph input: the real tensor of this run (borrowed) */
     int cap_tensors;
     bool unknown_origin; /* some input is GJ_JIT_IN_OTHER */
+    /* gj_grad mode: per requested input of the walk, the graph output that
+     * holds its gradient (the first request of its edge names it; a second
+     * request of the same edge shares it), or -1 when no gradient reaches
+     * it. Graph outputs are then these gradients (acc_node -1). */
+    int *ret;
     bool permanent;      /* the failure depends on the key only: remember eager-only */
     gj_ca_reason code;   /* the failure's class (GJ_CA_OTHER unless told) */
     char reason[256];    /* why the capture failed */
 } gj_jit_capture;
 
 /* Runs the engine's traversal with the recording builder (retain_graph, so
- * nothing is freed) and fills cap. Returns 0, or -1 with cap->reason set
+ * nothing is freed) and fills cap; in gj_grad mode (w->grad_mode) the
+ * traversal of gj_grad (nothing accumulated, post-accumulate hooks not
+ * called), whose gradients become the graph's outputs (cap->ret). Returns 0, or -1 with cap->reason set
  * (and the error message of the failing call). Caller frees with
  * gj_jit_capture_free in every case. */
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,

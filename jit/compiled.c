@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * compiled.c - gj_jit_backward: key -> cache -> (capture, compile) -> run,
- * with fallbacks to the eager engine and the statistics of gj_ca_stats.
+ * compiled.c - gj_jit_backward and gj_jit_grad: key -> cache -> (capture,
+ * compile) -> run, with fallbacks to the eager engine and the statistics
+ * of gj_ca_stats.
  *
  * Invariants:
  *   - A fallback (handled = false) has changed nothing: no .grad written,
@@ -68,6 +69,13 @@
  *     bf16: a bf16 .grad). Either way the key becomes eager-only (a demoted
  *     entry drops its program, which runs in progress keep alive, but
  *     still counts toward its call site's recompile limit).
+ *   - gj_grad (gj_jit_grad): the same path with a gj_grad walk and capture
+ *     (capture.h). Its outputs (acc_node -1) are new tensors handed to the
+ *     caller (program->ret maps requested inputs to outputs); no .grad is
+ *     read, written or locked, no post-accumulate hook runs; without
+ *     retain_graph the walk's needed op nodes are freed, as the engine's
+ *     gj_grad frees the nodes it ran. Counters, fallbacks and guards are
+ *     those of a backward.
  *   - Custom ops: a custom op's backward is a call step of the plan; its C
  *     function gets fresh tensors holding copies of the output gradients
  *     and saved arguments, and the gradients it returns are copied into
@@ -472,9 +480,10 @@ static void trip(hook_ctx *hc, gj_ca_reason code, const char *fmt, ...) {
     va_end(ap);
 }
 
-/* The leaf of graph output o. */
+/* The leaf of graph output o (NULL for a gradient gj_grad returns). */
 static gj_tensor *output_leaf(const hook_ctx *hc, int o) {
-    return hc->w->nodes[hc->pr->outputs[o].acc_node]->leaf;
+    int acc = hc->pr->outputs[o].acc_node;
+    return acc >= 0 ? hc->w->nodes[acc]->leaf : NULL;
 }
 
 /* Trips GJ_CA_SET_MISMATCH if user code `who` changed the dtype, shape or
@@ -485,6 +494,7 @@ static int guard_leaves(hook_ctx *hc, const char *who) {
     char a[96], b[96];
     for (int o = 0; o < hc->pr->n_outputs; o++) {
         gj_tensor *leaf = output_leaf(hc, o);
+        if (!leaf) continue; /* a gj_grad output: no leaf written */
         gj_rt_meta m;
         gj_rt_meta_of(leaf, &m);
         if (!gj_jit_meta_equal(&m, &hc->leaf_meta[o])) {
@@ -556,7 +566,7 @@ static int guard_inputs(hook_ctx *hc, const char *who, int step) {
     }
     if (guard_leaves(hc, who) != 0) return 1;
     for (int o = 0; o < hc->pr->n_outputs; o++) {
-        if (hc->pr->outputs[o].grad_input >= 0) continue;
+        if (hc->pr->outputs[o].grad_input >= 0 || !output_leaf(hc, o)) continue;
         gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
         if (lm && lm->grad) {
             trip(hc, GJ_CA_HOOK_GUARD, "%s gave a leaf a .grad during a compiled run", who);
@@ -764,6 +774,7 @@ static int write_output(const gj_jit_program *pr, const gj_jit_walk *w,
                         gj_tensor *const *tensors, gj_tensor **contig, gj_tensor **news, int o) {
     const gj_jit_output *oo = &pr->outputs[o];
     const gj_rt_meta *om = &pr->plan.out_meta[o];
+    if (oo->acc_node < 0) return 0; /* gj_grad: news[o] goes to the caller */
     gj_tensor *leaf = w->nodes[oo->acc_node]->leaf;
     if (!gj_ag_leaf_grad_fits(leaf, om, NULL)) return -1;
     if (oo->grad_input >= 0) {
@@ -809,7 +820,7 @@ static int run_post_hook(hook_ctx *hc, int i, int written) {
     snprintf(who, sizeof who, "post-accumulate hook #%lld", (long long)h->handle);
     guard_leaves(hc, who);
     for (int o = 0; o < hc->pr->n_outputs; o++) {
-        gj_ag_tensor_meta *lm = output_leaf(hc, o)->ag;
+        gj_ag_tensor_meta *lm = output_leaf(hc, o) ? output_leaf(hc, o)->ag : NULL;
         gj_rt_meta m;
         if (!lm || !lm->grad) continue;
         if (o >= written && hc->pr->outputs[o].grad_input < 0) {
@@ -890,9 +901,10 @@ static int write_early(void *ctx, int done) {
  * written; hc->tripped tells whether a guard tripped after a post hook or a
  * record_stream), 1 (fallback: nothing written, reason in why), 2 (a guard
  * tripped in a tensor hook: nothing written, hooks ran, reason in hc) or -1
- * (error set, nothing written). */
+ * (error set, nothing written). A gj_grad's program (ret_out non-NULL)
+ * writes no .grad: on 0, ret_out[o] receives output o as a new tensor. */
 static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *const *tensors,
-                       char *why, size_t why_cap, hook_ctx *hc) {
+                       char *why, size_t why_cap, hook_ctx *hc, gj_tensor **ret_out) {
     const gj_jit_plan *p = &pr->plan;
     int rc = -1;
     int n_in = pr->n_inputs, n_out = pr->n_outputs;
@@ -968,6 +980,7 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         if (!hc->leaf_meta || !hc->leaf_data) goto done;
         for (int o = 0; o < n_out; o++) {
             gj_tensor *leaf = output_leaf(hc, o);
+            if (!leaf) continue; /* a gj_grad output */
             gj_rt_meta_of(leaf, &hc->leaf_meta[o]);
             hc->leaf_data[o] = gj_rt_data_ptr(leaf);
         }
@@ -1006,6 +1019,15 @@ static int run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
     }
     if (er != 0) goto done;
     if (write_outputs_until(hc, pr, w, tensors, hooks, p->n_steps) != 0) goto done;
+    for (int o = 0; ret_out && o < n_out; o++) {
+        if (!news[o]) { /* every output of a gj_grad is a new buffer */
+            gj_rt_set_error("gj_grad: internal: compiled output #%d was not written", o);
+            for (int q = 0; q < o; q++) gj_rt_tensor_release(ret_out[q]);
+            goto done;
+        }
+        ret_out[o] = news[o];
+    }
+    for (int o = 0; ret_out && o < n_out; o++) news[o] = NULL;
     rc = 0;
 done:
     for (int i = 0; i < n_in && contig; i++)
@@ -1081,8 +1103,42 @@ static bool inputs_from_walk(const gj_jit_program *pr, const gj_jit_walk *w,
     return true;
 }
 
-int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
-                    bool retain_graph, bool *handled) {
+/* What a gj_grad asks for (NULL for a backward): the inputs, and where
+ * their gradients go (new references, NULL where none reaches). */
+typedef struct grad_req {
+    int n_inputs;
+    gj_tensor *const *inputs;
+    gj_tensor **grads_out;
+} grad_req;
+
+/* Gives the gradients of a gj_grad's run (outs[o]: output o, a reference
+ * each, consumed) to the requested inputs: an edge requested twice gets
+ * the same tensor with one more reference (gj_grad then gives each slot
+ * a header of its own, as after an eager run). */
+static void hand_out(const gj_jit_program *pr, const grad_req *gr, gj_tensor **outs) {
+    for (int i = 0; i < gr->n_inputs; i++) {
+        int o = i < pr->n_ret ? pr->ret[i] : -1;
+        gr->grads_out[i] = o >= 0 ? outs[o] : NULL;
+        if (o >= 0) gj_rt_tensor_retain(outs[o]);
+    }
+    for (int o = 0; o < pr->n_outputs; o++) gj_rt_tensor_release(outs[o]);
+}
+
+/* Without retain_graph, frees the saved tensors of what the engine ran: in
+ * backward mode every node of the roots' graph, in gj_grad mode the needed
+ * op nodes of the walk (the engine's gj_grad frees only those). */
+static void release_graph(const gj_jit_walk *w, int n_roots, gj_tensor *const *roots) {
+    if (!w->grad_mode) {
+        gj_ag_release_graph(n_roots, roots);
+        return;
+    }
+    for (int i = 0; i < w->n; i++)
+        if (w->needed[i] && w->nodes[i]->kind == GJ_AG_OP) gj_ag_node_free_saved(w->nodes[i]);
+}
+
+/* gj_jit_backward and gj_jit_grad (gr non-NULL). */
+static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                        const grad_req *gr, bool retain_graph, bool *handled) {
     *handled = false;
     gj_jit_walk w;
     gj_jit_capture cap;
@@ -1098,7 +1154,9 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
     bool timed = (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0;
     double tp0 = timed ? now_ms() : 0, tp1 = 0, tp2 = 0;
     bool fresh = false; /* this backward compiled or loaded its program */
-    if (gj_jit_walk_build(&w, n_roots, roots, seeds) != 0) {
+    gj_tensor **outs = NULL; /* gj_grad: the program's outputs */
+    if (gj_jit_walk_build_grad(&w, n_roots, roots, seeds, gr ? gr->n_inputs : 0,
+                               gr ? gr->inputs : NULL) != 0) {
         gj_jit_walk_free(&w);
         fallback(GJ_CA_OTHER, "out of memory while computing the key", false);
         return 0;
@@ -1166,6 +1224,18 @@ int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seed
         void *obj = NULL;
         size_t obj_size = 0;
         prog = gj_jit_program_plan(&cap.g, why, sizeof why, &permanent);
+        if (prog && w.grad_mode) { /* which output answers which input */
+            prog->ret = gj_rt_malloc(((size_t)w.n_req + 1) * sizeof *prog->ret);
+            if (!prog->ret) {
+                gj_jit_program_free(prog);
+                prog = NULL;
+                permanent = false;
+                snprintf(why, sizeof why, "out of memory");
+            } else {
+                memcpy(prog->ret, cap.ret, (size_t)w.n_req * sizeof *prog->ret);
+                prog->n_ret = w.n_req;
+            }
+        }
         /* the disk cache answers only for the plan made here: its file's
          * plan must be this one byte for byte (programs with hook or custom
          * calls live in memory only: they call addresses of this process) */
@@ -1237,7 +1307,8 @@ run:
      * here to the end, or leave the backward to the eager engine, which
      * waits for them (docs/fallbacks.md) */
     for (int o = 0; o < prog->n_outputs; o++)
-        stripes |= 1ull << gj_ag_leaf_stripe(w.nodes[prog->outputs[o].acc_node]->leaf);
+        if (prog->outputs[o].acc_node >= 0) /* none for gj_grad: it writes no .grad */
+            stripes |= 1ull << gj_ag_leaf_stripe(w.nodes[prog->outputs[o].acc_node]->leaf);
     if (!gj_ag_leaf_trylock_stripes(stripes)) {
         stripes = 0;
         snprintf(why, sizeof why, "another thread's backward is writing a .grad of this backward");
@@ -1245,7 +1316,8 @@ run:
     }
     /* the run's input tensors */
     tensors = gj_rt_calloc((size_t)prog->n_inputs + 1, sizeof *tensors);
-    if (!tensors) {
+    if (gr) outs = gj_rt_calloc((size_t)prog->n_outputs + 1, sizeof *outs);
+    if (!tensors || (gr && !outs)) {
         snprintf(why, sizeof why, "out of memory");
         goto fall;
     }
@@ -1265,7 +1337,7 @@ run:
     tp1 = t1;
     hook_ctx hc;
     memset(&hc, 0, sizeof hc);
-    int r = run_program(prog, &w, tensors, why, sizeof why, &hc);
+    int r = run_program(prog, &w, tensors, why, sizeof why, &hc, outs);
     gj_ag_leaf_unlock_stripes(stripes); /* before g_lock: leaf locks are taken under it */
     stripes = 0;
     tp2 = now_ms();
@@ -1282,7 +1354,8 @@ run:
     }
     rc = r == 0 ? 0 : -1;
     *handled = true;
-    if (rc == 0 && !retain_graph) gj_ag_release_graph(n_roots, roots);
+    if (rc == 0 && gr) hand_out(prog, gr, outs);
+    if (rc == 0 && !retain_graph) release_graph(&w, n_roots, roots);
     if (timed && rc == 0) {
         double tend = now_ms();
         if (fl & GJ_JIT_LOG_STEPS)
@@ -1299,7 +1372,21 @@ out:
     gj_ag_leaf_unlock_stripes(stripes);
     prog_release(held);
     gj_rt_free(tensors);
+    gj_rt_free(outs);
     if (have_cap) gj_jit_capture_free(&cap);
     gj_jit_walk_free(&w);
     return rc;
+}
+
+int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                    bool retain_graph, bool *handled) {
+    return run_compiled(n_roots, roots, seeds, NULL, retain_graph, handled);
+}
+
+int gj_jit_grad(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds, int n_inputs,
+                gj_tensor *const *inputs, gj_tensor **grads_out, bool retain_graph,
+                bool *handled) {
+    for (int i = 0; i < n_inputs; i++) grads_out[i] = NULL;
+    grad_req gr = {n_inputs, inputs, grads_out};
+    return run_compiled(n_roots, roots, seeds, &gr, retain_graph, handled);
 }

@@ -308,6 +308,10 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
                     g->hooks[i].node, g->hooks[i].j);
     for (int i = 0; i < g->n_outputs; i++) {
         const gj_jit_output *o = &g->outputs[i];
+        if (o->acc_node < 0) { /* gj_grad: a returned gradient */
+            fprintf(f, "  output #%d: %%%d -> returned by gj_grad (new)\n", i, o->value);
+            continue;
+        }
         fprintf(f, "  output #%d: %%%d -> .grad of acc node %d%s%s\n", i, o->value, o->acc_node,
                 acc_label(g, o->acc_node, nb, sizeof nb),
                 o->grad_input >= 0 ? " (in place)" : " (new)");

@@ -49,7 +49,8 @@ typedef struct gj_jit_input {
 
 typedef struct gj_jit_output {
     int value;      /* gradient value (in the leaf's dtype, or .grad's for in place) */
-    int acc_node;   /* canonical index of the accumulate node */
+    int acc_node;   /* canonical index of the accumulate node; -1: a gradient that
+                       gj_grad returns (a new tensor, no .grad touched) */
     int grad_input; /* in place into this graph input's tensor (.grad), or -1: new .grad */
 } gj_jit_output;
 

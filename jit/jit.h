@@ -15,6 +15,19 @@
 int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
                     bool retain_graph, bool *handled);
 
+/* gj_grad compiled: the gradients of roots (seeds: one per root, as
+ * gj_jit_backward) with respect to inputs[0..n_inputs) (leaves or not; the
+ * same twice is fine). *handled as for gj_jit_backward. When it ran and
+ * succeeded, grads_out[i] is a new reference to input i's gradient, or
+ * NULL when no gradient reaches it (gj_grad then applies allow_unused); an
+ * input requested twice gets the same tensor with a reference per slot.
+ * No .grad is read or written, no post-accumulate hook runs; without
+ * retain_graph the nodes the engine's gj_grad would run are freed. The key
+ * holds the inputs' edges and the gj_grad mode (capture.h). */
+int gj_jit_grad(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds, int n_inputs,
+                gj_tensor *const *inputs, gj_tensor **grads_out, bool retain_graph,
+                bool *handled);
+
 /* Counters of gj_ca_stats (frontend/ adds `backwards`). */
 void gj_jit_stats(gj_ca_stats *out);
 /* The info of the program the calling thread's last compiled backward ran;

@@ -15,7 +15,11 @@
  *     engine runs ready nodes newest first, which fixes the order gradients
  *     are summed in); per accumulate node the leaf's meta and its .grad's
  *     presence, meta and contiguity; per root its meta, edge and seed meta;
- *     the kinds and counts of hooks on every node output and leaf.
+ *     the kinds and counts of hooks on every node output and leaf. A
+ *     gj_grad's key (gj_jit_walk_build_grad) says so in a line of its own
+ *     and lists its inputs by edge ("I<i> e<node>:<nr>", e-1 when
+ *     unreachable); its accumulate lines hold no .grad ("grad*"): such a
+ *     key never equals a gj_backward's.
  *   - Pointer maps (node -> index, saved tensor -> (node, slot)) are
  *     process-local helpers and never enter the key.
  *   - Run-time attributes (dropout's RNG seed and offset, new at every
@@ -329,6 +333,17 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
     site_hash sh = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull};
     site_u64(&sh, ((uint64_t)n_roots << 32) | (uint64_t)w->n);
     if (key_put(w, "gradjit-key v1 roots=%d nodes=%d\n", n_roots, w->n) != 0) goto done;
+    if (w->grad_mode) { /* a gj_grad: its inputs, by edge (never a .grad) */
+        site_u64(&sh, 0x6772616400000000ull | (uint64_t)(uint32_t)w->n_req);
+        if (key_put(w, "grad inputs=%d\n", w->n_req) != 0) goto done;
+        for (int i = 0; i < w->n_req; i++) {
+            site_u64(&sh, ((uint64_t)(uint32_t)w->req_node[i] << 32) |
+                              (uint64_t)(uint32_t)w->req_nr[i]);
+            if (key_put(w, "I%d e%d:%d\n", i, w->req_node[i],
+                        w->req_node[i] >= 0 ? w->req_nr[i] : 0) != 0)
+                goto done;
+        }
+    }
     for (int r = 0; r < n_roots; r++) {
         gj_rt_meta m;
         gj_rt_meta_of(roots[r], &m);
@@ -357,13 +372,17 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
             if (key_put(w, "N%d acc r%d leaf", i, rank[i]) != 0) goto done;
             if (leaf && put_tensor(w, leaf) != 0) goto done;
             if (key_put(w, " grad") != 0) goto done;
-            /* another thread's backward may be replacing this .grad */
-            if (leaf) gj_ag_leaf_lock(leaf);
-            gj_tensor *lg = lm ? lm->grad : NULL;
-            site_u64(&sh, lg ? 1u + (uint64_t)lg->dtype : 0u);
-            int gr = lg ? put_tensor(w, lg) : key_put(w, "-");
-            if (leaf) gj_ag_leaf_unlock(leaf);
-            if (gr != 0) goto done;
+            if (w->grad_mode) { /* a gj_grad neither reads nor writes .grad */
+                if (key_put(w, "*") != 0) goto done;
+            } else {
+                /* another thread's backward may be replacing this .grad */
+                if (leaf) gj_ag_leaf_lock(leaf);
+                gj_tensor *lg = lm ? lm->grad : NULL;
+                site_u64(&sh, lg ? 1u + (uint64_t)lg->dtype : 0u);
+                int gr = lg ? put_tensor(w, lg) : key_put(w, "-");
+                if (leaf) gj_ag_leaf_unlock(leaf);
+                if (gr != 0) goto done;
+            }
             if (put_hooks(w, n, 0) != 0 || key_put(w, "\n") != 0) goto done;
             continue;
         }
@@ -421,8 +440,9 @@ done:
 
 /* ------------------------------------------------------------- the walk */
 
-/* needed[i]: an accumulate node is reachable from node i (what the engine
- * runs in backward mode). Kahn order, then children before parents. */
+/* needed[i]: an accumulate node (gj_grad mode: the node of a requested
+ * input) is reachable from node i, what the engine runs. Kahn order, then
+ * children before parents. */
 static int compute_needed(gj_jit_walk *w) {
     int rc = -1;
     int *deps = gj_rt_calloc((size_t)w->n + 1, sizeof *deps);
@@ -447,7 +467,8 @@ static int compute_needed(gj_jit_walk *w) {
     for (int t = tail - 1; t >= 0; t--) {
         int i = order[t];
         const gj_ag_node *nd = w->nodes[i];
-        bool need = nd->kind == GJ_AG_ACCUMULATE;
+        bool need = !w->grad_mode && nd->kind == GJ_AG_ACCUMULATE;
+        for (int r = 0; r < w->n_req && w->grad_mode && !need; r++) need = w->req_node[r] == i;
         for (int k = 0; k < nd->n_in && !need; k++) {
             int j = gj_jit_walk_find(w, nd->next[k].node);
             if (j >= 0 && w->needed[j]) need = true;
@@ -495,14 +516,43 @@ static void validate(gj_jit_walk *w) {
     }
 }
 
+/* gj_grad mode: the canonical edge of every requested input (after the
+ * breadth-first walk). An input with no gradient edge makes the walk
+ * invalid, as the engine refuses it. 0 or -1 (OOM). */
+static int find_requests(gj_jit_walk *w) {
+    w->req_node = gj_rt_calloc((size_t)w->n_req + 1, sizeof *w->req_node);
+    w->req_nr = gj_rt_calloc((size_t)w->n_req + 1, sizeof *w->req_nr);
+    w->req_refs = gj_rt_calloc((size_t)w->n_req + 1, sizeof *w->req_refs);
+    if (!w->req_node || !w->req_nr || !w->req_refs) return -1;
+    for (int i = 0; i < w->n_req; i++) {
+        gj_ag_edge e = gj_ag_edge_of(w->req_inputs[i]);
+        w->req_refs[i] = e.node;
+        w->req_node[i] = e.node ? gj_jit_walk_find(w, e.node) : -1;
+        w->req_nr[i] = e.input_nr;
+        if (!e.node && !w->invalid) {
+            w->invalid = true;
+            snprintf(w->reason, sizeof w->reason, "input %d does not require grad", i);
+        }
+    }
+    return 0;
+}
+
 int gj_jit_walk_build(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
                       gj_tensor *const *seeds) {
+    return gj_jit_walk_build_grad(w, n_roots, roots, seeds, 0, NULL);
+}
+
+int gj_jit_walk_build_grad(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
+                           gj_tensor *const *seeds, int n_inputs, gj_tensor *const *inputs) {
     memset(w, 0, sizeof *w);
     int rc = -1;
     int *root_node = gj_rt_calloc((size_t)n_roots + 1, sizeof *root_node);
     int *root_nr = gj_rt_calloc((size_t)n_roots + 1, sizeof *root_nr);
     w->root_refs = gj_rt_calloc((size_t)n_roots + 1, sizeof *w->root_refs);
     if (!root_node || !root_nr || !w->root_refs) goto done;
+    w->grad_mode = inputs != NULL;
+    w->n_req = inputs ? n_inputs : 0;
+    w->req_inputs = inputs;
     w->n_roots = n_roots;
     for (int r = 0; r < n_roots; r++) {
         gj_ag_edge e = gj_ag_edge_of(roots[r]);
@@ -528,6 +578,7 @@ int gj_jit_walk_build(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
             if (walk_add(w, nx) < 0) goto done;
         }
     }
+    if (w->grad_mode && find_requests(w) != 0) goto done;
     if (compute_needed(w) != 0) goto done;
     if (build_saved_map(w) != 0) goto done;
     validate(w);
@@ -544,7 +595,12 @@ void gj_jit_walk_free(gj_jit_walk *w) {
     if (!w) return;
     for (int r = 0; r < w->n_roots && w->root_refs; r++)
         if (w->root_refs[r]) gj_ag_node_release(w->root_refs[r]);
+    for (int i = 0; i < w->n_req && w->req_refs; i++)
+        if (w->req_refs[i]) gj_ag_node_release(w->req_refs[i]);
     gj_rt_free(w->root_refs);
+    gj_rt_free(w->req_refs);
+    gj_rt_free(w->req_node);
+    gj_rt_free(w->req_nr);
     gj_rt_free(w->nodes);
     gj_rt_free(w->needed);
     gj_rt_free(w->slots);

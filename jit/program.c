@@ -65,8 +65,10 @@ gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap,
         snprintf(why, why_cap, "out of memory");
         goto fail;
     }
-    memcpy(pr->inputs, g->inputs, (size_t)g->n_inputs * sizeof *pr->inputs);
-    memcpy(pr->outputs, g->outputs, (size_t)g->n_outputs * sizeof *pr->outputs);
+    if (g->n_inputs > 0)
+        memcpy(pr->inputs, g->inputs, (size_t)g->n_inputs * sizeof *pr->inputs);
+    if (g->n_outputs > 0) /* none: a gj_grad whose inputs no gradient reaches */
+        memcpy(pr->outputs, g->outputs, (size_t)g->n_outputs * sizeof *pr->outputs);
     for (int i = 0; i < g->n_inputs; i++)
         if (g->inputs[i].role == GJ_JIT_IN_OTHER) pr->recapture = true;
     if (g->n_hooks > 0) {
@@ -121,6 +123,7 @@ void gj_jit_program_free(gj_jit_program *pr) {
     gj_rt_free(pr->inputs);
     gj_rt_free(pr->outputs);
     gj_rt_free(pr->hooks);
+    gj_rt_free(pr->ret);
     gj_rt_free(pr);
 }
 
@@ -141,6 +144,7 @@ size_t gj_jit_program_bytes(const gj_jit_program *pr) {
     n += (size_t)(pr->n_inputs + 1) * sizeof *pr->inputs;
     n += (size_t)(pr->n_outputs + 1) * sizeof *pr->outputs;
     n += (size_t)pr->n_hooks * sizeof *pr->hooks;
+    n += (size_t)pr->n_ret * sizeof *pr->ret;
     return n;
 }
 

@@ -30,6 +30,11 @@ typedef struct gj_jit_program {
     gj_jit_hookref *hooks; /* tensor hooks (hook steps) and post-accumulate hooks */
     int n_hooks;
     int n_calls; /* custom call steps (the program then lives in memory only) */
+    /* A gj_grad's program (its outputs have acc_node -1): per requested
+     * input, the output holding its gradient or -1 (none reaches it);
+     * compiled.c copies it from the capture. NULL, 0 for a backward. */
+    int *ret;
+    int n_ret;
     int refs;    /* compiled.c: the cache's reference + runs in progress */
     uint64_t id; /* compiled.c: unique in the process, never reused */
 } gj_jit_program;

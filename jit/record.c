@@ -13,6 +13,9 @@
  *     address: two inputs that alias today may not alias in a later run
  *     with the same key). Its canonical origin is looked up in the walk;
  *     its strides are recorded (the key holds them) and it is read in place.
+ *   - In gj_grad mode (the walk's grad_mode) the engine runs its gj_grad
+ *     traversal: nothing is accumulated, and the gradients it returns for
+ *     the requested inputs become the graph outputs (capture_grad).
  *   - accumulate(leaf, g) makes a graph output. With an existing .grad the
  *     .grad becomes an input and the output is ADD(.grad, CAST(g)), written
  *     in place: the same arithmetic as the eager accumulate (a strided
@@ -374,6 +377,37 @@ static int rec_call_custom_fwd(gj_ag_builder *b, const gj_ag_opdef *op, const gj
     return n_out;
 }
 
+/* gj_grad mode: the engine's gj_grad traversal; the gradient of each
+ * requested input becomes a graph output (acc_node -1, nothing in place),
+ * one per distinct edge, in the order of their first request (cap->ret).
+ * 0, or -1 (error set). */
+static int capture_grad(recorder *r, int n_roots, gj_tensor *const *roots,
+                        gj_val *const *seed_vals) {
+    const gj_jit_walk *w = r->w;
+    gj_jit_capture *cap = r->cap;
+    int rc = -1;
+    gj_val **gv = gj_rt_calloc((size_t)w->n_req + 1, sizeof *gv);
+    cap->ret = gj_rt_calloc((size_t)w->n_req + 1, sizeof *cap->ret);
+    if (!gv || !cap->ret) goto done;
+    if (gj_ag_run_backward(&r->b, n_roots, roots, seed_vals, w->n_req, w->req_inputs, gv, true,
+                           false) != 0)
+        goto done;
+    for (int i = 0; i < w->n_req; i++) {
+        cap->ret[i] = -1;
+        if (!gv[i]) continue; /* unreachable: the caller decides (allow_unused) */
+        for (int j = 0; j < i && cap->ret[i] < 0; j++)
+            if (w->req_node[j] == w->req_node[i] && w->req_nr[j] == w->req_nr[i])
+                cap->ret[i] = cap->ret[j]; /* the same edge again: the same gradient */
+        if (cap->ret[i] >= 0) continue;
+        cap->ret[i] = cap->g.n_outputs;
+        if (gj_jit_graph_add_output(&cap->g, val_id(gv[i]), -1, -1) != 0) goto done;
+    }
+    rc = 0;
+done:
+    gj_rt_free(gv);
+    return rc;
+}
+
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds) {
     memset(cap, 0, sizeof *cap);
@@ -413,6 +447,10 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
         if (v < 0) goto done;
         seed_vals[i] = id_val(v);
     }
+    if (w->grad_mode) {
+        rc = capture_grad(&r, n_roots, roots, seed_vals);
+        goto done;
+    }
     if (gj_ag_run_backward(&r.b, n_roots, roots, seed_vals, 0, NULL, NULL, true, true) != 0)
         goto done;
     rc = 0;
@@ -427,5 +465,6 @@ void gj_jit_capture_free(gj_jit_capture *cap) {
     if (!cap) return;
     gj_jit_graph_free(&cap->g);
     gj_rt_free(cap->tensors);
+    gj_rt_free(cap->ret);
     memset(cap, 0, sizeof *cap);
 }

@@ -266,6 +266,9 @@ static void test_null_args(void **s) {
     EXPECT_FAIL("copy_", gj_copy_(a, NULL));
     EXPECT_FAIL("backward", gj_backward(NULL, NULL));
     EXPECT_FAIL("backward", gj_backward_ex(NULL, NULL, true));
+    EXPECT_FAIL("backward_multi", gj_backward_multi(1, (gj_tensor *[]){NULL}, NULL, false));
+    EXPECT_FAIL("backward_multi", gj_backward_multi(0, &a, NULL, false));
+    EXPECT_FAIL("backward_multi", gj_backward_multi(1, NULL, NULL, false));
     EXPECT_FAIL("requires_grad", gj_set_requires_grad(NULL, true));
     EXPECT_FAIL("set_grad", gj_tensor_set_grad(NULL, a));
     EXPECT_FAIL("to_f64", gj_tensor_to_f64(NULL, (double[6]){0}));

@@ -47,6 +47,11 @@
  *     counts depend on the process's history: a failure report names the
  *     fault as GJT_FUZZ_FAULT=<k>c|w (cold or warm cache) to repeat it
  *     with GJT_FUZZ_SEED.
+ * In 15% of the seeds (F_GRAD) the backward is a gj_grad instead (with
+ * any of the features above): with respect to one to four tensors drawn
+ * from the model's pool, leaves or intermediates, possibly one twice or
+ * one the loss does not reach (allow_unused); what it returns must agree
+ * with eager's like the .grads, which it must leave as they were.
  * A graph without a falling-back feature (record_stream, a custom op in a
  * region) must run compiled: every backward one compile or cache hit, no
  * fallback. Every backward, compiled or not, must be counted in
@@ -68,7 +73,7 @@
  *     GJT_FUZZ_GRAPHS=100000 nice -n 19 ./test_jit_fuzz
  * (100,000 graphs take about an hour and a half on an idle 2-core
  * machine). GJT_FUZZ_FEATURES=mask keeps only the features of the mask
- * (F_* below: 0 gives plain graphs, 32 the faults alone) for probing one
+ * (F_* below: 0 gives plain graphs, 32 the faults alone, 64 gj_grad) for probing one
  * feature at a time; masking hooks, custom ops or regions changes the
  * seed's ops, masking the fault does not.
  */
@@ -96,6 +101,8 @@
 
 #define MAXT 48
 #define NLEAF 7
+#define MAXGI 4   /* gj_grad inputs */
+#define NRES (NLEAF + MAXGI)
 #define MAXH 16   /* hooks per model */
 #define MAXJ 64   /* stream jobs per backward */
 #define LOGCAP 4096
@@ -108,6 +115,7 @@ enum {
     F_CUSTOM = 1 << 3, /* custom ops */
     F_REGION = 1 << 4, /* checkpoint regions */
     F_FAULT = 1 << 5,  /* an allocation fault in a compiled backward */
+    F_GRAD = 1 << 6,   /* gj_grad on random leaves and intermediates instead of gj_backward */
 };
 
 /* What a hook does. */
@@ -711,6 +719,7 @@ static unsigned seed_features(uint64_t seed) {
     if (gjt_rng_int(&r, 100) < 25) feat |= F_CUSTOM;
     if (gjt_rng_int(&r, 100) < 25) feat |= F_REGION;
     if (gjt_rng_int(&r, 100) < 5) feat |= F_FAULT;
+    if (gjt_rng_int(&r, 100) < 15) feat |= F_GRAD;
     const char *only = getenv("GJT_FUZZ_FEATURES"); /* a mask of F_*: only these, by hand */
     if (only && *only) feat &= (unsigned)strtoul(only, NULL, 0);
     return feat;
@@ -724,8 +733,10 @@ typedef struct run_cfg {
 
 /* What one run gives. */
 typedef struct run_res {
-    double *g[NLEAF]; /* .grad values (malloc'd), NULL for no .grad */
-    int64_t numel[NLEAF];
+    /* .grad values (malloc'd), NULL for no .grad; then (F_GRAD) what
+     * gj_grad returned for its inputs (the leaves' .grads stay as they were) */
+    double *g[NRES];
+    int64_t numel[NRES];
     char log[LOGCAP];
     hookrec hk[MAXH];
     int n_hk, rs_calls;
@@ -738,10 +749,42 @@ typedef struct run_res {
 } run_res;
 
 static void free_res(run_res *r) {
-    for (int i = 0; i < NLEAF; i++) {
+    for (int i = 0; i < NRES; i++) {
         free(r->g[i]);
         r->g[i] = NULL;
     }
+}
+
+/* F_GRAD: gj_grad of loss with respect to 1 to MAXGI tensors of the pool
+ * that require grad (leaves and intermediates, maybe one twice, maybe one
+ * the loss does not reach: allow_unused), twice with retain_graph when
+ * twice; what the last call returns goes to res->g[NLEAF + k]. The
+ * inputs are drawn before the call, so both modes ask for the same. */
+static int grad_calls(fuzz *f, gj_tensor *loss, bool twice, run_res *res) {
+    gj_tensor *in[MAXGI];
+    int n = 0, want = 1 + (int)gjt_rng_int(&f->rng, MAXGI);
+    for (int tries = 0; n < want && tries < 4 * MAXGI; tries++) {
+        gj_tensor *t = pick(f);
+        if (gj_requires_grad(t)) in[n++] = t;
+    }
+    if (n == 0) in[n++] = f->leaves[0];
+    char buf[32];
+    snprintf(buf, sizeof buf, "gj_grad(%d inputs)", n);
+    note(f, buf);
+    int rc = 0;
+    for (int call = 0; call < (twice ? 2 : 1) && rc == 0; call++) {
+        if (call) drain_jobs(f);
+        gj_tensor *g[MAXGI] = {NULL};
+        rc = gj_grad(1, &loss, NULL, n, in, g, twice, true);
+        res->n_backwards++;
+        for (int k = 0; k < n && rc == 0; k++) {
+            free(res->g[NLEAF + k]);
+            res->g[NLEAF + k] = gjt_values(g[k]);
+            res->numel[NLEAF + k] = gj_tensor_numel(g[k]);
+            gj_release(g[k]);
+        }
+    }
+    return rc;
 }
 
 /* Builds the model of seed with features feat (same ops for the same
@@ -789,12 +832,17 @@ static void run_model(uint64_t seed, gj_dtype dt, unsigned feat, const run_cfg *
         gj_clear_error();
         gj_rt_alloc_fail_at(cfg->fail_at);
     }
-    int rc = gj_backward_ex(loss, NULL, seed % 5 == 0);
-    res->n_backwards = 1;
-    if (rc == 0 && seed % 5 == 0) {
-        drain_jobs(f); /* a post hook's read of .grad ends before .grad grows again */
-        rc = gj_backward(loss, NULL);
-        res->n_backwards = 2;
+    int rc;
+    if (feat & F_GRAD) {
+        rc = grad_calls(f, loss, seed % 5 == 0, res);
+    } else {
+        rc = gj_backward_ex(loss, NULL, seed % 5 == 0);
+        res->n_backwards = 1;
+        if (rc == 0 && seed % 5 == 0) {
+            drain_jobs(f); /* a post hook's read of .grad ends before .grad grows again */
+            rc = gj_backward(loss, NULL);
+            res->n_backwards = 2;
+        }
     }
     if (cfg->fail_at > 0) res->fired = gj_rt_alloc_fail_at(0) >= cfg->fail_at;
     res->allocs = gj_rt_alloc_count() - c0;
@@ -826,7 +874,7 @@ static void run_model(uint64_t seed, gj_dtype dt, unsigned feat, const run_cfg *
 static bool same_results(const char *mode, uint64_t seed, gj_dtype dt, double rtol,
                          const run_res *e, const run_res *c, bool with_hooks) {
     bool ok = true;
-    for (int i = 0; i < NLEAF; i++) {
+    for (int i = 0; i < NRES; i++) {
         if (!e->g[i] || !c->g[i]) {
             if (e->g[i] || c->g[i]) {
                 print_error("seed %llu %s %s: leaf %d has a .grad in one mode only\n",
@@ -1067,14 +1115,14 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int sha
     const char *all = getenv("GJT_FUZZ_GRAPHS"); /* graphs in all: a long run */
     if (all && atol(all) > 0) count = (int)((atol(all) * share + 99) / 100);
     if (cnt && atoi(cnt) > 0) count = atoi(cnt);
-    int bad = 0, total = 0, with[6] = {0};
+    int bad = 0, total = 0, with[7] = {0};
     fault_stats fs = {0};
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int k = 0; k < count; k++) {
         uint64_t seed = one ? strtoull(one, NULL, 10) : base + (uint64_t)k;
         unsigned feat = seed_features(seed);
-        for (int b = 0; b < 6; b++) with[b] += (feat >> b) & 1;
+        for (int b = 0; b < 7; b++) with[b] += (feat >> b) & 1;
         if (!check_seed(seed, dt, rtol, &fs)) {
             bad++;
             print_error("reproduce: GJT_FUZZ_SEED=%llu GJT_FUZZ_DTYPE=%s ./test_jit_fuzz\n",
@@ -1088,11 +1136,12 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int sha
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     print_message("%s: %d graphs, %d mismatches or bad fallbacks, %.1f s (rtol %g); with hooks "
-                  "%d, stream jobs %d, record_stream %d, custom ops %d, regions %d, faults %d "
-                  "(%d hit an allocation: %d failed cleanly, %d succeeded; %d keys eager-only "
-                  "after the fault; %d successes with a failed op in a post hook, must be 0)\n",
+                  "%d, stream jobs %d, record_stream %d, custom ops %d, regions %d, gj_grad %d, "
+                  "faults %d (%d hit an allocation: %d failed cleanly, %d succeeded; %d keys "
+                  "eager-only after the fault; %d successes with a failed op in a post hook, "
+                  "must be 0)\n",
                   gj_rt_dtype_name(dt), total, bad, sec, rtol, with[0], with[1], with[2], with[3],
-                  with[4], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
+                  with[4], with[6], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
                   fs.post_swallowed);
     assert_int_equal(bad, 0);
     assert_int_equal(fs.post_swallowed, 0);
