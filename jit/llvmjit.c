@@ -410,9 +410,42 @@ done:
     return NULL;
 }
 
+/* A rough guess of the time LLVM takes over kernel k, for balancing the
+ * modules: a loop costs more than a scalar kernel and a reduction more
+ * still (its vectorised form); inlined transcendental math dominates the
+ * rest (a tanh, exp or GELU derivative becomes a long vectorised body). */
+static long kernel_cost(const gj_jit_kernel *k) {
+    int64_t numel = 1;
+    for (int d = 0; d < k->nd; d++) numel *= k->dims[d];
+    long c = numel > 1 ? 12 : 4;
+    if (k->red) c += 16;
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        if (x->kind == GJ_JIT_E_LOAD) {
+            c += 2;
+        } else if (x->kind == GJ_JIT_E_OP) {
+            switch (x->inst.prim) { /* weights from compile times of W1-W5 and F1 */
+            case GJ_P_GELU: case GJ_P_GELU_GRAD:
+                c += 30;
+                break;
+            case GJ_P_EXP: case GJ_P_LOG: case GJ_P_TANH: case GJ_P_SIGMOID: case GJ_P_POW_SCALAR:
+                c += 10;
+                break;
+            case GJ_P_CAST: /* bf16 rounding; f64 accumulation of f32 values */
+                c += x->dtype == GJ_BF16 ? 6 : x->dtype == GJ_F64 ? 12 : 1;
+                break;
+            default:
+                c += 1;
+            }
+        }
+    }
+    for (int q = 0; q < k->n_st; q++) c += k->st[q].reduce ? 4 : 2;
+    return c;
+}
+
 /* How many modules p's kernels are compiled in, and which one each kernel
  * step's function goes to (shard_of_step, -1 for other steps): distinct
- * kernels, largest first (expressions + stores), each to the module with
+ * kernels, largest first (kernel_cost), each to the module with
  * the least so far; steps sharing a function (dedupe.c) share its module.
  * One module when there is one thread or fewer than 2 distinct kernels. */
 static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
@@ -436,7 +469,7 @@ static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
         long best_cost = -1;
         for (int s = 0; s < p->n_steps; s++) {
             if (shard_of_step[s] != -2) continue;
-            long cost = p->steps[s].k.n_ex + 4L * p->steps[s].k.n_st + 8;
+            long cost = kernel_cost(&p->steps[s].k);
             if (cost > best_cost) best = s, best_cost = cost;
         }
         if (best < 0) break;
