@@ -2,9 +2,9 @@
 /*
  * common.h - small helpers the example trainers share (header-only, all
  * static inline: a trainer that does not use one pays nothing): a
- * monotonic clock, a qsort comparator, the seeded shuffle's generator,
- * checkpoint metadata as exact decimals, and the Ctrl-C flag. Not part of
- * the library.
+ * monotonic clock, a qsort comparator and quartiles, the seeded shuffle's
+ * generator, checkpoint metadata as exact decimals, the progress bar, and
+ * the Ctrl-C flag. Not part of the library.
  */
 #ifndef GJ_EXAMPLES_COMMON_H
 #define GJ_EXAMPLES_COMMON_H
@@ -12,6 +12,8 @@
 #include "gradjit.h"
 
 #include <inttypes.h>
+#include <stdbool.h>
+#include <stdlib.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -35,6 +37,36 @@ static inline double now_s(void) {
 static inline int cmp_dbl(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
+}
+
+/* Sorts v[0..n) (n >= 1) and gives its quartiles: q[0] lower, q[1] the
+ * median, q[2] upper (the paired ratios' median [interquartile range]). */
+static inline void quartiles(double *v, int64_t n, double q[3]) {
+    qsort(v, (size_t)n, sizeof *v, cmp_dbl);
+    q[0] = v[n / 4];
+    q[1] = v[n / 2];
+    q[2] = v[(3 * n) / 4];
+}
+
+#define BAR_W 24 /* characters of the progress bar */
+
+/* bar (BAR_W + 1 chars) filled in proportion to step i (0-based) of n. */
+static inline void progress_bar(char *bar, int64_t i, int64_t n) {
+    int fill = (int)((i + 1) * BAR_W / n);
+    for (int k = 0; k < BAR_W; k++)
+        bar[k] = k < fill ? '#' : '.';
+    bar[BAR_W] = 0;
+}
+
+/* Whether step i of n gets a progress line: every `every` steps on a
+ * terminal (and the last); otherwise (a log file) at every tenth of n. */
+static inline bool progress_due(bool quiet, bool tty, int every, int64_t i, int64_t n) {
+    if (quiet)
+        return false;
+    if (tty)
+        return i % every == every - 1 || i + 1 == n;
+    int64_t tenth = n / 10 > 0 ? n / 10 : 1;
+    return (i + 1) % tenth == 0 && i + 1 != n;
 }
 
 static inline uint64_t splitmix64(uint64_t *s) {

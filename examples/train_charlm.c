@@ -84,7 +84,6 @@
 #define EVAL_BATCHES 16
 #define EVAL_SEED 0x5eedu
 #define SMOOTH 10
-#define BAR_W 24
 #define PROMPT "The "
 
 /* ---------------------------------------------------------------- text */
@@ -832,24 +831,6 @@ static int trainer_stop(trainer *t, int64_t s) {
     return 130;
 }
 
-/* Whether step s gets a progress line: every 5 steps on a terminal, else
- * at every tenth of the run. */
-static bool progress_due(const opts *o, int64_t s) {
-    if (o->quiet)
-        return false;
-    if (o->tty)
-        return s % 5 == 4 || s + 1 == o->steps;
-    int64_t tenth = o->steps / 10 > 0 ? o->steps / 10 : 1;
-    return (s + 1) % tenth == 0 && s + 1 != o->steps;
-}
-
-static void progress_bar(char *bar, int64_t s, int64_t n) {
-    int fill = (int)((s + 1) * BAR_W / n);
-    for (int k = 0; k < BAR_W; k++)
-        bar[k] = k < fill ? '#' : '.';
-    bar[BAR_W] = 0;
-}
-
 /* One training run in the given mode (resumed from o->resume if given);
  * fills r. 0, 130 if it stopped early (SIGINT, --stop-after; saved to
  * o->save if given), or 1 with a message. */
@@ -871,7 +852,7 @@ static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
         }
         if (trainer_step(&t, s, &f, &b) != 0)
             goto done;
-        if (progress_due(o, s)) {
+        if (progress_due(o->quiet, o->tty, 5, s, o->steps)) {
             char bar[BAR_W + 1];
             progress_bar(bar, s, o->steps);
             printf("%s[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  backward %.2f ms%s",
@@ -932,7 +913,7 @@ static int train_both(const opts *o, const corpus *c, run_out *a, run_out *b, do
             goto done;
         br[s] = be / bc;
         fr[s] = fe / fc;
-        if (progress_due(o, s)) {
+        if (progress_due(o->quiet, o->tty, 5, s, o->steps)) {
             char bar[BAR_W + 1];
             progress_bar(bar, s, o->steps);
             printf("%s[both] [%s] step %lld/%lld loss %.4f / %.4f  backward %.2f / %.2f ms "
@@ -952,10 +933,8 @@ static int train_both(const opts *o, const corpus *c, run_out *a, run_out *b, do
     }
     gj_compiled_autograd_stats(&b->ca);
     int64_t n = o->steps;
-    qsort(br, (size_t)n, sizeof *br, cmp_dbl);
-    qsort(fr, (size_t)n, sizeof *fr, cmp_dbl);
-    q[0] = br[n / 4], q[1] = br[n / 2], q[2] = br[(3 * n) / 4];
-    fq[0] = fr[n / 4], fq[1] = fr[n / 2], fq[2] = fr[(3 * n) / 4];
+    quartiles(br, n, q);
+    quartiles(fr, n, fq);
     rc = trainer_finish(&te) || trainer_finish(&tc);
 done:
     free(br);

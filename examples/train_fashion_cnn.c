@@ -65,7 +65,6 @@
 #define TARGET_EPOCHS 5
 #define EVAL_CHUNK 200 /* images per no-grad forward (conv columns are 25x the activations) */
 #define SMOOTH 25 /* steps in the moving average of the plotted loss */
-#define BAR_W 24  /* characters of the progress bar */
 
 enum { ROWS = 28, COLS = 28, IN = ROWS * COLS, K = 10, KS = 5 };
 
@@ -332,24 +331,6 @@ static int trainer_epoch_end(trainer *t, int e, const dataset *te) {
     return 0;
 }
 
-static void progress_bar(char *bar, int64_t b, int64_t n) {
-    int fill = (int)((b + 1) * BAR_W / n);
-    for (int k = 0; k < BAR_W; k++)
-        bar[k] = k < fill ? '#' : '.';
-    bar[BAR_W] = 0;
-}
-
-/* Whether batch b of n gets a progress line: every 10 steps on a terminal;
- * otherwise at every tenth of the epoch. */
-static bool progress_due(const opts *o, int64_t b, int64_t n) {
-    if (o->quiet)
-        return false;
-    if (o->tty)
-        return b % 10 == 9 || b + 1 == n;
-    int64_t tenth = n / 10 > 0 ? n / 10 : 1;
-    return (b + 1) % tenth == 0 && b + 1 != n;
-}
-
 /* One training run in the given mode; fills r. 0, or 1 with a message. */
 static int train(const opts *o, bool compiled, const dataset *tr, const dataset *te,
                  run_out *r) {
@@ -364,7 +345,7 @@ static int train(const opts *o, bool compiled, const dataset *tr, const dataset 
             double bwd;
             if (trainer_step(&t, tr, b, &bwd) != 0)
                 goto done;
-            if (progress_due(o, b, t.per_epoch)) {
+            if (progress_due(o->quiet, o->tty, 10, b, t.per_epoch)) {
                 char bar[BAR_W + 1];
                 progress_bar(bar, b, t.per_epoch);
                 printf("%s[%s] epoch %d/%d [%s] %lld/%lld loss %.4f  %.0f examples/s  "
@@ -427,7 +408,7 @@ static int train_both(const opts *o, const dataset *tr, const dataset *te, run_o
             if (trainer_step(first, tr, b, bf) != 0 || trainer_step(second, tr, b, bs) != 0)
                 goto done;
             pr[b] = be / bc;
-            if (progress_due(o, b, te_.per_epoch)) {
+            if (progress_due(o->quiet, o->tty, 10, b, te_.per_epoch)) {
                 char bar[BAR_W + 1];
                 progress_bar(bar, b, te_.per_epoch);
                 printf("%s[both] epoch %d/%d [%s] %lld/%lld loss %.4f / %.4f  backward %.2f / "
@@ -441,11 +422,9 @@ static int train_both(const opts *o, const dataset *tr, const dataset *te, run_o
         }
         if (trainer_epoch_end(&te_, e, te) != 0 || trainer_epoch_end(&tc, e, te) != 0)
             goto done;
-        int64_t n = te_.per_epoch;
-        qsort(pr, (size_t)n, sizeof *pr, cmp_dbl);
-        ratio[e] = pr[n / 2];
-        q1[e] = pr[n / 4];
-        q3[e] = pr[(3 * n) / 4];
+        double q[3];
+        quartiles(pr, te_.per_epoch, q);
+        q1[e] = q[0], ratio[e] = q[1], q3[e] = q[2];
         if (o->tty && !o->quiet)
             printf("\r%*s\r", 120, "");
         if (!o->quiet)
