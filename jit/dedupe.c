@@ -56,25 +56,7 @@ static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, wbuf *b) {
             put_i64(b, slot);
         }
     }
-    put_i64(b, k->n_ex);
-    for (int e = 0; e < k->n_ex; e++) {
-        const gj_jit_expr *x = &k->ex[e];
-        put_i64(b, x->kind);
-        put_i64(b, x->dtype);
-        put_i64(b, x->access);
-        put_f64(b, x->cval);
-        for (int i = 0; i < 3; i++) put_i64(b, x->args[i]);
-        if (x->kind == GJ_JIT_E_OP) { /* the instruction: primitive and attributes */
-            put_inst(b, &x->inst);
-        }
-    }
-    put_i64(b, k->n_st);
-    for (int s = 0; s < k->n_st; s++) {
-        put_i64(b, k->st[s].access);
-        put_i64(b, k->st[s].expr);
-        put_i64(b, k->st[s].reduce);
-        put_i64(b, k->st[s].max);
-    }
+    put_kernel_code(b, k);
 }
 
 int gj_jit_dedupe_kernels(gj_jit_plan *p) {

@@ -435,23 +435,7 @@ static void put_kernel(wbuf *b, const gj_jit_kernel *k) {
         put_i64(b, x->offset);
         put_dims(b, x->strides, k->nd);
     }
-    put_i64(b, k->n_ex);
-    for (int e = 0; e < k->n_ex; e++) {
-        const gj_jit_expr *x = &k->ex[e];
-        put_i64(b, x->kind);
-        put_i64(b, x->dtype);
-        put_i64(b, x->access);
-        put_f64(b, x->cval);
-        put_inst(b, &x->inst);
-        for (int q = 0; q < 3; q++) put_i64(b, x->args[q]);
-    }
-    put_i64(b, k->n_st);
-    for (int q = 0; q < k->n_st; q++) {
-        const gj_jit_store *x = &k->st[q];
-        put_i64(b, x->access);
-        put_i64(b, x->expr);
-        put_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
-    }
+    put_kernel_code(b, k);
     put_i64(b, k->block);
     put_i64(b, k->nblk);
     put_i64(b, k->rows);

@@ -11,7 +11,7 @@
 #ifndef GJ_JIT_WBUF_H
 #define GJ_JIT_WBUF_H
 
-#include "../runtime/rt.h"
+#include "plan.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -68,6 +68,29 @@ static inline void put_inst(wbuf *b, const gj_rt_inst *x) {
     put_u64(b, x->rng_offset);
     put_i64(b, x->ndim);
     put_dims(b, x->shape, x->ndim);
+}
+
+/* A kernel's code: its expressions (instruction of each, zero for loads
+ * and constants) and its stores -- the part of a kernel the disk cache and
+ * dedupe.c both serialise. */
+static inline void put_kernel_code(wbuf *b, const gj_jit_kernel *k) {
+    put_i64(b, k->n_ex);
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        put_i64(b, x->kind);
+        put_i64(b, x->dtype);
+        put_i64(b, x->access);
+        put_f64(b, x->cval);
+        put_inst(b, &x->inst);
+        for (int q = 0; q < 3; q++) put_i64(b, x->args[q]);
+    }
+    put_i64(b, k->n_st);
+    for (int q = 0; q < k->n_st; q++) {
+        const gj_jit_store *x = &k->st[q];
+        put_i64(b, x->access);
+        put_i64(b, x->expr);
+        put_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
+    }
 }
 
 #endif /* GJ_JIT_WBUF_H */
