@@ -42,7 +42,7 @@ int gj_jit_code_parts(const gj_jit_code *c);
  * not report what its memory manager mapped. 0 for NULL. */
 size_t gj_jit_code_bytes(const gj_jit_code *c);
 
-/* Disposes the process-wide LLJIT and target machine (they are created
+/* Disposes the process-wide LLJIT (it is created
  * again on demand). Every gj_jit_code must have been freed. */
 void gj_jit_llvm_shutdown(void);
 

@@ -4,15 +4,19 @@
  * linking, the optimisation pipeline and symbol lookup.
  *
  * Invariants:
- *   - The native target is initialised once; the LLJIT and the pass target
- *     machine (host CPU name and features) are created on first use and
- *     live until gj_jit_llvm_shutdown. A global mutex serialises every use
- *     of them (compiling is rare; running compiled code takes no lock).
- *   - One module per plan, optimised, compiled to an object file by the
- *     pass target machine and added to the LLJIT's object layer under its
- *     own resource tracker (freeing a program frees its machine code, and
- *     the symbol names no longer used leave ORC's string pool). The
- *     same object bytes are what the disk cache stores and loads.
+ *   - The native target is initialised once; the LLJIT (host CPU name and
+ *     features) is created on first use and lives until
+ *     gj_jit_llvm_shutdown. A global mutex serialises every use of it
+ *     (compiling is rare; running compiled code takes no lock).
+ *   - A plan's distinct kernels go into up to one module per thread (at
+ *     most GJ_JIT_MAX_SHARDS), each lowered, optimised and compiled to an
+ *     object file in its own LLVM context with its own target machine on
+ *     its own thread, while the caller holds the mutex. The object files
+ *     are added to the LLJIT's object layer under one resource tracker per
+ *     plan (freeing a program frees its machine code, and the symbol names
+ *     no longer used leave ORC's string pool). The same object bytes (one
+ *     object, or several behind a "GJMO" header) are what the disk cache
+ *     stores and loads.
  *   - Every LLVMErrorRef is consumed: turned into text in why[] (and the
  *     caller falls back to eager). LLVM never aborts the process on our
  *     behalf: the module is verified before optimisation, and JIT session
@@ -68,7 +72,6 @@ static double cpu_ms_now(void) {
 static struct {
     bool target_ready;
     LLVMOrcLLJITRef jit;
-    LLVMTargetMachineRef tm; /* for the pass pipeline */
     char *cpu, *features;    /* LLVMDisposeMessage */
     char *triple, *layout;   /* gj_rt_malloc'd copies */
     uint64_t next_id;
@@ -130,12 +133,10 @@ static int ensure_jit(char *why, size_t cap) {
     }
     if (!g.cpu) g.cpu = LLVMGetHostCPUName();
     if (!g.features) g.features = LLVMGetHostCPUFeatures();
-    g.tm = LLVMCreateTargetMachine(target, triple, g.cpu, g.features, LLVMCodeGenLevelAggressive,
-                                   LLVMRelocPIC, LLVMCodeModelJITDefault);
     tm_jit = LLVMCreateTargetMachine(target, triple, g.cpu, g.features,
                                      LLVMCodeGenLevelAggressive, LLVMRelocPIC,
                                      LLVMCodeModelJITDefault);
-    if (!g.tm || !tm_jit) {
+    if (!tm_jit) {
         snprintf(why, cap, "LLVM error: cannot create a target machine for %s (%s)", triple,
                  g.cpu);
         goto fail;
@@ -178,8 +179,6 @@ fail:
     }
     if (builder) LLVMOrcDisposeLLJITBuilder(builder);
     if (tm_jit) LLVMDisposeTargetMachine(tm_jit);
-    if (g.tm) LLVMDisposeTargetMachine(g.tm);
-    g.tm = NULL;
     LLVMDisposeMessage(triple);
     return -1;
 }
@@ -642,8 +641,6 @@ void gj_jit_llvm_shutdown(void) {
         if (err) LLVMConsumeError(err);
         g.jit = NULL;
     }
-    if (g.tm) LLVMDisposeTargetMachine(g.tm);
-    g.tm = NULL;
     if (g.cpu) LLVMDisposeMessage(g.cpu);
     if (g.features) LLVMDisposeMessage(g.features);
     g.cpu = g.features = NULL;
