@@ -409,6 +409,75 @@ done:
     return NULL;
 }
 
+/* LLVM creates some process-wide objects (timer groups, option registries)
+ * lazily, the first time a pass pipeline or code generator runs, guarded
+ * by its own atomics and locks. They are invisible to ThreadSanitizer (the
+ * LLVM library is not instrumented), which then reports the first two
+ * concurrent compiles as a race. So the first parallel compile of the
+ * process is preceded by one small compile on the calling thread: a loop
+ * over floats through default<O3> and code generation, whose objects the
+ * compile threads then find made (thread creation orders them). Lock held. */
+static bool g_warmed;
+
+static void warm_up(void) {
+    if (g_warmed) return;
+    g_warmed = true;
+    LLVMContextRef C = LLVMContextCreate();
+    LLVMModuleRef M = LLVMModuleCreateWithNameInContext("gj_warm", C);
+    LLVMSetTarget(M, g.triple);
+    LLVMSetDataLayout(M, g.layout);
+    LLVMTypeRef i64 = LLVMInt64TypeInContext(C), f32 = LLVMFloatTypeInContext(C),
+                ptr = LLVMPointerTypeInContext(C, 0);
+    LLVMTypeRef args[2] = {ptr, i64};
+    LLVMTypeRef fty = LLVMFunctionType(LLVMVoidTypeInContext(C), args, 2, 0);
+    LLVMValueRef f = LLVMAddFunction(M, "gj_warm", fty);
+    LLVMBasicBlockRef entry = LLVMAppendBasicBlockInContext(C, f, "entry"),
+                      loop = LLVMAppendBasicBlockInContext(C, f, "loop"),
+                      out = LLVMAppendBasicBlockInContext(C, f, "out");
+    LLVMBuilderRef B = LLVMCreateBuilderInContext(C);
+    LLVMPositionBuilderAtEnd(B, entry); /* for (i = 0; i < n; i++) p[i] = p[i] * 2 */
+    LLVMValueRef zero = LLVMConstInt(i64, 0, 0);
+    LLVMBuildCondBr(B, LLVMBuildICmp(B, LLVMIntSGT, LLVMGetParam(f, 1), zero, ""), loop, out);
+    LLVMPositionBuilderAtEnd(B, loop);
+    LLVMValueRef i = LLVMBuildPhi(B, i64, "i");
+    LLVMValueRef at = LLVMBuildGEP2(B, f32, LLVMGetParam(f, 0), &i, 1, "");
+    LLVMValueRef v = LLVMBuildFMul(B, LLVMBuildLoad2(B, f32, at, ""), LLVMConstReal(f32, 2.0), "");
+    LLVMBuildStore(B, v, at);
+    LLVMValueRef next = LLVMBuildAdd(B, i, LLVMConstInt(i64, 1, 0), "");
+    LLVMAddIncoming(i, &zero, &entry, 1);
+    LLVMAddIncoming(i, &next, &loop, 1);
+    LLVMBuildCondBr(B, LLVMBuildICmp(B, LLVMIntSLT, next, LLVMGetParam(f, 1), ""), loop, out);
+    LLVMPositionBuilderAtEnd(B, out);
+    LLVMBuildRetVoid(B);
+    LLVMDisposeBuilder(B);
+    LLVMTargetRef target;
+    char *msg = NULL;
+    LLVMTargetMachineRef tm = NULL;
+    if (LLVMGetTargetFromTriple(g.triple, &target, &msg) == 0)
+        tm = LLVMCreateTargetMachine(target, g.triple, g.cpu, g.features,
+                                     LLVMCodeGenLevelAggressive, LLVMRelocPIC,
+                                     LLVMCodeModelJITDefault);
+    if (msg) LLVMDisposeMessage(msg);
+    msg = NULL;
+    if (tm) { /* failures here are the real compile's to report */
+        LLVMPassBuilderOptionsRef opts = LLVMCreatePassBuilderOptions();
+        LLVMPassBuilderOptionsSetLoopVectorization(opts, 1);
+        LLVMPassBuilderOptionsSetSLPVectorization(opts, 1);
+        LLVMPassBuilderOptionsSetLoopUnrolling(opts, 1);
+        LLVMPassBuilderOptionsSetLoopInterleaving(opts, 1);
+        LLVMErrorRef err = LLVMRunPasses(M, "default<O3>", tm, opts);
+        if (err) LLVMConsumeError(err);
+        LLVMMemoryBufferRef obj = NULL;
+        if (LLVMTargetMachineEmitToMemoryBuffer(tm, M, LLVMObjectFile, &msg, &obj) == 0)
+            LLVMDisposeMemoryBuffer(obj);
+        if (msg) LLVMDisposeMessage(msg);
+        LLVMDisposePassBuilderOptions(opts);
+        LLVMDisposeTargetMachine(tm);
+    }
+    LLVMDisposeModule(M);
+    LLVMContextDispose(C);
+}
+
 /* A rough guess of the time LLVM takes over kernel k, for balancing the
  * modules: a loop costs more than a scalar kernel and a reduction more
  * still (its vectorised form); inlined transcendental math dominates the
@@ -505,6 +574,7 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
     pthread_mutex_lock(&g_lock);
     if (ensure_jit(why, why_cap) != 0) goto done;
     nshards = plan_shards(p, shard_of_step);
+    if (nshards > 1) warm_up();
     for (int i = 0; i < nshards; i++) {
         job[i] = (shard_job){p, prefix, nshards > 1 ? shard_of_step : NULL, i, NULL, {0}, ""};
         /* shards 1.. on their own threads; if one cannot start, the caller
