@@ -57,6 +57,7 @@ typedef struct bench_opts {
     double bucket_mb;  /* --bucket-mb */
     bool workloads_set;
     int pairs;  /* --paired N: interleaved eager/compiled pairs (0: off) */
+    bool symbolic; /* --symbolic: the pairs are specialised / symbolic compiled */
     int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
 
@@ -653,8 +654,10 @@ static void usage(FILE *f) {
                "[--compare torch [--rounds R] [--python PATH] [--torch-script PATH]]\n"
                "                     [--ddp [--bucket-mb X]]   under mpirun: allreduce/backward "
                "overlap of gj_ddp, eager and compiled (W1, W4n by default; --paired N rounds)\n"
-               "                     [--paired N]   N >= 30 interleaved eager/compiled pairs "
-               "(ABBA), median ratio and IQR\n"
+               "                     [--paired N [--symbolic]]   N >= 30 interleaved eager/compiled "
+               "pairs (ABBA), median ratio and IQR;\n"
+               "                     with --symbolic: specialised / symbolic compiled program "
+               "(dynamic shapes) of the same size\n"
                "  --compare torch: one side-by-side table, then R (default 5) rounds "
                "alternating gradjit and PyTorch, median ratio\n"
                "  workloads: W1 W2 W3 W4 W4n W5 F1 (all); FILE \"-\": no file\n");
@@ -711,6 +714,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         }
         if (!strcmp(a, "--ddp")) { /* takes no value */
             o->ddp = true;
+            continue;
+        }
+        if (!strcmp(a, "--symbolic")) { /* takes no value */
+            o->symbolic = true;
             continue;
         }
         if (!v) {
@@ -862,19 +869,25 @@ static void compare_rounds(const bench_opts *o, const torch_request *req) {
 static int paired_main(const bench_opts *o, const char *cpu, const gj_info *info) {
     printf("gradjit %s | CPU: %s | threads: %d | BLAS core: %s\n", info->version, cpu,
            info->num_threads, info->blas_core ? info->blas_core : "?");
-    printf("%d pairs (ABBA) after %d warm-up steps per mode; ratio = eager / compiled backward "
-           "(> 1: compiled faster), median [interquartile range]\n",
-           o->pairs, o->warmup);
+    if (o->symbolic)
+        printf("%d pairs (ABBA) after %d warm-up steps per mode; ratio = specialised / symbolic "
+               "compiled backward of the same size (< 1: the symbolic program is slower; "
+               "0.952: 5%% slower), median [interquartile range]\n",
+               o->pairs, o->warmup);
+    else
+        printf("%d pairs (ABBA) after %d warm-up steps per mode; ratio = eager / compiled "
+               "backward (> 1: compiled faster), median [interquartile range]\n",
+               o->pairs, o->warmup);
     bench_ceiling ceil;
     bench_ceiling_measure(&ceil, info->num_threads);
     bench_ceiling_print(&ceil);
-    bench_paired_print_header();
+    bench_paired_print_header(o->symbolic);
     bench_paired_result res[16];
     int n = 0, failed = 0;
     for (int w = 0; w < bench_n_workloads && n < 16; w++) {
         if (!(o->workloads & (1u << w)))
             continue;
-        bench_paired_run(&bench_workloads[w], o->pairs, o->warmup, &res[n]);
+        bench_paired_run(&bench_workloads[w], o->pairs, o->warmup, o->symbolic, &res[n]);
         if (res[n].ok)
             bench_ceiling_bound(&ceil, &res[n]);
         bench_paired_print_row(&res[n]);

@@ -67,12 +67,18 @@ typedef struct bench_paired_result {
     long long timed_compiles, timed_fallbacks, timed_backwards;
     /* the machine's ceiling for this backward (ceiling.c), 0 if unknown */
     double gemm_gflop, bytes_mb, bound_ms;
+    /* --symbolic: the two sides are the specialised compiled program
+     * ("eager" fields) and the symbolic one (GJ_CA_DYNAMIC_ALWAYS,
+     * "compiled" fields) of the same key */
+    bool symbolic;
 } bench_paired_result;
 
 /* Interleaves eager and compiled steps of wl (ABBA), after `warmup` steps
- * of each; fills r (r->ok false with r->error on failure). */
-void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_paired_result *r);
-void bench_paired_print_header(void);
+ * of each (symbolic: specialised and symbolic compiled steps); fills r
+ * (r->ok false with r->error on failure). */
+void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bool symbolic,
+                      bench_paired_result *r);
+void bench_paired_print_header(bool symbolic);
 void bench_paired_print_row(const bench_paired_result *r);
 /* The q-quantile of v[0..n) (sorts v). */
 double bench_quantile(double *v, int n, double q);

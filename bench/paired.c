@@ -7,7 +7,9 @@
  * pairs alternate their order ABBA (eager first in even pairs, compiled
  * first in odd ones), so a drift of the machine's speed during a pair
  * weighs on both sides alike; a pair's ratio is eager / compiled backward
- * time (> 1: compiled is faster). Every step checks that each parameter got
+ * time (> 1: compiled is faster). With --symbolic the two sides are the
+ * specialised and the symbolic compiled program of the same key (dynamic
+ * shapes OFF and ALWAYS: two keys, two programs). Every step checks that each parameter got
  * a .grad, and the compiled steps must neither compile nor fall back once
  * warm (the row says so when they do). Nothing here is public API beyond
  * gradjit.h.
@@ -79,10 +81,23 @@ out:
     return rc;
 }
 
-void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_paired_result *r) {
+/* Side m (0 or 1) of a pair: eager / compiled, or (symbolic) the
+ * specialised / the symbolic compiled program. */
+static void set_side(int m, bool symbolic) {
+    if (!symbolic) {
+        gj_set_compiled_autograd(m == 1);
+        return;
+    }
+    gj_set_compiled_autograd(true);
+    gj_compiled_autograd_set_dynamic(m == 1 ? GJ_CA_DYNAMIC_ALWAYS : GJ_CA_DYNAMIC_OFF);
+}
+
+void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bool symbolic,
+                      bench_paired_result *r) {
     memset(r, 0, sizeof *r);
     r->wl = wl;
     r->pairs = pairs;
+    r->symbolic = symbolic;
     double *ratio = calloc((size_t)pairs, sizeof *ratio);
     double *sratio = calloc((size_t)pairs, sizeof *sratio);
     double *eb = calloc((size_t)pairs, sizeof *eb), *cb = calloc((size_t)pairs, sizeof *cb);
@@ -100,9 +115,15 @@ void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_pai
     double b, st;
     for (int i = 0; i < warmup; i++)
         for (int m = 0; m < 2; m++) {
-            gj_set_compiled_autograd(m == 1);
+            set_side(m, symbolic);
             if (paired_step(wl, &s, &b, &st, r->error, sizeof r->error) != 0)
                 goto done;
+            gj_ca_program_info pi;
+            if (symbolic && (gj_compiled_autograd_last_program(&pi) != 0 || pi.symbolic != (m == 1))) {
+                snprintf(r->error, sizeof r->error, "the %s side did not run a %s program",
+                         m ? "symbolic" : "specialised", m ? "symbolic" : "specialised");
+                goto done;
+            }
         }
     gj_ca_stats warm, end;
     gj_compiled_autograd_stats(&warm);
@@ -111,7 +132,7 @@ void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_pai
         double bw[2], sw[2];
         for (int j = 0; j < 2; j++) {
             int m = (i & 1) ? 1 - j : j; /* ABBA: E C | C E | E C ... */
-            gj_set_compiled_autograd(m == 1);
+            set_side(m, symbolic);
             if (paired_step(wl, &s, &bw[m], &sw[m], r->error, sizeof r->error) != 0)
                 goto done;
         }
@@ -133,6 +154,7 @@ void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bench_pai
     r->ok = true;
 done:
     gj_set_compiled_autograd(false);
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_AUTO);
     bench_state_free(&s);
     free(ratio);
     free(sratio);
@@ -140,10 +162,11 @@ done:
     free(cb);
 }
 
-void bench_paired_print_header(void) {
+void bench_paired_print_header(bool symbolic) {
     printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %8s  %s\n", "id", "name", "pairs",
-           "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd", "GFLOP",
-           "MB", "checks");
+           symbolic ? "spec./symbolic [IQR]" : "eager/compiled [IQR]",
+           symbolic ? "spec. ms" : "eager ms", symbolic ? "symb. ms" : "comp. ms", "bound ms",
+           symbolic ? "symb/bnd" : "comp/bnd", "GFLOP", "MB", "checks");
 }
 
 void bench_paired_print_row(const bench_paired_result *r) {
@@ -161,6 +184,6 @@ void bench_paired_print_row(const bench_paired_result *r) {
            r->compiled_ms, bound, rel, r->gemm_gflop, r->bytes_mb,
            r->timed_fallbacks ? "FALLBACKS in timed steps"
            : r->timed_compiles ? "compiles in timed steps"
-           : r->timed_backwards != r->pairs ? "compiled path not engaged"
+           : r->timed_backwards != (r->symbolic ? 2 : 1) * r->pairs ? "compiled path not engaged"
                                              : "ok");
 }

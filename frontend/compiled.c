@@ -103,6 +103,10 @@ void gj_compiled_autograd_set_quiet(bool quiet) { gj_jit_set_quiet(quiet); }
 
 void gj_compiled_autograd_set_recompile_limit(int n) { gj_jit_set_recompile_limit(n); }
 
+void gj_compiled_autograd_set_dynamic(gj_ca_dynamic mode) { gj_jit_set_dynamic(mode); }
+
+gj_ca_dynamic gj_compiled_autograd_dynamic(void) { return gj_jit_dynamic(); }
+
 void gj_compiled_autograd_set_mem_cache_limit(int64_t bytes) { gj_jit_set_mem_limit(bytes); }
 
 int64_t gj_compiled_autograd_mem_cache_limit(void) { return gj_jit_mem_limit(); }

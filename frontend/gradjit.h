@@ -543,6 +543,11 @@ typedef struct gj_ca_stats {
     int64_t mem_entries;    /* its entries (programs and eager-only keys) */
     int64_t disk_bytes;     /* bytes of the disk cache's entries after this process's
                                last save (0: none yet) */
+    /* Counter (reset with the others): new keys that ran a symbolic program
+     * made without compiling -- planned for their sizes and bound to kernels
+     * compiled for other sizes (gj_compiled_autograd_set_dynamic). Such a
+     * backward counts here, not in compiles or hits. */
+    int64_t instantiations;
 } gj_ca_stats;
 GJ_API void gj_compiled_autograd_stats(gj_ca_stats *out);
 GJ_API void gj_compiled_autograd_reset_stats(void);
@@ -558,6 +563,27 @@ GJ_API void gj_compiled_autograd_set_quiet(bool quiet);
  * creation order, dtypes and ranks (so a model run at many batch sizes is
  * one site). Default 8; n < 0: no limit; 0: nothing new compiles. */
 GJ_API void gj_compiled_autograd_set_recompile_limit(int n);
+/* Dynamic shapes, as PyTorch's compiled autograd after a recompile. AUTO
+ * (the default): a call site's first program is specialised to its sizes;
+ * when the site needs another program (a new batch size, sequence length,
+ * eval batch), that one is symbolic: its kernels read every size, offset,
+ * stride and loop block at run time, so a later new size is planned
+ * (GEMM shapes, memory plan, schedule) and bound to those kernels without
+ * compiling (gj_ca_stats.instantiations). A size that changes the code
+ * (a stride that becomes 0 or 1, a dimension of 1 the plan merges away)
+ * compiles again, symbolically. Bound programs do not count toward the
+ * recompile limit. ALWAYS: every program is symbolic from the first
+ * compile (its key differs from AUTO's). OFF: every new size compiles a
+ * specialised program (the limit applies). Default AUTO, or the
+ * environment variable GRADJIT_DYNAMIC=off|auto|always (read once; the
+ * setter wins). */
+typedef enum gj_ca_dynamic {
+    GJ_CA_DYNAMIC_OFF = 0,
+    GJ_CA_DYNAMIC_AUTO = 1,
+    GJ_CA_DYNAMIC_ALWAYS = 2
+} gj_ca_dynamic;
+GJ_API void gj_compiled_autograd_set_dynamic(gj_ca_dynamic mode);
+GJ_API gj_ca_dynamic gj_compiled_autograd_dynamic(void);
 /* Size limits of the program caches, in bytes; bytes < 0: no limit.
  * Memory: compiled programs (plan data and machine code, freed with their
  * ORC resource tracker) and keys; when an insertion or a lower limit takes
@@ -597,6 +623,8 @@ typedef struct gj_ca_program_info {
     int64_t output_bytes;       /* new .grad written */
     int n_gemms;
     gj_ca_gemm gemms[GJ_CA_MAX_GEMMS];
+    bool symbolic;              /* its kernels read the sizes at run time */
+    bool bound;                 /* made for this key from kernels compiled for other sizes */
 } gj_ca_program_info;
 /* 0 and *out filled, or -1 (error set) when this thread has run no
  * compiled backward yet. */

@@ -32,7 +32,12 @@ gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *ob
 /* "llvm <version> | <triple> | <cpu> | <features> | math <hash>": what
  * object code depends on besides the plan ("" if LLVM cannot start). */
 const char *gj_jit_host_id(void);
+/* Drops a reference to c (the one gj_jit_code_compile/_load returned, or
+ * one from gj_jit_code_ref); the last frees it. */
 void gj_jit_code_free(gj_jit_code *c);
+/* One more reference to c (generic kernels shared between programs). */
+void gj_jit_code_ref(gj_jit_code *c);
+int gj_jit_code_refs(const gj_jit_code *c);
 /* How many object files c was made of (0 for NULL). */
 int gj_jit_code_parts(const gj_jit_code *c);
 /* The bytes of machine code c holds in the JIT: its object files' size

@@ -88,12 +88,15 @@
 
 #include "capture.h"
 #include "diskcache.h"
+#include "generic.h"
 #include "program.h"
 
 #include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 typedef struct cache_entry {
@@ -102,6 +105,7 @@ typedef struct cache_entry {
     char *key;
     size_t key_len;
     gj_jit_program *prog; /* NULL: eager-only (the cache's reference) */
+    bool bound;           /* prog was bound to generic kernels, not compiled */
     bool demoted;         /* eager-only since a hook guard tripped (program dropped) */
     gj_ca_reason code;    /* eager-only: why */
     uint64_t last_use;    /* g_tick when inserted or last found */
@@ -120,6 +124,7 @@ static uint64_t g_next_id = 1; /* program ids */
 static int64_t g_disk_bytes;  /* our disk entries' bytes after this process's last save */
 static atomic_bool g_quiet;
 static atomic_int g_recompile_limit = 8;
+static atomic_int g_dynamic = -1; /* gj_ca_dynamic; -1: GRADJIT_DYNAMIC not read yet */
 /* Cross-process key agreement (gj_jit_set_agreement), under g_lock. */
 static gj_jit_agree_fn g_agree_fn;
 static void *g_agree_ctx;
@@ -190,6 +195,8 @@ static void note_last_program(const gj_jit_program *prog) {
     if (g_have_last && prog->id == g_last_id) return;
     gj_jit_plan_info(&prog->plan, &g_last_info);
     g_last_info.code_parts = gj_jit_code_parts(prog->code);
+    g_last_info.symbolic = prog->plan.generic;
+    g_last_info.bound = prog->code == NULL && prog->n_shared > 0;
     g_last_id = prog->id;
     g_have_last = true;
 }
@@ -204,25 +211,59 @@ void gj_jit_note_fallback(gj_ca_reason reason, const char *detail) {
 
 void gj_jit_set_recompile_limit(int n) { atomic_store(&g_recompile_limit, n < 0 ? -1 : n); }
 
+void gj_jit_set_dynamic(gj_ca_dynamic mode) {
+    atomic_store(&g_dynamic, mode == GJ_CA_DYNAMIC_OFF || mode == GJ_CA_DYNAMIC_ALWAYS
+                                 ? (int)mode
+                                 : (int)GJ_CA_DYNAMIC_AUTO);
+}
+
+gj_ca_dynamic gj_jit_dynamic(void) {
+    int m = atomic_load(&g_dynamic);
+    if (m >= 0) return (gj_ca_dynamic)m;
+    const char *e = getenv("GRADJIT_DYNAMIC");
+    int want = GJ_CA_DYNAMIC_AUTO;
+    if (e && *e) {
+        if (strcasecmp(e, "off") == 0 || strcmp(e, "0") == 0) want = GJ_CA_DYNAMIC_OFF;
+        else if (strcasecmp(e, "always") == 0) want = GJ_CA_DYNAMIC_ALWAYS;
+        else if (strcasecmp(e, "auto") != 0 && strcmp(e, "1") != 0)
+            fprintf(stderr, "gradjit: GRADJIT_DYNAMIC='%s' is not off, auto or always: using auto\n", e);
+    }
+    atomic_compare_exchange_strong(&g_dynamic, &m, want); /* the setter wins */
+    return (gj_ca_dynamic)atomic_load(&g_dynamic);
+}
+
 int gj_jit_recompile_limit(void) { return atomic_load(&g_recompile_limit); }
 
 /* Whether entry e stands for a compiled program (running or demoted). */
 static bool has_program(const cache_entry *e) { return e->prog || e->demoted; }
 
-/* Programs in the cache for the call site of w (lock held). */
-static int site_programs(const gj_jit_walk *w) {
+/* Compiled programs in the cache for the call site of w (lock held); with
+ * bound ones too if `bound` (programs bound to generic kernels made no
+ * compile: they do not count toward the recompile limit). */
+static int site_count(const gj_jit_walk *w, bool bound) {
     int n = 0;
     for (int i = 0; i < g_n_cache; i++)
-        n += has_program(&g_cache[i]) && g_cache[i].site[0] == w->site[0] &&
-             g_cache[i].site[1] == w->site[1];
+        n += has_program(&g_cache[i]) && (bound || !g_cache[i].bound) &&
+             g_cache[i].site[0] == w->site[0] && g_cache[i].site[1] == w->site[1];
     return n;
+}
+
+static int site_programs(const gj_jit_walk *w) { return site_count(w, false); }
+
+/* Whether the call site of w has a symbolic program in the cache (lock held). */
+static bool site_symbolic(const gj_jit_walk *w) {
+    for (int i = 0; i < g_n_cache; i++)
+        if (g_cache[i].prog && g_cache[i].prog->plan.generic && g_cache[i].site[0] == w->site[0] &&
+            g_cache[i].site[1] == w->site[1])
+            return true;
+    return false;
 }
 
 /* GRADJIT_LOG=recompiles (lock held): a new key w of a call site that has
  * programs already; prints which part of the graph differs from the
  * nearest key of that site (fewest differing lines, the latest on a tie)
  * and whether it compiles or meets the recompile limit. */
-static void log_recompile(const gj_jit_walk *w, int n_site, int limit) {
+static void log_recompile(const gj_jit_walk *w, int n_site, int limit, bool symbolic) {
     const cache_entry *best = NULL;
     int best_d = 0;
     for (int i = 0; i < g_n_cache; i++) {
@@ -239,9 +280,11 @@ static void log_recompile(const gj_jit_walk *w, int n_site, int limit) {
     gj_jit_key_diff(best->key, best->key_len, w->key, w->key_len, what, sizeof what);
     char state[96];
     if (limit >= 0 && n_site >= limit)
-        snprintf(state, sizeof state, "recompile limit %d reached: runs eagerly", limit);
+        snprintf(state, sizeof state, "recompile limit %d reached: runs eagerly%s", limit,
+                 symbolic ? " unless bound to symbolic kernels" : "");
     else
-        snprintf(state, sizeof state, "program %d of the site", n_site + 1);
+        snprintf(state, sizeof state, "program %d of the site%s", n_site + 1,
+                 symbolic ? ", symbolic" : "");
     fprintf(stderr,
             "[gradjit recompiles] call site %016llx%016llx, key %016llx%016llx (%s): %s; "
             "%d key line%s differ from the nearest key %016llx%016llx\n",
@@ -306,6 +349,7 @@ static void evict_to_limit(void) {
         g_stats.mem_evictions++;
         cache_remove(lru);
     }
+    gj_jit_generic_sweep(false); /* generic kernels no program uses any more */
 }
 
 void gj_jit_clear_cache(void) {
@@ -321,6 +365,7 @@ void gj_jit_clear_cache(void) {
     g_cache = NULL;
     g_n_cache = g_cap_cache = 0;
     g_mem_bytes = 0;
+    gj_jit_generic_sweep(true); /* the registry's references (runs keep theirs) */
     pthread_mutex_unlock(&g_lock);
     if (!busy) gj_jit_llvm_shutdown();
 }
@@ -362,7 +407,7 @@ static cache_entry *cache_find(const gj_jit_walk *w) {
  * takes its first reference. 0, or -1 on OOM (prog is then freed). The
  * entry pointer is not returned: eviction moves entries. */
 static int cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_ca_reason code,
-                        const char *reason) {
+                        const char *reason, bool bound) {
     if (g_n_cache == g_cap_cache) {
         int nc = g_cap_cache ? g_cap_cache * 2 : 16;
         cache_entry *c = gj_rt_realloc(g_cache, (size_t)nc * sizeof *c);
@@ -383,6 +428,7 @@ static int cache_insert(const gj_jit_walk *w, gj_jit_program *prog, gj_ca_reason
     e->key = key;
     e->key_len = w->key_len;
     e->prog = prog;
+    e->bound = bound;
     e->agreed_gen = g_agree_gen; /* the miss that inserts it agreed first */
     if (prog) {
         prog->refs = 1;
@@ -1192,24 +1238,35 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             fprintf(stderr, "[gradjit steps] cache hit %016llx%016llx\n", (unsigned long long)w.hash[0],
                     (unsigned long long)w.hash[1]);
     } else {
-        int limit = atomic_load(&g_recompile_limit);
-        if (fl & GJ_JIT_LOG_RECOMPILES) log_recompile(&w, site_programs(&w), limit);
-        if (limit >= 0 && site_programs(&w) >= limit) {
-            snprintf(why, sizeof why,
+        int limit = atomic_load(&g_recompile_limit), n_site = site_programs(&w);
+        bool at_limit = limit >= 0 && n_site >= limit;
+        /* dynamic shapes: the site's second program and later ones (every
+         * program under ALWAYS) are symbolic; a new size of such a site
+         * first tries the kernels compiled for other sizes, which is no
+         * compile: the recompile limit stops only a compile */
+        gj_ca_dynamic dm = gj_jit_dynamic();
+        bool symbolic = dm == GJ_CA_DYNAMIC_ALWAYS ||
+                        (dm == GJ_CA_DYNAMIC_AUTO && site_count(&w, true) > 0);
+        if (fl & GJ_JIT_LOG_RECOMPILES) log_recompile(&w, n_site, limit, symbolic);
+        char lwhy[200] = "";
+        if (at_limit) {
+            snprintf(lwhy, sizeof lwhy,
                      "%d programs already compiled for this call site (limit %d: "
                      "gj_compiled_autograd_set_recompile_limit)",
-                     site_programs(&w), limit);
-            cache_insert(&w, NULL, GJ_CA_RECOMPILE_LIMIT, why);
-            pthread_mutex_unlock(&g_lock);
-            fallback(GJ_CA_RECOMPILE_LIMIT, why, true);
-            goto out;
+                     n_site, limit);
+            if (!symbolic) {
+                cache_insert(&w, NULL, GJ_CA_RECOMPILE_LIMIT, lwhy, false);
+                pthread_mutex_unlock(&g_lock);
+                fallback(GJ_CA_RECOMPILE_LIMIT, lwhy, true);
+                goto out;
+            }
         }
         double t0 = now_ms();
         have_cap = true;
         if (gj_jit_capture_run(&cap, &w, n_roots, roots, seeds) != 0) {
             snprintf(why, sizeof why, "%s", cap.reason);
             code = cap.code;
-            if (cap.permanent) cache_insert(&w, NULL, code, why);
+            if (cap.permanent) cache_insert(&w, NULL, code, why, false);
             pthread_mutex_unlock(&g_lock);
             if (cap.permanent) {
                 fallback(code, why, true);
@@ -1236,6 +1293,46 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
                 prog->n_ret = w.n_req;
             }
         }
+        if (prog && symbolic) {
+            char bwhy[200] = "";
+            int b = gj_jit_plan_make_generic(&prog->plan);
+            if (b == 0)
+                b = gj_jit_generic_bind(&prog->plan, &prog->shared, &prog->n_shared, bwhy,
+                                        sizeof bwhy);
+            if (b == 1 && (fl & (GJ_JIT_LOG_RECOMPILES | GJ_JIT_LOG_CACHE)) && site_symbolic(&w))
+                fprintf(stderr, "[gradjit recompiles] key %016llx%016llx compiles symbolically: %s\n",
+                        (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], bwhy);
+            if (b < 0) {
+                gj_jit_program_free(prog);
+                prog = NULL;
+                permanent = false;
+                snprintf(why, sizeof why, "out of memory");
+            } else if (b == 0) {
+                if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, true) != 0) {
+                    pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
+                    prog = NULL;
+                    snprintf(why, sizeof why, "out of memory in the cache");
+                    goto fall;
+                }
+                g_stats.instantiations++;
+                fresh = true;
+                if (fl & GJ_JIT_LOG_CACHE)
+                    fprintf(stderr,
+                            "[gradjit cache] bound %016llx%016llx to symbolic kernels of %d "
+                            "program%s in %.1f ms (no compile)\n",
+                            (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
+                            prog->n_shared, prog->n_shared == 1 ? "" : "s", now_ms() - t0);
+                goto run;
+            }
+        }
+        if (at_limit && prog) { /* not bound: a compile, which the limit forbids */
+            gj_jit_program_free(prog);
+            prog = NULL;
+            cache_insert(&w, NULL, GJ_CA_RECOMPILE_LIMIT, lwhy, false);
+            pthread_mutex_unlock(&g_lock);
+            fallback(GJ_CA_RECOMPILE_LIMIT, lwhy, true);
+            goto out;
+        }
         /* the disk cache answers only for the plan made here: its file's
          * plan must be this one byte for byte (programs with hook or custom
          * calls live in memory only: they call addresses of this process) */
@@ -1247,7 +1344,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             fprintf(stderr, "[gradjit cache] disk entry %016llx%016llx not used: %s\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
         if (loaded) {
-            if (cache_insert(&w, prog, GJ_CA_OTHER, NULL) != 0) {
+            if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, false) != 0) {
                 pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
                 prog = NULL;
                 snprintf(why, sizeof why, "out of memory in the cache");
@@ -1255,6 +1352,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             }
             g_stats.disk_hits++;
             fresh = true;
+            (void)gj_jit_generic_register(&prog->plan, prog->code); /* a symbolic one's kernels */
             if (fl & GJ_JIT_LOG_CACHE)
                 fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
                         (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
@@ -1268,7 +1366,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         }
         if (!prog) {
             code = build_reason(why);
-            if (permanent) cache_insert(&w, NULL, code, why);
+            if (permanent) cache_insert(&w, NULL, code, why, false);
             pthread_mutex_unlock(&g_lock);
             if (permanent) {
                 fallback(code, why, true);
@@ -1276,7 +1374,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             }
             goto fall;
         }
-        if (cache_insert(&w, prog, GJ_CA_OTHER, NULL) != 0) {
+        if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, false) != 0) {
             pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
             prog = NULL;
             gj_rt_free(obj);
@@ -1286,6 +1384,9 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         g_stats.compiles++;
         fresh = true;
         g_stats.compile_ms += now_ms() - t0;
+        /* a symbolic program's kernels serve later sizes (failing to
+         * register only costs a later compile) */
+        (void)gj_jit_generic_register(&prog->plan, prog->code);
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0);

@@ -12,6 +12,10 @@
  * lower.c emits one function per distinct description and every step with
  * that name calls it.
  *
+ * A generic plan (generic.c) compares generic descriptions: the sizes,
+ * offsets and schedule are read at run time, so kernels that differ only
+ * in them (a layer's kernels at two widths) share one function too.
+ *
  * Contract: runs after the kernel names are set ("k<step>") and before
  * lowering; only names change. Descriptions are compared byte for byte
  * after serialising every field with the disk cache's writers (wbuf.h).
@@ -21,15 +25,22 @@
 
 #include <string.h>
 
-/* The description of kernel k of plan p into b (see the file comment). */
-static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, wbuf *b) {
+/* A stride as a generic kernel sees it: 0 (broadcast) and 1 (contiguous)
+ * change the code, any other value is read at run time. */
+static int64_t stride_class(int64_t s) { return s == 0 ? 0 : s == 1 ? 1 : 2; }
+
+void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool generic,
+                            wbuf *b) {
+    put_i64(b, generic ? -1 : k->nd); /* a generic description never equals a plain one */
     put_i64(b, k->nd);
-    put_dims(b, k->dims, k->nd);
+    if (!generic) {
+        put_dims(b, k->dims, k->nd);
+        put_i64(b, k->block);
+        put_i64(b, k->nblk);
+        put_i64(b, k->rows);
+        put_i64(b, k->grain);
+    }
     put_i64(b, k->red);
-    put_i64(b, k->block);
-    put_i64(b, k->nblk);
-    put_i64(b, k->rows);
-    put_i64(b, k->grain);
     put_i64(b, k->n_params);
     for (int q = 0; q < k->n_params; q++) /* the dropout parameter slot, if any */
         put_i64(b, k->param_buf[q] == p->params_buf);
@@ -38,11 +49,15 @@ static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, wbuf *b) {
         const gj_jit_access *x = &k->acc[a];
         const gj_jit_buffer *bf = &p->bufs[x->buf];
         put_i64(b, x->dtype);
-        put_i64(b, x->offset);
-        put_dims(b, x->strides, k->nd);
+        if (generic) {
+            for (int d = 0; d < k->nd; d++) put_i64(b, stride_class(x->strides[d]));
+        } else {
+            put_i64(b, x->offset);
+            put_dims(b, x->strides, k->nd);
+        }
         bool gen = bf->kind == GJ_JIT_BUF_IOTA || bf->kind == GJ_JIT_BUF_DROPOUT;
         put_i64(b, gen ? (int64_t)bf->kind : -1);
-        if (bf->kind == GJ_JIT_BUF_IOTA || bf->kind == GJ_JIT_BUF_DROPOUT) {
+        if (gen) { /* constants of the code, generic or not */
             put_i64(b, bf->gen_inner);
             put_i64(b, bf->gen_len);
             put_i64(b, bf->gen_param);
@@ -56,7 +71,30 @@ static void describe(const gj_jit_plan *p, const gj_jit_kernel *k, wbuf *b) {
             put_i64(b, slot);
         }
     }
-    put_kernel_code(b, k);
+    if (!generic) {
+        put_kernel_code(b, k);
+        return;
+    }
+    /* the expressions without their constants and the instructions'
+     * shapes and axes, which lower.c does not build into the code (sizes
+     * reach them: a mean's 1/N, the shapes of the ops they came from) */
+    put_i64(b, k->n_ex);
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        put_i64(b, x->kind);
+        put_i64(b, x->dtype);
+        put_i64(b, x->access);
+        put_i64(b, x->inst.prim); /* (constants are read at run time: lower.c) */
+        put_i64(b, x->inst.n_in);
+        for (int q = 0; q < 3; q++) put_i64(b, x->args[q]);
+    }
+    put_i64(b, k->n_st);
+    for (int q = 0; q < k->n_st; q++) {
+        const gj_jit_store *x = &k->st[q];
+        put_i64(b, x->access);
+        put_i64(b, x->expr);
+        put_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
+    }
 }
 
 int gj_jit_dedupe_kernels(gj_jit_plan *p) {
@@ -65,7 +103,7 @@ int gj_jit_dedupe_kernels(gj_jit_plan *p) {
     if (!d) return -1;
     for (int s = 0; s < n; s++) {
         if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
-        describe(p, &p->steps[s].k, &d[s]);
+        gj_jit_kernel_describe(p, &p->steps[s].k, p->generic, &d[s]);
         if (d[s].oom) goto done;
         for (int t = 0; t < s; t++)
             if (p->steps[t].kind == GJ_JIT_STEP_KERNEL && d[t].n == d[s].n &&

@@ -3,12 +3,13 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC05"                     magic and format version (bumped whenever
+ *   "GJJITC07"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
  *                                  05: dropout parameters read from checkpoint tapes;
- *                                  06: fold steps, IM2COL / COL2IM)
+ *                                  06: fold steps, IM2COL / COL2IM;
+ *                                  07: generic (symbolic) plans)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -67,7 +68,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '6'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '7'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -551,6 +552,7 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
     put_u64(b, p->peak_temp_bytes);
     put_ints(b, p->by_first, p->n_by_first);
     put_ints(b, p->by_last, p->n_by_last);
+    put_u64(b, p->generic); /* symbolic kernels take their integer table */
 }
 
 /* Whether pr can live on disk: no hook or custom call steps (they call

@@ -101,4 +101,10 @@ void gj_jit_set_mem_limit(int64_t bytes);
 int64_t gj_jit_disk_limit(void);
 void gj_jit_set_disk_limit(int64_t bytes);
 
+/* Dynamic shapes (generic.c): GJ_CA_DYNAMIC_OFF, _AUTO (default: a call
+ * site's second program and later ones are symbolic) or _ALWAYS (every
+ * program is); the setter wins over GRADJIT_DYNAMIC (read once). */
+void gj_jit_set_dynamic(gj_ca_dynamic mode);
+gj_ca_dynamic gj_jit_dynamic(void);
+
 #endif /* GJ_JIT_H */

@@ -20,6 +20,9 @@
  *     and lists its inputs by edge ("I<i> e<node>:<nr>", e-1 when
  *     unreachable); its accumulate lines hold no .grad ("grad*"): such a
  *     key never equals a gj_backward's.
+ *   - Under GJ_CA_DYNAMIC_ALWAYS the key has a line "dynamic always": such
+ *     a program (generic from its first compile) never answers for the
+ *     default mode's specialised one, so both can be compared in one run.
  *   - Pointer maps (node -> index, saved tensor -> (node, slot)) are
  *     process-local helpers and never enter the key.
  *   - Run-time attributes (dropout's RNG seed and offset, new at every
@@ -333,6 +336,9 @@ static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
     site_hash sh = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull};
     site_u64(&sh, ((uint64_t)n_roots << 32) | (uint64_t)w->n);
     if (key_put(w, "gradjit-key v1 roots=%d nodes=%d\n", n_roots, w->n) != 0) goto done;
+    /* symbolic from the first compile: a program of its own (the same graph
+     * under the default mode keeps its specialised program) */
+    if (gj_jit_dynamic() == GJ_CA_DYNAMIC_ALWAYS && key_put(w, "dynamic always\n") != 0) goto done;
     if (w->grad_mode) { /* a gj_grad: its inputs, by edge (never a .grad) */
         site_u64(&sh, 0x6772616400000000ull | (uint64_t)(uint32_t)w->n_req);
         if (key_put(w, "grad inputs=%d\n", w->n_req) != 0) goto done;

@@ -39,6 +39,7 @@
 #include <llvm-c/Transforms/PassBuilder.h>
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -48,6 +49,7 @@ extern const unsigned char gj_rt_math_bc[];
 extern const size_t gj_rt_math_bc_size;
 
 struct gj_jit_code {
+    atomic_int refs;  /* gj_jit_code_ref; the last gj_jit_code_free frees */
     LLVMOrcResourceTrackerRef rt;
     size_t obj_bytes; /* size of the object code it was loaded from */
     int parts;        /* object files in it */
@@ -241,6 +243,7 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
         snprintf(why, why_cap, "out of memory");
         return NULL;
     }
+    atomic_init(&code->refs, 1);
     LLVMOrcResourceTrackerRef rt =
         LLVMOrcJITDylibCreateResourceTracker(LLVMOrcLLJITGetMainJITDylib(g.jit));
     LLVMErrorRef err;
@@ -679,8 +682,14 @@ const char *gj_jit_host_id(void) {
     return id;
 }
 
+void gj_jit_code_ref(gj_jit_code *c) {
+    if (c) atomic_fetch_add(&c->refs, 1);
+}
+
+int gj_jit_code_refs(const gj_jit_code *c) { return c ? atomic_load(&((gj_jit_code *)c)->refs) : 0; }
+
 void gj_jit_code_free(gj_jit_code *c) {
-    if (!c) return;
+    if (!c || atomic_fetch_sub(&c->refs, 1) > 1) return;
     pthread_mutex_lock(&g_lock);
     if (c->rt) {
         LLVMErrorRef err = LLVMOrcResourceTrackerRemove(c->rt);

@@ -29,6 +29,15 @@
  * Loop counters and accumulators are allocas; O3's SROA makes them SSA.
  * Kernels of at most GJ_JIT_SMALL_KERNEL elements mark their loops "do not
  * vectorize or unroll" (compile time; the arithmetic is the same).
+ *
+ * A generic plan's kernels (generic.c) take one more pointer after the
+ * buffers, bufs[n_params]: the kernel's integer table (plan.h). Every
+ * size, offset, stride other than 0 and 1, block and block count is
+ * loaded from it at the top of the body instead of being a constant; the
+ * loops and the order of every sum are the same as with constants (the
+ * column-block path and both the 8-wide and the tail loop of a run are
+ * always emitted, with their bounds computed at run time), so a generic
+ * kernel computes the same bits as the specialised one.
  */
 #include "llvm_int.h"
 
@@ -63,6 +72,8 @@ typedef struct kg {
     bool inner_mode;
     bool plain_loops; /* small kernel: loops marked "do not vectorize or unroll" */
     int vec_width;    /* > 0: the contiguous loop of an f32 reduction kernel asks for this width */
+    bool generic;     /* integers come from the kernel's ints (plan.h), loaded in ints_v */
+    LLVMValueRef *ints_v;
     char *why;
     size_t why_cap;
     bool failed;
@@ -79,6 +90,12 @@ static void kg_fail(kg *g, const char *fmt, ...) {
 }
 
 static LLVMValueRef c64(kg *g, int64_t v) { return LLVMConstInt(g->i64, (unsigned long long)v, 1); }
+
+/* Integer #i of the kernel's table, whose value in this plan is v: the
+ * constant v, or in a generic kernel the table's entry (loaded once at the
+ * top of the body). */
+static LLVMValueRef kint(kg *g, int i, int64_t v) { return g->generic ? g->ints_v[i] : c64(g, v); }
+static LLVMValueRef kdim(kg *g, int d) { return kint(g, d, g->k->dims[d]); }
 
 static LLVMTypeRef ctype(kg *g, gj_dtype dt) {
     return dt == GJ_F64 ? g->f64 : dt == GJ_I64 ? g->i64 : g->f32;
@@ -181,12 +198,13 @@ static void loop_close(kg *g, loop *l) {
 /* Element offset of access a at the current indices. */
 static LLVMValueRef acc_offset(kg *g, int a) {
     const gj_jit_access *x = &g->k->acc[a];
-    LLVMValueRef off = c64(g, x->offset);
+    int ia = gj_jit_kint_acc(g->k, a);
+    LLVMValueRef off = kint(g, ia, x->offset);
     for (int d = 0; d < g->k->nd; d++) {
         if (!g->idx[d] || x->strides[d] == 0) continue;
-        LLVMValueRef t = x->strides[d] == 1 ? g->idx[d]
-                                            : LLVMBuildNSWMul(g->B, g->idx[d],
-                                                              c64(g, x->strides[d]), "");
+        LLVMValueRef t = x->strides[d] == 1
+                             ? g->idx[d]
+                             : LLVMBuildNSWMul(g->B, g->idx[d], kint(g, ia + 1 + d, x->strides[d]), "");
         off = LLVMBuildNSWAdd(g->B, off, t, "");
     }
     return off;
@@ -257,19 +275,28 @@ static void gen_store_at(kg *g, int a, LLVMValueRef off, LLVMValueRef v) {
 
 /* ---------------------------------------------------------- constants */
 
-static int64_t sat_i64(double v) {
-    if (v != v) return 0;
-    if (v >= 9223372036854775807.0) return INT64_MAX;
-    if (v <= -9223372036854775808.0) return INT64_MIN;
-    return (int64_t)v;
-}
-
 static LLVMValueRef const_of(kg *g, gj_dtype dt, double v) {
     switch (dt) {
     case GJ_F32: return LLVMConstReal(g->f32, (double)(float)v);
     case GJ_F64: return LLVMConstReal(g->f64, v);
     case GJ_BF16: return LLVMConstReal(g->f32, (double)gj_m_bf16_to_f32(gj_m_f32_to_bf16((float)v)));
-    default: return LLVMConstInt(g->i64, (unsigned long long)sat_i64(v), 1);
+    default: return LLVMConstInt(g->i64, (unsigned long long)gj_jit_sat_i64(v), 1);
+    }
+}
+
+/* The constant of expression e (value v in compute type dt): const_of, or
+ * in a generic kernel its bits from the integer table (generic.c stores
+ * exactly what const_of would make). */
+static LLVMValueRef expr_const(kg *g, const gj_jit_expr *e, gj_dtype dt, double v) {
+    if (!g->generic) return const_of(g, dt, v);
+    LLVMValueRef bits = g->ints_v[gj_jit_kint_const(g->k, (int)(e - g->k->ex))];
+    switch (dt) {
+    case GJ_F64: return LLVMBuildBitCast(g->B, bits, g->f64, "");
+    case GJ_F32:
+    case GJ_BF16:
+        return LLVMBuildBitCast(g->B, LLVMBuildTrunc(g->B, bits, LLVMInt32TypeInContext(g->C), ""),
+                                g->f32, "");
+    default: return bits;
     }
 }
 
@@ -335,10 +362,10 @@ static LLVMValueRef gen_op(kg *g, const gj_jit_expr *e) {
         break;
     }
     case GJ_P_RECIP: r = LLVMBuildFDiv(g->B, LLVMConstReal(T, 1.0), a, ""); break;
-    case GJ_P_ADD_SCALAR: r = LLVMBuildFAdd(g->B, a, const_of(g, dbl ? GJ_F64 : GJ_F32, in->scalar), ""); break;
-    case GJ_P_MUL_SCALAR: r = LLVMBuildFMul(g->B, a, const_of(g, dbl ? GJ_F64 : GJ_F32, in->scalar), ""); break;
+    case GJ_P_ADD_SCALAR: r = LLVMBuildFAdd(g->B, a, expr_const(g, e, dbl ? GJ_F64 : GJ_F32, in->scalar), ""); break;
+    case GJ_P_MUL_SCALAR: r = LLVMBuildFMul(g->B, a, expr_const(g, e, dbl ? GJ_F64 : GJ_F32, in->scalar), ""); break;
     case GJ_P_POW_SCALAR: {
-        LLVMValueRef args[2] = {a, const_of(g, dbl ? GJ_F64 : GJ_F32, in->scalar)};
+        LLVMValueRef args[2] = {a, expr_const(g, e, dbl ? GJ_F64 : GJ_F32, in->scalar)};
         r = call_bc(g, dbl ? "gj_bc_pow_d" : "gj_bc_pow_f", args, 2);
         break;
     }
@@ -389,7 +416,7 @@ static void gen_body(kg *g, LLVMValueRef jrel) {
     for (int e = 0; e < k->n_ex && !g->failed; e++) {
         const gj_jit_expr *x = &k->ex[e];
         if (x->kind == GJ_JIT_E_LOAD) g->ev[e] = gen_load(g, x->access);
-        else if (x->kind == GJ_JIT_E_CONST) g->ev[e] = const_of(g, x->dtype, x->cval);
+        else if (x->kind == GJ_JIT_E_CONST) g->ev[e] = expr_const(g, x, x->dtype, x->cval);
         else g->ev[e] = gen_op(g, x);
     }
     for (int s = 0; s < k->n_st && !g->failed; s++) {
@@ -438,7 +465,7 @@ static void reduced_loops(kg *g, const int *list, int n, inner_fn inner, void *c
         return;
     }
     loop l;
-    loop_open(g, &l, c64(g, 0), c64(g, g->k->dims[list[0]]), 1, "r");
+    loop_open(g, &l, c64(g, 0), kdim(g, list[0]), 1, "r");
     g->idx[list[0]] = l.iv;
     reduced_loops(g, list + 1, n - 1, inner, ctx);
     loop_close(g, &l);
@@ -480,6 +507,10 @@ static void inner_run(kg *g, void *vctx) {
     const gj_jit_kernel *k = g->k;
     int L = k->nd - 1;
     int64_t n = k->dims[L], n8 = n - n % 8;
+    /* a generic kernel emits both loops, with bounds read at run time */
+    LLVMValueRef nrun = kdim(g, L);
+    LLVMValueRef n8v = g->generic ? LLVMBuildAnd(g->B, nrun, c64(g, ~(int64_t)7), "") : c64(g, n8);
+    bool blocks = g->generic || n8 > 0, tail = g->generic || n8 < n;
     LLVMTypeRef vt = LLVMVectorType(g->f64, 8);
     for (int s = 0; s < k->n_st; s++) {
         if (!k->st[s].reduce) continue;
@@ -487,18 +518,18 @@ static void inner_run(kg *g, void *vctx) {
         for (int q = 0; q < 8; q++) init[q] = red_init(g, &k->st[s]);
         LLVMBuildStore(g->B, LLVMConstVector(init, 8), g->lanes[s]);
     }
-    if (n8 > 0 && g->plain_loops) { /* small kernel: lane q in a loop (less code) */
+    if (blocks && g->plain_loops) { /* small kernel: lane q in a loop (less code) */
         loop li, lq;
-        loop_open(g, &li, c64(g, 0), c64(g, n8), 8, "i8");
+        loop_open(g, &li, c64(g, 0), n8v, 8, "i8");
         loop_open(g, &lq, c64(g, 0), c64(g, 8), 1, "q");
         g->idx[L] = LLVMBuildNSWAdd(g->B, li.iv, lq.iv, "");
         g->lane = lq.iv;
         gen_body(g, NULL);
         loop_close(g, &lq);
         loop_close(g, &li);
-    } else if (n8 > 0) { /* blocks of 8: lane q takes element i + q */
+    } else if (blocks) { /* blocks of 8: lane q takes element i + q */
         loop li;
-        loop_open(g, &li, c64(g, 0), c64(g, n8), 8, "i8");
+        loop_open(g, &li, c64(g, 0), n8v, 8, "i8");
         LLVMValueRef *acc_vec = gj_rt_calloc((size_t)k->n_st + 1, sizeof *acc_vec);
         if (!acc_vec) {
             kg_fail(g, "out of memory while lowering");
@@ -525,11 +556,11 @@ static void inner_run(kg *g, void *vctx) {
         gj_rt_free(acc_vec);
         loop_close(g, &li);
     }
-    if (n8 < n) { /* tail: lanes 0.. */
+    if (tail) { /* tail: lanes 0.. */
         loop lt;
-        loop_open(g, &lt, c64(g, n8), c64(g, n), 1, "tail");
+        loop_open(g, &lt, n8v, nrun, 1, "tail");
         g->idx[L] = lt.iv;
-        g->lane = LLVMBuildNSWSub(g->B, lt.iv, c64(g, n8), "");
+        g->lane = LLVMBuildNSWSub(g->B, lt.iv, n8v, "");
         gen_body(g, NULL);
         loop_close(g, &lt);
     }
@@ -558,8 +589,16 @@ static void inner_run(kg *g, void *vctx) {
 static void gen_kernel_body(kg *g) {
     const gj_jit_kernel *k = g->k;
     int nd = k->nd, L = nd - 1;
-    LLVMValueRef begin = LLVMGetParam(g->fn, (unsigned)k->n_params);
-    LLVMValueRef end = LLVMGetParam(g->fn, (unsigned)k->n_params + 1);
+    unsigned pb = (unsigned)k->n_params + (g->generic ? 1u : 0u); /* after the ints */
+    LLVMValueRef begin = LLVMGetParam(g->fn, pb);
+    LLVMValueRef end = LLVMGetParam(g->fn, pb + 1);
+    if (g->generic) { /* the integer table, loaded once */
+        LLVMValueRef tab = LLVMGetParam(g->fn, (unsigned)k->n_params);
+        for (int i = 0; i < k->n_ints; i++) {
+            LLVMValueRef ix = c64(g, i);
+            g->ints_v[i] = LLVMBuildLoad2(g->B, g->i64, LLVMBuildInBoundsGEP2(g->B, g->i64, tab, &ix, 1, ""), "");
+        }
+    }
     g->inner_mode = (k->red >> L) & 1u;
     int kept[GJ_MAX_DIMS], nk = 0, red[GJ_MAX_DIMS], nr = 0;
     for (int d = 0; d < nd; d++) {
@@ -575,23 +614,25 @@ static void gen_kernel_body(kg *g) {
             g->racc[s] = entry_alloca(g, g->f64, "acc");
             g->lanes[s] = entry_alloca(g, LLVMVectorType(g->f64, 8), "lanes");
         } else {
-            g->racc[s] = entry_alloca(g, LLVMArrayType2(g->f64, (uint64_t)(k->block > 0 ? k->block : 1)), "acc");
+            int64_t nacc = g->generic ? GJ_JIT_MAX_RED_BLOCK : k->block > 0 ? k->block : 1;
+            g->racc[s] = entry_alloca(g, LLVMArrayType2(g->f64, (uint64_t)nacc), "acc");
         }
     }
     loop rl;
     loop_open(g, &rl, begin, end, 1, "row");
     LLVMValueRef o = rl.iv, blk = NULL;
-    if (!g->inner_mode && k->nblk > 1) {
-        blk = LLVMBuildURem(g->B, rl.iv, c64(g, k->nblk), "");
-        o = LLVMBuildUDiv(g->B, rl.iv, c64(g, k->nblk), "");
+    int isch = gj_jit_kint_sched(k);
+    if (!g->inner_mode && (k->nblk > 1 || g->generic)) {
+        blk = LLVMBuildURem(g->B, rl.iv, kint(g, isch + 1, k->nblk), "");
+        o = LLVMBuildUDiv(g->B, rl.iv, kint(g, isch + 1, k->nblk), "");
     }
     for (int t = nk - 1; t >= 0; t--) {
         int d = kept[t];
         if (t == 0) {
             g->idx[d] = o;
         } else {
-            g->idx[d] = LLVMBuildURem(g->B, o, c64(g, k->dims[d]), "");
-            o = LLVMBuildUDiv(g->B, o, c64(g, k->dims[d]), "");
+            g->idx[d] = LLVMBuildURem(g->B, o, kdim(g, d), "");
+            o = LLVMBuildUDiv(g->B, o, kdim(g, d), "");
         }
     }
     bool has_red = false;
@@ -604,13 +645,14 @@ static void gen_kernel_body(kg *g) {
             if (k->st[s].reduce) store_acc(g, s, LLVMBuildLoad2(g->B, g->f64, g->racc[s], ""));
     } else {
         outer_ctx c;
-        c.j0 = blk ? LLVMBuildNSWMul(g->B, blk, c64(g, k->block), "") : c64(g, 0);
+        LLVMValueRef block = kint(g, isch, k->block);
+        c.j0 = blk ? LLVMBuildNSWMul(g->B, blk, block, "") : c64(g, 0);
         if (blk) {
-            LLVMValueRef e = LLVMBuildNSWAdd(g->B, c.j0, c64(g, k->block), "");
-            LLVMValueRef lim = c64(g, k->dims[L]);
+            LLVMValueRef e = LLVMBuildNSWAdd(g->B, c.j0, block, "");
+            LLVMValueRef lim = kdim(g, L);
             c.j1 = LLVMBuildSelect(g->B, LLVMBuildICmp(g->B, LLVMIntSLT, e, lim, ""), e, lim, "");
         } else {
-            c.j1 = c64(g, k->dims[L]);
+            c.j1 = kdim(g, L);
         }
         if (has_red) {
             loop li;
@@ -666,21 +708,30 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     snprintf(bname, sizeof bname, "%s.body", name);
     int np = k->n_params;
     int rc = -1;
-    LLVMTypeRef *pt = gj_rt_calloc((size_t)np + 2, sizeof *pt);
+    g->generic = g->p->generic;
+    int nx = g->generic ? 1 : 0; /* the ints table after the buffers */
+    if (g->generic && (!k->ints || k->n_ints != gj_jit_kint_count(k))) {
+        kg_fail(g, "internal: generic kernel %s without its integer table", k->name);
+        return -1;
+    }
+    LLVMTypeRef *pt = gj_rt_calloc((size_t)np + 3, sizeof *pt);
+    g->ints_v = gj_rt_calloc((size_t)k->n_ints + 1, sizeof *g->ints_v);
     g->param = gj_rt_calloc((size_t)np + 1, sizeof *g->param);
     g->acc_param = gj_rt_calloc((size_t)k->n_acc + 1, sizeof *g->acc_param);
     g->ev = gj_rt_calloc((size_t)k->n_ex + 1, sizeof *g->ev);
     g->racc = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->racc);
     g->lanes = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->lanes);
     g->coll = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->coll);
-    if (!pt || !g->param || !g->acc_param || !g->ev || !g->racc || !g->lanes || !g->coll) {
+    if (!pt || !g->param || !g->acc_param || !g->ev || !g->racc || !g->lanes || !g->coll ||
+        !g->ints_v) {
         kg_fail(g, "out of memory while lowering");
         goto done;
     }
     g->k = k;
     int64_t work = 1;
     for (int d = 0; d < k->nd; d++) work *= k->dims[d];
-    g->plain_loops = work <= GJ_JIT_SMALL_KERNEL;
+    /* (a generic kernel runs at any size: its loops may vectorize) */
+    g->plain_loops = work <= GJ_JIT_SMALL_KERNEL && !g->generic;
     /* A reduction over outer dims keeps one double accumulator per column,
      * and LLVM's cost model then vectorises the whole column loop at the
      * width of doubles (4 on AVX2), halving the f32 math's throughput. Ask
@@ -698,10 +749,10 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
             if (k->param_buf[q] == k->acc[a].buf) g->acc_param[a] = q;
     }
     /* body */
-    for (int q = 0; q < np; q++) pt[q] = g->ptr;
-    pt[np] = g->i64;
-    pt[np + 1] = g->i64;
-    LLVMTypeRef bty = LLVMFunctionType(g->vd, pt, (unsigned)np + 2, 0);
+    for (int q = 0; q < np + nx; q++) pt[q] = g->ptr;
+    pt[np + nx] = g->i64;
+    pt[np + nx + 1] = g->i64;
+    LLVMTypeRef bty = LLVMFunctionType(g->vd, pt, (unsigned)(np + nx) + 2, 0);
     g->fn = LLVMAddFunction(g->M, bname, bty);
     LLVMSetLinkage(g->fn, LLVMInternalLinkage);
     add_fn_attr(g, g->fn, "alwaysinline");
@@ -709,10 +760,10 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     add_target_attrs(g, g->fn, cpu, features);
     unsigned na = LLVMGetEnumAttributeKindForName("noalias", 7);
     unsigned nc = LLVMGetEnumAttributeKindForName("nocapture", 9);
-    for (int q = 0; q < np; q++) {
+    for (int q = 0; q < np + nx; q++) { /* (the ints table too: nothing writes it) */
         LLVMAddAttributeAtIndex(g->fn, (unsigned)q + 1, LLVMCreateEnumAttribute(g->C, na, 0));
         LLVMAddAttributeAtIndex(g->fn, (unsigned)q + 1, LLVMCreateEnumAttribute(g->C, nc, 0));
-        g->param[q] = LLVMGetParam(g->fn, (unsigned)q);
+        if (q < np) g->param[q] = LLVMGetParam(g->fn, (unsigned)q);
     }
     g->entry = LLVMAppendBasicBlockInContext(g->C, g->fn, "entry");
     LLVMPositionBuilderAtEnd(g->B, g->entry);
@@ -725,20 +776,20 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     add_target_attrs(g, efn, cpu, features);
     LLVMBasicBlockRef eb = LLVMAppendBasicBlockInContext(g->C, efn, "entry");
     LLVMPositionBuilderAtEnd(g->B, eb);
-    LLVMValueRef *args = gj_rt_calloc((size_t)np + 2, sizeof *args);
+    LLVMValueRef *args = gj_rt_calloc((size_t)np + 3, sizeof *args);
     if (!args) {
         kg_fail(g, "out of memory while lowering");
         goto done;
     }
     LLVMValueRef bufs = LLVMGetParam(efn, 0);
-    for (int q = 0; q < np; q++) {
+    for (int q = 0; q < np + nx; q++) {
         LLVMValueRef ix = c64(g, q);
         LLVMValueRef pp = LLVMBuildInBoundsGEP2(g->B, g->ptr, bufs, &ix, 1, "");
         args[q] = LLVMBuildLoad2(g->B, g->ptr, pp, "");
     }
-    args[np] = LLVMGetParam(efn, 1);
-    args[np + 1] = LLVMGetParam(efn, 2);
-    LLVMBuildCall2(g->B, bty, g->fn, args, (unsigned)np + 2, "");
+    args[np + nx] = LLVMGetParam(efn, 1);
+    args[np + nx + 1] = LLVMGetParam(efn, 2);
+    LLVMBuildCall2(g->B, bty, g->fn, args, (unsigned)(np + nx) + 2, "");
     LLVMBuildRetVoid(g->B);
     gj_rt_free(args);
     rc = 0;
@@ -750,6 +801,8 @@ done:
     gj_rt_free(g->racc);
     gj_rt_free(g->lanes);
     gj_rt_free(g->coll);
+    gj_rt_free(g->ints_v);
+    g->ints_v = NULL;
     g->coll = NULL;
     g->param = NULL;
     g->acc_param = NULL;

@@ -1204,7 +1204,7 @@ static void schedule_kernel(gj_jit_kernel *k) {
             int64_t want = (inner + 7) / 8;
             want = (want + 15) / 16 * 16;
             if (want < 64) want = 64;
-            if (want > 512) want = 512;
+            if (want > GJ_JIT_MAX_RED_BLOCK) want = GJ_JIT_MAX_RED_BLOCK;
             k->block = inner < want ? inner : want;
         } else if (outer >= 16 || inner <= 8192) {
             k->block = inner;
@@ -1518,6 +1518,7 @@ void gj_jit_plan_free(gj_jit_plan *p) {
         gj_rt_free(k->ex);
         gj_rt_free(k->st);
         gj_rt_free(k->param_buf);
+        gj_rt_free(k->ints);
     }
     gj_rt_free(p->steps);
     gj_rt_free(p->bufs);

@@ -109,7 +109,36 @@ typedef struct gj_jit_kernel {
     int n_params;
     char name[48];
     gj_rt_range_fn fn; /* after compilation: fn(bufs, row_begin, row_end) */
+    /* A generic plan's kernel reads its integers at run time from
+     * bufs[n_params] = ints (see gj_jit_kint_acc); NULL otherwise. */
+    int64_t *ints;
+    int n_ints;
 } gj_jit_kernel;
+
+/* The reduction block of an outer-mode kernel is at most this many
+ * columns (plan.c's schedule; a generic kernel's accumulators have room
+ * for this many). */
+#define GJ_JIT_MAX_RED_BLOCK 512
+
+/* A generic kernel's integer table: dims[0..nd), then per access a its
+ * offset and strides[0..nd) (from gj_jit_kint_acc(k, a)), then block and
+ * nblk (from gj_jit_kint_sched(k)), then per expression e the bits of its
+ * constant (a CONST's value, the scalar of ADD/MUL/POW_SCALAR) as the
+ * kernel computes with it: a float's bits, a double's, or an i64 (from
+ * gj_jit_kint_const(k, e)). Constants are run-time values too because
+ * sizes reach them (a mean's 1/N). */
+static inline int gj_jit_kint_acc(const gj_jit_kernel *k, int a) { return k->nd + a * (k->nd + 1); }
+static inline int gj_jit_kint_sched(const gj_jit_kernel *k) { return k->nd + k->n_acc * (k->nd + 1); }
+static inline int gj_jit_kint_const(const gj_jit_kernel *k, int e) { return gj_jit_kint_sched(k) + 2 + e; }
+static inline int gj_jit_kint_count(const gj_jit_kernel *k) { return gj_jit_kint_const(k, k->n_ex); }
+
+/* A double converted to i64 as the eager kernels do: NaN 0, saturating. */
+static inline int64_t gj_jit_sat_i64(double v) {
+    if (v != v) return 0;
+    if (v >= 9223372036854775807.0) return INT64_MAX;
+    if (v <= -9223372036854775808.0) return INT64_MIN;
+    return (int64_t)v;
+}
 
 typedef struct gj_jit_matmul {
     gj_dtype dtype;
@@ -227,6 +256,11 @@ typedef struct gj_jit_plan {
                              checkpoint node #rt_param_node[k] */
     int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
     int n_par_groups;     /* groups of steps run side by side (schedule.c) */
+    /* Generic (symbolic sizes, generic.c): the kernels' machine code does not
+     * depend on the sizes, offsets and schedule of this plan -- they are read
+     * from each kernel's ints -- so one compiled kernel serves every plan
+     * whose kernel has the same generic description. */
+    bool generic;
 } gj_jit_plan;
 
 /* schedule.c: pairs independent GEMM steps (see its contract). order runs
@@ -242,8 +276,22 @@ void gj_jit_schedule_groups(gj_jit_plan *p);
 int gj_jit_plan_memory(gj_jit_plan *p);
 
 /* dedupe.c: every kernel whose description equals an earlier kernel's takes
- * that kernel's name (one function per distinct kernel). 0, or -1 on OOM. */
+ * that kernel's name (one function per distinct kernel; for a generic plan
+ * the generic description, gj_jit_kernel_describe). 0, or -1 on OOM. */
 int gj_jit_dedupe_kernels(gj_jit_plan *p);
+/* The bytes that determine kernel k's machine code (generic: without the
+ * sizes, offsets, schedule and strides other than 0 and 1) into *b (a
+ * wbuf, wbuf.h). */
+struct wbuf;
+void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool generic,
+                            struct wbuf *b);
+
+/* generic.c: makes p generic (fills every kernel's ints and gives kernels
+ * with one generic description one name). 0, or -1 on OOM. */
+int gj_jit_plan_make_generic(gj_jit_plan *p);
+/* generic.c: (re)fills the ints of every kernel of generic plan p (after
+ * it was read back from the disk cache). 0, or -1 on OOM. */
+int gj_jit_plan_fill_ints(gj_jit_plan *p);
 
 /* Builds the plan of g (after gj_jit_pass_cse_dce). Returns 0; or -1 with
  * why[] set ("no lowering for X", or an OOM message) and the error set. */

@@ -119,6 +119,8 @@ gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void *
 void gj_jit_program_free(gj_jit_program *pr) {
     if (!pr) return;
     gj_jit_code_free(pr->code);
+    for (int c = 0; c < pr->n_shared; c++) gj_jit_code_free(pr->shared[c]);
+    gj_rt_free(pr->shared);
     gj_jit_plan_free(&pr->plan);
     gj_rt_free(pr->inputs);
     gj_rt_free(pr->outputs);
@@ -135,8 +137,10 @@ size_t gj_jit_program_bytes(const gj_jit_program *pr) {
     for (int s = 0; s < p->n_steps; s++) {
         const gj_jit_kernel *k = &p->steps[s].k;
         n += (size_t)k->cap_acc * sizeof *k->acc + (size_t)k->cap_ex * sizeof *k->ex +
-             (size_t)k->cap_st * sizeof *k->st + (size_t)k->n_params * sizeof *k->param_buf;
+             (size_t)k->cap_st * sizeof *k->st + (size_t)k->n_params * sizeof *k->param_buf +
+             (size_t)k->n_ints * sizeof *k->ints;
     }
+    n += (size_t)pr->n_shared * sizeof *pr->shared; /* (their code is charged to its compiler) */
     n += (size_t)(p->n_by_first + p->n_by_last) * sizeof(int);
     n += (size_t)p->n_inputs * sizeof *p->in_meta;
     n += (size_t)p->n_outputs * (sizeof *p->out_meta + sizeof *p->out_buf);
@@ -419,7 +423,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
     bool prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0,
          steps_log = (lf & GJ_JIT_LOG_STEPS) != 0;
     void **bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *bp);
-    void **ctx = gj_rt_calloc((size_t)max_params, sizeof *ctx);
+    void **ctx = gj_rt_calloc((size_t)max_params + 1, sizeof *ctx); /* + a generic kernel's ints */
     if (!bp || !ctx) goto done;
     for (int b = 0; b < p->n_bufs; b++) {
         const gj_jit_buffer *x = &p->bufs[b];
@@ -483,6 +487,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         } else if (st->k.rows > 0) {
             const gj_jit_kernel *k = &st->k;
             for (int q = 0; q < k->n_params; q++) ctx[q] = bp[k->param_buf[q]];
+            ctx[k->n_params] = k->ints;
             gj_rt_parallel_for(k->rows, k->grain, k->fn, ctx);
         }
         if (prof) {

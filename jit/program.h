@@ -21,7 +21,11 @@
 
 typedef struct gj_jit_program {
     gj_jit_plan plan;
-    gj_jit_code *code;
+    gj_jit_code *code;     /* compiled for this program (NULL for a bound one) */
+    /* A generic plan bound to kernels compiled for other sizes (generic.c):
+     * a reference to each code object its kernels are in. */
+    gj_jit_code **shared;
+    int n_shared;
     gj_jit_input *inputs;
     int n_inputs;
     gj_jit_output *outputs;

@@ -293,16 +293,17 @@ gj_ca_stats gjt_ca_now(void) {
 
 bool gjt_ran_compiled(const char *what, const gj_ca_stats *a, const gj_ca_stats *b, int64_t n) {
     int64_t runs = (b->compiles - a->compiles) + (b->mem_hits - a->mem_hits) +
-                   (b->disk_hits - a->disk_hits);
+                   (b->disk_hits - a->disk_hits) + (b->instantiations - a->instantiations);
     int64_t fb = b->fallbacks - a->fallbacks, bw = b->backwards - a->backwards;
     if (runs == n && fb == 0 && bw == n)
         return true;
     fprintf(stderr,
             "  %s: backward did not run compiled: %lld backward(s), %lld compile(s), %lld "
-            "memory hit(s), %lld disk hit(s), %lld fallback(s), expected %lld compiled\n",
+            "memory hit(s), %lld disk hit(s), %lld bound, %lld fallback(s), expected %lld "
+            "compiled\n",
             what, (long long)bw, (long long)(b->compiles - a->compiles),
             (long long)(b->mem_hits - a->mem_hits), (long long)(b->disk_hits - a->disk_hits),
-            (long long)fb, (long long)n);
+            (long long)(b->instantiations - a->instantiations), (long long)fb, (long long)n);
     for (int r = 0; r < GJ_CA_N_REASONS; r++) {
         int64_t d = b->fallbacks_by_reason[r] - a->fallbacks_by_reason[r];
         if (d)

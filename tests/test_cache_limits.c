@@ -803,6 +803,10 @@ static int child(const char *mode) {
 
 int main(int argc, char **argv) {
     g_self = argv[0];
+    /* the suites make distinct keys by changing sizes, and measure the
+     * cache with one compiled program per key: dynamic shapes off (bound
+     * symbolic programs are tested in test_jit_dynamic.c) */
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_OFF);
     if (argc > 1) return child(argv[1]);
     gj_compiled_autograd_set_quiet(true);
     const char *only = getenv("GJT_FILTER");

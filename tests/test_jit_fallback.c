@@ -94,6 +94,10 @@ static void test_recompile_limit(void **st) {
     gj_compiled_autograd_reset_stats();
     assert_int_equal(gj_jit_recompile_limit(), 8); /* the default */
     gj_compiled_autograd_set_recompile_limit(3);
+    /* sizes make the keys here: with dynamic shapes (the default) batches 3
+     * on would be bound to the symbolic kernels, not compiled
+     * (test_jit_dynamic.c); off, every size compiles */
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_OFF);
     mlp m;
     gjt_mlp_init(&m, 41);
     for (int64_t batch = 1; batch <= 5; batch++) step_matches_eager(&m, batch, false);
@@ -126,6 +130,7 @@ static void test_recompile_limit(void **st) {
     assert_int_equal(gjt_ca_now().fallbacks, 4);
 
     gj_compiled_autograd_set_recompile_limit(8);
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_AUTO);
     gj_compiled_autograd_reset_stats();
     s = gjt_ca_now();
     for (int r = 0; r < GJ_CA_N_REASONS; r++) assert_int_equal(s.fallbacks_by_reason[r], 0);

@@ -921,7 +921,7 @@ static bool counters_ok(const char *mode, uint64_t seed, gj_dtype dt, const run_
     int64_t rs = s1->fallbacks_by_reason[GJ_CA_RECORD_STREAM] -
                  s0->fallbacks_by_reason[GJ_CA_RECORD_STREAM];
     int64_t ran = (s1->compiles - s0->compiles) + (s1->mem_hits - s0->mem_hits) +
-                  (s1->disk_hits - s0->disk_hits);
+                  (s1->disk_hits - s0->disk_hits) + (s1->instantiations - s0->instantiations);
     int64_t other = s1->fallbacks_by_reason[GJ_CA_OTHER] - s0->fallbacks_by_reason[GJ_CA_OTHER];
     if (!r->ckpt_custom) other = 0;
     /* after a fault that failed a hook or custom op inside a compiled run,

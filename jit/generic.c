@@ -1,0 +1,262 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * generic.c - programs whose sizes are symbolic (dynamic shapes).
+ *
+ * A generic plan's kernels are lowered with every size, offset, stride
+ * other than 0 and 1, and schedule field read at run time from the
+ * kernel's integer table (plan.h: gj_jit_kint_acc), so their machine code
+ * depends only on the kernel's generic description (dedupe.c). A new
+ * size of a call site is then planned as usual (plan.c fixes every
+ * integer for that size: the GEMM shapes, the memory plan, the schedule)
+ * and bound to kernels already compiled for another size: no LLVM work.
+ * Where a size changes the code (a stride that becomes 0 or 1, a
+ * dimension of 1 merged away, a different fusion), the generic
+ * description differs, the bind fails, and the caller compiles.
+ *
+ * The registry maps generic descriptions to compiled kernel functions,
+ * process-wide. It holds one reference to each code object it indexes; a
+ * program bound to registered kernels holds one per code object it uses
+ * (gj_jit_program.shared), so code stays mapped while any program calls
+ * it. gj_jit_generic_sweep drops the code objects only the registry
+ * still holds.
+ *
+ * Invariants:
+ *   - A description is compared byte for byte (its 128-bit hash first).
+ *   - The registry lock is taken after compiled.c's cache lock, never
+ *     before it, and no LLVM lock is taken under it except by
+ *     gj_jit_code_free in the sweep (llvmjit.c's lock is a leaf).
+ */
+#include "generic.h"
+
+#include "capture.h"
+#include "jit.h"
+#include "wbuf.h"
+
+#include "../runtime/gj_math.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ------------------------------------------------------- integer tables */
+
+/* The bits lower.c computes with for constant v in compute type dt. */
+static int64_t const_bits(gj_dtype dt, double v) {
+    uint64_t u = 0;
+    if (dt == GJ_F64) {
+        memcpy(&u, &v, sizeof u);
+    } else if (dt == GJ_F32 || dt == GJ_BF16) {
+        float f = dt == GJ_BF16 ? gj_m_bf16_to_f32(gj_m_f32_to_bf16((float)v)) : (float)v;
+        uint32_t w;
+        memcpy(&w, &f, sizeof w);
+        u = w;
+    } else {
+        return gj_jit_sat_i64(v);
+    }
+    return (int64_t)u;
+}
+
+static int fill_kernel(gj_jit_kernel *k) {
+    int n = gj_jit_kint_count(k);
+    int64_t *t = gj_rt_realloc(k->ints, (size_t)n * sizeof *t);
+    if (!t) return -1;
+    k->ints = t;
+    k->n_ints = n;
+    for (int d = 0; d < k->nd; d++) t[d] = k->dims[d];
+    for (int a = 0; a < k->n_acc; a++) {
+        int b = gj_jit_kint_acc(k, a);
+        t[b] = k->acc[a].offset;
+        for (int d = 0; d < k->nd; d++) t[b + 1 + d] = k->acc[a].strides[d];
+    }
+    int sc = gj_jit_kint_sched(k);
+    t[sc] = k->block;
+    t[sc + 1] = k->nblk;
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        gj_rt_prim pr = x->inst.prim;
+        int64_t v = 0;
+        if (x->kind == GJ_JIT_E_CONST)
+            v = const_bits(x->dtype, x->cval);
+        else if (x->kind == GJ_JIT_E_OP &&
+                 (pr == GJ_P_ADD_SCALAR || pr == GJ_P_MUL_SCALAR || pr == GJ_P_POW_SCALAR))
+            v = const_bits(x->dtype == GJ_F64 ? GJ_F64 : GJ_F32, x->inst.scalar);
+        t[gj_jit_kint_const(k, e)] = v;
+    }
+    return 0;
+}
+
+int gj_jit_plan_fill_ints(gj_jit_plan *p) {
+    for (int s = 0; s < p->n_steps; s++)
+        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && fill_kernel(&p->steps[s].k) != 0) return -1;
+    return 0;
+}
+
+int gj_jit_plan_make_generic(gj_jit_plan *p) {
+    if (p->generic) return 0;
+    p->generic = true;
+    for (int s = 0; s < p->n_steps; s++)
+        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
+            snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
+    if (gj_jit_plan_fill_ints(p) != 0 || gj_jit_dedupe_kernels(p) != 0) return -1;
+    return 0;
+}
+
+/* ------------------------------------------------------------ registry */
+
+typedef struct reg_entry {
+    uint64_t h[2];
+    unsigned char *desc;
+    size_t n;
+    gj_rt_range_fn fn;
+    gj_jit_code *code;
+} reg_entry;
+
+static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
+static reg_entry *g_reg;
+static int g_n_reg, g_cap_reg;
+static gj_jit_code **g_codes; /* the code objects the registry holds a reference to */
+static int g_n_codes, g_cap_codes;
+
+static int find_locked(const wbuf *d, const uint64_t h[2]) {
+    for (int i = 0; i < g_n_reg; i++)
+        if (g_reg[i].h[0] == h[0] && g_reg[i].h[1] == h[1] && g_reg[i].n == d->n &&
+            memcmp(g_reg[i].desc, d->p, d->n) == 0)
+            return i;
+    return -1;
+}
+
+int gj_jit_generic_register(const gj_jit_plan *p, gj_jit_code *code) {
+    if (!p->generic || !code) return 0;
+    int rc = 0;
+    pthread_mutex_lock(&g_reg_lock);
+    if (g_n_codes == g_cap_codes) {
+        int nc = g_cap_codes ? 2 * g_cap_codes : 8;
+        gj_jit_code **c = gj_rt_realloc(g_codes, (size_t)nc * sizeof *c);
+        if (!c) {
+            pthread_mutex_unlock(&g_reg_lock);
+            return -1;
+        }
+        g_codes = c;
+        g_cap_codes = nc;
+    }
+    bool used = false;
+    for (int s = 0; s < p->n_steps && rc == 0; s++) {
+        const gj_jit_kernel *k = &p->steps[s].k;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || !k->fn) continue;
+        wbuf d = {0};
+        gj_jit_kernel_describe(p, k, true, &d);
+        uint64_t h[2];
+        gj_jit_hash128(d.p, d.n, h);
+        if (d.oom) rc = -1;
+        else if (find_locked(&d, h) < 0) {
+            if (g_n_reg == g_cap_reg) {
+                int nc = g_cap_reg ? 2 * g_cap_reg : 32;
+                reg_entry *r = gj_rt_realloc(g_reg, (size_t)nc * sizeof *r);
+                if (!r) rc = -1;
+                else {
+                    g_reg = r;
+                    g_cap_reg = nc;
+                }
+            }
+            if (rc == 0) {
+                g_reg[g_n_reg++] = (reg_entry){{h[0], h[1]}, d.p, d.n, k->fn, code};
+                d.p = NULL;
+                used = true;
+            }
+        }
+        gj_rt_free(d.p);
+    }
+    if (used) {
+        gj_jit_code_ref(code);
+        g_codes[g_n_codes++] = code;
+    }
+    pthread_mutex_unlock(&g_reg_lock);
+    return rc;
+}
+
+int gj_jit_generic_bind(gj_jit_plan *p, gj_jit_code ***codes_out, int *n_codes_out, char *why,
+                        size_t why_cap) {
+    why[0] = '\0';
+    *codes_out = NULL;
+    *n_codes_out = 0;
+    if (!p->generic) return 1;
+    int n_k = 0;
+    for (int s = 0; s < p->n_steps; s++) n_k += p->steps[s].kind == GJ_JIT_STEP_KERNEL;
+    gj_jit_code **codes = gj_rt_calloc((size_t)n_k + 1, sizeof *codes);
+    if (!codes) return -1;
+    int n_codes = 0, rc = 0;
+    pthread_mutex_lock(&g_reg_lock);
+    for (int s = 0; s < p->n_steps && rc == 0; s++) {
+        gj_jit_kernel *k = &p->steps[s].k;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        wbuf d = {0};
+        gj_jit_kernel_describe(p, k, true, &d);
+        uint64_t h[2];
+        gj_jit_hash128(d.p, d.n, h);
+        int i = d.oom ? -2 : find_locked(&d, h);
+        gj_rt_free(d.p);
+        if (i == -2) rc = -1;
+        else if (i < 0) {
+            rc = 1;
+            snprintf(why, why_cap, "step %d (kernel over %d dims, %d accesses, %d expressions) "
+                     "matches no compiled symbolic kernel", s, k->nd, k->n_acc, k->n_ex);
+        }
+        else {
+            k->fn = g_reg[i].fn;
+            bool have = false;
+            for (int c = 0; c < n_codes && !have; c++) have = codes[c] == g_reg[i].code;
+            if (!have) codes[n_codes++] = g_reg[i].code;
+        }
+    }
+    if (rc == 0)
+        for (int c = 0; c < n_codes; c++) gj_jit_code_ref(codes[c]);
+    pthread_mutex_unlock(&g_reg_lock);
+    if (rc != 0) {
+        for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
+        gj_rt_free(codes);
+        return rc;
+    }
+    *codes_out = codes;
+    *n_codes_out = n_codes;
+    return 0;
+}
+
+/* Removes code object #ci and its entries from the registry (lock held);
+ * returns it: the caller drops the registry's reference after unlocking. */
+static gj_jit_code *forget_locked(int ci) {
+    gj_jit_code *c = g_codes[ci];
+    int w = 0;
+    for (int i = 0; i < g_n_reg; i++) {
+        if (g_reg[i].code == c) gj_rt_free(g_reg[i].desc);
+        else g_reg[w++] = g_reg[i];
+    }
+    g_n_reg = w;
+    g_codes[ci] = g_codes[--g_n_codes];
+    return c;
+}
+
+void gj_jit_generic_sweep(bool all) {
+    for (;;) {
+        gj_jit_code *c = NULL;
+        pthread_mutex_lock(&g_reg_lock);
+        for (int ci = 0; ci < g_n_codes && !c; ci++)
+            if (all || gj_jit_code_refs(g_codes[ci]) == 1) c = forget_locked(ci);
+        if (!c && g_n_codes == 0) {
+            gj_rt_free(g_reg);
+            gj_rt_free(g_codes);
+            g_reg = NULL;
+            g_codes = NULL;
+            g_cap_reg = g_cap_codes = 0;
+        }
+        pthread_mutex_unlock(&g_reg_lock);
+        if (!c) return;
+        gj_jit_code_free(c); /* the registry's reference */
+    }
+}
+
+int gj_jit_generic_kernels(void) {
+    pthread_mutex_lock(&g_reg_lock);
+    int n = g_n_reg;
+    pthread_mutex_unlock(&g_reg_lock);
+    return n;
+}
