@@ -104,9 +104,10 @@ static inline void smooth(const double *v, int64_t n, int w, double *out) {
  * compiled or something fell back. */
 static inline void print_ca(const char *tag, const gj_ca_stats *c) {
     printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
-           "%lld disk hits, %lld fallbacks\n",
+           "%lld disk hits, %lld bound to symbolic kernels, %lld fallbacks\n",
            tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
-           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->fallbacks);
+           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->instantiations,
+           (long long)c->fallbacks);
     if (c->backwards == 0) printf("[%s] WARNING: no backward went through the compiled path\n", tag);
     if (c->fallbacks > 0)
         printf("[%s] WARNING: %lld backwards fell back to the eager engine (%s)\n", tag,

@@ -6,7 +6,7 @@
  * prints the loss it reached and a sample of generated text.
  *
  *   train_charlm [--compiled-autograd | --both] [--steps N | --epochs N]
- *                [--batch N] [--ctx T] [--lr X] [--seed N] [--threads N]
+ *                [--batch N] [--ctx T] [--vary-ctx] [--lr X] [--seed N] [--threads N]
  *                [--quiet] [--text PATH]... [--sample N] [--temperature X]
  *                [--csv FILE] [--png FILE]
  *                [--save FILE] [--resume FILE] [--stop-after N]
@@ -18,7 +18,11 @@
  * vocabulary is the set of distinct bytes. The last 10% of the text is held
  * out for validation. A step trains on --batch windows of --ctx characters
  * at random offsets (splitmix64 from --seed); an epoch is as many steps as
- * the training text holds windows (training chars / (batch * ctx)).
+ * the training text holds windows (training chars / (batch * ctx)). With
+ * --vary-ctx each training step's context length is drawn from
+ * [max(2, ctx/4), ctx] (the same sequence in both modes of --both): with
+ * compiled autograd, dynamic shapes bind the new lengths to symbolic
+ * kernels instead of compiling each (validation keeps --ctx).
  *
  * Model (legend: B batch, T context, C = 128 channels, H = 4 heads, V vocab):
  * token embedding [V, C] + learned position embedding [T, C]; two pre-norm
@@ -412,7 +416,7 @@ static gj_tensor *model_loss(model *m, const int64_t *x, const int64_t *y, int64
 /* ------------------------------------------------------------ training */
 
 typedef struct opts {
-    bool compiled, both, quiet, tty;
+    bool compiled, both, quiet, tty, vary_ctx;
     int64_t steps;
     int epochs, batch, ctx, threads, sample;
     double lr, temperature;
@@ -592,6 +596,16 @@ gj_fail:
     return 1;
 }
 
+/* The context length of training step s: --ctx, or with --vary-ctx a
+ * length in [max(2, ctx/4), ctx] that depends only on the seed and s. */
+static int64_t ctx_at(const opts *o, int64_t s) {
+    if (!o->vary_ctx)
+        return o->ctx;
+    int64_t lo = o->ctx / 4 > 2 ? o->ctx / 4 : 2;
+    uint64_t st = o->seed * 0x9e3779b97f4a7c15ull + (uint64_t)s;
+    return lo + (int64_t)(splitmix64(&st) % (uint64_t)(o->ctx - lo + 1));
+}
+
 /* Training step s in this trainer's mode (forward and backward timed:
  * *fwd_ms, *bwd_ms), then the validation loss when s is an evaluation step
  * (not timed). 0, or 1 with a message on stderr. */
@@ -600,11 +614,13 @@ static int trainer_step(trainer *t, int64_t s, double *fwd_ms, double *bwd_ms) {
     run_out *r = t->r;
     gj_set_compiled_autograd(t->compiled);
     double ts = now_s();
-    get_batch(t->c, 0, t->c->n_train, o->batch, o->ctx, &t->rng, t->x, t->y);
+    int64_t T = ctx_at(o, s);
+    get_batch(t->c, 0, t->c->n_train, o->batch, (int)T, &t->rng, t->x, t->y);
     gj_optim_set_lr(t->opt, lr_at(o, s));
     gj_scope_push();
+    gj_tensor *mask = T == o->ctx ? t->mask : gj_narrow(gj_narrow(t->mask, 0, 0, T), 1, 0, T);
     double t0 = now_s();
-    gj_tensor *loss = model_loss(&t->m, t->x, t->y, o->batch, o->ctx, t->mask);
+    gj_tensor *loss = mask ? model_loss(&t->m, t->x, t->y, o->batch, T, mask) : NULL;
     double t1 = now_s();
     int ok = loss && gj_backward(loss, NULL) == 0;
     double t2 = now_s();
@@ -969,6 +985,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 "epochs over the text instead of --steps (0: use --steps)"),
         ARG_OPT("batch", ARG_INT, &o->batch, 1, 4096, "sequences per batch"),
         ARG_OPT("ctx", ARG_INT, &o->ctx, 2, 1024, "context length (characters)"),
+        ARG_OPT("vary-ctx", ARG_FLAG, &o->vary_ctx, 0, 0,
+                "draw each training step's context length in [ctx/4, ctx]"),
         ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
         ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "seed of the weights and the batches"),
         ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),

@@ -16,6 +16,11 @@
  *     run, only compared); a compiled program is written there (its kernels
  *     are named after the key's hash, so object code from another process
  *     links without clashes).
+ *   - Dynamic shapes (generic.c): when the call site already has a
+ *     program (every time under GJ_CA_DYNAMIC_ALWAYS) the new plan is made
+ *     generic and first bound to registered symbolic kernels: no compile,
+ *     the entry is marked bound and counted in instantiations, not toward
+ *     the recompile limit; a symbolic compile registers its kernels.
  *   - One mutex guards the cache and the statistics; compiling holds it
  *     (compiles are rare); running a program does not: a run holds a
  *     reference to its program (prog->refs, taken under the mutex), the

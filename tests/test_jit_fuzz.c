@@ -47,6 +47,11 @@
  *     counts depend on the process's history: a failure report names the
  *     fault as GJT_FUZZ_FAULT=<k>c|w (cold or warm cache) to repeat it
  *     with GJT_FUZZ_SEED.
+ * In 25% of the seeds (F_SYMBOLIC) the compiled run's program is symbolic
+ * (gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_ALWAYS)): its kernels
+ * read every size, offset and constant at run time, and a seed whose
+ * kernels were compiled by an earlier seed's graph is bound to them with
+ * no compile (the registry lives across seeds until the cache is cleared).
  * In 15% of the seeds (F_GRAD) the backward is a gj_grad instead (with
  * any of the features above): with respect to one to four tensors drawn
  * from the model's pool, leaves or intermediates, possibly one twice or
@@ -116,6 +121,7 @@ enum {
     F_REGION = 1 << 4, /* checkpoint regions */
     F_FAULT = 1 << 5,  /* an allocation fault in a compiled backward */
     F_GRAD = 1 << 6,   /* gj_grad on random leaves and intermediates instead of gj_backward */
+    F_SYMBOLIC = 1 << 7, /* the compiled run's program is symbolic (GJ_CA_DYNAMIC_ALWAYS) */
 };
 
 /* What a hook does. */
@@ -720,6 +726,7 @@ static unsigned seed_features(uint64_t seed) {
     if (gjt_rng_int(&r, 100) < 25) feat |= F_REGION;
     if (gjt_rng_int(&r, 100) < 5) feat |= F_FAULT;
     if (gjt_rng_int(&r, 100) < 15) feat |= F_GRAD;
+    if (gjt_rng_int(&r, 100) < 25) feat |= F_SYMBOLIC; /* (drawn last: earlier draws unchanged) */
     const char *only = getenv("GJT_FUZZ_FEATURES"); /* a mask of F_*: only these, by hand */
     if (only && *only) feat &= (unsigned)strtoul(only, NULL, 0);
     return feat;
@@ -808,6 +815,8 @@ static void run_model(uint64_t seed, gj_dtype dt, unsigned feat, const run_cfg *
     }
     gj_manual_seed(seed); /* the same dropout masks in both modes */
     gj_set_compiled_autograd(cfg->compiled);
+    gj_compiled_autograd_set_dynamic(cfg->compiled && (feat & F_SYMBOLIC) ? GJ_CA_DYNAMIC_ALWAYS
+                                                                          : GJ_CA_DYNAMIC_AUTO);
     gj_scope_push();
     for (int i = 0; i < f->n_leaves; i++) f->pool[f->n++] = f->leaves[i];
     if (feat & F_HOOKS)
@@ -856,6 +865,7 @@ static void run_model(uint64_t seed, gj_dtype dt, unsigned feat, const run_cfg *
     drain_jobs(f);
     gj_scope_pop();
     gj_set_compiled_autograd(false);
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_AUTO);
     for (int i = 0; i < f->n_leaves; i++) {
         gj_tensor *t = gj_tensor_grad(f->leaves[i]);
         res->g[i] = t ? gjt_values(t) : NULL;
@@ -1115,14 +1125,14 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int sha
     const char *all = getenv("GJT_FUZZ_GRAPHS"); /* graphs in all: a long run */
     if (all && atol(all) > 0) count = (int)((atol(all) * share + 99) / 100);
     if (cnt && atoi(cnt) > 0) count = atoi(cnt);
-    int bad = 0, total = 0, with[7] = {0};
+    int bad = 0, total = 0, with[8] = {0};
     fault_stats fs = {0};
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int k = 0; k < count; k++) {
         uint64_t seed = one ? strtoull(one, NULL, 10) : base + (uint64_t)k;
         unsigned feat = seed_features(seed);
-        for (int b = 0; b < 7; b++) with[b] += (feat >> b) & 1;
+        for (int b = 0; b < 8; b++) with[b] += (feat >> b) & 1;
         if (!check_seed(seed, dt, rtol, &fs)) {
             bad++;
             print_error("reproduce: GJT_FUZZ_SEED=%llu GJT_FUZZ_DTYPE=%s ./test_jit_fuzz\n",
@@ -1137,11 +1147,11 @@ static void run_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int sha
     double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     print_message("%s: %d graphs, %d mismatches or bad fallbacks, %.1f s (rtol %g); with hooks "
                   "%d, stream jobs %d, record_stream %d, custom ops %d, regions %d, gj_grad %d, "
-                  "faults %d (%d hit an allocation: %d failed cleanly, %d succeeded; %d keys "
+                  "symbolic %d, faults %d (%d hit an allocation: %d failed cleanly, %d succeeded; %d keys "
                   "eager-only after the fault; %d successes with a failed op in a post hook, "
                   "must be 0)\n",
                   gj_rt_dtype_name(dt), total, bad, sec, rtol, with[0], with[1], with[2], with[3],
-                  with[4], with[6], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
+                  with[4], with[6], with[7], with[5], fs.fired, fs.failed, fs.succeeded, fs.demoted,
                   fs.post_swallowed);
     assert_int_equal(bad, 0);
     assert_int_equal(fs.post_swallowed, 0);
