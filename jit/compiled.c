@@ -1341,13 +1341,40 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         /* the disk cache answers only for the plan made here: its file's
          * plan must be this one byte for byte (programs with hook or custom
          * calls live in memory only: they call addresses of this process) */
-        bool found = false, loaded = false;
+        bool found = false, loaded = false, on_disk = prog && disk && w.n_hooks == 0 &&
+                                                      prog->n_hooks == 0 && prog->n_calls == 0;
         char dwhy[300] = "";
-        if (prog && disk && w.n_hooks == 0 && prog->n_hooks == 0 && prog->n_calls == 0)
-            loaded = gj_jit_disk_load(&w, prog, prefix, &found, dwhy, sizeof dwhy) == 0;
+        if (on_disk) /* (a symbolic program's code has its own symbol prefix) */
+            loaded = gj_jit_disk_load(&w, prog, prog->plan.generic ? NULL : prefix, &found, dwhy,
+                                      sizeof dwhy) == 0;
         if (found && !loaded && (fl & GJ_JIT_LOG_CACHE))
             fprintf(stderr, "[gradjit cache] disk entry %016llx%016llx not used: %s\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
+        /* then a symbolic program of these kernels from an earlier process
+         * (another size): also for the first program of an AUTO site, which
+         * compiles specialised when there is none */
+        if (on_disk && !loaded && dm != GJ_CA_DYNAMIC_OFF) {
+            bool was = prog->plan.generic;
+            if (!was && gj_jit_plan_make_generic(&prog->plan) != 0) {
+                gj_jit_program_free(prog);
+                prog = NULL;
+                permanent = false;
+                snprintf(why, sizeof why, "out of memory");
+            } else {
+                found = false;
+                loaded = gj_jit_disk_load_symbolic(prog, &found, dwhy, sizeof dwhy) == 0;
+                if (found && !loaded && (fl & GJ_JIT_LOG_CACHE))
+                    fprintf(stderr, "[gradjit cache] symbolic disk entry for %016llx%016llx not "
+                                    "used: %s\n",
+                            (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
+                if (!loaded && !was && gj_jit_plan_make_specific(&prog->plan) != 0) {
+                    gj_jit_program_free(prog);
+                    prog = NULL;
+                    permanent = false;
+                    snprintf(why, sizeof why, "out of memory");
+                }
+            }
+        }
         if (loaded) {
             if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, false) != 0) {
                 pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
@@ -1364,6 +1391,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
                         now_ms() - t0);
             goto run;
         }
+        if (prog && prog->plan.generic) gj_jit_generic_prefix(prefix); /* see diskcache.h */
         if (prog && gj_jit_program_compile(prog, prefix, disk ? &obj : NULL, &obj_size, why,
                                            sizeof why, &permanent) != 0) {
             gj_jit_program_free(prog);
@@ -1400,6 +1428,11 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             gj_jit_disk_save(&w, prog, prefix, obj, obj_size, &du);
             g_stats.disk_evictions += du.evictions;
             if (du.bytes >= 0) g_disk_bytes = du.bytes;
+            if (prog->plan.generic) { /* and under its kernels, for every size */
+                gj_jit_disk_save_symbolic(prog, prefix, obj, obj_size, &du);
+                g_stats.disk_evictions += du.evictions;
+                if (du.bytes >= 0) g_disk_bytes = du.bytes;
+            }
         }
         gj_rt_free(obj);
     }

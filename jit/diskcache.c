@@ -15,6 +15,10 @@
  *   blob plan                      see put_plan
  *   blob object                    the kernels' object file
  *   u64[2] checksum                gj_jit_hash128 of everything before
+ * A symbolic entry (a symbolic program filed under its kernels, for every
+ * size) has the same layout: its key is "gradjit-symbolic v1 <hash of the
+ * signature>", its plan blob the kernel signature (generic.c), its prefix
+ * the random "gjs<32 hex>" its code was compiled with.
  * (str and blob: u64 length, then the bytes.)
  *
  * Invariants (DESIGN.md, "The cache trusts nothing it reads"):
@@ -54,6 +58,7 @@
  *     never the caller's error.
  */
 #include "diskcache.h"
+#include "generic.h"
 #include "jit.h"
 #include "wbuf.h"
 
@@ -609,8 +614,18 @@ static int read_all(int fd, unsigned char *p, size_t n) {
 
 /* ---------------------------------------------------------- save/load */
 
-int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
-                     const void *obj, size_t obj_size, gj_jit_disk_usage *u) {
+/* What names an entry and what a load compares: its key text and hash
+ * (the file name), and the bytes its plan blob must equal (a program's
+ * serialised plan, or a symbolic entry's kernel signature). */
+typedef struct entry_id {
+    const char *key;
+    size_t key_len;
+    uint64_t hash[2];
+    const wbuf *plan;
+} entry_id;
+
+static int save_entry(const entry_id *id, const char *prefix, const void *obj, size_t obj_size,
+                      gj_jit_disk_usage *u) {
     gj_jit_disk_usage scratch;
     if (!u) u = &scratch;
     u->evictions = 0;
@@ -618,19 +633,17 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
     const char *dir = gj_jit_disk_dir();
     const char *host = gj_jit_host_id();
     bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
-    if (!dir || !host[0] || !obj || !disk_able(pr)) return -1;
-    wbuf b = {0}, pb = {0};
+    if (!dir || !host[0] || !obj || id->plan->oom) return -1;
+    wbuf b = {0};
     int rc = -1, dfd = -1, fd = -1;
     char name[40], tmp[32] = "", why[300] = "";
     put(&b, g_magic, sizeof g_magic);
     put_u64(&b, layout_signature());
     put_blob(&b, GJ_VERSION_STR, strlen(GJ_VERSION_STR));
     put_blob(&b, host, strlen(host));
-    put_blob(&b, w->key, w->key_len);
+    put_blob(&b, id->key, id->key_len);
     put_blob(&b, prefix, strlen(prefix));
-    put_plan(&pb, pr);
-    if (pb.oom) goto done;
-    put_blob(&b, pb.p, pb.n);
+    put_blob(&b, id->plan->p, id->plan->n);
     put_blob(&b, obj, obj_size);
     if (b.oom) goto done;
     uint64_t h[2];
@@ -643,7 +656,7 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
     }
     dfd = open_dir(dir, true, why, sizeof why);
     if (dfd < 0) goto done;
-    entry_name(name, w->hash);
+    entry_name(name, id->hash);
     for (int tries = 0; fd < 0 && tries < 16; tries++) {
         tmp_name(tmp);
         fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -674,20 +687,41 @@ done:
         fprintf(stderr, "[gradjit cache] could not save to %s%s%s\n", dir, why[0] ? ": " : "",
                 why);
     gj_rt_free(b.p);
+    return rc;
+}
+
+int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
+                     const void *obj, size_t obj_size, gj_jit_disk_usage *u) {
+    if (u) *u = (gj_jit_disk_usage){0, -1};
+    if (!disk_able(pr)) return -1;
+    wbuf pb = {0};
+    put_plan(&pb, pr);
+    entry_id id = {w->key, w->key_len, {w->hash[0], w->hash[1]}, &pb};
+    int rc = save_entry(&id, prefix, obj, obj_size, u);
     gj_rt_free(pb.p);
     return rc;
 }
 
-int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
-                     char *why, size_t why_cap) {
+/* Whether s[0..n) is a symbol prefix of a symbolic program's code, "gjs"
+ * and 32 lowercase hex digits (what gj_jit_generic_prefix makes). */
+static bool symbolic_prefix(const unsigned char *s, size_t n) {
+    if (n != 35 || memcmp(s, "gjs", 3) != 0) return false;
+    for (size_t i = 3; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return false;
+    return true;
+}
+
+/* Loads entry id's object code into pr (see gj_jit_disk_load); prefix
+ * NULL: the entry's own, which must be a symbolic program's. */
+static int load_entry(const entry_id *id, gj_jit_program *pr, const char *prefix, bool *found,
+                      char *why, size_t why_cap) {
     *found = false;
     why[0] = '\0';
     const char *dir = gj_jit_disk_dir();
-    if (!dir || pr->code || !disk_able(pr)) return -1;
-    char name[40];
-    entry_name(name, w->hash);
+    if (!dir || pr->code || id->plan->oom) return -1;
+    char name[40], sym[48];
+    entry_name(name, id->hash);
     unsigned char *data = NULL;
-    wbuf mine = {0};
     int fd = -1, dfd = open_dir(dir, false, why, why_cap);
     if (dfd < 0) {
         *found = why[0] != '\0'; /* a directory that exists but is refused */
@@ -760,14 +794,20 @@ int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefi
         goto fail;
     }
     s = get_blob(&b, &n);
-    if (b.bad || n != w->key_len || memcmp(s, w->key, n) != 0) {
+    if (b.bad || n != id->key_len || memcmp(s, id->key, n) != 0) {
         snprintf(why, why_cap, "another key with the same hash");
         goto fail;
     }
     s = get_blob(&b, &n);
-    if (b.bad || n != strlen(prefix) || memcmp(s, prefix, n) != 0) {
+    if (b.bad || (prefix ? n != strlen(prefix) || memcmp(s, prefix, n) != 0
+                         : !symbolic_prefix(s, n))) {
         snprintf(why, why_cap, "damaged (symbol prefix)");
         goto fail;
+    }
+    if (!prefix) {
+        memcpy(sym, s, n);
+        sym[n] = '\0';
+        prefix = sym;
     }
     size_t pn, on;
     const unsigned char *pdata = get_blob(&b, &pn);
@@ -776,12 +816,7 @@ int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefi
         snprintf(why, why_cap, "damaged (layout)");
         goto fail;
     }
-    put_plan(&mine, pr);
-    if (mine.oom) {
-        snprintf(why, why_cap, "out of memory");
-        goto fail;
-    }
-    if (pn != mine.n || memcmp(pdata, mine.p, pn) != 0) {
+    if (pn != id->plan->n || memcmp(pdata, id->plan->p, pn) != 0) {
         snprintf(why, why_cap, "damaged or stale (its plan is not this graph's plan)");
         goto fail;
     }
@@ -795,12 +830,71 @@ int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefi
     close(fd);
     close(dfd);
     gj_rt_free(data);
-    gj_rt_free(mine.p);
     return 0;
 fail:
     if (fd >= 0) close(fd);
     if (dfd >= 0) close(dfd);
     gj_rt_free(data);
-    gj_rt_free(mine.p);
     return -1;
+}
+
+int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
+                     char *why, size_t why_cap) {
+    *found = false;
+    why[0] = '\0';
+    if (!gj_jit_disk_dir() || pr->code || !disk_able(pr)) return -1;
+    wbuf pb = {0};
+    put_plan(&pb, pr);
+    if (pb.oom) {
+        snprintf(why, why_cap, "out of memory");
+        return -1;
+    }
+    entry_id id = {w->key, w->key_len, {w->hash[0], w->hash[1]}, &pb};
+    int rc = load_entry(&id, pr, prefix, found, why, why_cap);
+    gj_rt_free(pb.p);
+    return rc;
+}
+
+/* ---------------------------------------------------- symbolic entries */
+
+/* The identity of generic plan p's symbolic entry: its kernel signature
+ * (generic.c) as the plan blob, and the key text "gradjit-symbolic v1
+ * <hash of the signature>" whose hash names the file. 0, or -1 on OOM
+ * (the caller frees sig->p either way). */
+static int symbolic_id(const gj_jit_plan *p, wbuf *sig, char key[64], entry_id *id) {
+    if (gj_jit_generic_signature(p, sig) != 0) return -1;
+    uint64_t h[2];
+    gj_jit_hash128(sig->p, sig->n, h);
+    int n = snprintf(key, 64, "gradjit-symbolic v1 %016llx%016llx", (unsigned long long)h[0],
+                     (unsigned long long)h[1]);
+    *id = (entry_id){key, (size_t)n, {0, 0}, sig};
+    gj_jit_hash128(key, (size_t)n, id->hash);
+    return 0;
+}
+
+int gj_jit_disk_save_symbolic(const gj_jit_program *pr, const char *prefix, const void *obj,
+                              size_t obj_size, gj_jit_disk_usage *u) {
+    if (u) *u = (gj_jit_disk_usage){0, -1};
+    if (!pr->plan.generic || !disk_able(pr)) return -1;
+    wbuf sig = {0};
+    char key[64];
+    entry_id id;
+    int rc = symbolic_id(&pr->plan, &sig, key, &id) == 0 ? save_entry(&id, prefix, obj, obj_size, u)
+                                                         : -1;
+    gj_rt_free(sig.p);
+    return rc;
+}
+
+int gj_jit_disk_load_symbolic(gj_jit_program *pr, bool *found, char *why, size_t why_cap) {
+    *found = false;
+    why[0] = '\0';
+    if (!gj_jit_disk_dir() || pr->code || !pr->plan.generic || !disk_able(pr)) return -1;
+    wbuf sig = {0};
+    char key[64];
+    entry_id id;
+    int rc = -1;
+    if (symbolic_id(&pr->plan, &sig, key, &id) != 0) snprintf(why, why_cap, "out of memory");
+    else rc = load_entry(&id, pr, NULL, found, why, why_cap);
+    gj_rt_free(sig.p);
+    return rc;
 }

@@ -56,5 +56,19 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
  * modification time is set to the present (its LRU stamp). Sets no error. */
 int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
                      char *why, size_t why_cap);
+/* (prefix NULL: a symbolic program's code, whose symbol prefix is the
+ * entry's own: gj_jit_generic_prefix's random one.) */
+
+/* Symbolic entries: the object code of a symbolic program, filed under
+ * its kernel signature (gj_jit_generic_signature: the kernels' names and
+ * generic descriptions, no sizes), so that any later plan with the same
+ * kernels -- another size of the call site, in another process -- finds
+ * it. The same checks as a program entry (the signature is compared byte
+ * for byte, never parsed). Save: pr generic, prefix the one it was
+ * compiled with. Load: pr generic (its plan for this size), as
+ * gj_jit_disk_load. */
+int gj_jit_disk_save_symbolic(const gj_jit_program *pr, const char *prefix, const void *obj,
+                              size_t obj_size, gj_jit_disk_usage *u);
+int gj_jit_disk_load_symbolic(gj_jit_program *pr, bool *found, char *why, size_t why_cap);
 
 #endif /* GJ_JIT_DISKCACHE_H */

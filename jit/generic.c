@@ -35,8 +35,11 @@
 #include "../runtime/gj_math.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------- integer tables */
 
@@ -99,6 +102,47 @@ int gj_jit_plan_make_generic(gj_jit_plan *p) {
             snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
     if (gj_jit_plan_fill_ints(p) != 0 || gj_jit_dedupe_kernels(p) != 0) return -1;
     return 0;
+}
+
+int gj_jit_plan_make_specific(gj_jit_plan *p) {
+    if (!p->generic) return 0;
+    p->generic = false;
+    for (int s = 0; s < p->n_steps; s++) {
+        gj_jit_kernel *k = &p->steps[s].k;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        gj_rt_free(k->ints);
+        k->ints = NULL;
+        k->n_ints = 0;
+        snprintf(k->name, sizeof k->name, "k%d", s);
+    }
+    return gj_jit_dedupe_kernels(p);
+}
+
+int gj_jit_generic_signature(const gj_jit_plan *p, wbuf *b) {
+    for (int s = 0; s < p->n_steps; s++) {
+        const gj_jit_kernel *k = &p->steps[s].k;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        size_t n = strnlen(k->name, sizeof k->name);
+        put_u64(b, n);
+        put(b, k->name, n);
+        bool first = true;
+        for (int t = 0; t < s && first; t++)
+            first = !(p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0);
+        put_u64(b, first);
+        if (first) gj_jit_kernel_describe(p, k, true, b);
+    }
+    return b->oom ? -1 : 0;
+}
+
+void gj_jit_generic_prefix(char out[48]) {
+    static atomic_ullong counter;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t seed[4] = {(uint64_t)ts.tv_sec, (uint64_t)ts.tv_nsec, (uint64_t)getpid(),
+                        atomic_fetch_add(&counter, 1) ^ (uint64_t)(uintptr_t)&ts};
+    uint64_t h[2];
+    gj_jit_hash128(seed, sizeof seed, h);
+    snprintf(out, 48, "gjs%016llx%016llx", (unsigned long long)h[0], (unsigned long long)h[1]);
 }
 
 /* ------------------------------------------------------------ registry */

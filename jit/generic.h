@@ -24,6 +24,19 @@ int gj_jit_generic_bind(gj_jit_plan *p, gj_jit_code ***codes_out, int *n_codes_o
 /* Drops the code objects that only the registry still references (all:
  * every one, with its entries). */
 void gj_jit_generic_sweep(bool all);
+/* The kernel signature of generic plan p into *b (a wbuf): per kernel step
+ * its name, and at a name's first step the kernel's generic description.
+ * Two plans with equal signatures call the same kernel functions under
+ * the same names. 0, or -1 on OOM. */
+struct wbuf;
+int gj_jit_generic_signature(const gj_jit_plan *p, struct wbuf *b);
+/* A fresh symbol prefix for a symbolic program's code: "gjs" and 32 hex
+ * digits from the time, the pid, a counter and an address, so code loaded
+ * from disk never clashes with code compiled here. */
+void gj_jit_generic_prefix(char out[48]);
+/* Undoes gj_jit_plan_make_generic (the plan compiles specialised). 0, or
+ * -1 on OOM. */
+int gj_jit_plan_make_specific(gj_jit_plan *p);
 /* Registered kernels (tests). */
 int gj_jit_generic_kernels(void);
 

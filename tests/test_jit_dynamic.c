@@ -472,7 +472,79 @@ static void test_disk(void **state) {
     assert_int_equal(system(cmd), 0);
 }
 
-int main(void) {
+/* Child: the MLP at the given batch sizes under GRADJIT_CACHE_DIR (set by
+ * the parent), AUTO; prints "compiles C disk D bound B fallbacks F". */
+static int child_sizes(const char *list) {
+    model m;
+    mlp_init(&m, GJ_F32);
+    gj_compiled_autograd_set_quiet(true);
+    uint64_t k = 0;
+    for (const char *p = list; *p;) {
+        char *end;
+        long b = strtol(p, &end, 10);
+        if (end == p || b <= 0) return 2;
+        if (!step(&m, b, 0, 900 + k++)) return 1;
+        p = *end == ',' ? end + 1 : end;
+    }
+    gj_ca_stats s = gjt_ca_now();
+    printf("compiles %lld disk %lld bound %lld fallbacks %lld\n", (long long)s.compiles,
+           (long long)s.disk_hits, (long long)s.instantiations, (long long)s.fallbacks);
+    model_free(&m);
+    return 0;
+}
+
+static char g_self[4096];
+
+/* Runs the child at sizes under dir; returns its counters. */
+static void run_child(const char *dir, const char *sizes, long long c[4]) {
+    char env_dir[4200];
+    snprintf(env_dir, sizeof env_dir, "GRADJIT_CACHE_DIR=%s", dir);
+    const char *env[] = {env_dir, "GRADJIT_DYNAMIC", NULL};
+    char mode[256], *out = NULL, *err = NULL;
+    snprintf(mode, sizeof mode, "--child=%s", sizes);
+    int rc = gjt_run_self(g_self, mode, env, &out, &err);
+    if (rc != 0) fprintf(stderr, "child %s failed (%d): %s\n", sizes, rc, err ? err : "");
+    assert_int_equal(rc, 0);
+    assert_non_null(out);
+    assert_int_equal(sscanf(out, "compiles %lld disk %lld bound %lld fallbacks %lld", &c[0], &c[1],
+                            &c[2], &c[3]),
+                     4);
+    free(out);
+    free(err);
+}
+
+/* A symbolic program saved by one process serves another process's sizes:
+ * its kernels are on disk under their signature. */
+static void test_disk_across_processes(void **state) {
+    (void)state;
+    char dir[] = "/tmp/gj-dyn2-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    long long c[4];
+    run_child(dir, "16,17", c); /* specialised, then symbolic: both saved */
+    fprintf(stderr, "  process 1, batch 16 then 17: %lld compiles, %lld disk hits, %lld bound, "
+                    "%lld fallbacks\n", c[0], c[1], c[2], c[3]);
+    assert_int_equal(c[0], 2);
+    assert_int_equal(c[3], 0);
+    run_child(dir, "23,24,16", c); /* 23: the symbolic entry; then bound (16 too) */
+    fprintf(stderr, "  process 2, batch 23, 24, 16: %lld compiles, %lld disk hits, %lld bound, "
+                    "%lld fallbacks\n", c[0], c[1], c[2], c[3]);
+    assert_int_equal(c[0], 0);
+    assert_int_equal(c[1], 1);
+    assert_int_equal(c[2], 2);
+    assert_int_equal(c[3], 0);
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strncmp(argv[1], "--child=", 8) == 0) {
+        gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_AUTO);
+        return child_sizes(argv[1] + 8);
+    }
+    ssize_t n = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
+    if (n <= 0) snprintf(g_self, sizeof g_self, "%s", argv[0]);
+    else g_self[n] = '\0';
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mlp_random_batch_f32),
         cmocka_unit_test(test_mlp_random_batch_f64),
@@ -483,6 +555,7 @@ int main(void) {
         cmocka_unit_test(test_always),
         cmocka_unit_test(test_eviction_keeps_code),
         cmocka_unit_test(test_disk),
+        cmocka_unit_test(test_disk_across_processes),
     };
     setenv("GRADJIT_CACHE_DIR", "off", 1);
     return cmocka_run_group_tests(tests, NULL, NULL);
