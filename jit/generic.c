@@ -43,6 +43,13 @@
 
 /* ------------------------------------------------------- integer tables */
 
+bool gj_jit_generic_block_ok(const gj_jit_kernel *k) {
+    if ((k->red >> (k->nd - 1)) & 1u) return true; /* inner mode: no column accumulators */
+    for (int s = 0; s < k->n_st; s++)
+        if (k->st[s].reduce) return k->block <= GJ_JIT_MAX_RED_BLOCK;
+    return true;
+}
+
 /* The bits lower.c computes with for constant v in compute type dt. */
 static int64_t const_bits(gj_dtype dt, double v) {
     uint64_t u = 0;
@@ -239,6 +246,7 @@ int gj_jit_generic_bind(gj_jit_plan *p, gj_jit_code ***codes_out, int *n_codes_o
         gj_jit_hash128(d.p, d.n, h);
         int i = d.oom ? -2 : find_locked(&d, h);
         gj_rt_free(d.p);
+        if (i >= 0 && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan.c) */
         if (i == -2) rc = -1;
         else if (i < 0) {
             rc = 1;

@@ -37,6 +37,9 @@ void gj_jit_generic_prefix(char out[48]);
 /* Undoes gj_jit_plan_make_generic (the plan compiles specialised). 0, or
  * -1 on OOM. */
 int gj_jit_plan_make_specific(gj_jit_plan *p);
+/* Whether generic kernel code has room for k's column accumulators
+ * (its block at most GJ_JIT_MAX_RED_BLOCK when it has reduce stores). */
+bool gj_jit_generic_block_ok(const gj_jit_kernel *k);
 /* Registered kernels (tests). */
 int gj_jit_generic_kernels(void);
 

@@ -42,6 +42,7 @@
 #include "llvm_int.h"
 
 #include "../runtime/gj_math.h"
+#include "generic.h"
 
 #include <llvm-c/DebugInfo.h>
 
@@ -712,6 +713,11 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     int nx = g->generic ? 1 : 0; /* the ints table after the buffers */
     if (g->generic && (!k->ints || k->n_ints != gj_jit_kint_count(k))) {
         kg_fail(g, "internal: generic kernel %s without its integer table", k->name);
+        return -1;
+    }
+    if (g->generic && !gj_jit_generic_block_ok(k)) {
+        kg_fail(g, "internal: generic kernel %s has a column block of %lld (more than %d)",
+                k->name, (long long)k->block, GJ_JIT_MAX_RED_BLOCK);
         return -1;
     }
     LLVMTypeRef *pt = gj_rt_calloc((size_t)np + 3, sizeof *pt);

@@ -1188,6 +1188,8 @@ static void collapse_dims(gj_jit_kernel *k) {
 /* Rows, blocks and grain of kernel k (see plan.h). */
 static void schedule_kernel(gj_jit_kernel *k) {
     int L = k->nd - 1;
+    bool acc = k->red != 0; /* double accumulators per column: reduce stores */
+    for (int s = 0; s < k->n_st; s++) acc |= k->st[s].reduce; /* (also over no dims left) */
     int64_t red_work = 1, outer = 1;
     for (int d = 0; d < k->nd; d++) {
         if ((k->red >> d) & 1u) red_work *= k->dims[d];
@@ -1200,7 +1202,7 @@ static void schedule_kernel(gj_jit_kernel *k) {
         k->grain = red_work > 0 ? 32768 / red_work : 1;
     } else {
         int64_t inner = k->dims[L];
-        if (k->red) { /* double accumulators on the stack; >= 8 column blocks when wide */
+        if (acc) { /* double accumulators on the stack; >= 8 column blocks when wide */
             int64_t want = (inner + 7) / 8;
             want = (want + 15) / 16 * 16;
             if (want < 64) want = 64;

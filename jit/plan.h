@@ -115,9 +115,10 @@ typedef struct gj_jit_kernel {
     int n_ints;
 } gj_jit_kernel;
 
-/* The reduction block of an outer-mode kernel is at most this many
- * columns (plan.c's schedule; a generic kernel's accumulators have room
- * for this many). */
+/* The column block of an outer-mode kernel with reduce stores is at most
+ * this many columns (plan.c's schedule; a generic kernel's accumulators
+ * have room for this many, and generic.c refuses to bind a kernel whose
+ * block is larger). */
 #define GJ_JIT_MAX_RED_BLOCK 512
 
 /* A generic kernel's integer table: dims[0..nd), then per access a its

@@ -9,8 +9,10 @@
  * autograd off) and compiled, and requires the same .grad bits, then
  * checks the counters (backwards, compiles, memory hits, instantiations,
  * fallbacks):
- *   - an MLP (the W1 shape, smaller) at random batch sizes in [1, 512],
- *     f32 and f64: at most 2 compiles, no fallback;
+ *   - the W1 MLP (784-1024-1024-10, f32) and a narrower one in f64 at
+ *     random batch sizes in [1, 512], a batch of 1 among them: three
+ *     compiles (the first size, the symbolic program, the batch of 1),
+ *     no fallback;
  *   - the same with dynamic shapes off: one compile per size, then the
  *     recompile limit (the behaviour before);
  *   - a char-LM block (embedding, positions, causal attention, layer
@@ -24,7 +26,9 @@
  *     compiled them (a tiny memory limit) and clearing the cache leaves
  *     no kernel registered and no use after free (ASan);
  *   - the disk cache: a symbolic program loaded from disk serves new
- *     sizes without compiling.
+ *     sizes without compiling, in this process and in a new one (child
+ *     processes sharing a cache directory);
+ *   - two threads at random sizes on one call site (TSan in CI).
  */
 #include "gjtest.h"
 
@@ -32,6 +36,7 @@
 #include "jit/jit.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,12 +49,14 @@ typedef struct model {
     int np;
     gj_tensor *p[MAXP];
     int kind;        /* 0: MLP, 1: block */
+    int64_t in;      /* MLP: input width */
     int64_t tmax;    /* block: positions and mask rows */
     gj_tensor *mask; /* block: [tmax, tmax], 1 above the diagonal */
     double drop;     /* block: dropout probability after attention */
 } model;
 
 enum { IN = 48, HID = 96, K = 10, V = 27, C = 32, H = 2, HD = C / H };
+enum { W1_IN = 784, W1_HID = 1024 }; /* the W1 benchmark's widths (bench/workloads.c) */
 
 static gj_tensor *param(gjt_rng *r, gj_dtype dt, int nd, const int64_t *s, double a) {
     gj_tensor *t = gjt_uniform(r, dt, nd, s, -a, a);
@@ -68,15 +75,19 @@ static void ln_params(model *m, gjt_rng *r) {
     m->p[m->np++] = param(r, m->dt, 1, (int64_t[]){C}, 0.2);
 }
 
-static void mlp_init(model *m, gj_dtype dt) {
+/* in -> hid -> GELU -> hid -> GELU -> K, cross entropy. */
+static void mlp_init_dims(model *m, gj_dtype dt, int64_t in, int64_t hid) {
     memset(m, 0, sizeof *m);
     m->dt = dt;
+    m->in = in;
     gjt_rng r;
     gjt_rng_seed(&r, 11);
-    linear_params(m, &r, IN, HID);
-    linear_params(m, &r, HID, HID);
-    linear_params(m, &r, HID, K);
+    linear_params(m, &r, in, hid);
+    linear_params(m, &r, hid, hid);
+    linear_params(m, &r, hid, K);
 }
+
+static void mlp_init(model *m, gj_dtype dt) { mlp_init_dims(m, dt, IN, HID); }
 
 static void block_init(model *m, gj_dtype dt, int64_t tmax, double drop) {
     memset(m, 0, sizeof *m);
@@ -145,15 +156,21 @@ static gj_tensor *block_loss(model *m, int64_t B, int64_t T, uint64_t seed) {
     return l;
 }
 
-static gj_tensor *mlp_loss(model *m, int64_t B, uint64_t seed) {
+/* The MLP's loss on a batch of B drawn from seed; NULL on error (no
+ * cmocka assert: the thread case calls it off the main thread). */
+static gj_tensor *mlp_loss_of(model *m, int64_t B, uint64_t seed) {
     gj_tensor *const *p = m->p;
     gjt_rng r;
     gjt_rng_seed(&r, seed);
-    gj_tensor *x = gjt_uniform(&r, m->dt, 2, (int64_t[]){B, IN}, -2, 2);
+    gj_tensor *x = gjt_uniform(&r, m->dt, 2, (int64_t[]){B, m->in}, -2, 2);
     gj_tensor *lab = gjt_labels(&r, 1, (int64_t[]){B}, K);
     gj_tensor *h = gj_gelu(gj_linear(x, p[0], p[1]));
     h = gj_gelu(gj_linear(h, p[2], p[3]));
-    gj_tensor *l = gj_cross_entropy(gj_linear(h, p[4], p[5]), lab);
+    return gj_cross_entropy(gj_linear(h, p[4], p[5]), lab);
+}
+
+static gj_tensor *mlp_loss(model *m, int64_t B, uint64_t seed) {
+    gj_tensor *l = mlp_loss_of(m, B, seed);
     assert_non_null(l);
     return l;
 }
@@ -249,8 +266,9 @@ static int sizes(int64_t *out, int n, int64_t first, int64_t second, int64_t lo,
 
 static void mlp_random_batch(gj_dtype dt) {
     fresh(GJ_CA_DYNAMIC_AUTO);
-    model m;
-    mlp_init(&m, dt);
+    model m; /* f32: W1's widths; f64 (slower): a narrower MLP of the same structure */
+    if (dt == GJ_F32) mlp_init_dims(&m, dt, W1_IN, W1_HID);
+    else mlp_init(&m, dt);
     enum { N = 24 };
     int64_t b[N];
     sizes(b, N, 64, 37, 1, 512, dt == GJ_F32 ? 5 : 6);
@@ -263,7 +281,8 @@ static void mlp_random_batch(gj_dtype dt) {
     }
     for (int i = 0; i < N; i++) assert_true(step(&m, b[i], 0, 100 + (uint64_t)i));
     gj_ca_stats s = gjt_ca_now();
-    report(dt == GJ_F32 ? "MLP f32, random batch in [1, 512]" : "MLP f64, random batch in [1, 512]",
+    report(dt == GJ_F32 ? "W1 MLP (784-1024-1024-10) f32, random batch in [1, 512]"
+                        : "MLP (48-96-96-10) f64, random batch in [1, 512]",
            &s, distinct);
     assert_int_equal(s.backwards, N);
     assert_int_equal(s.fallbacks, 0);
@@ -472,6 +491,77 @@ static void test_disk(void **state) {
     assert_int_equal(system(cmd), 0);
 }
 
+/* ------------------------------------------------------------ threads */
+
+enum { TSTEPS = 8 };
+
+typedef struct worker {
+    model m;
+    int64_t b[TSTEPS];
+    double *g[TSTEPS][MAXP];
+    int failed;
+} worker;
+
+/* A thread's compiled steps (no cmocka asserts off the main thread). */
+static void *dyn_worker(void *arg) {
+    worker *w = arg;
+    for (int i = 0; i < TSTEPS; i++) {
+        for (int q = 0; q < w->m.np; q++) w->failed |= gj_tensor_set_grad(w->m.p[q], NULL) != 0;
+        gj_scope_push();
+        gj_tensor *l = mlp_loss_of(&w->m, w->b[i], 1000 + (uint64_t)i);
+        w->failed |= !l || gj_backward(l, NULL) != 0;
+        gj_scope_pop();
+        for (int q = 0; q < w->m.np && !w->failed; q++) {
+            gj_tensor *gq = gj_tensor_grad(w->m.p[q]);
+            w->g[i][q] = gq ? gjt_values(gq) : NULL;
+            w->failed |= !w->g[i][q];
+        }
+    }
+    return NULL;
+}
+
+/* Two threads with models of one structure (one call site) at different
+ * random sizes: compiles, binds and runs race on the cache and the kernel
+ * registry (TSan: ctest -L threads); every .grad equals eager's. */
+static void test_threads(void **state) {
+    (void)state;
+    fresh(GJ_CA_DYNAMIC_AUTO);
+    worker w[2];
+    memset(w, 0, sizeof w);
+    for (int t = 0; t < 2; t++) {
+        mlp_init(&w[t].m, GJ_F32);
+        sizes(w[t].b, TSTEPS, 20 + t, 30 + t, 2, 300, 31 + (uint64_t)t);
+    }
+    gj_set_compiled_autograd(true);
+    pthread_t th[2];
+    for (int t = 0; t < 2; t++) assert_int_equal(pthread_create(&th[t], NULL, dyn_worker, &w[t]), 0);
+    for (int t = 0; t < 2; t++) assert_int_equal(pthread_join(th[t], NULL), 0);
+    gj_set_compiled_autograd(false);
+    gj_ca_stats s = gjt_ca_now();
+    report("MLP f32, two threads, 8 random batch sizes each", &s, 2 * TSTEPS);
+    assert_int_equal(s.fallbacks, 0);
+    assert_true(s.compiles <= 3); /* a race may compile the symbolic program twice */
+    for (int t = 0; t < 2; t++) {
+        assert_int_equal(w[t].failed, 0);
+        for (int i = 0; i < TSTEPS; i++) { /* eager reference, same inputs */
+            zero(&w[t].m);
+            gj_scope_push();
+            gj_tensor *l = mlp_loss(&w[t].m, w[t].b[i], 1000 + (uint64_t)i);
+            assert_int_equal(gj_backward(l, NULL), 0);
+            gj_scope_pop();
+            double *ge[MAXP];
+            grads(&w[t].m, ge);
+            for (int q = 0; q < w[t].m.np; q++) {
+                assert_memory_equal(ge[q], w[t].g[i][q],
+                                    (size_t)gj_tensor_numel(w[t].m.p[q]) * sizeof(double));
+                free(ge[q]);
+                free(w[t].g[i][q]);
+            }
+        }
+        model_free(&w[t].m);
+    }
+}
+
 /* Child: the MLP at the given batch sizes under GRADJIT_CACHE_DIR (set by
  * the parent), AUTO; prints "compiles C disk D bound B fallbacks F". */
 static int child_sizes(const char *list) {
@@ -556,6 +646,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_eviction_keeps_code),
         cmocka_unit_test(test_disk),
         cmocka_unit_test(test_disk_across_processes),
+        cmocka_unit_test(test_threads),
     };
     setenv("GRADJIT_CACHE_DIR", "off", 1);
     return cmocka_run_group_tests(tests, NULL, NULL);
