@@ -299,6 +299,16 @@ static void log_recompile(const gj_jit_walk *w, int n_site, int limit, bool symb
             (unsigned long long)best->hash[1]);
 }
 
+/* A miss that ran out of memory preparing *prog: frees it (not a
+ * permanent failure: the eager engine runs this backward, the key is
+ * tried again next time). */
+static void drop_oom(gj_jit_program **prog, bool *permanent, char *why, size_t cap) {
+    gj_jit_program_free(*prog);
+    *prog = NULL;
+    *permanent = false;
+    snprintf(why, cap, "out of memory");
+}
+
 /* The class of a program-build failure, from its message (program.c). */
 static gj_ca_reason build_reason(const char *why) {
     if (strncmp(why, "no lowering", 11) == 0) return GJ_CA_NO_LOWERING;
@@ -1289,10 +1299,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         if (prog && w.grad_mode) { /* which output answers which input */
             prog->ret = gj_rt_malloc(((size_t)w.n_req + 1) * sizeof *prog->ret);
             if (!prog->ret) {
-                gj_jit_program_free(prog);
-                prog = NULL;
-                permanent = false;
-                snprintf(why, sizeof why, "out of memory");
+                drop_oom(&prog, &permanent, why, sizeof why);
             } else {
                 memcpy(prog->ret, cap.ret, (size_t)w.n_req * sizeof *prog->ret);
                 prog->n_ret = w.n_req;
@@ -1308,10 +1315,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
                 fprintf(stderr, "[gradjit recompiles] key %016llx%016llx compiles symbolically: %s\n",
                         (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], bwhy);
             if (b < 0) {
-                gj_jit_program_free(prog);
-                prog = NULL;
-                permanent = false;
-                snprintf(why, sizeof why, "out of memory");
+                drop_oom(&prog, &permanent, why, sizeof why);
             } else if (b == 0) {
                 if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, true) != 0) {
                     pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
@@ -1356,10 +1360,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         if (on_disk && !loaded && dm != GJ_CA_DYNAMIC_OFF) {
             bool was = prog->plan.generic;
             if (!was && gj_jit_plan_make_generic(&prog->plan) != 0) {
-                gj_jit_program_free(prog);
-                prog = NULL;
-                permanent = false;
-                snprintf(why, sizeof why, "out of memory");
+                drop_oom(&prog, &permanent, why, sizeof why);
             } else {
                 found = false;
                 loaded = gj_jit_disk_load_symbolic(prog, &found, dwhy, sizeof dwhy) == 0;
@@ -1368,10 +1369,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
                                     "used: %s\n",
                             (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], dwhy);
                 if (!loaded && !was && gj_jit_plan_make_specific(&prog->plan) != 0) {
-                    gj_jit_program_free(prog);
-                    prog = NULL;
-                    permanent = false;
-                    snprintf(why, sizeof why, "out of memory");
+                    drop_oom(&prog, &permanent, why, sizeof why);
                 }
             }
         }

@@ -71,30 +71,7 @@ void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool g
             put_i64(b, slot);
         }
     }
-    if (!generic) {
-        put_kernel_code(b, k);
-        return;
-    }
-    /* the expressions without their constants and the instructions'
-     * shapes and axes, which lower.c does not build into the code (sizes
-     * reach them: a mean's 1/N, the shapes of the ops they came from) */
-    put_i64(b, k->n_ex);
-    for (int e = 0; e < k->n_ex; e++) {
-        const gj_jit_expr *x = &k->ex[e];
-        put_i64(b, x->kind);
-        put_i64(b, x->dtype);
-        put_i64(b, x->access);
-        put_i64(b, x->inst.prim); /* (constants are read at run time: lower.c) */
-        put_i64(b, x->inst.n_in);
-        for (int q = 0; q < 3; q++) put_i64(b, x->args[q]);
-    }
-    put_i64(b, k->n_st);
-    for (int q = 0; q < k->n_st; q++) {
-        const gj_jit_store *x = &k->st[q];
-        put_i64(b, x->access);
-        put_i64(b, x->expr);
-        put_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
-    }
+    put_kernel_code(b, k, generic);
 }
 
 int gj_jit_dedupe_kernels(gj_jit_plan *p) {

@@ -441,7 +441,7 @@ static void put_kernel(wbuf *b, const gj_jit_kernel *k) {
         put_i64(b, x->offset);
         put_dims(b, x->strides, k->nd);
     }
-    put_kernel_code(b, k);
+    put_kernel_code(b, k, false);
     put_i64(b, k->block);
     put_i64(b, k->nblk);
     put_i64(b, k->rows);

@@ -80,6 +80,9 @@ static void print_summary(void) {
                 "hits, %lld fallbacks",
                 (long long)st.compiles, st.compile_ms, (long long)st.mem_hits,
                 (long long)st.disk_hits, (long long)st.fallbacks);
+        if (st.instantiations)
+            fprintf(stderr, ", %lld bound to symbolic kernels (no compile)",
+                    (long long)st.instantiations);
         if (st.mem_evictions || st.disk_evictions)
             fprintf(stderr, ", evictions: %lld memory, %lld disk", (long long)st.mem_evictions,
                     (long long)st.disk_evictions);

@@ -72,16 +72,24 @@ static inline void put_inst(wbuf *b, const gj_rt_inst *x) {
 
 /* A kernel's code: its expressions (instruction of each, zero for loads
  * and constants) and its stores -- the part of a kernel the disk cache and
- * dedupe.c both serialise. */
-static inline void put_kernel_code(wbuf *b, const gj_jit_kernel *k) {
+ * dedupe.c both serialise. generic: without the constants and the
+ * instructions' fields other than the primitive and its input count,
+ * which a generic kernel does not build into its code (sizes reach them:
+ * a mean's 1/N, the shapes of the ops they came from; lower.c). */
+static inline void put_kernel_code(wbuf *b, const gj_jit_kernel *k, bool generic) {
     put_i64(b, k->n_ex);
     for (int e = 0; e < k->n_ex; e++) {
         const gj_jit_expr *x = &k->ex[e];
         put_i64(b, x->kind);
         put_i64(b, x->dtype);
         put_i64(b, x->access);
-        put_f64(b, x->cval);
-        put_inst(b, &x->inst);
+        if (generic) {
+            put_i64(b, x->inst.prim);
+            put_i64(b, x->inst.n_in);
+        } else {
+            put_f64(b, x->cval);
+            put_inst(b, &x->inst);
+        }
         for (int q = 0; q < 3; q++) put_i64(b, x->args[q]);
     }
     put_i64(b, k->n_st);

@@ -78,7 +78,8 @@
  *     GJT_FUZZ_GRAPHS=100000 nice -n 19 ./test_jit_fuzz
  * (100,000 graphs take about an hour and a half on an idle 2-core
  * machine). GJT_FUZZ_FEATURES=mask keeps only the features of the mask
- * (F_* below: 0 gives plain graphs, 32 the faults alone, 64 gj_grad) for probing one
+ * (F_* below: 0 gives plain graphs, 32 the faults alone, 64 gj_grad, 128
+ * symbolic programs alone) for probing one
  * feature at a time; masking hooks, custom ops or regions changes the
  * seed's ops, masking the fault does not.
  */
