@@ -543,10 +543,12 @@ typedef struct gj_ca_stats {
     int64_t mem_entries;    /* its entries (programs and eager-only keys) */
     int64_t disk_bytes;     /* bytes of the disk cache's entries after this process's
                                last save (0: none yet) */
-    /* Counter (reset with the others): new keys that ran a symbolic program
-     * made without compiling -- planned for their sizes and bound to kernels
-     * compiled for other sizes (gj_compiled_autograd_set_dynamic). Such a
-     * backward counts here, not in compiles or hits. */
+    /* Counter (reset with the others): new keys that ran a program made
+     * without compiling -- planned for their sizes and bound to kernels
+     * compiled for other keys: a symbolic program's at another size
+     * (gj_compiled_autograd_set_dynamic), or another call site's kernels of
+     * the same description. Such a backward counts here, not in compiles
+     * or hits. */
     int64_t instantiations;
 } gj_ca_stats;
 GJ_API void gj_compiled_autograd_stats(gj_ca_stats *out);
@@ -624,7 +626,9 @@ typedef struct gj_ca_program_info {
     int n_gemms;
     gj_ca_gemm gemms[GJ_CA_MAX_GEMMS];
     bool symbolic;              /* its kernels read the sizes at run time */
-    bool bound;                 /* made for this key from kernels compiled for other sizes */
+    bool bound;                 /* made for this key from kernels compiled for other keys */
+    int shared_kernel_functions; /* of kernel_functions, those another program compiled
+                                   (the same description): not compiled for this one */
 } gj_ca_program_info;
 /* 0 and *out filled, or -1 (error set) when this thread has run no
  * compiled backward yet. */

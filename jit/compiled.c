@@ -20,7 +20,10 @@
  *     program (every time under GJ_CA_DYNAMIC_ALWAYS) the new plan is made
  *     generic and first bound to registered symbolic kernels: no compile,
  *     the entry is marked bound and counted in instantiations, not toward
- *     the recompile limit; a symbolic compile registers its kernels.
+ *     the recompile limit. Before any compile, kernels registered by other
+ *     programs (same description) are bound and only the rest compiled;
+ *     every compile and disk load registers its kernels. A program that
+ *     calls other programs' kernels is not written to disk.
  *   - One mutex guards the cache and the statistics; compiling holds it
  *     (compiles are rare); running a program does not: a run holds a
  *     reference to its program (prog->refs, taken under the mutex), the
@@ -1309,7 +1312,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             char bwhy[200] = "";
             int b = gj_jit_plan_make_generic(&prog->plan);
             if (b == 0)
-                b = gj_jit_generic_bind(&prog->plan, &prog->shared, &prog->n_shared, bwhy,
+                b = gj_jit_kernels_bind(&prog->plan, false, &prog->shared, &prog->n_shared, bwhy,
                                         sizeof bwhy);
             if (b == 1 && (fl & (GJ_JIT_LOG_RECOMPILES | GJ_JIT_LOG_CACHE)) && site_symbolic(&w))
                 fprintf(stderr, "[gradjit recompiles] key %016llx%016llx compiles symbolically: %s\n",
@@ -1382,11 +1385,37 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             }
             g_stats.disk_hits++;
             fresh = true;
-            (void)gj_jit_generic_register(&prog->plan, prog->code); /* a symbolic one's kernels */
+            (void)gj_jit_kernels_register(&prog->plan, prog->code); /* for other programs */
             if (fl & GJ_JIT_LOG_CACHE)
                 fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
                         (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
                         now_ms() - t0);
+            goto run;
+        }
+        /* kernels other programs compiled (the same description: another
+         * call site, a gj_grad of the same model) are not compiled again;
+         * when none is left the program is bound like a new size */
+        int missing = 1;
+        char kwhy[200];
+        if (prog) {
+            missing = gj_jit_kernels_bind(&prog->plan, true, &prog->shared, &prog->n_shared, kwhy,
+                                          sizeof kwhy);
+            if (missing < 0) drop_oom(&prog, &permanent, why, sizeof why);
+        }
+        if (prog && missing == 0) {
+            if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, true) != 0) {
+                pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
+                prog = NULL;
+                snprintf(why, sizeof why, "out of memory in the cache");
+                goto fall;
+            }
+            g_stats.instantiations++;
+            fresh = true;
+            if (fl & GJ_JIT_LOG_CACHE)
+                fprintf(stderr, "[gradjit cache] bound %016llx%016llx to kernels of %d other "
+                                "program%s (no compile)\n",
+                        (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
+                        prog->n_shared, prog->n_shared == 1 ? "" : "s");
             goto run;
         }
         if (prog && prog->plan.generic) gj_jit_generic_prefix(prefix); /* see diskcache.h */
@@ -1415,13 +1444,15 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         g_stats.compiles++;
         fresh = true;
         g_stats.compile_ms += now_ms() - t0;
-        /* a symbolic program's kernels serve later sizes (failing to
-         * register only costs a later compile) */
-        (void)gj_jit_generic_register(&prog->plan, prog->code);
+        /* its kernels serve other programs (a symbolic one's, other sizes;
+         * failing to register only costs a later compile) */
+        (void)gj_jit_kernels_register(&prog->plan, prog->code);
         if (fl & GJ_JIT_LOG_CACHE)
-            fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms\n",
-                    (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0);
-        if (obj && prog->n_hooks == 0 && prog->n_calls == 0) {
+            fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms%s\n",
+                    (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0,
+                    prog->n_shared ? " (some kernels shared with other programs)" : "");
+        /* (not when it calls other programs' kernels: its object lacks them) */
+        if (obj && prog->n_hooks == 0 && prog->n_calls == 0 && prog->n_shared == 0) {
             gj_jit_disk_usage du = {0, -1};
             gj_jit_disk_save(&w, prog, prefix, obj, obj_size, &du);
             g_stats.disk_evictions += du.evictions;

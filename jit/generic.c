@@ -13,9 +13,12 @@
  * dimension of 1 merged away, a different fusion), the generic
  * description differs, the bind fails, and the caller compiles.
  *
- * The registry maps generic descriptions to compiled kernel functions,
- * process-wide. It holds one reference to each code object it indexes; a
- * program bound to registered kernels holds one per code object it uses
+ * The registry maps kernel descriptions (generic ones for symbolic
+ * plans, full ones for specialised plans: dedupe.c) to compiled kernel
+ * functions, process-wide: a kernel another program compiled is not
+ * compiled again (two call sites, a gj_grad and a backward of one model).
+ * It holds one reference to each code object it indexes; a program bound
+ * to registered kernels holds one per code object it uses
  * (gj_jit_program.shared), so code stays mapped while any program calls
  * it. gj_jit_generic_sweep drops the code objects only the registry
  * still holds.
@@ -176,8 +179,8 @@ static int find_locked(const wbuf *d, const uint64_t h[2]) {
     return -1;
 }
 
-int gj_jit_generic_register(const gj_jit_plan *p, gj_jit_code *code) {
-    if (!p->generic || !code) return 0;
+int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code) {
+    if (!code) return 0;
     int rc = 0;
     pthread_mutex_lock(&g_reg_lock);
     if (g_n_codes == g_cap_codes) {
@@ -193,9 +196,9 @@ int gj_jit_generic_register(const gj_jit_plan *p, gj_jit_code *code) {
     bool used = false;
     for (int s = 0; s < p->n_steps && rc == 0; s++) {
         const gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || !k->fn) continue;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || !k->fn || k->shared) continue;
         wbuf d = {0};
-        gj_jit_kernel_describe(p, k, true, &d);
+        gj_jit_kernel_describe(p, k, p->generic, &d);
         uint64_t h[2];
         gj_jit_hash128(d.p, d.n, h);
         if (d.oom) rc = -1;
@@ -225,52 +228,70 @@ int gj_jit_generic_register(const gj_jit_plan *p, gj_jit_code *code) {
     return rc;
 }
 
-int gj_jit_generic_bind(gj_jit_plan *p, gj_jit_code ***codes_out, int *n_codes_out, char *why,
-                        size_t why_cap) {
+int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, int *n_codes_out,
+                        char *why, size_t why_cap) {
     why[0] = '\0';
     *codes_out = NULL;
     *n_codes_out = 0;
-    if (!p->generic) return 1;
     int n_k = 0;
     for (int s = 0; s < p->n_steps; s++) n_k += p->steps[s].kind == GJ_JIT_STEP_KERNEL;
+    if (n_k == 0) return partial ? 0 : 1; /* nothing to share (nor to compile) */
     gj_jit_code **codes = gj_rt_calloc((size_t)n_k + 1, sizeof *codes);
     if (!codes) return -1;
-    int n_codes = 0, rc = 0;
+    int n_codes = 0, missing = 0, rc = 0;
     pthread_mutex_lock(&g_reg_lock);
-    for (int s = 0; s < p->n_steps && rc == 0; s++) {
+    for (int s = 0; s < p->n_steps && rc == 0 && (partial || missing == 0); s++) {
         gj_jit_kernel *k = &p->steps[s].k;
         if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        bool first = true; /* (one lookup per distinct kernel: dedupe.c's names) */
+        for (int t = 0; t < s && first; t++)
+            first = !(p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0);
+        if (!first) continue;
         wbuf d = {0};
-        gj_jit_kernel_describe(p, k, true, &d);
+        gj_jit_kernel_describe(p, k, p->generic, &d);
         uint64_t h[2];
         gj_jit_hash128(d.p, d.n, h);
         int i = d.oom ? -2 : find_locked(&d, h);
         gj_rt_free(d.p);
-        if (i >= 0 && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan.c) */
-        if (i == -2) rc = -1;
-        else if (i < 0) {
-            rc = 1;
-            snprintf(why, why_cap, "step %d (kernel over %d dims, %d accesses, %d expressions) "
-                     "matches no compiled symbolic kernel", s, k->nd, k->n_acc, k->n_ex);
-        }
-        else {
-            k->fn = g_reg[i].fn;
+        if (i >= 0 && p->generic && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan.c) */
+        if (i == -2) {
+            rc = -1;
+        } else if (i < 0) {
+            if (!missing++)
+                snprintf(why, why_cap, "step %d (kernel over %d dims, %d accesses, %d expressions) "
+                         "matches no compiled %skernel", s, k->nd, k->n_acc, k->n_ex,
+                         p->generic ? "symbolic " : "");
+        } else {
+            for (int t = s; t < p->n_steps; t++) /* every step calling it */
+                if (p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0) {
+                    p->steps[t].k.fn = g_reg[i].fn;
+                    p->steps[t].k.shared = true;
+                }
             bool have = false;
             for (int c = 0; c < n_codes && !have; c++) have = codes[c] == g_reg[i].code;
             if (!have) codes[n_codes++] = g_reg[i].code;
         }
     }
-    if (rc == 0)
+    bool keep = rc == 0 && (partial || missing == 0);
+    if (keep)
         for (int c = 0; c < n_codes; c++) gj_jit_code_ref(codes[c]);
     pthread_mutex_unlock(&g_reg_lock);
-    if (rc != 0) {
-        for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
+    if (!keep) {
+        for (int s = 0; s < p->n_steps; s++)
+            if (p->steps[s].k.shared) {
+                p->steps[s].k.fn = NULL;
+                p->steps[s].k.shared = false;
+            }
         gj_rt_free(codes);
-        return rc;
+        return rc < 0 ? -1 : 1;
+    }
+    if (n_codes == 0) {
+        gj_rt_free(codes);
+        codes = NULL;
     }
     *codes_out = codes;
     *n_codes_out = n_codes;
-    return 0;
+    return partial ? missing : 0;
 }
 
 /* Removes code object #ci and its entries from the registry (lock held);

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * generic.h - the registry of generic (size-independent) kernels, see
- * generic.c. Internal to jit/.
+ * generic.h - symbolic (size-independent) plans and the process-wide
+ * registry of compiled kernels, see generic.c. Internal to jit/.
  */
 #ifndef GJ_JIT_GENERIC_H
 #define GJ_JIT_GENERIC_H
@@ -9,18 +9,20 @@
 #include "code.h"
 #include "plan.h"
 
-/* Registers every compiled kernel of generic plan p (its fn, from code c)
- * under its generic description, unless one is registered already; the
- * registry then holds a reference to c. 0, or -1 on OOM (what was
- * registered stays). No-op for a plan that is not generic. */
-int gj_jit_generic_register(const gj_jit_plan *p, gj_jit_code *code);
-/* Sets every kernel's fn of generic plan p from the registry. 0: all
- * found; *codes_out (gj_rt_malloc'd) holds the n distinct code objects
- * used, each with a new reference for the caller. 1: some kernel is not
- * registered (fns cleared, nothing held; why[] names the first); -1: out
- * of memory. */
-int gj_jit_generic_bind(gj_jit_plan *p, gj_jit_code ***codes_out, int *n_codes_out, char *why,
-                        size_t why_cap);
+/* Registers every kernel of p compiled in code c (its fn; not the shared
+ * ones) under its description -- generic for a symbolic plan -- unless one
+ * is registered already; the registry then holds a reference to c. 0, or
+ * -1 on OOM (what was registered stays). */
+int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code);
+/* Sets the fn of p's kernels whose description is registered, marking
+ * them shared; *codes_out (gj_rt_malloc'd, NULL if none) holds the n
+ * distinct code objects used, each with a new reference for the caller.
+ * Not partial: all or nothing -- 0 when every kernel was found, else 1
+ * (nothing bound or held; why[] names the first kernel missing). Partial:
+ * the number of distinct kernels not found (0: nothing to compile), those
+ * found stay bound. -1: out of memory (nothing bound or held). */
+int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, int *n_codes_out,
+                        char *why, size_t why_cap);
 /* Drops the code objects that only the registry still references (all:
  * every one, with its entries). */
 void gj_jit_generic_sweep(bool all);

@@ -285,7 +285,7 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
     g.session_error[0] = '\0';
     for (int s = 0; s < p->n_steps; s++) {
         gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || k->shared) continue;
         char name[128];
         snprintf(name, sizeof name, "%s_%s", prefix, k->name);
         LLVMOrcExecutorAddress addr = 0;
@@ -315,7 +315,8 @@ fail: {
     if (e2) LLVMConsumeError(e2);
     LLVMOrcReleaseResourceTracker(rt);
     gj_rt_free(code);
-    for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
+    for (int s = 0; s < p->n_steps; s++)
+        if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
     return NULL;
 }
 }
@@ -523,7 +524,7 @@ static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
     int n_distinct = 0, threads = gj_rt_num_threads();
     for (int s = 0; s < p->n_steps; s++) {
         shard_of_step[s] = -1;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || p->steps[s].k.shared) continue;
         bool seen = false;
         for (int t = 0; t < s && !seen; t++)
             seen = shard_of_step[t] >= 0 && strcmp(p->steps[t].k.name, p->steps[s].k.name) == 0;
@@ -534,7 +535,8 @@ static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
     if (n > n_distinct) n = n_distinct;
     if (n < 2) return 1;
     long load[GJ_JIT_MAX_SHARDS] = {0};
-    for (int s = 0; s < p->n_steps; s++) shard_of_step[s] = p->steps[s].kind == GJ_JIT_STEP_KERNEL ? -2 : -1;
+    for (int s = 0; s < p->n_steps; s++) /* (a shared kernel is not compiled here) */
+        shard_of_step[s] = p->steps[s].kind == GJ_JIT_STEP_KERNEL && !p->steps[s].k.shared ? -2 : -1;
     for (;;) { /* the largest unassigned distinct kernel */
         int best = -1;
         long best_cost = -1;
@@ -649,7 +651,8 @@ out:
     gj_rt_free(blob);
     gj_rt_free(shard_of_step);
     if (!code) {
-        for (int s = 0; s < p->n_steps; s++) p->steps[s].k.fn = NULL;
+        for (int s = 0; s < p->n_steps; s++)
+            if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
         if (!why[0]) snprintf(why, why_cap, "LLVM error: compilation failed");
         gj_rt_set_error("jit: %s", why);
     }

@@ -836,7 +836,7 @@ int gj_jit_lower_plan(LLVMModuleRef M, const gj_jit_plan *p, const char *prefix,
     g.why_cap = why_cap;
     int rc = 0;
     for (int s = 0; s < p->n_steps && rc == 0; s++) {
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || p->steps[s].k.shared) continue;
         if (shard_of_step && shard_of_step[s] != shard) continue;
         bool seen = false; /* a kernel shared with an earlier step (dedupe.c) */
         for (int t = 0; t < s && !seen; t++)

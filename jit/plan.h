@@ -113,6 +113,9 @@ typedef struct gj_jit_kernel {
      * bufs[n_params] = ints (see gj_jit_kint_acc); NULL otherwise. */
     int64_t *ints;
     int n_ints;
+    /* fn is another program's compiled kernel of the same description
+     * (generic.c's registry): not lowered or compiled with this plan */
+    bool shared;
 } gj_jit_kernel;
 
 /* The column block of an outer-mode kernel with reduce stores is at most

@@ -172,6 +172,7 @@ void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
                 seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&
                        strcmp(p->steps[t].k.name, st->k.name) == 0;
             out->kernel_functions += !seen;
+            out->shared_kernel_functions += !seen && st->k.shared;
         } else if (st->kind == GJ_JIT_STEP_MATMUL) {
             const gj_jit_matmul *m = &st->mm;
             int64_t batch = 1;

@@ -28,7 +28,9 @@
  *   - the disk cache: a symbolic program loaded from disk serves new
  *     sizes without compiling, in this process and in a new one (child
  *     processes sharing a cache directory);
- *   - two threads at random sizes on one call site (TSan in CI).
+ *   - two threads at random sizes on one call site (TSan in CI);
+ *   - kernels shared across call sites: a second site compiles only the
+ *     fused kernels the first did not.
  */
 #include "gjtest.h"
 
@@ -491,6 +493,64 @@ static void test_disk(void **state) {
     assert_int_equal(system(cmd), 0);
 }
 
+/* ------------------------------------------- kernels across call sites */
+
+/* The MLP with a mean-square loss on its logits instead of cross entropy:
+ * another call site whose hidden layers' fused kernels are the MLP's. */
+static gj_tensor *mlp_square_loss(model *m, int64_t B, uint64_t seed) {
+    gj_tensor *const *p = m->p;
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    gj_tensor *x = gjt_uniform(&r, m->dt, 2, (int64_t[]){B, m->in}, -2, 2);
+    gj_tensor *h = gj_gelu(gj_linear(gj_gelu(gj_linear(x, p[0], p[1])), p[2], p[3]));
+    gj_tensor *o = gj_linear(h, p[4], p[5]);
+    gj_tensor *l = gj_mean(gj_mul(o, o), 0, NULL, false);
+    assert_non_null(l);
+    return l;
+}
+
+/* Dynamic shapes off (specialised programs): the second call site compiles
+ * only the kernels the first one did not, and calls the first one's for
+ * the rest; a third key whose kernels all exist compiles nothing. Every
+ * .grad equals eager's. */
+static void test_kernels_across_sites(void **state) {
+    (void)state;
+    fresh(GJ_CA_DYNAMIC_OFF);
+    model m;
+    mlp_init(&m, GJ_F32);
+    gj_ca_program_info info;
+    assert_true(step(&m, 32, 0, 1100)); /* site 1: cross entropy */
+    assert_int_equal(gj_compiled_autograd_last_program(&info), 0);
+    assert_int_equal(info.shared_kernel_functions, 0);
+    int k1 = info.kernel_functions;
+    double *ge[MAXP], *gc[MAXP];
+    for (int pass = 0; pass < 2; pass++) { /* site 2: mean square, eager then compiled */
+        gj_set_compiled_autograd(pass == 1);
+        zero(&m);
+        gj_scope_push();
+        assert_int_equal(gj_backward(mlp_square_loss(&m, 32, 1101), NULL), 0);
+        gj_scope_pop();
+        grads(&m, pass ? gc : ge);
+    }
+    gj_set_compiled_autograd(false);
+    for (int q = 0; q < m.np; q++) {
+        assert_memory_equal(ge[q], gc[q], (size_t)gj_tensor_numel(m.p[q]) * sizeof(double));
+        free(ge[q]);
+        free(gc[q]);
+    }
+    assert_int_equal(gj_compiled_autograd_last_program(&info), 0);
+    fprintf(stderr, "  second call site: %d kernel functions, %d of them compiled by the first "
+                    "(which has %d)\n", info.kernel_functions, info.shared_kernel_functions, k1);
+    assert_true(info.shared_kernel_functions > 0);
+    assert_true(info.shared_kernel_functions < info.kernel_functions);
+    assert_false(info.bound);
+    gj_ca_stats s = gjt_ca_now();
+    assert_int_equal(s.compiles, 2);
+    assert_int_equal(s.instantiations, 0);
+    assert_int_equal(s.fallbacks, 0);
+    model_free(&m);
+}
+
 /* ------------------------------------------------------------ threads */
 
 enum { TSTEPS = 8 };
@@ -646,6 +706,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_eviction_keeps_code),
         cmocka_unit_test(test_disk),
         cmocka_unit_test(test_disk_across_processes),
+        cmocka_unit_test(test_kernels_across_sites),
         cmocka_unit_test(test_threads),
     };
     setenv("GRADJIT_CACHE_DIR", "off", 1);
