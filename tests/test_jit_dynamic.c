@@ -599,7 +599,10 @@ static void test_threads(void **state) {
     gj_set_compiled_autograd(false);
     gj_ca_stats s = gjt_ca_now();
     report("MLP f32, two threads, 8 random batch sizes each", &s, 2 * TSTEPS);
-    assert_int_equal(s.fallbacks, 0);
+    /* the only fallback allowed: the two models' leaves share a lock stripe
+     * (64 stripes by address), and a compiled run that finds one busy
+     * leaves its backward to the eager engine (fallbacks.md, "other") */
+    assert_int_equal(s.fallbacks, s.fallbacks_by_reason[GJ_CA_OTHER]);
     assert_true(s.compiles <= 3); /* a race may compile the symbolic program twice */
     for (int t = 0; t < 2; t++) {
         assert_int_equal(w[t].failed, 0);
