@@ -297,6 +297,24 @@ static void mlp_random_batch(gj_dtype dt) {
     model_free(&m);
 }
 
+/* Without a batch of 1: the specialised program and the symbolic one. */
+static void test_mlp_random_batch_no_one(void **state) {
+    (void)state;
+    fresh(GJ_CA_DYNAMIC_AUTO);
+    model m;
+    mlp_init_dims(&m, GJ_F32, W1_IN, W1_HID);
+    enum { N = 16 };
+    int64_t b[N];
+    int distinct = sizes(b, N, 64, 37, 2, 512, 7);
+    for (int i = 0; i < N; i++) assert_true(step(&m, b[i], 0, 150 + (uint64_t)i));
+    gj_ca_stats s = gjt_ca_now();
+    report("W1 MLP f32, random batch in [2, 512]", &s, distinct);
+    assert_int_equal(s.fallbacks, 0);
+    assert_int_equal(s.compiles, 2);
+    assert_int_equal(s.compiles + s.mem_hits + s.instantiations, N);
+    model_free(&m);
+}
+
 static void test_mlp_random_batch_f32(void **state) {
     (void)state;
     mlp_random_batch(GJ_F32);
@@ -701,6 +719,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mlp_random_batch_f32),
         cmocka_unit_test(test_mlp_random_batch_f64),
+        cmocka_unit_test(test_mlp_random_batch_no_one),
         cmocka_unit_test(test_mlp_dynamic_off),
         cmocka_unit_test(test_block_random_batch),
         cmocka_unit_test(test_block_random_length),
