@@ -463,6 +463,21 @@ fail:
     return -1;
 }
 
+/* Inserts prog, made with no compile from kernels other programs compiled
+ * (lock held), and counts it. 0, or -1 on OOM (prog freed). */
+static int insert_bound(const gj_jit_walk *w, gj_jit_program *prog, double t0, unsigned fl) {
+    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, true) != 0) return -1;
+    g_stats.instantiations++;
+    if (fl & GJ_JIT_LOG_CACHE)
+        fprintf(stderr,
+                "[gradjit cache] bound %016llx%016llx to %skernels of %d program%s in %.1f ms (no "
+                "compile)\n",
+                (unsigned long long)w->hash[0], (unsigned long long)w->hash[1],
+                prog->plan.generic ? "symbolic " : "", prog->n_shared,
+                prog->n_shared == 1 ? "" : "s", now_ms() - t0);
+    return 0;
+}
+
 /* Records a fallback of class code (lock NOT held): counts it, keeps its
  * message and prints it (once per key unless quiet; every time under
  * GRADJIT_LOG=fallback). */
@@ -1320,20 +1335,13 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             if (b < 0) {
                 drop_oom(&prog, &permanent, why, sizeof why);
             } else if (b == 0) {
-                if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, true) != 0) {
+                if (insert_bound(&w, prog, t0, fl) != 0) {
                     pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
                     prog = NULL;
                     snprintf(why, sizeof why, "out of memory in the cache");
                     goto fall;
                 }
-                g_stats.instantiations++;
                 fresh = true;
-                if (fl & GJ_JIT_LOG_CACHE)
-                    fprintf(stderr,
-                            "[gradjit cache] bound %016llx%016llx to symbolic kernels of %d "
-                            "program%s in %.1f ms (no compile)\n",
-                            (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
-                            prog->n_shared, prog->n_shared == 1 ? "" : "s", now_ms() - t0);
                 goto run;
             }
         }
@@ -1403,19 +1411,13 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             if (missing < 0) drop_oom(&prog, &permanent, why, sizeof why);
         }
         if (prog && missing == 0) {
-            if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, true) != 0) {
+            if (insert_bound(&w, prog, t0, fl) != 0) {
                 pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
                 prog = NULL;
                 snprintf(why, sizeof why, "out of memory in the cache");
                 goto fall;
             }
-            g_stats.instantiations++;
             fresh = true;
-            if (fl & GJ_JIT_LOG_CACHE)
-                fprintf(stderr, "[gradjit cache] bound %016llx%016llx to kernels of %d other "
-                                "program%s (no compile)\n",
-                        (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
-                        prog->n_shared, prog->n_shared == 1 ? "" : "s");
             goto run;
         }
         if (prog && prog->plan.generic) gj_jit_generic_prefix(prefix); /* see diskcache.h */
