@@ -464,9 +464,15 @@ fail:
 }
 
 /* Inserts prog, made with no compile from kernels other programs compiled
- * (lock held), and counts it. 0, or -1 on OOM (prog freed). */
-static int insert_bound(const gj_jit_walk *w, gj_jit_program *prog, double t0, unsigned fl) {
-    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, true) != 0) return -1;
+ * (lock held), and counts it. 0; or -1 on OOM: prog freed, why[] set and
+ * the lock dropped (the caller falls back). */
+static int insert_bound(const gj_jit_walk *w, gj_jit_program *prog, double t0, unsigned fl,
+                        char *why, size_t why_cap) {
+    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, true) != 0) {
+        pthread_mutex_unlock(&g_lock);
+        snprintf(why, why_cap, "out of memory in the cache");
+        return -1;
+    }
     g_stats.instantiations++;
     if (fl & GJ_JIT_LOG_CACHE)
         fprintf(stderr,
@@ -1335,10 +1341,8 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             if (b < 0) {
                 drop_oom(&prog, &permanent, why, sizeof why);
             } else if (b == 0) {
-                if (insert_bound(&w, prog, t0, fl) != 0) {
-                    pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
-                    prog = NULL;
-                    snprintf(why, sizeof why, "out of memory in the cache");
+                if (insert_bound(&w, prog, t0, fl, why, sizeof why) != 0) {
+                    prog = NULL; /* freed, lock dropped */
                     goto fall;
                 }
                 fresh = true;
@@ -1411,10 +1415,8 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             if (missing < 0) drop_oom(&prog, &permanent, why, sizeof why);
         }
         if (prog && missing == 0) {
-            if (insert_bound(&w, prog, t0, fl) != 0) {
-                pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
-                prog = NULL;
-                snprintf(why, sizeof why, "out of memory in the cache");
+            if (insert_bound(&w, prog, t0, fl, why, sizeof why) != 0) {
+                prog = NULL; /* freed, lock dropped */
                 goto fall;
             }
             fresh = true;

@@ -98,7 +98,7 @@ static int fill_kernel(gj_jit_kernel *k) {
     return 0;
 }
 
-int gj_jit_plan_fill_ints(gj_jit_plan *p) {
+static int fill_ints(gj_jit_plan *p) {
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && fill_kernel(&p->steps[s].k) != 0) return -1;
     return 0;
@@ -110,7 +110,7 @@ int gj_jit_plan_make_generic(gj_jit_plan *p) {
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
             snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
-    if (gj_jit_plan_fill_ints(p) != 0 || gj_jit_dedupe_kernels(p) != 0) return -1;
+    if (fill_ints(p) != 0 || gj_jit_dedupe_kernels(p) != 0) return -1;
     return 0;
 }
 

@@ -36,6 +36,9 @@ int gj_jit_generic_signature(const gj_jit_plan *p, struct wbuf *b);
  * digits from the time, the pid, a counter and an address, so code loaded
  * from disk never clashes with code compiled here. */
 void gj_jit_generic_prefix(char out[48]);
+/* Makes p generic: fills every kernel's integer table (plan.h) and gives
+ * kernels with one generic description one name. 0, or -1 on OOM. */
+int gj_jit_plan_make_generic(gj_jit_plan *p);
 /* Undoes gj_jit_plan_make_generic (the plan compiles specialised). 0, or
  * -1 on OOM. */
 int gj_jit_plan_make_specific(gj_jit_plan *p);

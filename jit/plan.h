@@ -290,12 +290,6 @@ struct wbuf;
 void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool generic,
                             struct wbuf *b);
 
-/* generic.c: makes p generic (fills every kernel's ints and gives kernels
- * with one generic description one name). 0, or -1 on OOM. */
-int gj_jit_plan_make_generic(gj_jit_plan *p);
-/* generic.c: (re)fills the ints of every kernel of generic plan p (after
- * it was read back from the disk cache). 0, or -1 on OOM. */
-int gj_jit_plan_fill_ints(gj_jit_plan *p);
 
 /* Builds the plan of g (after gj_jit_pass_cse_dce). Returns 0; or -1 with
  * why[] set ("no lowering for X", or an OOM message) and the error set. */
