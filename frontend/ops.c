@@ -275,14 +275,16 @@ gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b) {
     if (!fe_check_float(a, op, "a") || !fe_check_float(b, op, "b") ||
         !fe_same_dtype(a, b, op, "a", "b"))
         return NULL;
-    gj_rt_fmt_shape(sa, sizeof sa, a->ndim, a->shape);
-    gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
     if (a->ndim < 2 || b->ndim < 2) {
+        gj_rt_fmt_shape(sa, sizeof sa, a->ndim, a->shape);
+        gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: both operands need ndim >= 2, got a %s and b %s (%s)", op, sa, sb,
                         gj_rt_dtype_name(a->dtype));
         return NULL;
     }
     if (a->shape[a->ndim - 1] != b->shape[b->ndim - 2]) {
+        gj_rt_fmt_shape(sa, sizeof sa, a->ndim, a->shape);
+        gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: inner dimensions differ: a %s, b %s (%s)", op, sa, sb,
                         gj_rt_dtype_name(a->dtype));
         return NULL;
@@ -290,6 +292,8 @@ gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b) {
     int nd;
     int64_t bs[GJ_MAX_DIMS];
     if (!gj_rt_broadcast_shape(a->ndim - 2, a->shape, b->ndim - 2, b->shape, &nd, bs)) {
+        gj_rt_fmt_shape(sa, sizeof sa, a->ndim, a->shape);
+        gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: batch dimensions of a %s and b %s cannot be broadcast (%s)", op,
                         sa, sb, gj_rt_dtype_name(a->dtype));
         return NULL;
@@ -308,12 +312,12 @@ gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b) {
         return NULL;
     if (b && (!fe_check_float(b, op, "b") || !fe_same_dtype(x, b, op, "x", "b")))
         return NULL;
-    gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
-    gj_rt_fmt_shape(sw, sizeof sw, w->ndim, w->shape);
-    if (b)
-        gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
     if (x->ndim < 1 || w->ndim != 2 || x->shape[x->ndim - 1] != w->shape[1] ||
         (b && (b->ndim != 1 || b->shape[0] != w->shape[0]))) {
+        gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
+        gj_rt_fmt_shape(sw, sizeof sw, w->ndim, w->shape);
+        if (b)
+            gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: expected x [..., in], w [out, in], b [out]; got x %s, w %s, b %s "
                         "(%s)",
                         op, sx, sw, sb, gj_rt_dtype_name(x->dtype));
@@ -375,8 +379,8 @@ gj_tensor *gj_transpose(gj_tensor *x, int dim0, int dim1) {
 static bool fe_resolve_shape(const char *op, const gj_tensor *x, int ndim, const int64_t *shape,
                              int64_t *out) {
     char sx[160];
-    gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
     if (ndim < 0 || ndim > GJ_MAX_DIMS || (ndim > 0 && !shape)) {
+        gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
         gj_rt_set_error("%s: invalid target shape (ndim %d) for a tensor of shape %s", op, ndim,
                         sx);
         return false;
@@ -388,6 +392,7 @@ static bool fe_resolve_shape(const char *op, const gj_tensor *x, int ndim, const
             infer = k;
         } else if (shape[k] < 0) {
             char st[160];
+            gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
             gj_rt_set_error("%s: invalid target shape %s (only one -1 allowed, no other "
                             "negative size)",
                             op, gj_rt_fmt_shape(st, sizeof st, ndim, shape));
@@ -407,6 +412,7 @@ static bool fe_resolve_shape(const char *op, const gj_tensor *x, int ndim, const
     }
     if (!ok) {
         char st[160];
+        gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
         gj_rt_set_error("%s: cannot reshape a tensor of shape %s (%lld elements, %s) to %s", op,
                         sx, (long long)x->numel, gj_rt_dtype_name(x->dtype),
                         gj_rt_fmt_shape(st, sizeof st, ndim, shape));
@@ -476,13 +482,12 @@ gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape) {
     const char *op = "gj_expand";
     if (!fe_check(x, op, "x"))
         return NULL;
-    char sx[160], st[160] = "?";
-    gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
+    char sx[160], st[160];
     if (ndim < x->ndim || ndim > GJ_MAX_DIMS || (ndim > 0 && !shape)) {
+        gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
         gj_rt_set_error("%s: cannot expand a tensor of shape %s to %d dims", op, sx, ndim);
         return NULL;
     }
-    gj_rt_fmt_shape(st, sizeof st, ndim, shape);
     int off = ndim - x->ndim;
     int64_t s[GJ_MAX_DIMS];
     for (int k = 0; k < ndim; k++) {
@@ -491,6 +496,8 @@ gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape) {
             want = x->shape[k - off];
         bool ok = want >= 0 && (k < off || x->shape[k - off] == want || x->shape[k - off] == 1);
         if (!ok) {
+            gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
+            gj_rt_fmt_shape(st, sizeof st, ndim, shape);
             gj_rt_set_error("%s: cannot expand a tensor of shape %s (%s) to %s (dim %d)", op, sx,
                             gj_rt_dtype_name(x->dtype), st, k);
             return NULL;
@@ -712,10 +719,10 @@ gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
     if (!fe_check_float(logits, op, "logits") || !fe_check(labels, op, "labels"))
         return NULL;
     char sl[160], sy[160];
-    gj_rt_fmt_shape(sl, sizeof sl, logits->ndim, logits->shape);
-    gj_rt_fmt_shape(sy, sizeof sy, labels->ndim, labels->shape);
     if (logits->ndim != 2 || labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
         logits->shape[0] < 1 || logits->shape[1] < 1) {
+        gj_rt_fmt_shape(sl, sizeof sl, logits->ndim, logits->shape);
+        gj_rt_fmt_shape(sy, sizeof sy, labels->ndim, labels->shape);
         gj_rt_set_error("%s: expected logits [N, K] and labels [N] with N, K >= 1; got logits "
                         "%s %s, labels %s %s",
                         op, sl, gj_rt_dtype_name(logits->dtype), sy,

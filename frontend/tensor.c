@@ -422,13 +422,13 @@ static gj_tensor *make_seed(gj_tensor *root, gj_tensor *seed, const char *op, in
                             bool *made) {
     char a[96], b[96];
     *made = false;
-    gj_rt_fmt_shape(a, sizeof a, root->ndim, root->shape);
     if (seed) {
         if (!gj_rt_check_tensor(seed, op, "seed")) return NULL;
-        gj_rt_fmt_shape(b, sizeof b, seed->ndim, seed->shape);
         if (seed->ndim != root->ndim ||
             memcmp(seed->shape, root->shape, (size_t)root->ndim * 8) != 0 ||
             seed->dtype != root->dtype) {
+            gj_rt_fmt_shape(a, sizeof a, root->ndim, root->shape);
+            gj_rt_fmt_shape(b, sizeof b, seed->ndim, seed->shape);
             gj_rt_set_error("%s: seed %d is %s %s but the output is %s %s", op, idx,
                             gj_rt_dtype_name(seed->dtype), b, gj_rt_dtype_name(root->dtype), a);
             return NULL;
@@ -436,6 +436,7 @@ static gj_tensor *make_seed(gj_tensor *root, gj_tensor *seed, const char *op, in
         return seed;
     }
     if (root->numel != 1) {
+        gj_rt_fmt_shape(a, sizeof a, root->ndim, root->shape);
         gj_rt_set_error("%s: a seed gradient is needed for output %d of shape %s (only "
                         "one-element outputs get an implicit seed of 1)",
                         op, idx, a);

@@ -205,8 +205,101 @@ static int build_saved_map(gj_jit_walk *w) {
 
 /* ------------------------------------------------------- serialization */
 
+/* Makes room for n more bytes and a NUL in w->key. 0 or -1 (out of memory). */
+static int key_room(gj_jit_walk *w, size_t n) {
+    if (w->key && w->key_len + n < w->key_cap) return 0;
+    size_t cap = w->key_cap ? w->key_cap * 2 : 4096;
+    while (cap < w->key_len + n + 1) cap *= 2;
+    char *k = gj_rt_realloc(w->key, cap);
+    if (!k) return -1;
+    w->key = k;
+    w->key_cap = cap;
+    return 0;
+}
+
+/* Whether fmt uses only the conversions key_put_fast formats itself. */
+static bool key_fmt_simple(const char *fmt) {
+    for (const char *f = fmt; *f; f++) {
+        if (*f != '%') continue;
+        f++;
+        if (*f == 'd' || *f == 's' || *f == 'c' || *f == '%') continue;
+        if (f[0] == 'l' && f[1] == 'l' && f[2] == 'd') {
+            f += 2;
+            continue;
+        }
+        return false;
+    }
+    return true;
+}
+
+/* key_put for formats of literal text, %d, %lld, %s, %c and %% only: the
+ * same bytes as vsnprintf without its per-call parsing and locale work
+ * (the key is built on every compiled backward, so this is on the hot
+ * path). 0 or -1 (out of memory). */
+static int key_put_fast(gj_jit_walk *w, const char *fmt, va_list ap) {
+    for (const char *f = fmt; *f;) {
+        const char *lit = f;
+        while (*f && *f != '%') f++;
+        if (f > lit) {
+            if (key_room(w, (size_t)(f - lit)) != 0) return -1;
+            memcpy(w->key + w->key_len, lit, (size_t)(f - lit));
+            w->key_len += (size_t)(f - lit);
+        }
+        if (!*f) break;
+        f++; /* past '%' */
+        char num[24];
+        const char *str = num;
+        size_t n = 0;
+        if (*f == 's') {
+            str = va_arg(ap, const char *);
+            if (!str) str = "(null)";
+            n = strlen(str);
+            f++;
+        } else if (*f == 'c') {
+            num[0] = (char)va_arg(ap, int);
+            n = 1;
+            f++;
+        } else if (*f == '%') {
+            num[0] = '%';
+            n = 1;
+            f++;
+        } else {
+            long long v;
+            if (*f == 'd') {
+                v = va_arg(ap, int);
+                f++;
+            } else { /* "lld" (key_fmt_simple) */
+                v = va_arg(ap, long long);
+                f += 3;
+            }
+            unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+            char rev[24];
+            int r = 0;
+            do {
+                rev[r++] = (char)('0' + u % 10);
+                u /= 10;
+            } while (u);
+            if (v < 0) num[n++] = '-';
+            while (r > 0) num[n++] = rev[--r];
+        }
+        if (key_room(w, n) != 0) return -1;
+        memcpy(w->key + w->key_len, str, n);
+        w->key_len += n;
+    }
+    if (key_room(w, 0) != 0) return -1;
+    w->key[w->key_len] = '\0';
+    return 0;
+}
+
 static int key_put(gj_jit_walk *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int key_put(gj_jit_walk *w, const char *fmt, ...) {
+    if (key_fmt_simple(fmt)) {
+        va_list ap;
+        va_start(ap, fmt);
+        int rc = key_put_fast(w, fmt, ap);
+        va_end(ap);
+        return rc;
+    }
     for (;;) {
         va_list ap;
         va_start(ap, fmt);
