@@ -253,7 +253,7 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
         gj_jit_hash128(d.p, d.n, h);
         int i = d.oom ? -2 : find_locked(&d, h);
         gj_rt_free(d.p);
-        if (i >= 0 && p->generic && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan.c) */
+        if (i >= 0 && p->generic && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan_kernel.c) */
         if (i == -2) {
             rc = -1;
         } else if (i < 0) {

@@ -100,7 +100,7 @@ typedef struct gj_jit_kernel {
     int n_ex, cap_ex;
     gj_jit_store *st;
     int n_st, cap_st;
-    /* schedule (plan.c) */
+    /* schedule (plan_kernel.c) */
     int64_t block;     /* inner-dim block per row (outer mode) */
     int64_t nblk;      /* blocks per inner dim */
     int64_t rows;      /* parallel rows */
@@ -119,7 +119,7 @@ typedef struct gj_jit_kernel {
 } gj_jit_kernel;
 
 /* The column block of an outer-mode kernel with reduce stores is at most
- * this many columns (plan.c's schedule; a generic kernel's accumulators
+ * this many columns (plan_kernel.c's schedule; a generic kernel's accumulators
  * have room for this many, and generic.c refuses to bind a kernel whose
  * block is larger). */
 #define GJ_JIT_MAX_RED_BLOCK 512
