@@ -288,7 +288,7 @@ static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int
         g.m[k] = m;
         g.M[k] = M;
         g.nbatch[k] = nbatch;
-        gj_rt_gemm_split_of(M, m->N, m->K, threads, &g.split[k]);
+        gj_rt_gemm_split_of(m->ta, M, m->N, m->K, threads, &g.split[k]);
         g.first[k + 1] = g.first[k] + nbatch * g.split[k].parts;
     }
     if (g.n > 0) gj_rt_parallel_for(g.first[g.n], 1, mm_group_range, &g);

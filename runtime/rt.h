@@ -212,15 +212,17 @@ typedef struct gj_rt_gemm_call {
     void *C;
     int64_t ldc;
 } gj_rt_gemm_call;
-/* How gj_rt_sgemm/dgemm split a GEMM on `threads` threads: `parts` blocks
- * of rows (by_rows) or of columns of C, block i covering
- * [len*i/parts, len*(i+1)/parts). A pure function of its arguments. */
+/* How gj_rt_sgemm/dgemm split a GEMM (ta: A stored transposed) on
+ * `threads` threads: `parts` blocks of rows (by_rows) or of columns of C,
+ * block i covering [len*i/parts, len*(i+1)/parts). A pure function of its
+ * arguments: the compiled program runs the same blocks as eager. */
 typedef struct gj_rt_gemm_split {
     int parts;
     bool by_rows;
     int64_t len;
 } gj_rt_gemm_split;
-void gj_rt_gemm_split_of(int64_t M, int64_t N, int64_t K, int threads, gj_rt_gemm_split *sp);
+void gj_rt_gemm_split_of(bool ta, int64_t M, int64_t N, int64_t K, int threads,
+                         gj_rt_gemm_split *sp);
 /* Computes block i of split sp of GEMM c on the calling thread (one
  * single-threaded BLAS call; arguments already valid). */
 void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i);

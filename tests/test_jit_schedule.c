@@ -74,7 +74,7 @@ static void check_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_
         gj_rt_sgemm(ta, tb, M, N, K, 1.0f, (const float *)(const void *)A, lda,
                     (const float *)(const void *)B, ldb, (float)beta, (float *)(void *)C1, ldc);
     gj_rt_gemm_split sp;
-    gj_rt_gemm_split_of(M, N, K, threads, &sp);
+    gj_rt_gemm_split_of(ta, M, N, K, threads, &sp);
     assert_true(sp.parts >= 1 && sp.parts <= threads);
     assert_int_equal(sp.len, sp.by_rows ? M : N);
     if (sp.parts > 1) assert_true(sp.len / sp.parts >= 16);
@@ -104,7 +104,7 @@ static void test_gemm_split_bit_exact(void **state) {
     (void)state;
     static const int64_t shapes[][3] = {
         {128, 512, 256}, {512, 128, 256}, {256, 1024, 10}, {10, 1024, 256}, {97, 301, 129},
-        {64, 64, 2048},  {1000, 33, 65},
+        {64, 64, 2048},  {1000, 33, 65}, {256, 700, 40},
     };
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int v = 0; v < 8; v++) {
@@ -114,6 +114,32 @@ static void test_gemm_split_bit_exact(void **state) {
                         (s + (size_t)v) % 2 ? 1.0 : 0.0, threads);
         }
     gj_set_num_threads(0);
+}
+
+/* Which side a GEMM is split along: the longer one, except that with A
+ * transposed (a backward's dW GEMMs) row blocks are taken whenever each
+ * keeps >= 64 rows (runtime/blas.c: measured faster with OpenBLAS). */
+static void test_gemm_split_side(void **state) {
+    (void)state;
+    gj_rt_gemm_split sp;
+    gj_rt_gemm_split_of(false, 512, 784, 128, 2, &sp); /* NN, M < N: columns */
+    assert_false(sp.by_rows);
+    assert_int_equal(sp.parts, 2);
+    assert_int_equal(sp.len, 784);
+    gj_rt_gemm_split_of(true, 512, 784, 128, 2, &sp); /* TN, M < N: rows */
+    assert_true(sp.by_rows);
+    assert_int_equal(sp.len, 512);
+    gj_rt_gemm_split_of(true, 64, 1024, 512, 2, &sp); /* TN, 32-row blocks: columns */
+    assert_false(sp.by_rows);
+    gj_rt_gemm_split_of(true, 192, 1024, 512, 4, &sp); /* 48-row blocks on 4 threads */
+    assert_false(sp.by_rows);
+    gj_rt_gemm_split_of(true, 256, 1024, 512, 4, &sp);
+    assert_true(sp.by_rows);
+    assert_int_equal(sp.parts, 4);
+    gj_rt_gemm_split_of(false, 1024, 256, 64, 2, &sp); /* M >= N: rows either way */
+    assert_true(sp.by_rows);
+    gj_rt_gemm_split_of(true, 512, 784, 128, 1, &sp); /* one thread: one block */
+    assert_int_equal(sp.parts, 1);
 }
 
 /* ------------------------------------------------- MLP program schedule */
@@ -408,6 +434,7 @@ int main(void) {
     gj_compiled_autograd_set_quiet(true);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gemm_split_bit_exact),
+        cmocka_unit_test(test_gemm_split_side),
         cmocka_unit_test(test_mlp_pairs_and_bit_exact),
         cmocka_unit_test(test_hook_between_gemms),
         cmocka_unit_test(test_last_program_errors),
