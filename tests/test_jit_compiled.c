@@ -723,6 +723,24 @@ static void test_key(void **st) {
     (void)st;
     uint64_t h1[2], h2[2], h3[2];
     char *a = key_of(8, GJ_F32, 2.0, 1, h1);
+    /* The text itself is pinned: the disk cache files programs under its
+     * hash in every process, so a change of its bytes (key.c formats most
+     * fields without vsnprintf) must be deliberate, with a new version. */
+    assert_string_equal(
+        a, "gradjit-key v1 roots=1 nodes=9\n"
+           "R0 e0:0 m0[] seed-\n"
+           "N0 cross_entropy r8 a in e1:0:0[8,10] e-1:0:3[8] out 0[] saved3 0[8,10]c 0[8]c "
+           "3[8]c\n"
+           "N1 linear r5 ai1 in e2:0:0[8,32] e3:0:0[10,32] e4:0:0[10] out 0[8,10] saved2 "
+           "0[8,32]c 0[10,32]c\n"
+           "N2 mul_scalar r4 af0x1p+1 in e5:0:0[8,32] out 0[8,32] saved0\n"
+           "N3 acc r6 leaf0[10,32]c grad-\n"
+           "N4 acc r7 leaf0[10]c grad-\n"
+           "N5 gelu r3 af0x0p+0 in e6:0:0[8,32] out 0[8,32] saved1 0[8,32]c\n"
+           "N6 linear r0 ai1 in e-1:0:0[8,16] e7:0:0[32,16] e8:0:0[32] out 0[8,32] saved2 "
+           "0[8,16]c 0[32,16]c\n"
+           "N7 acc r1 leaf0[32,16]c grad-\n"
+           "N8 acc r2 leaf0[32]c grad-\n");
     char *b = key_of(8, GJ_F32, 2.0, 99, h2); /* other values, same structure */
     assert_string_equal(a, b);
     assert_true(h1[0] == h2[0] && h1[1] == h2[1]);
