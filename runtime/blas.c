@@ -200,15 +200,17 @@ static bool gj_rt_gemm_args_ok(const char *op, bool ta, bool tb, int64_t M, int6
 #define GJ_RT_GEMM_SPLIT_MIN (1 << 18)
 #define GJ_RT_GEMM_MIN_BLOCK 16 /* rows or columns of a block, at least */
 /* With A transposed (the dW = dY^T X GEMMs of a backward), OpenBLAS runs
- * row blocks of C faster than column blocks: split by rows whenever each
- * block keeps at least this many rows. Zen 3, OpenBLAS 0.3.21 core Zen, 2
- * threads, the two ways of one GEMM interleaved 200 times (rows / columns
- * time, median): sgemm TN 512x784x128 0.76, 256x512x128 0.71,
- * 128x512x128 0.77, 512x2048x128 0.85, 1024x1024x256 0.88, 256x1024x1024
- * 0.99, but 64x1024x512 1.10 (32-row blocks); dgemm alike (0.68-0.92,
- * 64 rows 1.10). Without a transpose of A, rows and columns differ by
- * <= 4% and the longer side is split. In the Fashion-MNIST MLP's steps
- * (forward and backward, eager and compiled alike) it saved 3-6%. */
+ * row blocks of C a little faster than column blocks: split by rows
+ * whenever each block keeps at least this many rows. Zen 3, OpenBLAS
+ * 0.3.21 core Zen, 2 threads, `gradjit-gemm-split` (the two ways of one
+ * GEMM interleaved on the pool, rows / columns time, medians of three runs
+ * of 100-200 pairs): sgemm TN 512x784x128 0.83-1.00, 256x512x128 0.94-0.97,
+ * 128x512x128 0.96-0.97, 1024x1024x256 0.97, but 64x1024x512 1.11-1.13
+ * (32-row blocks); dgemm alike (0.97-0.98; 64 rows 1.10). Without a
+ * transpose of A neither side wins consistently (run to run 0.86-1.09), so
+ * the longer side is split. In the Fashion-MNIST MLP's forward+backward
+ * (old and new rule interleaved in one process) it saved 2-6%, in eager and
+ * compiled mode alike. Re-check on another CPU with gradjit-gemm-split. */
 #define GJ_RT_GEMM_TA_ROWS 64
 
 void gj_rt_gemm_split_of(bool ta, int64_t M, int64_t N, int64_t K, int threads,
