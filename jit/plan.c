@@ -191,7 +191,10 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     }
     rc = 0;
 done:
-    for (int gi = 0; gi < pl.n_groups; gi++) gj_rt_free(pl.groups[gi].nodes);
+    for (int gi = 0; gi < pl.n_groups; gi++) {
+        gj_rt_free(pl.groups[gi].nodes);
+        gj_rt_free(pl.groups[gi].recomp);
+    }
     gj_rt_free(pl.groups);
     gj_rt_free(pl.mms);
     gj_rt_free(pl.ixs);

@@ -66,6 +66,11 @@ typedef struct pgroup {
     int64_t copy_st[GJ_MAX_DIMS];
     int step;               /* its pstep */
     bool dead;              /* merged into another group */
+    /* FUSED values of other groups that this group's kernel computes again
+     * from their inputs instead of loading them (plan_nodes.c: cheap
+     * elementwise values, so that they need no buffer) */
+    int *recomp;
+    int n_recomp, cap_recomp;
 } pgroup;
 
 /* A step while planning: a group or a matmul, with its dependencies. */
@@ -157,6 +162,14 @@ static inline bool buf_virtual(const gj_jit_buffer *b) {
 
 static inline bool is_member_of(planner *pl, int v, int gi) {
     return pl->vi[v].kind == V_FUSED && pl->vi[v].group == gi;
+}
+
+/* Does group gi compute value v again (a value of another group)? */
+static inline bool recomputes(const planner *pl, int gi, int v) {
+    const pgroup *G = &pl->groups[gi];
+    for (int k = 0; k < G->n_recomp; k++)
+        if (G->recomp[k] == v) return true;
+    return false;
 }
 
 /* ------------------------------------------- shared between the passes */

@@ -73,6 +73,16 @@ static int value_expr(planner *pl, gj_jit_kernel *k, int *memo, int gi, int nd,
     if (x->kind == V_CONST) {
         e.kind = GJ_JIT_E_CONST;
         e.cval = x->cval;
+    } else if (x->kind == V_FUSED && x->group != gi && recomputes(pl, gi, v)) {
+        /* computed again from its inputs (plan_nodes.c: need_value) */
+        const gj_jit_node *n = &pl->g->nodes[pl->g->values[v].node];
+        e.kind = GJ_JIT_E_OP;
+        e.inst = n->inst;
+        for (int a = 0; a < n->inst.n_in && a < 3; a++) {
+            int id = value_expr(pl, k, memo, gi, nd, S, n->in[a]);
+            if (id < 0) return -1;
+            e.args[a] = id;
+        }
     } else {
         if (x->kind == V_FUSED && (x->group == gi || x->buf < 0)) {
             gj_rt_set_error("jit plan: internal: value %d used before it is computed", v);

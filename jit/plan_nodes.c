@@ -92,6 +92,99 @@ static int materialize(planner *pl, int v) {
     return 0;
 }
 
+/* Recomputation instead of a buffer. A FUSED value that another group
+ * reads is normally materialised: its group stores it and the reader loads
+ * it. When the value is a short chain of cheap elementwise ops (at most
+ * GJ_JIT_RECOMP_NODES nodes of the kinds below) over constants and values
+ * that already have buffers, the reader computes it again instead, if the
+ * buffers as large as the value that this reads (the others broadcast: a
+ * row's mean, a weight) take at most 3 bytes per byte of the value, what
+ * the store, the write-allocate and the load of a materialised value cost.
+ * The same ops in the same dtypes give the same bits, and the store and
+ * the load of a whole tensor (a layer norm's xhat in f32 and f64, its g*w)
+ * give way to a few vector ops. The reader still depends on the producing
+ * group's step (group_reads), so the step graph is the one materialising
+ * would give. */
+#define GJ_JIT_RECOMP_NODES 12
+#define GJ_JIT_RECOMP_FULL 8 /* distinct full-size buffers, at most */
+
+static bool cheap_prim(gj_rt_prim p) {
+    return p == GJ_P_NEG || p == GJ_P_ADD_SCALAR || p == GJ_P_MUL_SCALAR || p == GJ_P_CAST ||
+           p == GJ_P_ADD || p == GJ_P_SUB || p == GJ_P_MUL;
+}
+
+typedef struct recomp_budget {
+    int nodes;                     /* nodes left */
+    int64_t numel;                 /* of the value asked for */
+    int64_t bytes;                 /* per element, left for loads of full-size buffers */
+    int full[GJ_JIT_RECOMP_FULL];  /* distinct buffers loaded of at least that size */
+    int n_full;
+} recomp_budget;
+
+/* Counts the load of value u (it has a buffer) against the budget; false
+ * when over it. A buffer smaller than the value (a scalar or a row
+ * expanded, a weight broadcast) costs nothing. */
+static bool recomp_load(planner *pl, int u, recomp_budget *bg) {
+    int b = pl->vi[u].buf;
+    if (pl->p->bufs[b].numel < bg->numel || buf_virtual(&pl->p->bufs[b])) return true;
+    for (int k = 0; k < bg->n_full; k++)
+        if (bg->full[k] == b) return true;
+    bg->bytes -= (int64_t)gj_rt_dtype_size(pl->p->bufs[b].dtype);
+    if (bg->n_full == GJ_JIT_RECOMP_FULL || bg->bytes < 0) return false;
+    bg->full[bg->n_full++] = b;
+    return true;
+}
+
+/* Can value v be computed again from its inputs within the budget?
+ * Values with a buffer are loaded, not recomputed. */
+static bool recomputable(planner *pl, int v, recomp_budget *bg) {
+    const vinfo *x = &pl->vi[v];
+    if (x->kind != V_FUSED || x->buf >= 0) return false;
+    int ni = pl->g->values[v].node;
+    if (ni < 0 || --bg->nodes < 0) return false;
+    const gj_jit_node *n = &pl->g->nodes[ni];
+    if (n->hook >= 0 || n->custom >= 0 || !cheap_prim(n->inst.prim) ||
+        vmeta(pl, v)->dtype == GJ_I64)
+        return false;
+    for (int k = 0; k < n->inst.n_in; k++) {
+        int u = n->in[k];
+        const vinfo *ui = &pl->vi[u];
+        if (ui->kind == V_CONST) continue;
+        if ((ui->kind == V_VIEW || ui->kind == V_FUSED) && ui->buf >= 0) {
+            if (!recomp_load(pl, u, bg)) return false;
+            continue;
+        }
+        if (!recomputable(pl, u, bg)) return false;
+    }
+    return true;
+}
+
+/* Adds v and the FUSED inputs it needs without a buffer to gi's list. */
+static int add_recomp(planner *pl, int gi, int v) {
+    if (recomputes(pl, gi, v)) return 0;
+    const gj_jit_node *n = &pl->g->nodes[pl->g->values[v].node];
+    for (int k = 0; k < n->inst.n_in; k++) {
+        const vinfo *u = &pl->vi[n->in[k]];
+        if (u->kind == V_FUSED && u->buf < 0 && add_recomp(pl, gi, n->in[k]) != 0) return -1;
+    }
+    pgroup *G = &pl->groups[gi];
+    if (grow((void **)&G->recomp, G->n_recomp, &G->cap_recomp, sizeof *G->recomp) != 0)
+        return gj_jit_pl_oom(pl);
+    G->recomp[G->n_recomp++] = v;
+    return 0;
+}
+
+/* Group gi reads value v of another group: computes it again when that is
+ * cheap, else gives it a buffer. 0 or -1 (OOM). */
+static int need_value(planner *pl, int gi, int v) {
+    if (recomputes(pl, gi, v)) return 0;
+    const gj_rt_meta *m = vmeta(pl, v);
+    recomp_budget bg = {GJ_JIT_RECOMP_NODES, numel_of(m->ndim, m->shape),
+                        3 * (int64_t)gj_rt_dtype_size(m->dtype), {0}, 0};
+    if (recomputable(pl, v, &bg)) return add_recomp(pl, gi, v);
+    return materialize(pl, v);
+}
+
 static int new_group(planner *pl, int ndim, const int64_t *shape, int first, int64_t pos) {
     if (grow((void **)&pl->groups, pl->n_groups, &pl->cap_groups, sizeof *pl->groups) != 0)
         return -1;
@@ -219,6 +312,15 @@ static int merge_groups(planner *pl, int a, int b) {
     B->nodes = NULL;
     B->n = B->cap = 0;
     B->dead = true;
+    for (int k = 0; k < B->n_recomp; k++) { /* what B computed again, A now does */
+        if (recomputes(pl, a, B->recomp[k])) continue;
+        if (grow((void **)&A->recomp, A->n_recomp, &A->cap_recomp, sizeof *A->recomp) != 0)
+            return gj_jit_pl_oom(pl);
+        A->recomp[A->n_recomp++] = B->recomp[k];
+    }
+    gj_rt_free(B->recomp);
+    B->recomp = NULL;
+    B->n_recomp = B->cap_recomp = 0;
     if (B->has_red) {
         A->has_red = true;
         A->red_axes = B->red_axes;
@@ -304,7 +406,7 @@ static int plan_elementwise(planner *pl, int i) {
     }
     for (int k = 0; k < n->inst.n_in; k++) {
         int v = n->in[k];
-        if (pl->vi[v].kind == V_FUSED && pl->vi[v].group != gi && materialize(pl, v) != 0)
+        if (pl->vi[v].kind == V_FUSED && pl->vi[v].group != gi && need_value(pl, gi, v) != 0)
             return -1;
     }
     if (group_reads(pl, gi, n->inst.n_in, n->in) != 0) return -1;
@@ -346,7 +448,7 @@ static int plan_reduce(planner *pl, int i) {
         gi = new_group(pl, xm->ndim, xm->shape, i, 2 * (int64_t)i + 1);
         if (gi < 0) return gj_jit_pl_oom(pl);
     }
-    if (xi->kind == V_FUSED && xi->group != gi && materialize(pl, x) != 0) return -1;
+    if (xi->kind == V_FUSED && xi->group != gi && need_value(pl, gi, x) != 0) return -1;
     if (group_reads(pl, gi, 1, &x) != 0) return -1;
     pgroup *G = &pl->groups[gi];
     G->has_red = true;

@@ -19,6 +19,9 @@
  *     compiled backward on the calling thread, and for NULL.
  *   - Identical layers share their fused kernels (jit/dedupe.c: counted as
  *     kernel_functions), with eager's gradients bit for bit.
+ *   - A layer norm's backward computes its shared cheap values again in each
+ *     kernel instead of storing them (jit/plan_nodes.c: need_value): no
+ *     [N, C] temporary at the peak, eager's gradients bit for bit.
  */
 #include "gjtest.h"
 #include "jit/jit.h"
@@ -409,6 +412,86 @@ static void test_parallel_compile(void **state) {
     for (int i = 0; i < 2 * DL; i++) gj_linear_free(&l[i]);
 }
 
+/* ------------------------------------------ recomputing cheap values */
+
+/* The extra tensor bytes at the peak of one backward of sum(y*y), y =
+ * layer_norm(x, w, b) (x [N, C]), and the gradients of x, w, b in g[]
+ * (N*C + 2*C values). */
+static int64_t ln_backward(gj_tensor *x, gj_tensor *w, gj_tensor *b, bool compiled, double *g) {
+    gj_set_compiled_autograd(compiled);
+    gj_scope_push();
+    gj_tensor *y = gj_layer_norm(x, w, b, 1e-5);
+    gj_tensor *loss = gj_sum(gj_mul(y, y), 0, NULL, false);
+    assert_non_null(loss);
+    gj_mem m0, m1;
+    gj_mem_stats(&m0);
+    gj_mem_reset_peak();
+    assert_int_equal(gj_backward(loss, NULL), 0);
+    gj_mem_stats(&m1);
+    gj_tensor *p[3] = {x, w, b};
+    int64_t at = 0;
+    for (int i = 0; i < 3; i++) {
+        double *v = gjt_values(gj_tensor_grad(p[i]));
+        int64_t n = gj_tensor_numel(p[i]);
+        memcpy(g + at, v, (size_t)n * sizeof *v);
+        at += n;
+        free(v);
+        gj_tensor_set_grad(p[i], NULL);
+    }
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    return m1.peak_bytes - m0.live_bytes;
+}
+
+/* A layer norm's backward (jit/plan_nodes.c: need_value): the values its
+ * three kernels share -- xhat in f32 and in f64, g*w, the incoming 2*y --
+ * are computed again by each kernel from x, mean, rstd, w and y instead of
+ * being stored, so the compiled backward holds no [N, C] temporary besides
+ * the new .grads; the gradients stay eager's bit for bit. */
+static void test_recompute_layer_norm(void **state) {
+    (void)state;
+    enum { N = 64, C = 96 };
+    gj_dtype dts[2] = {GJ_F32, GJ_F64};
+    for (int d = 0; d < 2; d++) {
+        gjt_rng r;
+        gjt_rng_seed(&r, 31 + (uint64_t)d);
+        gj_tensor *x = gjt_uniform(&r, dts[d], 2, (int64_t[]){N, C}, -2, 2);
+        gj_tensor *w = gjt_uniform(&r, dts[d], 1, (int64_t[]){C}, 0.5, 1.5);
+        gj_tensor *b = gjt_uniform(&r, dts[d], 1, (int64_t[]){C}, -0.5, 0.5);
+        assert_int_equal(gj_set_requires_grad(x, true), 0);
+        assert_int_equal(gj_set_requires_grad(w, true), 0);
+        assert_int_equal(gj_set_requires_grad(b, true), 0);
+        int64_t n = (int64_t)N * C + 2 * C, el = dts[d] == GJ_F64 ? 8 : 4;
+        double *ge = malloc((size_t)n * sizeof *ge), *gc = malloc((size_t)n * sizeof *gc);
+        assert_true(ge && gc);
+        ln_backward(x, w, b, false, ge);
+        gj_ca_stats before = gjt_ca_now();
+        ln_backward(x, w, b, true, gc); /* compiles */
+        int64_t extra = ln_backward(x, w, b, true, gc); /* runs the cached program */
+        gj_ca_stats after = gjt_ca_now();
+        assert_true(gjt_ran_compiled("layer norm", &before, &after, 2));
+        if (memcmp(gc, ge, (size_t)n * sizeof *gc) != 0) {
+            int64_t worst;
+            double diff = gjt_max_abs_diff(gc, ge, n, &worst);
+            fail_msg("layer norm %s: compiled differs from eager (max |d| %g at %lld)",
+                     dts[d] == GJ_F64 ? "f64" : "f32", diff, (long long)worst);
+        }
+        /* the new .grads, and per-row sums and means (f64 [N] each): no
+         * [N, C] temporary (before: xhat in f32 and f64 and g*w, 16 or 24
+         * bytes an element more) */
+        int64_t grads = n * el;
+        if (extra >= grads + (int64_t)N * C * el)
+            fail_msg("%s: the compiled layer-norm backward held %lld bytes beyond its %lld "
+                     "bytes of .grad", dts[d] == GJ_F64 ? "f64" : "f32",
+                     (long long)(extra - grads), (long long)grads);
+        free(ge);
+        free(gc);
+        gj_release(x);
+        gj_release(w);
+        gj_release(b);
+    }
+}
+
 static void *no_program_thread(void *arg) {
     int *rc = arg;
     gj_ca_program_info pi;
@@ -440,6 +523,7 @@ int main(void) {
         cmocka_unit_test(test_last_program_errors),
         cmocka_unit_test(test_identical_layers_share_kernels),
         cmocka_unit_test(test_parallel_compile),
+        cmocka_unit_test(test_recompute_layer_norm),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
