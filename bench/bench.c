@@ -26,6 +26,7 @@
  * the gj_backward call until it returns (every .grad written).
  */
 #include "bench.h"
+#include "clock.h"
 #include "compare.h"
 #include "../examples/plot.h"
 
@@ -83,20 +84,9 @@ typedef struct bench_result {
     gj_ca_stats ca_first, ca_all, ca_timed;
 } bench_result;
 
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Median of v[0..n) (sorts v in place); n >= 1. */
 static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -178,9 +168,9 @@ static int run_step(const bench_workload *wl, bench_state *s, bench_result *r, d
     gj_mem_reset_peak();
     int64_t live0 = live_bytes();
 
-    double t0 = now_ms();
+    double t0 = bench_now_ms();
     gj_tensor *loss = wl->forward(s);
-    double t1 = now_ms();
+    double t1 = bench_now_ms();
     if (!loss) {
         snprintf(r->error, sizeof r->error, "forward failed: %s", gj_last_error());
         goto fail;
@@ -189,7 +179,7 @@ static int run_step(const bench_workload *wl, bench_state *s, bench_result *r, d
         snprintf(r->error, sizeof r->error, "backward failed: %s", gj_last_error());
         goto fail;
     }
-    double t2 = now_ms();
+    double t2 = bench_now_ms();
     gj_mem m;
     gj_mem_stats(&m);
 

@@ -16,6 +16,7 @@
  * met again in the same workload is timed once.
  */
 #include "bench.h"
+#include "clock.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -24,12 +25,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static double c_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 typedef struct bw_part {
     char *dst;       /* NULL: read only */
@@ -66,7 +61,7 @@ static double bandwidth(int kind, int nt, char *a, char *b, size_t n, uint64_t *
         pthread_t th[64];
         bw_part parts[64];
         bool started[64] = {false};
-        double t0 = c_now_ms();
+        double t0 = bench_now_ms();
         for (int i = 0; i < nt; i++) {
             size_t lo = n * (size_t)i / (size_t)nt, hi = n * (size_t)(i + 1) / (size_t)nt;
             parts[i] = (bw_part){kind == 1 ? NULL : b + lo, kind == 2 ? NULL : a + lo, hi - lo, 0};
@@ -77,7 +72,7 @@ static double bandwidth(int kind, int nt, char *a, char *b, size_t n, uint64_t *
             if (started[i]) pthread_join(th[i], NULL);
             else bw_thread(&parts[i]);
         }
-        double t = c_now_ms() - t0;
+        double t = bench_now_ms() - t0;
         for (int i = 0; i < nt; i++)
             *sink += parts[i].sum;
         if (t < best)
@@ -131,9 +126,9 @@ static double time_gemm(const gj_ca_gemm *g) {
     best = 1e30;
     for (int r = 0; r < 7; r++) {
         gj_scope_push();
-        double t0 = c_now_ms();
+        double t0 = bench_now_ms();
         gj_tensor *C = gj_matmul(A, B);
-        double t = c_now_ms() - t0;
+        double t = bench_now_ms() - t0;
         gj_scope_pop();
         if (!C) {
             best = -1;

@@ -18,18 +18,13 @@
  * in collectives (from issue to completion, gj_ddp_stats.comm_ms).
  */
 #include "bench.h"
+#include "clock.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static double d_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 static void clear_grads(bench_state *s) {
     for (int i = 0; i < s->n_params; i++) gj_tensor_set_grad(s->params[i], NULL);
@@ -42,10 +37,10 @@ static int one_step(const bench_workload *wl, bench_state *s, gj_ddp *d, bool wa
     gj_scope_push();
     gj_tensor *loss = wl->forward(s);
     if (!loss) goto out;
-    double t0 = d_now_ms();
+    double t0 = bench_now_ms();
     if (gj_backward(loss, NULL) != 0) goto out;
     if (wait && gj_ddp_wait(d) != 0) goto out;
-    *bwd_ms = d_now_ms() - t0;
+    *bwd_ms = bench_now_ms() - t0;
     rc = 0;
 out:
     gj_scope_pop();
@@ -74,9 +69,9 @@ static int measure(gj_pg *pg, const bench_workload *wl, bench_state *s, gj_ddp *
         /* the ranks' backwards end at different times: line them up so
          * that neither timing includes waiting for a slower rank */
         if (gj_pg_barrier(pg) != 0) goto out;
-        double t0 = d_now_ms();
+        double t0 = bench_now_ms();
         if (gj_ddp_wait(d) != 0) goto out;
-        y = d_now_ms() - t0;
+        y = bench_now_ms() - t0;
         clear_grads(s);
         if (gj_pg_barrier(pg) != 0) goto out;
         if (one_step(wl, s, d, true, &z) != 0) goto out;

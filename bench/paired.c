@@ -15,6 +15,7 @@
  * gradjit.h.
  */
 #include "bench.h"
+#include "clock.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -22,22 +23,11 @@
 #include <string.h>
 #include <time.h>
 
-static double p_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* The q-quantile (0..1) of v[0..n) by linear interpolation; sorts v. */
 double bench_quantile(double *v, int n, double q) {
     if (n <= 0)
         return NAN;
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
     double pos = q * (n - 1);
     int lo = (int)floor(pos), hi = lo + 1 < n ? lo + 1 : lo;
     return v[lo] + (pos - lo) * (v[hi] - v[lo]);
@@ -50,9 +40,9 @@ static int paired_step(const bench_workload *wl, bench_state *s, double *bwd_ms,
                        char *err, size_t cap) {
     int rc = -1;
     gj_scope_push();
-    double t0 = p_now_ms();
+    double t0 = bench_now_ms();
     gj_tensor *loss = wl->forward(s);
-    double t1 = p_now_ms();
+    double t1 = bench_now_ms();
     if (!loss) {
         snprintf(err, cap, "forward failed: %s", gj_last_error());
         goto out;
@@ -61,7 +51,7 @@ static int paired_step(const bench_workload *wl, bench_state *s, double *bwd_ms,
         snprintf(err, cap, "backward failed: %s", gj_last_error());
         goto out;
     }
-    double t2 = p_now_ms();
+    double t2 = bench_now_ms();
     *bwd_ms = t2 - t1;
     *step_ms = t2 - t0;
     for (int i = 0; i < s->n_params; i++)

@@ -16,23 +16,13 @@
  *
  *   gradjit-gemm-split [--pairs N] [--threads T] [--f64] [M N K TA TB ...]
  */
+#include "bench/clock.h"
 #include "runtime/rt.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 typedef struct split_job {
     const gj_rt_gemm_call *c;
@@ -48,9 +38,9 @@ static void run_blocks(void *vctx, int64_t b, int64_t e) {
 static double timed(const gj_rt_gemm_call *c, bool by_rows, int parts) {
     gj_rt_gemm_split sp = {parts, by_rows, by_rows ? c->M : c->N};
     split_job j = {c, &sp};
-    double t0 = now_ms();
+    double t0 = bench_now_ms();
     gj_rt_parallel_for(parts, 1, run_blocks, &j);
-    return now_ms() - t0;
+    return bench_now_ms() - t0;
 }
 
 /* One shape: prints its row. 0, or -1 (out of memory). */
@@ -83,9 +73,9 @@ static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, 
         tc[p] = rows_first ? b : a;
         r[p] = tr[p] / tc[p];
     }
-    qsort(r, (size_t)pairs, sizeof *r, cmp_d);
-    qsort(tr, (size_t)pairs, sizeof *tr, cmp_d);
-    qsort(tc, (size_t)pairs, sizeof *tc, cmp_d);
+    qsort(r, (size_t)pairs, sizeof *r, bench_cmp_double);
+    qsort(tr, (size_t)pairs, sizeof *tr, bench_cmp_double);
+    qsort(tc, (size_t)pairs, sizeof *tc, bench_cmp_double);
     gj_rt_gemm_split rule;
     gj_rt_gemm_split_of(ta, M, N, K, threads, &rule);
     double gf = 2.0 * (double)M * (double)N * (double)K * 1e-6;
