@@ -311,12 +311,7 @@ static int key_put(gj_jit_walk *w, const char *fmt, ...) {
             w->key_len += (size_t)n;
             return 0;
         }
-        size_t cap = w->key_cap ? w->key_cap * 2 : 4096;
-        while (cap < w->key_len + (size_t)n + 1) cap *= 2;
-        char *k = gj_rt_realloc(w->key, cap);
-        if (!k) return -1;
-        w->key = k;
-        w->key_cap = cap;
+        if (key_room(w, (size_t)n) != 0) return -1;
     }
 }
 
