@@ -907,7 +907,7 @@ static int paired_main(const bench_opts *o, const char *cpu, const gj_info *info
                 {"ratio_q3", r->ratio_q3},      {"step_ratio_median", r->step_ratio_med},
                 {"eager_bwd_ms", r->eager_ms},  {"compiled_bwd_ms", r->compiled_ms},
                 {"bound_ms", r->bound_ms},      {"gemm_gflop", r->gemm_gflop},
-                {"bytes_mb", r->bytes_mb},
+                {"bytes_mb", r->bytes_mb},      {"peak_ms", r->peak_ms},
             };
             for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
                 fprintf(f, ", \"%s\": ", nums[k].key);

@@ -67,6 +67,10 @@ typedef struct bench_paired_result {
     long long timed_compiles, timed_fallbacks, timed_backwards;
     /* the machine's ceiling for this backward (ceiling.c), 0 if unknown */
     double gemm_gflop, bytes_mb, bound_ms;
+    /* the same with the GEMMs at the FMA peak (fma_peak.c): no GEMM can
+     * pass it, so eager_ms / peak_ms is the largest ratio any compiled
+     * program could reach on this machine; 0 if unknown */
+    double peak_ms;
     /* --symbolic: the two sides are the specialised compiled program
      * ("eager" fields) and the symbolic one (GJ_CA_DYNAMIC_ALWAYS,
      * "compiled" fields) of the same key */
@@ -95,10 +99,15 @@ typedef struct bench_ceiling {
     int threads;
     double copy_gbs, read_gbs, write_gbs; /* GB/s, all threads */
     uint64_t sink;                         /* keeps the read pass */
+    /* FMA peak of all threads at once (fma_peak.c), GFLOP/s; 0 if unknown */
+    double peak_gflops_f32, peak_gflops_f64;
+    const char *fma_isa; /* the vectors it was measured with, or NULL */
     bench_gemm_rate shapes[BENCH_MAX_SHAPES];
     int n_shapes;
 } bench_ceiling;
 void bench_ceiling_measure(bench_ceiling *c, int threads);
+/* Sets c's FMA peak (called by bench_ceiling_measure). */
+void bench_fma_peak(bench_ceiling *c, int threads);
 /* Sets r's bound from the last compiled program of this thread (the
  * workload r just ran); records its GEMM rates in c. */
 void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r);

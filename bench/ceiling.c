@@ -10,6 +10,9 @@
  *       + the program's compulsory bytes: the inputs some step reads, once,
  *         at the measured read bandwidth, and the new .grad, once, at the
  *         write bandwidth (all threads).
+ * peak  = the same with every GEMM at the FMA peak of all threads
+ *         (fma_peak.c) instead of its measured rate: no GEMM passes it,
+ *         so eager / peak is the most any compiled program could gain.
  * The GEMM list comes from the program itself (gj_compiled_autograd_
  * last_program), so the bound follows whatever the compiler emits. GEMMs
  * run through gj_matmul (eager, no grad), with the same transposes; a shape
@@ -101,6 +104,7 @@ void bench_ceiling_measure(bench_ceiling *c, int threads) {
     c->read_gbs = bandwidth(1, nt, a, b, n, &sink);
     c->write_gbs = bandwidth(2, nt, a, b, n, &sink);
     c->sink = sink;
+    bench_fma_peak(c, nt);
     free(a);
     free(b);
 }
@@ -149,11 +153,13 @@ void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r) {
         return;
     int nt = c->threads > 0 ? c->threads : 1, n = pi.n_gemms < GJ_CA_MAX_GEMMS ? pi.n_gemms
                                                                          : GJ_CA_MAX_GEMMS;
-    double gemm_ms = 0;
+    double gemm_ms = 0, peak_gemm_ms = 0;
     int first = c->n_shapes;
     for (int i = 0; i < n; i++) {
         const gj_ca_gemm *g = &pi.gemms[i];
         double fl = 2.0 * (double)g->M * (double)g->N * (double)g->K * (double)g->batch;
+        double peak = g->dtype == GJ_F64 ? c->peak_gflops_f64 : c->peak_gflops_f32;
+        peak_gemm_ms += peak > 0 ? fl / (peak * 1e6) : 0;
         const bench_gemm_rate *seen = NULL; /* the same shape earlier in this workload */
         for (int j = first; j < c->n_shapes && !seen; j++) {
             const gj_ca_gemm *h = &c->shapes[j].g;
@@ -184,15 +190,22 @@ void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r) {
     double in = (double)pi.input_bytes, out = (double)pi.output_bytes;
     r->gemm_gflop = pi.gemm_flops * 1e-9;
     r->bytes_mb = (in + out) * 1e-6;
-    r->bound_ms = gemm_ms + (c->read_gbs > 0 ? in / (c->read_gbs * 1e6) : 0) +
-                  (c->write_gbs > 0 ? out / (c->write_gbs * 1e6) : 0);
+    double bytes_ms = (c->read_gbs > 0 ? in / (c->read_gbs * 1e6) : 0) +
+                      (c->write_gbs > 0 ? out / (c->write_gbs * 1e6) : 0);
+    r->bound_ms = gemm_ms + bytes_ms;
+    r->peak_ms = c->peak_gflops_f32 > 0 ? peak_gemm_ms + bytes_ms : 0;
 }
 
 void bench_ceiling_print(const bench_ceiling *c) {
     printf("ceiling (%d threads, 64 MiB, best of 5): copy %.1f GB/s, read %.1f GB/s, write %.1f "
            "GB/s; bound = GEMM steps at the best measured rate (GFLOP/s table below) + inputs "
-           "at read + new .grad at write bandwidth\n\n",
+           "at read + new .grad at write bandwidth\n",
            c->threads, c->copy_gbs, c->read_gbs, c->write_gbs);
+    if (c->fma_isa)
+        printf("FMA peak (%d threads at once, %s, best of 5): f32 %.1f GFLOP/s, f64 %.1f GFLOP/s; "
+               "peak = the bound with every GEMM at this peak, eager/peak = the largest "
+               "eager/compiled any program could reach here\n\n",
+               c->threads, c->fma_isa, c->peak_gflops_f32, c->peak_gflops_f64);
 }
 
 void bench_ceiling_print_shapes(const bench_ceiling *c) {
@@ -210,8 +223,12 @@ void bench_ceiling_print_shapes(const bench_ceiling *c) {
 }
 
 void bench_ceiling_json(FILE *f, const bench_ceiling *c) {
-    fprintf(f, "{\"copy_gbs\": %.3f, \"read_gbs\": %.3f, \"write_gbs\": %.3f, \"gemms\": [",
-            c->copy_gbs, c->read_gbs, c->write_gbs);
+    fprintf(f,
+            "{\"copy_gbs\": %.3f, \"read_gbs\": %.3f, \"write_gbs\": %.3f, "
+            "\"fma_isa\": \"%s\", \"peak_gflops_f32\": %.2f, \"peak_gflops_f64\": %.2f, "
+            "\"gemms\": [",
+            c->copy_gbs, c->read_gbs, c->write_gbs, c->fma_isa ? c->fma_isa : "",
+            c->peak_gflops_f32, c->peak_gflops_f64);
     for (int i = 0; i < c->n_shapes; i++) {
         const bench_gemm_rate *s = &c->shapes[i];
         fprintf(f,

@@ -153,10 +153,11 @@ done:
 }
 
 void bench_paired_print_header(bool symbolic) {
-    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %8s  %s\n", "id", "name", "pairs",
+    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %10s %8s %8s  %s\n", "id", "name", "pairs",
            symbolic ? "spec./symbolic [IQR]" : "eager/compiled [IQR]",
            symbolic ? "spec. ms" : "eager ms", symbolic ? "symb. ms" : "comp. ms", "bound ms",
-           symbolic ? "symb/bnd" : "comp/bnd", "GFLOP", "MB", "checks");
+           symbolic ? "symb/bnd" : "comp/bnd", "peak ms", symbolic ? "spec./peak" : "eager/peak",
+           "GFLOP", "MB", "checks");
 }
 
 void bench_paired_print_row(const bench_paired_result *r) {
@@ -164,14 +165,18 @@ void bench_paired_print_row(const bench_paired_result *r) {
         printf("%-4s %-13s FAILED: %s\n", r->wl->id, r->wl->name, r->error);
         return;
     }
-    char bound[32] = "-", rel[32] = "-";
+    char bound[32] = "-", rel[32] = "-", peak[32] = "-", most[32] = "-";
     if (r->bound_ms > 0) {
         snprintf(bound, sizeof bound, "%.3f", r->bound_ms);
         snprintf(rel, sizeof rel, "%.2f", r->compiled_ms / r->bound_ms);
     }
-    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8.3f %8.1f  %s\n",
+    if (r->peak_ms > 0) {
+        snprintf(peak, sizeof peak, "%.3f", r->peak_ms);
+        snprintf(most, sizeof most, "%.2f", r->eager_ms / r->peak_ms);
+    }
+    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8s %10s %8.3f %8.1f  %s\n",
            r->wl->id, r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms,
-           r->compiled_ms, bound, rel, r->gemm_gflop, r->bytes_mb,
+           r->compiled_ms, bound, rel, peak, most, r->gemm_gflop, r->bytes_mb,
            r->timed_fallbacks ? "FALLBACKS in timed steps"
            : r->timed_compiles ? "compiles in timed steps"
            : r->timed_backwards != (r->symbolic ? 2 : 1) * r->pairs ? "compiled path not engaged"
