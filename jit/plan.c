@@ -179,6 +179,16 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             if (!why[0]) snprintf(why, why_cap, "kernel construction failed: %s", gj_last_error());
             goto done;
         }
+        if (st->k.n_st == 0) {
+            /* a group whose every value the kernels reading it compute
+             * again (plan_nodes.c: need_value): nothing is left to run */
+            gj_rt_free(st->k.acc);
+            gj_rt_free(st->k.ex);
+            gj_rt_free(st->k.st);
+            gj_rt_free(st->k.param_buf);
+            memset(st, 0, sizeof *st);
+            p->n_steps--;
+        }
     }
     gj_jit_schedule_order(p);
     gj_jit_schedule_groups(p);

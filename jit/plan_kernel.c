@@ -99,6 +99,58 @@ static int value_expr(planner *pl, gj_jit_kernel *k, int *memo, int gi, int nd,
     return id;
 }
 
+/* Drops the expressions no store depends on, then the accesses nothing
+ * reads or writes any more. A group member whose value another kernel now
+ * computes again (recompute) is built here but not stored, and a value
+ * used only through it is dead with it. Expressions keep their order
+ * (every argument before its user); returns 0, or -1 on out of memory. */
+static int drop_dead(gj_jit_kernel *k) {
+    if (k->n_ex == 0) return 0;
+    int *map = gj_rt_malloc((size_t)(k->n_ex + k->n_acc) * sizeof *map);
+    if (!map) return -1;
+    int *amap = map + k->n_ex;
+    for (int i = 0; i < k->n_ex; i++) map[i] = 0;
+    for (int s = 0; s < k->n_st; s++) map[k->st[s].expr] = 1;
+    for (int i = k->n_ex - 1; i >= 0; i--) {
+        const gj_jit_expr *e = &k->ex[i];
+        if (map[i] && e->kind == GJ_JIT_E_OP)
+            for (int a = 0; a < e->inst.n_in && a < 3; a++) map[e->args[a]] = 1;
+    }
+    int n = 0;
+    for (int i = 0; i < k->n_ex; i++) {
+        if (!map[i]) {
+            map[i] = -1;
+            continue;
+        }
+        gj_jit_expr e = k->ex[i];
+        if (e.kind == GJ_JIT_E_OP)
+            for (int a = 0; a < e.inst.n_in && a < 3; a++) e.args[a] = map[e.args[a]];
+        k->ex[n] = e;
+        map[i] = n++;
+    }
+    k->n_ex = n;
+    for (int s = 0; s < k->n_st; s++) k->st[s].expr = map[k->st[s].expr];
+    for (int a = 0; a < k->n_acc; a++) amap[a] = 0;
+    for (int i = 0; i < k->n_ex; i++)
+        if (k->ex[i].kind == GJ_JIT_E_LOAD) amap[k->ex[i].access] = 1;
+    for (int s = 0; s < k->n_st; s++) amap[k->st[s].access] = 1;
+    int na = 0;
+    for (int a = 0; a < k->n_acc; a++) {
+        if (!amap[a]) {
+            amap[a] = -1;
+            continue;
+        }
+        k->acc[na] = k->acc[a];
+        amap[a] = na++;
+    }
+    k->n_acc = na;
+    for (int i = 0; i < k->n_ex; i++)
+        if (k->ex[i].kind == GJ_JIT_E_LOAD) k->ex[i].access = amap[k->ex[i].access];
+    for (int s = 0; s < k->n_st; s++) k->st[s].access = amap[k->st[s].access];
+    gj_rt_free(map);
+    return 0;
+}
+
 /* Folds dims of size 1 and merges adjacent dims that every access walks
  * contiguously (and that are both reduced or both kept). */
 static void collapse_dims(gj_jit_kernel *k) {
@@ -244,6 +296,7 @@ int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
             if (a < 0 || kadd_store(k, a, id, false, false) != 0) return -1;
         }
     }
+    if (drop_dead(k) != 0) return -1;
     collapse_dims(k);
     schedule_kernel(k);
     /* params: the distinct real buffers, in first-use order, then the run's

@@ -492,6 +492,56 @@ static void test_recompute_layer_norm(void **state) {
     }
 }
 
+/* Softmax's backward, dx = y * (dy - sum(dy * y)): the row sums are made
+ * in f64 and cast to f32, and the kernel that reads the cast computes it
+ * again (need_value). The cast's own group is then left with nothing to
+ * store and is not run at all (plan.c drops kernel steps without stores;
+ * plan_kernel.c drops expressions and accesses no store depends on). Two
+ * kernels are left: the f64 row sums and dx; the gradients stay eager's. */
+static void test_recompute_leaves_no_empty_kernel(void **state) {
+    (void)state;
+    enum { N = 48, C = 80 };
+    gjt_rng r;
+    gjt_rng_seed(&r, 77);
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -3, 3);
+    gj_tensor *w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
+    assert_int_equal(gj_set_requires_grad(x, true), 0);
+    double *g[2];
+    for (int mode = 0; mode < 2; mode++) {
+        gj_ca_stats before = gjt_ca_now();
+        for (int rep = 0; rep < 1 + mode; rep++) { /* compiled: compile, then run it cached */
+            gj_set_compiled_autograd(mode == 1);
+            gj_scope_push();
+            gj_tensor *loss = gj_sum(gj_mul(gj_softmax(x, 1), w), 0, NULL, false);
+            assert_non_null(loss);
+            assert_int_equal(gj_backward(loss, NULL), 0);
+            g[mode] = gjt_values(gj_tensor_grad(x));
+            gj_tensor_set_grad(x, NULL);
+            gj_scope_pop();
+            gj_set_compiled_autograd(false);
+            if (rep + 1 < 1 + mode) free(g[mode]);
+        }
+        if (mode == 1) {
+            gj_ca_stats after = gjt_ca_now();
+            assert_true(gjt_ran_compiled("softmax", &before, &after, 2));
+        }
+    }
+    gj_ca_program_info pi;
+    assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
+    if (pi.kernel_steps != 2)
+        fail_msg("softmax backward: %d kernel steps, expected 2 (row sums, dx)", pi.kernel_steps);
+    if (memcmp(g[0], g[1], (size_t)N * C * sizeof *g[0]) != 0) {
+        int64_t worst;
+        double diff = gjt_max_abs_diff(g[1], g[0], (int64_t)N * C, &worst);
+        fail_msg("softmax: compiled differs from eager (max |d| %g at %lld)", diff,
+                 (long long)worst);
+    }
+    free(g[0]);
+    free(g[1]);
+    gj_release(x);
+    gj_release(w);
+}
+
 static void *no_program_thread(void *arg) {
     int *rc = arg;
     gj_ca_program_info pi;
@@ -524,6 +574,7 @@ int main(void) {
         cmocka_unit_test(test_identical_layers_share_kernels),
         cmocka_unit_test(test_parallel_compile),
         cmocka_unit_test(test_recompute_layer_norm),
+        cmocka_unit_test(test_recompute_leaves_no_empty_kernel),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
