@@ -279,6 +279,14 @@ static void gemm_split_range(void *vctx, int64_t b, int64_t e) {
         gj_rt_gemm_block(x->c, x->sp, (int)i);
 }
 
+void gj_rt_gemm_run(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp) {
+    gemm_split_ctx x = {c, sp};
+    if (sp->parts == 1)
+        gemm_split_range(&x, 0, 1);
+    else
+        gj_rt_parallel_for(sp->parts, 1, gemm_split_range, &x);
+}
+
 /* Runs a loaded-BLAS GEMM (arguments already checked) as the blocks of
  * gj_rt_gemm_split_of on the pool (one call when that is one block, or
  * when called from a pool task). */
@@ -288,11 +296,7 @@ static void gemm_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_t
     gj_rt_gemm_call c = {f64, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
     gj_rt_gemm_split sp;
     gj_rt_gemm_split_of(ta, M, N, K, gj_rt_in_pool_task() ? 1 : gj_rt_num_threads(), &sp);
-    gemm_split_ctx x = {&c, &sp};
-    if (sp.parts == 1)
-        gemm_split_range(&x, 0, 1);
-    else
-        gj_rt_parallel_for(sp.parts, 1, gemm_split_range, &x);
+    gj_rt_gemm_run(&c, &sp);
 }
 
 /* One body for both precisions: the K == 0 case, and the plain loop used

@@ -226,6 +226,9 @@ void gj_rt_gemm_split_of(bool ta, int64_t M, int64_t N, int64_t K, int threads,
 /* Computes block i of split sp of GEMM c on the calling thread (one
  * single-threaded BLAS call; arguments already valid). */
 void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i);
+/* Computes every block of split sp of GEMM c: on the pool, or on the
+ * calling thread when sp has one part. */
+void gj_rt_gemm_run(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp);
 /* Whether the calling thread is running a task of gj_rt_parallel_for (work
  * it starts then runs inline). */
 bool gj_rt_in_pool_task(void);

@@ -24,22 +24,11 @@
 #include <string.h>
 #include <time.h>
 
-typedef struct split_job {
-    const gj_rt_gemm_call *c;
-    const gj_rt_gemm_split *sp;
-} split_job;
-
-static void run_blocks(void *vctx, int64_t b, int64_t e) {
-    const split_job *j = vctx;
-    for (int64_t i = b; i < e; i++) gj_rt_gemm_block(j->c, j->sp, (int)i);
-}
-
 /* The GEMM c as `parts` row (by_rows) or column blocks on the pool; ms. */
 static double timed(const gj_rt_gemm_call *c, bool by_rows, int parts) {
     gj_rt_gemm_split sp = {parts, by_rows, by_rows ? c->M : c->N};
-    split_job j = {c, &sp};
     double t0 = bench_now_ms();
-    gj_rt_parallel_for(parts, 1, run_blocks, &j);
+    gj_rt_gemm_run(c, &sp);
     return bench_now_ms() - t0;
 }
 
