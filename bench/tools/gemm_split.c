@@ -14,7 +14,15 @@
  * rule picks. Unlike gradjit-bench this tool uses the runtime's internal
  * API (runtime/rt.h); it only measures, it changes nothing.
  *
- *   gradjit-gemm-split [--pairs N] [--threads T] [--f64] [M N K TA TB ...]
+ * --epilogue asks whether elementwise work on a GEMM's output is cheaper
+ * done on each block right after the block's GEMM, on the same thread,
+ * while the block is in cache (an "epilogue"), than as a separate pass
+ * over C after the whole GEMM (what eager and the compiled program do).
+ * The work is a ReLU backward, out = x > 0 ? C : 0, the cheapest per
+ * element, so the one where memory traffic weighs most: its ratio bounds
+ * what any epilogue could save. Both ways run the rule's blocks.
+ *
+ *   gradjit-gemm-split [--pairs N] [--threads T] [--f64] [--epilogue] [M N K TA TB ...]
  */
 #include "bench/clock.h"
 #include "runtime/rt.h"
@@ -32,16 +40,70 @@ static double timed(const gj_rt_gemm_call *c, bool by_rows, int parts) {
     return bench_now_ms() - t0;
 }
 
+typedef struct epi_job {
+    const gj_rt_gemm_call *c;
+    const gj_rt_gemm_split *sp;
+    const char *x; /* [M, N], the ReLU's input */
+    char *out;     /* [M, N] */
+    bool gemm;     /* run the block's GEMM first */
+} epi_job;
+
+static void relu_backward_block(const epi_job *j, int i) {
+    const gj_rt_gemm_call *c = j->c;
+    const gj_rt_gemm_split *sp = j->sp;
+    int64_t lo = sp->len * i / sp->parts, hi = sp->len * (i + 1) / sp->parts;
+    int64_t r0 = sp->by_rows ? lo : 0, r1 = sp->by_rows ? hi : c->M;
+    int64_t c0 = sp->by_rows ? 0 : lo, c1 = sp->by_rows ? c->N : hi;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t o = r * c->N;
+        if (c->f64) {
+            const double *restrict g = (const double *)c->C + o;
+            const double *restrict x = (const double *)(const void *)j->x + o;
+            double *restrict y = (double *)(void *)j->out + o;
+            for (int64_t q = c0; q < c1; q++) y[q] = x[q] > 0 ? g[q] : 0.0;
+        } else {
+            const float *restrict g = (const float *)c->C + o;
+            const float *restrict x = (const float *)(const void *)j->x + o;
+            float *restrict y = (float *)(void *)j->out + o;
+            for (int64_t q = c0; q < c1; q++) y[q] = x[q] > 0 ? g[q] : 0.0f;
+        }
+    }
+}
+
+static void epi_range(void *vctx, int64_t b, int64_t e) {
+    const epi_job *j = vctx;
+    for (int64_t i = b; i < e; i++) {
+        if (j->gemm) gj_rt_gemm_block(j->c, j->sp, (int)i);
+        relu_backward_block(j, (int)i);
+    }
+}
+
+/* The GEMM c and the ReLU backward on the rule's blocks, fused (each block
+ * then its epilogue) or as two passes; ms. */
+static double timed_epilogue(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, const char *x,
+                             char *out, bool fused) {
+    epi_job j = {c, sp, x, out, fused};
+    double t0 = bench_now_ms();
+    if (!fused) gj_rt_gemm_run(c, sp);
+    gj_rt_parallel_for(sp->parts, 1, epi_range, &j);
+    return bench_now_ms() - t0;
+}
+
 /* One shape: prints its row. 0, or -1 (out of memory). */
 static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, int threads,
-                   int pairs) {
+                   int pairs, bool epilogue) {
     size_t el = f64 ? 8 : 4;
     char *A = malloc((size_t)(M * K) * el), *B = malloc((size_t)(K * N) * el);
-    char *C = malloc((size_t)(M * N) * el);
+    char *C = malloc((size_t)(M * N) * el), *X = malloc((size_t)(M * N) * el);
+    char *Y = malloc((size_t)(M * N) * el);
     double *r = malloc((size_t)pairs * sizeof *r), *tr = malloc((size_t)pairs * sizeof *tr);
     double *tc = malloc((size_t)pairs * sizeof *tc);
     int rc = -1;
-    if (!A || !B || !C || !r || !tr || !tc) goto done;
+    if (!A || !B || !C || !X || !Y || !r || !tr || !tc) goto done;
+    for (int64_t i = 0; i < M * N; i++) { /* half the ReLU inputs positive */
+        if (f64) ((double *)(void *)X)[i] = (double)(i % 101) - 50.0;
+        else ((float *)(void *)X)[i] = (float)(i % 101) - 50.0f;
+    }
     for (int64_t i = 0; i < M * K; i++) {
         if (f64) ((double *)(void *)A)[i] = (double)(i % 97) * 1e-3;
         else ((float *)(void *)A)[i] = (float)(i % 97) * 1e-3f;
@@ -51,6 +113,33 @@ static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, 
         else ((float *)(void *)B)[i] = (float)(i % 89) * 1e-3f;
     }
     gj_rt_gemm_call c = {f64, ta, tb, M, N, K, 1.0, A, ta ? M : K, B, tb ? K : N, 0.0, C, N};
+    gj_rt_gemm_split rule;
+    gj_rt_gemm_split_of(ta, M, N, K, threads, &rule);
+    double gf = 2.0 * (double)M * (double)N * (double)K * 1e-6;
+    if (epilogue) {
+        for (int w = 0; w < 5; w++) {
+            timed_epilogue(&c, &rule, X, Y, true);
+            timed_epilogue(&c, &rule, X, Y, false);
+        }
+        for (int p = 0; p < pairs; p++) {
+            bool fused_first = (p & 1) == 0;
+            double a = timed_epilogue(&c, &rule, X, Y, fused_first);
+            double b = timed_epilogue(&c, &rule, X, Y, !fused_first);
+            tr[p] = fused_first ? a : b; /* fused */
+            tc[p] = fused_first ? b : a; /* two passes */
+            r[p] = tr[p] / tc[p];
+        }
+        qsort(r, (size_t)pairs, sizeof *r, bench_cmp_double);
+        qsort(tr, (size_t)pairs, sizeof *tr, bench_cmp_double);
+        qsort(tc, (size_t)pairs, sizeof *tc, bench_cmp_double);
+        printf("%-5s %s%s %6lld %6lld %6lld %9.3f %9.3f   %.3f [%.3f-%.3f]  %d %s\n",
+               f64 ? "dgemm" : "sgemm", ta ? "T" : "N", tb ? "T" : "N", (long long)M,
+               (long long)N, (long long)K, tr[pairs / 2], tc[pairs / 2], r[pairs / 2],
+               r[pairs / 4], r[3 * pairs / 4], rule.parts,
+               rule.parts < 2 ? "block" : rule.by_rows ? "row blocks" : "column blocks");
+        rc = 0;
+        goto done;
+    }
     for (int w = 0; w < 5; w++) { /* warm-up: both ways */
         timed(&c, true, threads);
         timed(&c, false, threads);
@@ -65,9 +154,6 @@ static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, 
     qsort(r, (size_t)pairs, sizeof *r, bench_cmp_double);
     qsort(tr, (size_t)pairs, sizeof *tr, bench_cmp_double);
     qsort(tc, (size_t)pairs, sizeof *tc, bench_cmp_double);
-    gj_rt_gemm_split rule;
-    gj_rt_gemm_split_of(ta, M, N, K, threads, &rule);
-    double gf = 2.0 * (double)M * (double)N * (double)K * 1e-6;
     printf("%-5s %s%s %6lld %6lld %6lld %9.3f %9.3f %8.1f %8.1f   %.3f [%.3f-%.3f]  %s\n",
            f64 ? "dgemm" : "sgemm", ta ? "T" : "N", tb ? "T" : "N", (long long)M, (long long)N,
            (long long)K, tr[pairs / 2], tc[pairs / 2], gf / tr[pairs / 2], gf / tc[pairs / 2],
@@ -75,7 +161,7 @@ static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, 
            rule.parts < 2 ? "one block" : rule.by_rows ? "rows" : "columns");
     rc = 0;
 done:
-    free(A), free(B), free(C), free(r), free(tr), free(tc);
+    free(A), free(B), free(C), free(X), free(Y), free(r), free(tr), free(tc);
     return rc;
 }
 
@@ -89,7 +175,7 @@ int main(int argc, char **argv) {
         {1024, 768, 256, 0, 1},
     };
     int pairs = 100, threads = gj_rt_num_threads();
-    bool f64 = false;
+    bool f64 = false, epilogue = false;
     long long (*shapes)[5] = NULL;
     int n = 0;
     for (int i = 1; i < argc; i++) {
@@ -99,8 +185,11 @@ int main(int argc, char **argv) {
             threads = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--f64")) {
             f64 = true;
+        } else if (!strcmp(argv[i], "--epilogue")) {
+            epilogue = true;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: gradjit-gemm-split [--pairs N] [--threads T] [--f64] [M N K TA TB ...]\n");
+            printf("usage: gradjit-gemm-split [--pairs N] [--threads T] [--f64] [--epilogue] "
+                   "[M N K TA TB ...]\n");
             return 0;
         } else if (i + 4 < argc) {
             long long (*s)[5] = realloc(shapes, (size_t)(n + 1) * sizeof *shapes);
@@ -137,14 +226,21 @@ int main(int argc, char **argv) {
     }
     printf("gradjit-gemm-split | BLAS core %s | %d threads, %d blocks per GEMM | %d pairs (ABBA)\n",
            gj_rt_blas_corename(), threads, threads, pairs);
-    printf("ratio = rows / columns time per pair, median [IQR] (< 1: row blocks faster); "
-           "rule = the side gj_rt_gemm_split_of takes\n");
-    printf("%-5s %-2s %6s %6s %6s %9s %9s %8s %8s   %-20s  %s\n", "", "op", "M", "N", "K",
-           "rows ms", "cols ms", "rows GF", "cols GF", "ratio [IQR]", "rule");
+    if (epilogue) {
+        printf("ratio = GEMM with a ReLU backward on each block right after it / GEMM, then the "
+               "ReLU backward as its own pass, per pair, median [IQR] (< 1: the epilogue saves)\n");
+        printf("%-5s %-2s %6s %6s %6s %9s %9s   %-20s  %s\n", "", "op", "M", "N", "K",
+               "fused ms", "2 pass ms", "ratio [IQR]", "blocks (the rule's)");
+    } else {
+        printf("ratio = rows / columns time per pair, median [IQR] (< 1: row blocks faster); "
+               "rule = the side gj_rt_gemm_split_of takes\n");
+        printf("%-5s %-2s %6s %6s %6s %9s %9s %8s %8s   %-20s  %s\n", "", "op", "M", "N", "K",
+               "rows ms", "cols ms", "rows GF", "cols GF", "ratio [IQR]", "rule");
+    }
     int rc = 0;
     for (int s = 0; s < (n ? n : (int)(sizeof defaults / sizeof defaults[0])); s++) {
         const long long *d = n ? shapes[s] : defaults[s];
-        if (measure(d[0], d[1], d[2], d[3] != 0, d[4] != 0, f64, threads, pairs) != 0) {
+        if (measure(d[0], d[1], d[2], d[3] != 0, d[4] != 0, f64, threads, pairs, epilogue) != 0) {
             fprintf(stderr, "gradjit-gemm-split: out of memory\n");
             rc = 1;
             break;
