@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Builds gradjit and runs every test suite (ctest).
-#   scripts/test.sh             release build in build/, all tests
+#   scripts/test.sh             optimised build (RelWithDebInfo) in build/, all tests
 #   scripts/test.sh --sanitize  the same built with ASan + UBSan in build-asan/
 #   scripts/test.sh --tsan      the thread suites (ctest -L threads) built with
 #                               ThreadSanitizer in build-tsan/
