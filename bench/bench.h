@@ -106,6 +106,10 @@ typedef struct bench_ceiling {
     int n_shapes;
 } bench_ceiling;
 void bench_ceiling_measure(bench_ceiling *c, int threads);
+/* Runs fn on parts[0..nt) (each `size` bytes) on nt <= 64 threads at once
+ * (part 0 on the calling thread; a part whose thread cannot start runs on
+ * the caller's afterwards), `reps` times: the best wall time, ms. */
+double bench_threads_best_ms(int nt, int reps, void *(*fn)(void *), void *parts, size_t size);
 /* Sets c's FMA peak (called by bench_ceiling_measure). */
 void bench_fma_peak(bench_ceiling *c, int threads);
 /* Sets r's bound from the last compiled program of this thread (the

@@ -56,31 +56,38 @@ static void *bw_thread(void *arg) {
     return NULL;
 }
 
-/* Best of 5 GB/s of `nt` threads each doing its slice of one 64 MiB pass:
- * kind 0 copy (read + write bytes), 1 read, 2 write. */
-static double bandwidth(int kind, int nt, char *a, char *b, size_t n, uint64_t *sink) {
+double bench_threads_best_ms(int nt, int reps, void *(*fn)(void *), void *parts, size_t size) {
     double best = 1e30;
-    for (int r = 0; r < 5; r++) {
+    char *part = parts;
+    for (int r = 0; r < reps; r++) {
         pthread_t th[64];
-        bw_part parts[64];
         bool started[64] = {false};
         double t0 = bench_now_ms();
-        for (int i = 0; i < nt; i++) {
-            size_t lo = n * (size_t)i / (size_t)nt, hi = n * (size_t)(i + 1) / (size_t)nt;
-            parts[i] = (bw_part){kind == 1 ? NULL : b + lo, kind == 2 ? NULL : a + lo, hi - lo, 0};
-            if (i > 0) started[i] = pthread_create(&th[i], NULL, bw_thread, &parts[i]) == 0;
-        }
-        bw_thread(&parts[0]);
+        for (int i = 1; i < nt; i++)
+            started[i] = pthread_create(&th[i], NULL, fn, part + (size_t)i * size) == 0;
+        fn(part);
         for (int i = 1; i < nt; i++) {
             if (started[i]) pthread_join(th[i], NULL);
-            else bw_thread(&parts[i]);
+            else fn(part + (size_t)i * size);
         }
         double t = bench_now_ms() - t0;
-        for (int i = 0; i < nt; i++)
-            *sink += parts[i].sum;
         if (t < best)
             best = t;
     }
+    return best;
+}
+
+/* Best of 5 GB/s of `nt` threads each doing its slice of one 64 MiB pass:
+ * kind 0 copy (read + write bytes), 1 read, 2 write. */
+static double bandwidth(int kind, int nt, char *a, char *b, size_t n, uint64_t *sink) {
+    bw_part parts[64];
+    for (int i = 0; i < nt; i++) {
+        size_t lo = n * (size_t)i / (size_t)nt, hi = n * (size_t)(i + 1) / (size_t)nt;
+        parts[i] = (bw_part){kind == 1 ? NULL : b + lo, kind == 2 ? NULL : a + lo, hi - lo, 0};
+    }
+    double best = bench_threads_best_ms(nt, 5, bw_thread, parts, sizeof *parts);
+    for (int i = 0; i < nt; i++)
+        *sink += parts[i].sum;
     return (kind == 0 ? 2.0 : 1.0) * (double)n / (best * 1e6);
 }
 

@@ -16,7 +16,6 @@
 #include "bench.h"
 #include "clock.h"
 
-#include <pthread.h>
 #include <stdbool.h>
 #include <string.h>
 
@@ -28,64 +27,39 @@
 enum { PEAK_ITERS = 1 << 22 }; /* 12 FMAs each: ~0.1 s on one AVX2 core */
 
 #ifdef GJ_BENCH_X86
-#define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+/* The body of one loop: vectors of type V, SET1 broadcasts, FMA is the
+ * fused multiply-add, C the asm register class. Returns 0, read from a
+ * chain so that the chains are kept. */
+#define PEAK_BODY(V, SET1, FMA, C)                                                        \
+    {                                                                                    \
+        V b = SET1(0.999), c = SET1(1e-6);                                               \
+        V a0 = SET1(0), a1 = SET1(1), a2 = SET1(2), a3 = SET1(3), a4 = SET1(4),          \
+          a5 = SET1(5), a6 = SET1(6), a7 = SET1(7), a8 = SET1(8), a9 = SET1(9),          \
+          a10 = SET1(10), a11 = SET1(11);                                                \
+        for (long n = 0; n < PEAK_ITERS; n++) {                                          \
+            a0 = FMA(a0, b, c), a1 = FMA(a1, b, c), a2 = FMA(a2, b, c);                   \
+            a3 = FMA(a3, b, c), a4 = FMA(a4, b, c), a5 = FMA(a5, b, c);                   \
+            a6 = FMA(a6, b, c), a7 = FMA(a7, b, c), a8 = FMA(a8, b, c);                   \
+            a9 = FMA(a9, b, c), a10 = FMA(a10, b, c), a11 = FMA(a11, b, c);               \
+            __asm__ volatile("" : "+" C(a0), "+" C(a1), "+" C(a2), "+" C(a3), "+" C(a4),  \
+                             "+" C(a5));                                                 \
+            __asm__ volatile("" : "+" C(a6), "+" C(a7), "+" C(a8), "+" C(a9), "+" C(a10), \
+                             "+" C(a11));                                                \
+        }                                                                                \
+        unsigned char s[sizeof(V)];                                                      \
+        memcpy(s, &a0, sizeof s);                                                        \
+        return (double)s[0] * 0;                                                         \
+    }
 
-__attribute__((target("avx2,fma"))) static double fma_avx2(bool f64) {
-    __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-6f);
-    __m256d bd = _mm256_set1_pd(0.999), cd = _mm256_set1_pd(1e-6);
-#define DECL(i) __m256 a##i = _mm256_set1_ps((float)(i)); __m256d d##i = _mm256_set1_pd(i);
-    CHAINS(DECL)
-#undef DECL
-    if (f64) {
-        for (long n = 0; n < PEAK_ITERS; n++) {
-#define STEP(i) d##i = _mm256_fmadd_pd(d##i, bd, cd);
-            CHAINS(STEP)
-#undef STEP
-            __asm__ volatile("" : "+x"(d0), "+x"(d1), "+x"(d2), "+x"(d3), "+x"(d4), "+x"(d5));
-            __asm__ volatile("" : "+x"(d6), "+x"(d7), "+x"(d8), "+x"(d9), "+x"(d10), "+x"(d11));
-        }
-        double s[4];
-        _mm256_storeu_pd(s, _mm256_add_pd(d0, d11));
-        return s[0] * 0; /* 0, but not known to the compiler */
-    }
-    for (long n = 0; n < PEAK_ITERS; n++) {
-#define STEP(i) a##i = _mm256_fmadd_ps(a##i, b, c);
-        CHAINS(STEP)
-#undef STEP
-        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
-        __asm__ volatile("" : "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
-    }
-    float s[8];
-    _mm256_storeu_ps(s, _mm256_add_ps(a0, a11));
-    return (double)s[0] * 0;
-}
-
-__attribute__((target("avx512f"))) static double fma_avx512(bool f64) {
-    __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-6f);
-    __m512d bd = _mm512_set1_pd(0.999), cd = _mm512_set1_pd(1e-6);
-#define DECL(i) __m512 a##i = _mm512_set1_ps((float)(i)); __m512d d##i = _mm512_set1_pd(i);
-    CHAINS(DECL)
-#undef DECL
-    if (f64) {
-        for (long n = 0; n < PEAK_ITERS; n++) {
-#define STEP(i) d##i = _mm512_fmadd_pd(d##i, bd, cd);
-            CHAINS(STEP)
-#undef STEP
-            __asm__ volatile("" : "+v"(d0), "+v"(d1), "+v"(d2), "+v"(d3), "+v"(d4), "+v"(d5));
-            __asm__ volatile("" : "+v"(d6), "+v"(d7), "+v"(d8), "+v"(d9), "+v"(d10), "+v"(d11));
-        }
-        return _mm512_reduce_add_pd(_mm512_add_pd(d0, d11)) * 0;
-    }
-    for (long n = 0; n < PEAK_ITERS; n++) {
-#define STEP(i) a##i = _mm512_fmadd_ps(a##i, b, c);
-        CHAINS(STEP)
-#undef STEP
-        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
-        __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
-    }
-    return (double)_mm512_reduce_add_ps(_mm512_add_ps(a0, a11)) * 0;
-}
-#undef CHAINS
+__attribute__((target("avx2,fma"))) static double fma_avx2_f32(void)
+    PEAK_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, "x")
+__attribute__((target("avx2,fma"))) static double fma_avx2_f64(void)
+    PEAK_BODY(__m256d, _mm256_set1_pd, _mm256_fmadd_pd, "x")
+__attribute__((target("avx512f"))) static double fma_avx512_f32(void)
+    PEAK_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, "v")
+__attribute__((target("avx512f"))) static double fma_avx512_f64(void)
+    PEAK_BODY(__m512d, _mm512_set1_pd, _mm512_fmadd_pd, "v")
+#undef PEAK_BODY
 #endif
 
 typedef struct peak_part {
@@ -97,37 +71,24 @@ typedef struct peak_part {
 static void *peak_thread(void *arg) {
     peak_part *p = arg;
 #ifdef GJ_BENCH_X86
-    p->sink = p->width == 16 ? fma_avx512(p->f64) : fma_avx2(p->f64);
+    if (p->width == 16)
+        p->sink = p->f64 ? fma_avx512_f64() : fma_avx512_f32();
+    else
+        p->sink = p->f64 ? fma_avx2_f64() : fma_avx2_f32();
 #else
     (void)p;
 #endif
     return NULL;
 }
 
-/* GFLOP/s of `nt` threads at once, best of 5; 0 if no FMA loop fits. */
+/* GFLOP/s of `nt` threads at once, best of 5. */
 static double peak_of(int width, bool f64, int nt, double *sink) {
-    double best = 1e30;
-    for (int r = 0; r < 5; r++) {
-        pthread_t th[64];
-        peak_part parts[64];
-        bool started[64] = {false};
-        double t0 = bench_now_ms();
-        for (int i = 0; i < nt; i++) {
-            parts[i] = (peak_part){width, f64, 0};
-            if (i > 0)
-                started[i] = pthread_create(&th[i], NULL, peak_thread, &parts[i]) == 0;
-        }
-        peak_thread(&parts[0]);
-        for (int i = 1; i < nt; i++) {
-            if (started[i]) pthread_join(th[i], NULL);
-            else peak_thread(&parts[i]);
-        }
-        double t = bench_now_ms() - t0;
-        for (int i = 0; i < nt; i++)
-            *sink += parts[i].sink;
-        if (t < best)
-            best = t;
-    }
+    peak_part parts[64];
+    for (int i = 0; i < nt; i++)
+        parts[i] = (peak_part){width, f64, 0};
+    double best = bench_threads_best_ms(nt, 5, peak_thread, parts, sizeof *parts);
+    for (int i = 0; i < nt; i++)
+        *sink += parts[i].sink;
     int lanes = f64 ? width / 2 : width;
     /* 12 FMAs of `lanes` lanes, 2 flops each, per iteration */
     return (double)nt * PEAK_ITERS * 12.0 * lanes * 2.0 / (best * 1e6);
