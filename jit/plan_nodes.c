@@ -50,6 +50,17 @@ static int add_dep(planner *pl, int s, int d) {
     return 0;
 }
 
+/* Value v is what step sid writes into buffer buf, contiguously. */
+static void step_output(planner *pl, int sid, int buf, int v) {
+    const gj_rt_meta *m = vmeta(pl, v);
+    pl->p->bufs[buf].writer = sid;
+    vinfo *o = &pl->vi[v];
+    o->kind = V_VIEW;
+    o->buf = buf;
+    o->offset = 0;
+    contig_strides(m->ndim, m->shape, o->strides);
+}
+
 /* Does step s depend (transitively) on step t? */
 static bool depends(planner *pl, int s, int t) {
     if (s < 0) return false;
@@ -540,12 +551,7 @@ static int plan_matmul(planner *pl, int i) {
     if (add_dep(pl, sid, pl->p->bufs[mm.a_buf].writer) != 0 ||
         add_dep(pl, sid, pl->p->bufs[mm.b_buf].writer) != 0)
         return gj_jit_pl_oom(pl);
-    pl->p->bufs[mm.c_buf].writer = sid;
-    vinfo *o = &pl->vi[n->out[0]];
-    o->kind = V_VIEW;
-    o->buf = mm.c_buf;
-    o->offset = 0;
-    contig_strides(om->ndim, om->shape, o->strides);
+    step_output(pl, sid, mm.c_buf, n->out[0]);
     return 0;
 }
 
@@ -644,12 +650,7 @@ static int plan_index(planner *pl, int i) {
     if (add_dep(pl, sid, pl->p->bufs[ix.src_buf].writer) != 0 ||
         add_dep(pl, sid, pl->p->bufs[ix.idx_buf].writer) != 0)
         return gj_jit_pl_oom(pl);
-    pl->p->bufs[ix.out_buf].writer = sid;
-    vinfo *o = &pl->vi[n->out[0]];
-    o->kind = V_VIEW;
-    o->buf = ix.out_buf;
-    o->offset = 0;
-    contig_strides(om->ndim, om->shape, o->strides);
+    step_output(pl, sid, ix.out_buf, n->out[0]);
     return 0;
 }
 
@@ -684,12 +685,7 @@ static int plan_fold(planner *pl, int i) {
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->fds[pl->n_fd++] = fd;
     if (add_dep(pl, sid, pl->p->bufs[fd.src_buf].writer) != 0) return gj_jit_pl_oom(pl);
-    pl->p->bufs[fd.out_buf].writer = sid;
-    vinfo *o = &pl->vi[n->out[0]];
-    o->kind = V_VIEW;
-    o->buf = fd.out_buf;
-    o->offset = 0;
-    contig_strides(om->ndim, om->shape, o->strides);
+    step_output(pl, sid, fd.out_buf, n->out[0]);
     return 0;
 }
 
@@ -714,12 +710,7 @@ static int plan_hook(planner *pl, int i) {
         add_dep(pl, sid, pl->last_hook_step) != 0)
         return gj_jit_pl_oom(pl);
     pl->last_hook_step = sid;
-    pl->p->bufs[hk.out_buf].writer = sid;
-    vinfo *o = &pl->vi[n->out[0]];
-    o->kind = V_VIEW;
-    o->buf = hk.out_buf;
-    o->offset = 0;
-    contig_strides(hk.meta.ndim, hk.meta.shape, o->strides);
+    step_output(pl, sid, hk.out_buf, n->out[0]);
     return 0;
 }
 
@@ -759,14 +750,7 @@ static int plan_custom(planner *pl, int i) {
         if (add_dep(pl, sid, pl->p->bufs[cs.src_buf[k]].writer) != 0) return gj_jit_pl_oom(pl);
     if (add_dep(pl, sid, pl->last_hook_step) != 0) return gj_jit_pl_oom(pl);
     pl->last_hook_step = sid;
-    for (int k = 0; k < cs.n_out; k++) {
-        pl->p->bufs[cs.out_buf[k]].writer = sid;
-        vinfo *o = &pl->vi[n->out[k]];
-        o->kind = V_VIEW;
-        o->buf = cs.out_buf[k];
-        o->offset = 0;
-        contig_strides(cs.out_meta[k].ndim, cs.out_meta[k].shape, o->strides);
-    }
+    for (int k = 0; k < cs.n_out; k++) step_output(pl, sid, cs.out_buf[k], n->out[k]);
     return 0;
 }
 
