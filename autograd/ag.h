@@ -437,22 +437,49 @@ gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g);
 gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *grad);
 int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf);
 /* The frontend's scopes: user code called from the engine (hooks, custom
- * op functions) runs inside a scope of its own. push opens one and returns
- * its identity (what t->scope holds for a tensor registered in it; NULL
- * when no frontend registered); pop closes it. */
-void gj_ag_set_user_scope(void *(*push)(void), void (*pop)(void));
-void *gj_ag_user_scope_push(void);
-void gj_ag_user_scope_pop(void);
+ * op functions) runs inside a scope of its own. The frontend registers
+ * its scope operations: push (opens one and returns its identity: what
+ * t->scope holds for a tensor registered in it), pop (closes the
+ * innermost), level (how many scopes are open on this thread) and
+ * open_from (whether scope s is one of this thread's open scopes, opened
+ * when `level` scopes were open or later). gj_ag_user_scope_push opens the
+ * user scope (u.id NULL when no frontend registered); after the user code
+ * returned, gj_ag_user_scope_close closes it and every scope the user code
+ * left open inside it: 0, or -1 with an error naming `who` when the user
+ * code left scopes open (closed now) or closed the scope it was called in
+ * (and maybe its caller's: nothing more is closed then). */
+typedef struct gj_ag_scope_ops {
+    void *(*push)(void);
+    void (*pop)(void);
+    int (*level)(void);
+    bool (*open_from)(const void *scope, int level);
+} gj_ag_scope_ops;
+typedef struct gj_ag_uscope {
+    void *id;
+    int level; /* scopes open before it */
+} gj_ag_uscope;
+void gj_ag_set_user_scope(const gj_ag_scope_ops *ops);
+gj_ag_uscope gj_ag_user_scope_push(void);
+int gj_ag_user_scope_close(gj_ag_uscope u, const char *who);
+/* gj_ag_user_scope_close after user code failed: the error already set
+ * stays first (a scope problem is appended to it). */
+void gj_ag_uscope_close_keep_error(gj_ag_uscope u, const char *who);
 /* Takes the reference that user code returned for t (call while the user
- * scope `scope` is open): if t is registered in that scope the reference
- * is the scope's and a new one is taken, otherwise (gj_retain'ed, or kept
- * out of any scope) it is stolen. Returns a new reference without autograd
- * meta (an alias replaces t if needed), or NULL with an error naming what
- * if t is not a live tensor. */
-gj_tensor *gj_ag_take_user_ref(gj_tensor *t, void *scope, const char *what);
+ * scope u is open): if t is registered in u or in a scope the user code
+ * opened inside it (and left open), the reference is that scope's and a
+ * new one is taken; otherwise (gj_retain'ed, or kept out of any scope) it
+ * is stolen. Returns a new reference without autograd meta (an alias
+ * replaces t if needed), or NULL with an error naming what if t is not a
+ * live tensor. */
+gj_tensor *gj_ag_take_user_ref(gj_tensor *t, gj_ag_uscope u, const char *what);
 /* Drops a reference user code returned that will not be used (nothing if
- * it is the scope's, or t is not a live tensor). */
-void gj_ag_drop_user_ref(gj_tensor *t, void *scope);
+ * it is a scope's of u, as above, or t is not a live tensor). */
+void gj_ag_drop_user_ref(gj_tensor *t, gj_ag_uscope u);
+/* The tensor g is lent to user code (a hook's gradient): while pinned,
+ * gj_release refuses to drop the references it had when lent (the user
+ * code owns none of them). pin returns what unpin takes back. */
+int gj_ag_pin_lent(gj_tensor *g);
+void gj_ag_unpin_lent(gj_tensor *g, int pins);
 /* Pushes one reference of t (transferred) on the eager builder's step;
  * NULL on OOM (the reference is released). */
 gj_val *gj_ag_eager_adopt(gj_tensor *t);

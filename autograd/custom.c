@@ -286,11 +286,11 @@ static void user_failed(const gj_custom_op *op, const char *what, long rc) {
 /* Takes the reference of a tensor user code wrote to an out-pointer: a
  * new, unscoped reference without autograd meta. Call while the user scope
  * is open. NULL (error set) if t is not a live tensor. */
-static gj_tensor *own_user_tensor(const gj_custom_op *op, gj_tensor *t, void *scope,
+static gj_tensor *own_user_tensor(const gj_custom_op *op, gj_tensor *t, gj_ag_uscope us,
                                   const char *what) {
     char arg[256];
     snprintf(arg, sizeof arg, "%s of custom op %s", what, op->name);
-    return gj_ag_take_user_ref(t, scope, arg);
+    return gj_ag_take_user_ref(t, us, arg);
 }
 
 /* User code may write to an out-pointer a tensor it was lent rather than
@@ -325,9 +325,9 @@ static void count_lent(gj_tensor *const *lent, int n, long *before) {
 }
 
 /* Releases what user code wrote to out-pointers after a failure. */
-static void drop_user_outs(gj_tensor **ts, int n, void *scope) {
+static void drop_user_outs(gj_tensor **ts, int n, gj_ag_uscope us) {
     for (int k = 0; k < n; k++) {
-        gj_ag_drop_user_ref(ts[k], scope);
+        gj_ag_drop_user_ref(ts[k], us);
         ts[k] = NULL;
     }
 }
@@ -372,7 +372,9 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
     for (int i = 0; i < op->n_tensors; i++) lent[n_lent++] = inputs[i];
     count_lent(lent, n_lent, before);
     ffi_arg ret = 0;
-    void *scope = gj_ag_user_scope_push();
+    char who[300];
+    snprintf(who, sizeof who, "custom op %s: the backward function", op->name);
+    gj_ag_uscope us = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     gj_clear_error();
     ffi_call((ffi_cif *)&op->bwd_cif, op->bwd, &ret, values);
@@ -388,15 +390,15 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
                             "inside it (clear it with gj_clear_error if it was handled): %s",
                             op->name, why);
         }
-        drop_user_outs(res, op->n_tensors, scope);
-        gj_ag_user_scope_pop();
+        drop_user_outs(res, op->n_tensors, us);
+        gj_ag_uscope_close_keep_error(us, who);
         goto done;
     }
     rc = 0;
     for (int i = 0, j = 0; i < op->n_tensors; i++, j++) {
         while (op->kinds[j] != ARG_TENSOR) j++;
         if (!res[i] || rc != 0) continue;
-        gin[i] = own_user_tensor(op, res[i], scope, "a gradient returned by the backward");
+        gin[i] = own_user_tensor(op, res[i], us, "a gradient returned by the backward");
         res[i] = NULL;
         if (!gin[i]) {
             rc = -1;
@@ -415,14 +417,14 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
             rc = -1;
         }
     }
-    if (rc != 0) {
-        drop_user_outs(res, op->n_tensors, scope);
+    if (rc != 0) drop_user_outs(res, op->n_tensors, us);
+    if (rc != 0) gj_ag_uscope_close_keep_error(us, who);
+    else if (gj_ag_user_scope_close(us, who) != 0) rc = -1;
+    if (rc != 0)
         for (int i = 0; i < op->n_tensors; i++) {
             if (gin[i]) gj_rt_tensor_release(gin[i]);
             gin[i] = NULL;
         }
-    }
-    gj_ag_user_scope_pop();
 done:
     for (int k = 0; k < op->n_out; k++)
         if (zeros[k]) gj_rt_tensor_release(zeros[k]);
@@ -449,7 +451,9 @@ int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
     count_lent(tin, op->n_tensors, before);
     ffi_arg ret = 0;
     int rc = -1;
-    void *scope = gj_ag_user_scope_push();
+    char who[300];
+    snprintf(who, sizeof who, "custom op %s: the forward function", op->name);
+    gj_ag_uscope us = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     gj_clear_error();
     ffi_call((ffi_cif *)&op->fwd_cif, op->fwd, &ret, values);
@@ -457,14 +461,14 @@ int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
     ref_lent_outs(res, op->n_out, tin, before, op->n_tensors);
     if ((int)ret != 0) {
         user_failed(op, "forward", (long)(int)ret);
-        drop_user_outs(res, op->n_out, scope);
+        drop_user_outs(res, op->n_out, us);
         goto done;
     }
     for (int k = 0; k < op->n_out; k++) {
         if (!res[k]) {
             gj_rt_set_error("custom op %s: the forward function wrote no tensor to output %d",
                             op->name, k);
-            drop_user_outs(res, op->n_out, scope);
+            drop_user_outs(res, op->n_out, us);
             goto done;
         }
     }
@@ -472,7 +476,7 @@ int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
     for (int k = 0; k < op->n_out; k++) {
         bool lent = false;
         for (int i = 0; i < op->n_tensors; i++) lent |= res[k] == tin[i];
-        gj_tensor *t = own_user_tensor(op, res[k], scope, "an output of the forward");
+        gj_tensor *t = own_user_tensor(op, res[k], us, "an output of the forward");
         if (t && lent && t == res[k]) { /* an output is a tensor of its own, never an input */
             gj_tensor *al = gj_rt_tensor_alias(t);
             gj_rt_tensor_release(t);
@@ -481,18 +485,19 @@ int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
         res[k] = NULL;
         outs[k] = t;
         if (!t) {
-            drop_user_outs(res, op->n_out, scope);
+            drop_user_outs(res, op->n_out, us);
             rc = -1;
             break;
         }
     }
+done:
+    if (rc != 0) gj_ag_uscope_close_keep_error(us, who);
+    else if (gj_ag_user_scope_close(us, who) != 0) rc = -1;
     if (rc != 0)
         for (int k = 0; k < op->n_out; k++) {
             if (outs[k]) gj_rt_tensor_release(outs[k]);
             outs[k] = NULL;
         }
-done:
-    gj_ag_user_scope_pop();
     return rc;
 }
 

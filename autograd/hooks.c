@@ -30,26 +30,58 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static gj_ag_hook *g_all; /* every live hook (doubly linked through all_prev/all_next) */
 static int64_t g_next_handle;
 static _Thread_local int g_in_hook; /* depth of user hook calls on this thread */
-static void *(*g_scope_push)(void);
-static void (*g_scope_pop)(void);
+static gj_ag_scope_ops g_sops; /* the frontend's (all NULL until it registers) */
 static atomic_bool g_anomaly;
 
 /* ------------------------------------------------------------ scopes */
 
-void gj_ag_set_user_scope(void *(*push)(void), void (*pop)(void)) {
-    g_scope_push = push;
-    g_scope_pop = pop;
+void gj_ag_set_user_scope(const gj_ag_scope_ops *ops) { g_sops = *ops; }
+
+gj_ag_uscope gj_ag_user_scope_push(void) {
+    gj_ag_uscope u = {NULL, g_sops.level ? g_sops.level() : 0};
+    if (g_sops.push) u.id = g_sops.push();
+    return u;
 }
 
-void *gj_ag_user_scope_push(void) { return g_scope_push ? g_scope_push() : NULL; }
-
-void gj_ag_user_scope_pop(void) {
-    if (g_scope_pop) g_scope_pop();
+int gj_ag_user_scope_close(gj_ag_uscope u, const char *who) {
+    if (!g_sops.pop || !g_sops.level) return 0;
+    int left = g_sops.level() - (u.level + 1);
+    if (left < 0) {
+        gj_rt_set_error("%s closed the scope it was called in (gj_scope_pop without a "
+                        "gj_scope_push of its own): temporaries of its caller may have been "
+                        "freed",
+                        who);
+        return -1;
+    }
+    for (int i = 0; i <= left; i++) g_sops.pop();
+    if (left == 0) return 0;
+    gj_rt_set_error("%s returned with %d scope%s it opened still open (gj_scope_push without "
+                    "gj_scope_pop); %s closed now",
+                    who, left, left == 1 ? "" : "s", left == 1 ? "it was" : "they were");
+    return -1;
 }
 
-gj_tensor *gj_ag_take_user_ref(gj_tensor *t, void *scope, const char *what) {
+void gj_ag_uscope_close_keep_error(gj_ag_uscope u, const char *who) {
+    char first[512];
+    snprintf(first, sizeof first, "%s", gj_last_error());
+    if (gj_ag_user_scope_close(u, who) != 0 && first[0]) {
+        char more[400];
+        snprintf(more, sizeof more, "%s", gj_last_error());
+        gj_rt_set_error("%s; also: %s", first, more);
+    } else if (first[0]) {
+        gj_rt_set_error("%s", first);
+    }
+}
+
+/* Whether t is registered in user scope u or in a scope opened inside it. */
+static bool in_user_scope(const gj_tensor *t, gj_ag_uscope u) {
+    if (!t->scope || !u.id) return false;
+    return t->scope == u.id || (g_sops.open_from && g_sops.open_from(t->scope, u.level));
+}
+
+gj_tensor *gj_ag_take_user_ref(gj_tensor *t, gj_ag_uscope u, const char *what) {
     if (!gj_rt_check_tensor(t, "user code", what)) return NULL;
-    if (scope && t->scope == scope) gj_rt_tensor_retain(t); /* the scope keeps its own */
+    if (in_user_scope(t, u)) gj_rt_tensor_retain(t); /* the scope keeps its own */
     if (t->ag) { /* values of the engine never carry history */
         gj_tensor *a = gj_rt_tensor_alias(t);
         gj_rt_tensor_release(t);
@@ -58,10 +90,18 @@ gj_tensor *gj_ag_take_user_ref(gj_tensor *t, void *scope, const char *what) {
     return t;
 }
 
-void gj_ag_drop_user_ref(gj_tensor *t, void *scope) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC || (scope && t->scope == scope)) return;
+void gj_ag_drop_user_ref(gj_tensor *t, gj_ag_uscope u) {
+    if (!t || t->magic != GJ_RT_TENSOR_MAGIC || in_user_scope(t, u)) return;
     gj_rt_tensor_release(t);
 }
+
+int gj_ag_pin_lent(gj_tensor *g) {
+    int pins = (int)atomic_load(&g->refcount);
+    atomic_fetch_add(&g->pinned, pins);
+    return pins;
+}
+
+void gj_ag_unpin_lent(gj_tensor *g, int pins) { atomic_fetch_sub(&g->pinned, pins); }
 
 /* ------------------------------------------------------- registration */
 
@@ -245,11 +285,13 @@ int gj_ag_run_post_hooks(gj_ag_builder *b, gj_tensor *leaf) {
 /* ------------------------------------------------------ eager builder */
 
 gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g) {
-    void *scope = gj_ag_user_scope_push();
+    gj_ag_uscope us = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     g_in_hook++;
     gj_clear_error();
+    int pins = gj_ag_pin_lent(g); /* borrowed by the hook: gj_release(g) is refused */
     gj_tensor *r = h->fn(g, h->user);
+    gj_ag_unpin_lent(g, pins);
     g_in_hook--;
     gj_ag_no_grad_exit();
     gj_tensor *out = NULL;
@@ -278,12 +320,19 @@ gj_tensor *gj_ag_call_hook_ref(const gj_ag_hook *h, gj_tensor *g) {
                         "the gradient's shape and dtype",
                         (long long)h->handle, a, gj_rt_dtype_name(g->dtype), c,
                         gj_rt_dtype_name(r->dtype));
-        gj_ag_drop_user_ref(r, scope);
+        gj_ag_drop_user_ref(r, us);
         out = NULL;
     } else {
-        out = gj_ag_take_user_ref(r, scope, "the tensor returned by a hook");
+        out = gj_ag_take_user_ref(r, us, "the tensor returned by a hook");
     }
-    gj_ag_user_scope_pop();
+    char who[64];
+    snprintf(who, sizeof who, "hooks: hook #%lld", (long long)h->handle);
+    if (!out) {
+        gj_ag_uscope_close_keep_error(us, who);
+    } else if (gj_ag_user_scope_close(us, who) != 0) {
+        gj_rt_tensor_release(out);
+        out = NULL;
+    }
     return out;
 }
 
@@ -303,14 +352,15 @@ gj_val *gj_ag_eager_call_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_val *gra
 
 int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor *leaf) {
     (void)b;
-    gj_ag_user_scope_push();
+    gj_ag_uscope us = gj_ag_user_scope_push();
     gj_ag_no_grad_enter();
     g_in_hook++;
     gj_clear_error();
     h->post_fn(leaf, h->user);
     g_in_hook--;
     gj_ag_no_grad_exit();
-    gj_ag_user_scope_pop();
+    char who[80];
+    snprintf(who, sizeof who, "hooks: post-accumulate hook #%lld", (long long)h->handle);
     if (gj_last_error()[0]) {
         /* An op failed inside the hook and the hook returned as if it had
          * done its work: the backward fails with that error (as for tensor
@@ -320,9 +370,10 @@ int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor 
         gj_rt_set_error("hooks: post-accumulate hook #%lld returned with an error set inside it "
                         "(clear it with gj_clear_error if it was handled): %s",
                         (long long)h->handle, why);
+        gj_ag_uscope_close_keep_error(us, who);
         return -1;
     }
-    return 0;
+    return gj_ag_user_scope_close(us, who);
 }
 
 /* ------------------------------------------------------------ anomaly */

@@ -10,7 +10,7 @@
 #include "fe.h"
 
 gj_custom_op *gj_custom_op_define(const char *schema, void *forward_fn, void *backward_fn) {
-    gj_ag_set_user_scope(gj_fe_user_scope_push, gj_scope_pop);
+    gj_fe_use_scopes();
     return gj_ag_custom_define(schema, forward_fn, backward_fn);
 }
 

@@ -15,7 +15,7 @@
 
 #include <string.h>
 
-static void use_frontend_scopes(void) { gj_ag_set_user_scope(gj_fe_user_scope_push, gj_scope_pop); }
+static void use_frontend_scopes(void) { gj_fe_use_scopes(); }
 
 int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user) {
     use_frontend_scopes();

@@ -17,9 +17,9 @@ gj_tensor *gj_fe_own(gj_tensor *t);
 bool gj_fe_compiled_enabled(void);
 void gj_fe_count_backward(void);
 
-/* Appended by helper "hooks": gj_scope_push that returns the identity of
- * the scope it opened (see gj_ag_set_user_scope). */
-void *gj_fe_user_scope_push(void);
+/* Registers the frontend's scopes with autograd, for user code the engine
+ * calls (gj_ag_set_user_scope; idempotent). */
+void gj_fe_use_scopes(void);
 
 /* The metadata value of key as a plain decimal u64 ("0" to
  * "18446744073709551615", no sign or spaces): 0, or -1 (no error set) if

@@ -119,9 +119,26 @@ void gj_scope_pop(void) {
 /* gj_scope_push for user code called by the engine (hooks, custom ops):
  * returns the identity of the scope now innermost (what t->scope holds for
  * tensors registered in it; past the depth limit, the shared innermost). */
-void *gj_fe_user_scope_push(void) {
+static void *user_scope_push(void) {
     gj_scope_push();
     return g_depth > 0 ? (void *)&g_scopes[g_depth - 1] : NULL;
+}
+
+/* Scopes open on this thread (those past the depth limit too). */
+static int scope_level(void) { return g_depth + g_overflow; }
+
+/* Whether s is one of this thread's open scopes, opened when `level` scopes
+ * were open or later. */
+static bool scope_open_from(const void *s, int level) {
+    for (int i = level < 0 ? 0 : level; i < g_depth; i++)
+        if ((const void *)&g_scopes[i] == s) return true;
+    return false;
+}
+
+void gj_fe_use_scopes(void) {
+    static const gj_ag_scope_ops ops = {user_scope_push, gj_scope_pop, scope_level,
+                                        scope_open_from};
+    gj_ag_set_user_scope(&ops);
 }
 
 gj_tensor *gj_scope_keep(gj_tensor *t) {
@@ -135,15 +152,16 @@ void gj_release(gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_release", "t")) return;
     int pinned = atomic_load(&t->pinned);
     if (pinned > 0 && atomic_load(&t->refcount) <= pinned) {
-        /* Every reference left is held by a .grad slot: the caller holds
-         * none, so this is the borrowed pointer of gj_tensor_grad. Freeing
-         * it would leave the slot dangling; refuse, loudly. */
+        /* Every reference left is held by gradjit (a .grad slot, or the
+         * engine while it lends the tensor to a hook): the caller holds
+         * none, so this pointer is borrowed. Freeing it would leave its
+         * holder dangling; refuse, loudly. */
         char sh[96];
         gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
-        gj_rt_set_error("gj_release: refused: this %s %s tensor is the .grad of a leaf and the "
-                        "caller holds no reference to it (gj_tensor_grad returns a borrowed "
-                        "pointer: do not release it; gj_tensor_set_grad(leaf, NULL) clears "
-                        ".grad)",
+        gj_rt_set_error("gj_release: refused: the caller holds no reference to this %s %s "
+                        "tensor: it is borrowed (the .grad gj_tensor_grad returns, or the "
+                        "gradient a hook was handed); do not release it (gj_tensor_set_grad(leaf, "
+                        "NULL) clears .grad)",
                         gj_rt_dtype_name(t->dtype), sh);
         fprintf(stderr, "gradjit: %s\n", gj_last_error());
         return;
@@ -234,6 +252,11 @@ gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) 
         gj_rt_tensor_release(t);
         return NULL;
     }
+    if (!isfinite(std) || std < 0.0) { /* as torch.normal: std >= 0, and a number */
+        gj_rt_set_error("gj_randn: std must be a finite number >= 0, got %g", std);
+        gj_rt_tensor_release(t);
+        return NULL;
+    }
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
         set_elem(t, i, std * gj_rt_rng_normal(seed, c0 + (uint64_t)i));
@@ -243,8 +266,9 @@ gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) 
 gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_rand");
     if (!t) return NULL;
-    if (!gj_rt_dtype_is_float(dtype) || !(hi >= lo)) {
-        gj_rt_set_error("gj_rand: needs a float dtype and lo <= hi (got %s, [%g, %g))",
+    if (!gj_rt_dtype_is_float(dtype) || !isfinite(lo) || !isfinite(hi) || !(hi >= lo)) {
+        gj_rt_set_error("gj_rand: needs a float dtype and finite bounds lo <= hi (got %s, "
+                        "[%g, %g))",
                         gj_rt_dtype_name(dtype), lo, hi);
         gj_rt_tensor_release(t);
         return NULL;

@@ -314,6 +314,22 @@ static void test_bad_sizes(void **s) {
     EXPECT_NULL("full", gj_full(GJ_F32, SHP(-1), 3.0));
     EXPECT_NULL("randn", gj_randn(GJ_F32, SHP(INT64_MAX, 2), 1.0));
     EXPECT_NULL("rand", gj_rand(GJ_F32, SHP(3, -1), 0, 1));
+    /* random parameters that are not numbers, or out of range (torch.normal
+     * refuses std < 0 and NaN) */
+    EXPECT_NULL("std must be a finite number >= 0", gj_randn(GJ_F32, SHP(4), NAN));
+    EXPECT_NULL("std must be a finite number >= 0", gj_randn(GJ_F32, SHP(4), -1.0));
+    EXPECT_NULL("std must be a finite number >= 0", gj_randn(GJ_F64, SHP(4), INFINITY));
+    EXPECT_NULL("finite bounds", gj_rand(GJ_F32, SHP(4), NAN, 1.0));
+    EXPECT_NULL("finite bounds", gj_rand(GJ_F32, SHP(4), 0.0, INFINITY));
+    EXPECT_NULL("finite bounds", gj_rand(GJ_F32, SHP(4), -INFINITY, 0.0));
+    EXPECT_NULL("finite bounds", gj_rand(GJ_F32, SHP(4), 1.0, 0.0));
+    EXPECT_NULL("p must be in [0, 1]", gj_dropout(z32(SHP(4)), NAN, true));
+    {
+        gj_tensor *r0 = gj_randn(GJ_F32, SHP(4), 0.0); /* std 0: zeros, as torch */
+        assert_non_null(r0);
+        for (int i = 0; i < 4; i++) assert_true(gj_tensor_item_at(r0, i) == 0.0);
+        gj_release(r0);
+    }
     EXPECT_NULL("from_data", gj_from_data(GJ_F32, SHP(2, -3), buf));
     EXPECT_NULL("from_data", gj_from_data(GJ_F32, SHP(INT64_MAX / 2, 4), buf));
     int64_t nine[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
