@@ -503,6 +503,11 @@ static int trainer_stop(trainer *t, int e, int64_t b, bool shuffled, int64_t n_e
     if (o->tty && !o->quiet)
         printf("\n");
     const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
+    if (t->compiled) { /* what the run compiled or found in the caches so far */
+        gj_ca_stats c;
+        gj_compiled_autograd_stats(&c);
+        print_ca(t->tag, &c);
+    }
     if (!o->save) {
         printf("[%s] %s at step %lld; no --save FILE given, nothing saved\n", t->tag, why,
                (long long)t->step);

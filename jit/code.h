@@ -14,21 +14,39 @@
 
 typedef struct gj_jit_code gj_jit_code;
 
-/* Compiles every distinct kernel of p (optimised with default<O3> for the
- * host CPU) under symbol prefix `prefix` and stores each kernel's entry in
- * p->steps[s].k.fn. The kernels are split into up to one module per
- * thread (gj_rt_num_threads, at most 4), compiled at the same time, each
- * to its own object file. If obj_out is not NULL it receives a
- * gj_rt_malloc'd blob of the object code (one object file, or several
- * behind a "GJMO" header) or NULL, and *obj_size its size. Returns the code,
- * or NULL with why[] set and the error set (every LLVM error is converted,
- * never fatal). */
-gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
-                                 size_t *obj_size, char *why, size_t why_cap);
-/* Loads object code made by gj_jit_code_compile for the same plan and
- * prefix (e.g. from the disk cache). NULL with why[] set on failure. */
+/* Longest symbol prefix of a code object, with its NUL ("gjk" or "gjs" and
+ * 32 hex digits). */
+#define GJ_JIT_PREFIX_MAX 48
+
+/* Compiles every distinct kernel of p that is not shared (optimised with
+ * default<O3> for the host CPU) under symbol prefix `prefix`, which no live
+ * code object may have, and stores each kernel's entry in p->steps[s].k.fn.
+ * The kernels are split into up to one module per thread
+ * (gj_rt_num_threads, at most 4), compiled at the same time, each to its
+ * own object file. With `keep`, the code keeps a copy of its object code
+ * (one object file, or several behind a "GJMO" header: gj_jit_code_object)
+ * for the disk cache. Returns the code, or NULL with why[] set and the
+ * error set (every LLVM error is converted, never fatal). */
+gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, bool keep, char *why,
+                                 size_t why_cap);
+/* Loads object code made by gj_jit_code_compile under `prefix` (e.g. from
+ * the disk cache) and, when p is not NULL, looks up p's kernels that are
+ * not shared in it. Object code of a prefix that a live code object
+ * already has is not loaded again: that code is returned with one more
+ * reference (the same kernels, reached from another program's disk entry).
+ * `keep` as for gj_jit_code_compile. NULL with why[] set on failure. */
 gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
-                              char *why, size_t why_cap);
+                              bool keep, char *why, size_t why_cap);
+/* The entry of symbol sym ("<prefix>_<kernel name>") of c, or NULL when sym
+ * is not c's or does not exist. */
+gj_rt_range_fn gj_jit_code_lookup(gj_jit_code *c, const char *sym);
+/* c's symbol prefix (borrowed; "" for NULL). */
+const char *gj_jit_code_prefix(const gj_jit_code *c);
+/* The copy of c's object code it keeps (borrowed; *n its size), or NULL
+ * (*n = 0) when it keeps none. */
+const void *gj_jit_code_object(const gj_jit_code *c, size_t *n);
+/* Whether a live code object has symbol prefix `prefix`. */
+bool gj_jit_code_prefix_live(const char *prefix);
 /* "llvm <version> | <triple> | <cpu> | <features> | math <hash>": what
  * object code depends on besides the plan ("" if LLVM cannot start). */
 const char *gj_jit_host_id(void);
@@ -43,8 +61,9 @@ int gj_jit_code_parts(const gj_jit_code *c);
 /* The bytes of machine code c holds in the JIT: its object files' size
  * rounded up to whole pages, plus, per object file, one page for each
  * further segment the linker maps (JITLink gives code, read-only data and data their own
- * page-aligned segments). An estimate from outside LLVM: ORC's C API does
- * not report what its memory manager mapped. 0 for NULL. */
+ * page-aligned segments), plus the copy of its object code it keeps. An
+ * estimate from outside LLVM: ORC's C API does not report what its memory
+ * manager mapped. 0 for NULL. */
 size_t gj_jit_code_bytes(const gj_jit_code *c);
 
 /* Disposes the process-wide LLJIT (it is created

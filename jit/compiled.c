@@ -22,8 +22,8 @@
  *     the entry is marked bound and counted in instantiations, not toward
  *     the recompile limit. Before any compile, kernels registered by other
  *     programs (same description) are bound and only the rest compiled;
- *     every compile and disk load registers its kernels. A program that
- *     calls other programs' kernels is not written to disk.
+ *     every compile and disk load registers its kernels (a disk load also
+ *     the kernels its entry carries for the programs it borrowed from).
  *   - One mutex guards the cache and the statistics; compiling holds it
  *     (compiles are rare); running a program does not: a run holds a
  *     reference to its program (prog->refs, taken under the mutex), the
@@ -76,7 +76,10 @@
  *     yet written get what the eager accumulate makes of them (a leaf now
  *     bf16: a bf16 .grad). Either way the key becomes eager-only (a demoted
  *     entry drops its program, which runs in progress keep alive, but
- *     still counts toward its call site's recompile limit).
+ *     still counts toward its call site's recompile limit) -- unless the
+ *     trip was user code failing this time (a hook or custom op function
+ *     returning an error, e.g. out of memory) with no earlier cause in the
+ *     run: that backward falls back, the next one runs compiled again.
  *   - gj_grad (gj_jit_grad): the same path with a gj_grad walk and capture
  *     (capture.h). Its outputs (acc_node -1) are new tensors handed to the
  *     caller (program->ret maps requested inputs to outputs); no .grad is
@@ -89,8 +92,13 @@
  *     and saved arguments, and the gradients it returns are copied into
  *     the plan's buffers. It failing, or returning no gradient for an input
  *     that wants one, abandons the run like a tensor hook's guard (the
- *     eager engine redoes the backward). Such programs, like those with
- *     hooks, are never written to or read from the disk cache.
+ *     eager engine redoes the backward).
+ *   - Disk cache: every program made here is written there (when the
+ *     cache is on): compiled, bound to kernels of other programs (its entry
+ *     carries their object code), with hook or custom call steps (they name
+ *     hooks and ops by canonical position, resolved at each run). A bound
+ *     symbolic program is the exception: its kernels' symbolic entry serves
+ *     every size.
  */
 #include "jit.h"
 
@@ -463,6 +471,23 @@ fail:
     return -1;
 }
 
+/* Writes prog (key w, own code compiled under prefix, "" if none) to the
+ * disk cache when it is on, and a symbolic program also under its kernel
+ * signature (for every size); counts evictions (lock held). A failure is
+ * logged under GRADJIT_LOG=cache, never an error. */
+static void save_to_disk(const gj_jit_walk *w, const gj_jit_program *prog, const char *prefix) {
+    if (!gj_jit_disk_dir()) return;
+    gj_jit_disk_usage du = {0, -1};
+    gj_jit_disk_save(w, prog, prefix, &du);
+    g_stats.disk_evictions += du.evictions;
+    if (du.bytes >= 0) g_disk_bytes = du.bytes;
+    if (prog->plan.generic) {
+        gj_jit_disk_save_symbolic(prog, prefix, &du);
+        g_stats.disk_evictions += du.evictions;
+        if (du.bytes >= 0) g_disk_bytes = du.bytes;
+    }
+}
+
 /* Inserts prog, made with no compile from kernels other programs compiled
  * (lock held), and counts it. 0; or -1 on OOM: prog freed, why[] set and
  * the lock dropped (the caller falls back). */
@@ -481,6 +506,13 @@ static int insert_bound(const gj_jit_walk *w, gj_jit_program *prog, double t0, u
                 (unsigned long long)w->hash[0], (unsigned long long)w->hash[1],
                 prog->plan.generic ? "symbolic " : "", prog->n_shared,
                 prog->n_shared == 1 ? "" : "s", now_ms() - t0);
+    /* (no code of its own: the entry holds the kernels it borrowed; a
+     * symbolic program's other sizes find its kernels' symbolic entry) */
+    if (!prog->plan.generic) save_to_disk(w, prog, "");
+    else if ((fl & GJ_JIT_LOG_CACHE) && gj_jit_disk_dir())
+        fprintf(stderr, "[gradjit cache] %016llx%016llx not saved: its symbolic kernels' entry "
+                        "serves this size\n",
+                (unsigned long long)w->hash[0], (unsigned long long)w->hash[1]);
     return 0;
 }
 
@@ -547,6 +579,8 @@ typedef struct hook_ctx {
     int early_from;              /* steps after which no hook/call step is left */
     gj_tensor **contig, **news;
     bool tripped;                /* a guard tripped (first reason kept) */
+    bool transient;              /* ... because user code failed this time (not a cause
+                                    that recurs: the key stays compiled) */
     gj_ca_reason code;
     char why[300];
 } hook_ctx;
@@ -681,6 +715,7 @@ static int call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
     gj_tensor *rt = gj_ag_call_hook_ref(h, t);
     int rc = 0;
     if (!rt) {
+        hc->transient = !hc->tripped; /* (a cause that recurs, met earlier, still demotes) */
         trip(hc, GJ_CA_HOOK_GUARD, "hook #%lld failed during a compiled run: %s",
              (long long)h->handle, gj_last_error());
         rc = 1;
@@ -741,6 +776,7 @@ static int call_custom_fwd(hook_ctx *hc, const gj_jit_callstep *cs, const gj_ag_
     if (call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     if (gj_ag_custom_run_forward(op, at, ts, outs) != 0) {
+        hc->transient = !hc->tripped;
         trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: forward failed while recomputing a "
              "checkpoint region during a compiled run: %s", od->name, gj_last_error());
         rc = 1;
@@ -809,6 +845,7 @@ static int call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
     if (call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     if (gj_ag_custom_run_backward(op, at, cs->in_meta, ts, ts + no, gin) != 0) {
+        hc->transient = !hc->tripped;
         trip(hc, GJ_CA_HOOK_GUARD, "custom op %s: backward failed during a compiled run: %s",
              od->name, gj_last_error());
         rc = 1;
@@ -1317,8 +1354,6 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         char prefix[48];
         snprintf(prefix, sizeof prefix, "gjk%016llx%016llx", (unsigned long long)w.hash[0],
                  (unsigned long long)w.hash[1]);
-        void *obj = NULL;
-        size_t obj_size = 0;
         prog = gj_jit_program_plan(&cap.g, why, sizeof why, &permanent);
         if (prog && w.grad_mode) { /* which output answers which input */
             prog->ret = gj_rt_malloc(((size_t)w.n_req + 1) * sizeof *prog->ret);
@@ -1358,10 +1393,9 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             goto out;
         }
         /* the disk cache answers only for the plan made here: its file's
-         * plan must be this one byte for byte (programs with hook or custom
-         * calls live in memory only: they call addresses of this process) */
-        bool found = false, loaded = false, on_disk = prog && disk && w.n_hooks == 0 &&
-                                                      prog->n_hooks == 0 && prog->n_calls == 0;
+         * plan must be this one byte for byte (hook and custom calls name
+         * their hook or op by canonical position, resolved at each run) */
+        bool found = false, loaded = false, on_disk = prog && disk;
         char dwhy[300] = "";
         if (on_disk) /* (a symbolic program's code has its own symbol prefix) */
             loaded = gj_jit_disk_load(&w, prog, prog->plan.generic ? NULL : prefix, &found, dwhy,
@@ -1397,7 +1431,8 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             }
             g_stats.disk_hits++;
             fresh = true;
-            (void)gj_jit_kernels_register(&prog->plan, prog->code); /* for other programs */
+            /* for other programs: its kernels and the ones it borrowed */
+            (void)gj_jit_kernels_register(&prog->plan, prog->code, prog->shared, prog->n_shared);
             if (fl & GJ_JIT_LOG_CACHE)
                 fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
                         (unsigned long long)w.hash[0], (unsigned long long)w.hash[1],
@@ -1422,9 +1457,12 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
             fresh = true;
             goto run;
         }
-        if (prog && prog->plan.generic) gj_jit_generic_prefix(prefix); /* see diskcache.h */
-        if (prog && gj_jit_program_compile(prog, prefix, disk ? &obj : NULL, &obj_size, why,
-                                           sizeof why, &permanent) != 0) {
+        /* (a symbolic program's code, or code whose key prefix is still
+         * live because it lent kernels after its program was evicted, gets
+         * a fresh prefix: see diskcache.h) */
+        if (prog && (prog->plan.generic || gj_jit_code_prefix_live(prefix)))
+            gj_jit_generic_prefix(prefix);
+        if (prog && gj_jit_program_compile(prog, prefix, disk, why, sizeof why, &permanent) != 0) {
             gj_jit_program_free(prog);
             prog = NULL;
         }
@@ -1441,7 +1479,6 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         if (cache_insert(&w, prog, GJ_CA_OTHER, NULL, false) != 0) {
             pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
             prog = NULL;
-            gj_rt_free(obj);
             snprintf(why, sizeof why, "out of memory in the cache");
             goto fall;
         }
@@ -1450,24 +1487,12 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         g_stats.compile_ms += now_ms() - t0;
         /* its kernels serve other programs (a symbolic one's, other sizes;
          * failing to register only costs a later compile) */
-        (void)gj_jit_kernels_register(&prog->plan, prog->code);
+        (void)gj_jit_kernels_register(&prog->plan, prog->code, NULL, 0);
         if (fl & GJ_JIT_LOG_CACHE)
             fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms%s\n",
                     (unsigned long long)w.hash[0], (unsigned long long)w.hash[1], now_ms() - t0,
                     prog->n_shared ? " (some kernels shared with other programs)" : "");
-        /* (not when it calls other programs' kernels: its object lacks them) */
-        if (obj && prog->n_hooks == 0 && prog->n_calls == 0 && prog->n_shared == 0) {
-            gj_jit_disk_usage du = {0, -1};
-            gj_jit_disk_save(&w, prog, prefix, obj, obj_size, &du);
-            g_stats.disk_evictions += du.evictions;
-            if (du.bytes >= 0) g_disk_bytes = du.bytes;
-            if (prog->plan.generic) { /* and under its kernels, for every size */
-                gj_jit_disk_save_symbolic(prog, prefix, obj, obj_size, &du);
-                g_stats.disk_evictions += du.evictions;
-                if (du.bytes >= 0) g_disk_bytes = du.bytes;
-            }
-        }
-        gj_rt_free(obj);
+        save_to_disk(&w, prog, prefix);
     }
 run:
     prog->refs++; /* this run's reference (held): eviction cannot free it under us */
@@ -1514,8 +1539,10 @@ run:
     stripes = 0;
     tp2 = now_ms();
     if (r == 1) goto fall;
-    if (r == 2 || (r == 0 && hc.tripped)) { /* a hook guard: eager-only from now on */
-        fallback(hc.code, hc.why, demote(&w, hc.code, hc.why));
+    if (r == 2 || (r == 0 && hc.tripped)) {
+        /* a guard: eager-only from now on, unless user code failed this
+         * time (an allocation in a hook): the next clean step runs compiled */
+        fallback(hc.code, hc.why, hc.transient ? false : demote(&w, hc.code, hc.why));
         if (r == 2) goto out; /* nothing written: the eager engine runs this backward */
     }
     if (r == 0) {

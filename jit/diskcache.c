@@ -3,18 +3,28 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC07"                     magic and format version (bumped whenever
+ *   "GJJITC08"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
  *                                  05: dropout parameters read from checkpoint tapes;
  *                                  06: fold steps, IM2COL / COL2IM;
- *                                  07: generic (symbolic) plans)
+ *                                  07: generic (symbolic) plans;
+ *                                  08: hook and custom call steps, lent kernels)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
- *   blob object                    the kernels' object file
+ *   blob object                    the object code of the kernels the program
+ *                                  compiled itself (empty when it compiled none)
+ *   u64 parts, then per part:      the code of kernels it borrowed from other
+ *     str prefix, blob object      programs (generic.c's registry), whole
+ *   u64 lent, then per kernel:     each borrowed kernel step: the part and the
+ *     u64 step, u64 part, str sym  symbol it calls
  *   u64[2] checksum                gj_jit_hash128 of everything before
+ * An entry is whole by itself: a later process loads a program that shared
+ * kernels without the programs it shared them with. A part whose prefix a
+ * code object of the process already has is that code (code.h), so loading
+ * the lender later, or two borrowers, adds no object code twice.
  * A symbolic entry (a symbolic program filed under its kernels, for every
  * size) has the same layout: its key is "gradjit-symbolic v1 <hash of the
  * signature>", its plan blob the kernel signature (generic.c), its prefix
@@ -73,7 +83,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '7'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '8'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -415,7 +425,8 @@ static uint64_t layout_signature(void) {
                     sizeof(gj_jit_store),  sizeof(gj_jit_kernel), sizeof(gj_jit_matmul),
                     sizeof(gj_rt_meta),    sizeof(gj_jit_input),  sizeof(gj_jit_output),
                     sizeof(gj_jit_index),  GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT,
-                    sizeof(gj_jit_fold)};
+                    sizeof(gj_jit_fold),   sizeof(gj_jit_hookstep), sizeof(gj_jit_callstep),
+                    sizeof(gj_jit_hookref)};
     uint64_t h[2];
     gj_jit_hash128(s, sizeof s, h);
     return h[0];
@@ -497,11 +508,37 @@ static void put_fold(wbuf *b, const gj_jit_fold *x) {
     put_f64(b, x->pad);
 }
 
-/* The canonical serialisation of program pr (no hook or call steps): every
- * field that the plan's execution or its object code depends on, one
- * 8-byte word each (no padding, no pointers), so the same graph
- * planned by the same library on the same host gives the same bytes. The
- * file holds it, and a load compares it with this process's plan. */
+static void put_hookstep(wbuf *b, const gj_jit_hookstep *x) {
+    put_i64(b, x->hook);
+    put_i64(b, x->src_buf);
+    put_i64(b, x->out_buf);
+    put_meta(b, &x->meta);
+}
+
+static void put_callstep(wbuf *b, const gj_jit_callstep *x) {
+    put_u64(b, x->fwd);
+    put_i64(b, x->node);
+    put_i64(b, x->tape);
+    put_u64(b, x->args);
+    put_i64(b, x->n_in);
+    for (int k = 0; k < x->n_in; k++) {
+        put_i64(b, x->src_buf[k]);
+        put_meta(b, &x->in_meta[k]);
+    }
+    put_i64(b, x->n_out);
+    for (int k = 0; k < x->n_out; k++) {
+        put_i64(b, x->out_buf[k]);
+        put_meta(b, &x->out_meta[k]);
+    }
+}
+
+/* The canonical serialisation of program pr: every field that the plan's
+ * execution or its object code depends on, one 8-byte word each (no
+ * padding, no pointers), so the same graph planned by the same library on
+ * the same host gives the same bytes. The file holds it, and a load
+ * compares it with this process's plan. Hook and custom call steps name
+ * their hook or op by canonical position (the program resolves them at
+ * each run), never by address. */
 static void put_plan(wbuf *b, const gj_jit_program *pr) {
     const gj_jit_plan *p = &pr->plan;
     put_i64(b, p->n_inputs);
@@ -525,6 +562,16 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         put_i64(b, pr->outputs[o].acc_node);
         put_i64(b, pr->outputs[o].grad_input);
     }
+    put_i64(b, pr->n_hooks);
+    for (int h = 0; h < pr->n_hooks; h++) {
+        const gj_jit_hookref *x = &pr->hooks[h];
+        put_i64(b, x->node);
+        put_i64(b, x->k);
+        put_i64(b, x->j);
+        put_u64(b, x->post);
+        put_i64(b, x->n_out);
+    }
+    put_i64(b, pr->n_calls);
     put_i64(b, p->n_bufs);
     for (int i = 0; i < p->n_bufs; i++) {
         const gj_jit_buffer *x = &p->bufs[i];
@@ -549,6 +596,8 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         if (st->kind == GJ_JIT_STEP_MATMUL) put_matmul(b, &st->mm);
         else if (st->kind == GJ_JIT_STEP_INDEX) put_index(b, &st->ix);
         else if (st->kind == GJ_JIT_STEP_FOLD) put_fold(b, &st->fd);
+        else if (st->kind == GJ_JIT_STEP_HOOK) put_hookstep(b, &st->hk);
+        else if (st->kind == GJ_JIT_STEP_CALL) put_callstep(b, &st->cs);
         else put_kernel(b, &st->k);
     }
     put_ints(b, p->rt_param_node, p->n_rt_params);
@@ -560,14 +609,12 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
     put_u64(b, p->generic); /* symbolic kernels take their integer table */
 }
 
-/* Whether pr can live on disk: no hook or custom call steps (they call
- * addresses of this process) and no step kind put_plan does not know. */
+/* Whether pr can live on disk: no step kind put_plan does not know. */
 static bool disk_able(const gj_jit_program *pr) {
-    if (pr->n_hooks > 0 || pr->n_calls > 0) return false;
     for (int s = 0; s < pr->plan.n_steps; s++) {
         gj_jit_step_kind k = pr->plan.steps[s].kind;
         if (k != GJ_JIT_STEP_KERNEL && k != GJ_JIT_STEP_MATMUL && k != GJ_JIT_STEP_INDEX &&
-            k != GJ_JIT_STEP_FOLD)
+            k != GJ_JIT_STEP_FOLD && k != GJ_JIT_STEP_HOOK && k != GJ_JIT_STEP_CALL)
             return false;
     }
     return true;
@@ -624,7 +671,66 @@ typedef struct entry_id {
     const wbuf *plan;
 } entry_id;
 
-static int save_entry(const entry_id *id, const char *prefix, const void *obj, size_t obj_size,
+/* The part of pr's lent code objects (pr->shared) that kernel k borrowed
+ * from: the one whose prefix starts k->lent, or -1. */
+static int part_of(const gj_jit_program *pr, const gj_jit_kernel *k) {
+    for (int c = 0; c < pr->n_shared; c++) {
+        const char *pre = gj_jit_code_prefix(pr->shared[c]);
+        size_t n = strlen(pre);
+        if (n > 0 && strncmp(k->lent, pre, n) == 0 && k->lent[n] == '_') return c;
+    }
+    return -1;
+}
+
+/* Appends pr's object code to b: its own (the kernels it compiled), then
+ * the code of every kernel it borrowed and where each borrowed kernel is
+ * (see the file layout). 0, or -1 with why[] set when some code kept no
+ * copy of its object code (the disk cache was off when it was made). */
+static int put_objects(wbuf *b, const gj_jit_program *pr, char *why, size_t why_cap) {
+    size_t on = 0;
+    const void *own = pr->code ? gj_jit_code_object(pr->code, &on) : NULL;
+    bool compiled = false; /* some kernel is its own */
+    for (int s = 0; s < pr->plan.n_steps; s++)
+        compiled |= pr->plan.steps[s].kind == GJ_JIT_STEP_KERNEL && !pr->plan.steps[s].k.shared;
+    if (compiled && !own) {
+        snprintf(why, why_cap, "its object code was not kept (compiled while the disk cache "
+                               "was off)");
+        return -1;
+    }
+    put_blob(b, own, compiled ? on : 0);
+    put_u64(b, (uint64_t)pr->n_shared);
+    for (int c = 0; c < pr->n_shared; c++) {
+        size_t n;
+        const void *obj = gj_jit_code_object(pr->shared[c], &n);
+        if (!obj) {
+            snprintf(why, why_cap, "the code of kernels it shares with another program was not "
+                                   "kept (compiled while the disk cache was off)");
+            return -1;
+        }
+        const char *pre = gj_jit_code_prefix(pr->shared[c]);
+        put_blob(b, pre, strlen(pre));
+        put_blob(b, obj, n);
+    }
+    int64_t n_lent = 0;
+    for (int s = 0; s < pr->plan.n_steps; s++)
+        n_lent += pr->plan.steps[s].kind == GJ_JIT_STEP_KERNEL && pr->plan.steps[s].k.shared;
+    put_i64(b, n_lent);
+    for (int s = 0; s < pr->plan.n_steps; s++) {
+        const gj_jit_kernel *k = &pr->plan.steps[s].k;
+        if (pr->plan.steps[s].kind != GJ_JIT_STEP_KERNEL || !k->shared) continue;
+        int part = part_of(pr, k);
+        if (part < 0) {
+            snprintf(why, why_cap, "a shared kernel's code is not among the program's");
+            return -1;
+        }
+        put_i64(b, s);
+        put_i64(b, part);
+        put_blob(b, k->lent, strnlen(k->lent, sizeof k->lent));
+    }
+    return 0;
+}
+
+static int save_entry(const entry_id *id, const gj_jit_program *pr, const char *prefix,
                       gj_jit_disk_usage *u) {
     gj_jit_disk_usage scratch;
     if (!u) u = &scratch;
@@ -633,10 +739,14 @@ static int save_entry(const entry_id *id, const char *prefix, const void *obj, s
     const char *dir = gj_jit_disk_dir();
     const char *host = gj_jit_host_id();
     bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
-    if (!dir || !host[0] || !obj || id->plan->oom) return -1;
+    if (!dir) return -1;
     wbuf b = {0};
     int rc = -1, dfd = -1, fd = -1;
     char name[40], tmp[32] = "", why[300] = "";
+    if (!host[0]) {
+        snprintf(why, sizeof why, "LLVM did not start");
+        goto done;
+    }
     put(&b, g_magic, sizeof g_magic);
     put_u64(&b, layout_signature());
     put_blob(&b, GJ_VERSION_STR, strlen(GJ_VERSION_STR));
@@ -644,12 +754,18 @@ static int save_entry(const entry_id *id, const char *prefix, const void *obj, s
     put_blob(&b, id->key, id->key_len);
     put_blob(&b, prefix, strlen(prefix));
     put_blob(&b, id->plan->p, id->plan->n);
-    put_blob(&b, obj, obj_size);
-    if (b.oom) goto done;
+    if (put_objects(&b, pr, why, sizeof why) != 0) goto done;
+    if (b.oom || id->plan->oom) {
+        snprintf(why, sizeof why, "out of memory");
+        goto done;
+    }
     uint64_t h[2];
     gj_jit_hash128(b.p, b.n, h);
     put(&b, h, sizeof h);
-    if (b.oom) goto done;
+    if (b.oom) {
+        snprintf(why, sizeof why, "out of memory");
+        goto done;
+    }
     if ((uint64_t)b.n > (uint64_t)GJ_DISK_MAX_BYTES) { /* a load would reject it */
         snprintf(why, sizeof why, "%zu bytes, more than the limit", b.n);
         goto done;
@@ -676,7 +792,9 @@ static int save_entry(const entry_id *id, const char *prefix, const void *obj, s
     }
     tmp[0] = '\0';
     rc = 0;
-    if (log) fprintf(stderr, "[gradjit cache] saved %s/%s (%zu bytes)\n", dir, name, b.n);
+    if (log)
+        fprintf(stderr, "[gradjit cache] saved %s/%s (%zu bytes%s)\n", dir, name, b.n,
+                pr->n_shared ? ", with the code of the kernels it shares" : "");
     if (trim_dir(dfd, dir, name, gj_jit_disk_limit(), u, why, sizeof why) != 0 && log)
         fprintf(stderr, "[gradjit cache] could not apply the size limit to %s: %s\n", dir, why);
 done:
@@ -684,42 +802,155 @@ done:
     if (tmp[0]) unlinkat(dfd, tmp, 0);
     if (dfd >= 0) close(dfd);
     if (rc != 0 && log)
-        fprintf(stderr, "[gradjit cache] could not save to %s%s%s\n", dir, why[0] ? ": " : "",
-                why);
+        fprintf(stderr, "[gradjit cache] not saved to %s: %s\n", dir,
+                why[0] ? why : "unknown reason");
     gj_rt_free(b.p);
     return rc;
 }
 
 int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
-                     const void *obj, size_t obj_size, gj_jit_disk_usage *u) {
+                     gj_jit_disk_usage *u) {
     if (u) *u = (gj_jit_disk_usage){0, -1};
-    if (!disk_able(pr)) return -1;
+    if (!disk_able(pr)) {
+        if (gj_jit_log_flags() & GJ_JIT_LOG_CACHE)
+            fprintf(stderr, "[gradjit cache] %016llx%016llx not saved: a step kind the disk "
+                            "cache does not store\n",
+                    (unsigned long long)w->hash[0], (unsigned long long)w->hash[1]);
+        return -1;
+    }
     wbuf pb = {0};
     put_plan(&pb, pr);
     entry_id id = {w->key, w->key_len, {w->hash[0], w->hash[1]}, &pb};
-    int rc = save_entry(&id, prefix, obj, obj_size, u);
+    int rc = save_entry(&id, pr, prefix, u);
     gj_rt_free(pb.p);
     return rc;
 }
 
-/* Whether s[0..n) is a symbol prefix of a symbolic program's code, "gjs"
- * and 32 lowercase hex digits (what gj_jit_generic_prefix makes). */
-static bool symbolic_prefix(const unsigned char *s, size_t n) {
-    if (n != 35 || memcmp(s, "gjs", 3) != 0) return false;
+/* Whether s[0..n) is the symbol prefix of code gradjit compiled: "gjk"
+ * (a program's, named after its key) or "gjs" (a symbolic program's, or a
+ * fresh one) and 32 lowercase hex digits. */
+static bool code_prefix(const unsigned char *s, size_t n) {
+    if (n != 35 || (memcmp(s, "gjs", 3) != 0 && memcmp(s, "gjk", 3) != 0)) return false;
     for (size_t i = 3; i < n; i++)
         if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return false;
     return true;
 }
 
-/* Loads entry id's object code into pr (see gj_jit_disk_load); prefix
- * NULL: the entry's own, which must be a symbolic program's. */
+/* Loads the object sections of an entry (b at the own object) into pr:
+ * the borrowed parts first (pr->shared, each a code object of the process,
+ * deduplicated by prefix), the borrowed kernels marked shared and looked
+ * up in them, then its own code (pr->code) for the rest, under prefix
+ * (own, whose length is own_n; NULL when the entry has no own code). 0, or
+ * -1 with why[] set and pr unchanged. */
+static int load_objects(rbuf *b, gj_jit_program *pr, const char *prefix, char *why,
+                        size_t why_cap) {
+    gj_jit_plan *p = &pr->plan;
+    size_t on;
+    const unsigned char *own = get_blob(b, &on);
+    uint64_t n_parts = get_u64(b);
+    gj_jit_code **parts = NULL;
+    int got = 0;
+    if (b->bad || n_parts > 4096) {
+        snprintf(why, why_cap, "damaged (layout)");
+        return -1;
+    }
+    parts = gj_rt_calloc((size_t)n_parts + 1, sizeof *parts);
+    if (!parts) {
+        snprintf(why, why_cap, "out of memory");
+        return -1;
+    }
+    char lwhy[300];
+    for (uint64_t c = 0; c < n_parts; c++) {
+        size_t pn, n;
+        const unsigned char *pre = get_blob(b, &pn);
+        const unsigned char *obj = get_blob(b, &n);
+        if (b->bad || !code_prefix(pre, pn) || n == 0) {
+            snprintf(why, why_cap, "damaged (a lent part)");
+            goto fail;
+        }
+        char sym[GJ_JIT_PREFIX_MAX];
+        memcpy(sym, pre, pn);
+        sym[pn] = '\0';
+        parts[got] = gj_jit_code_load(NULL, sym, obj, n, true, lwhy, sizeof lwhy);
+        if (!parts[got]) {
+            snprintf(why, why_cap, "%s", lwhy);
+            goto fail;
+        }
+        got++;
+    }
+    uint64_t n_lent = get_u64(b);
+    if (b->bad || n_lent > (uint64_t)p->n_steps) {
+        snprintf(why, why_cap, "damaged (layout)");
+        goto fail;
+    }
+    for (uint64_t i = 0; i < n_lent; i++) {
+        uint64_t s = get_u64(b), part = get_u64(b);
+        size_t n;
+        const unsigned char *sym = get_blob(b, &n);
+        gj_jit_kernel *k = s < (uint64_t)p->n_steps ? &p->steps[s].k : NULL;
+        if (b->bad || !k || p->steps[s].kind != GJ_JIT_STEP_KERNEL || k->shared ||
+            part >= n_parts || n == 0 || n >= sizeof k->lent) {
+            snprintf(why, why_cap, "damaged (a lent kernel)");
+            goto fail;
+        }
+        memcpy(k->lent, sym, n);
+        k->lent[n] = '\0';
+        k->fn = gj_jit_code_lookup(parts[part], k->lent);
+        k->shared = true;
+        if (!k->fn) {
+            snprintf(why, why_cap, "damaged (lent kernel %s not found)", k->lent);
+            goto fail;
+        }
+    }
+    if (b->bad || b->pos != b->n) {
+        snprintf(why, why_cap, "damaged (layout)");
+        goto fail;
+    }
+    bool compiled = false;
+    for (int s = 0; s < p->n_steps; s++)
+        compiled |= p->steps[s].kind == GJ_JIT_STEP_KERNEL && !p->steps[s].k.shared;
+    if (compiled != (on > 0) || (on > 0 && !prefix)) {
+        snprintf(why, why_cap, "damaged (its code does not cover its kernels)");
+        goto fail;
+    }
+    if (on > 0) {
+        pr->code = gj_jit_code_load(p, prefix, own, on, true, lwhy, sizeof lwhy);
+        if (!pr->code) {
+            snprintf(why, why_cap, "%s", lwhy);
+            goto fail;
+        }
+    }
+    if (got == 0) {
+        gj_rt_free(parts);
+        parts = NULL;
+    }
+    pr->shared = parts;
+    pr->n_shared = got;
+    return 0;
+fail:
+    for (int c = 0; c < got; c++) gj_jit_code_free(parts[c]);
+    gj_rt_free(parts);
+    for (int s = 0; s < p->n_steps; s++) {
+        gj_jit_kernel *k = &p->steps[s].k;
+        if (k->shared) {
+            k->shared = false;
+            k->fn = NULL;
+            k->lent[0] = '\0';
+        }
+    }
+    return -1;
+}
+
+/* Loads entry id's object code into pr (see gj_jit_disk_load). The
+ * entry's symbol prefix must be `prefix` (NULL: none expected) or a fresh
+ * one ("gjs"). */
 static int load_entry(const entry_id *id, gj_jit_program *pr, const char *prefix, bool *found,
                       char *why, size_t why_cap) {
     *found = false;
     why[0] = '\0';
     const char *dir = gj_jit_disk_dir();
-    if (!dir || pr->code || id->plan->oom) return -1;
-    char name[40], sym[48];
+    if (!dir || pr->code || pr->n_shared || id->plan->oom) return -1;
+    char name[40], sym[GJ_JIT_PREFIX_MAX];
     entry_name(name, id->hash);
     unsigned char *data = NULL;
     int fd = -1, dfd = open_dir(dir, false, why, why_cap);
@@ -799,20 +1030,17 @@ static int load_entry(const entry_id *id, gj_jit_program *pr, const char *prefix
         goto fail;
     }
     s = get_blob(&b, &n);
-    if (b.bad || (prefix ? n != strlen(prefix) || memcmp(s, prefix, n) != 0
-                         : !symbolic_prefix(s, n))) {
+    bool expected = prefix && n == strlen(prefix) && memcmp(s, prefix, n) == 0;
+    bool fresh = n == 35 && memcmp(s, "gjs", 3) == 0 && code_prefix(s, n);
+    if (b.bad || (n > 0 && !expected && !fresh)) {
         snprintf(why, why_cap, "damaged (symbol prefix)");
         goto fail;
     }
-    if (!prefix) {
-        memcpy(sym, s, n);
-        sym[n] = '\0';
-        prefix = sym;
-    }
-    size_t pn, on;
+    memcpy(sym, s, n);
+    sym[n] = '\0';
+    size_t pn;
     const unsigned char *pdata = get_blob(&b, &pn);
-    const unsigned char *obj = get_blob(&b, &on);
-    if (b.bad || b.pos != b.n || on == 0) {
+    if (b.bad) {
         snprintf(why, why_cap, "damaged (layout)");
         goto fail;
     }
@@ -820,12 +1048,7 @@ static int load_entry(const entry_id *id, gj_jit_program *pr, const char *prefix
         snprintf(why, why_cap, "damaged or stale (its plan is not this graph's plan)");
         goto fail;
     }
-    char lwhy[300];
-    pr->code = gj_jit_code_load(&pr->plan, prefix, obj, on, lwhy, sizeof lwhy);
-    if (!pr->code) {
-        snprintf(why, why_cap, "%s", lwhy);
-        goto fail;
-    }
+    if (load_objects(&b, pr, n > 0 ? sym : NULL, why, why_cap) != 0) goto fail;
     (void)futimens(fd, NULL); /* used now: the LRU stamp (we own it; failure is harmless) */
     close(fd);
     close(dfd);
@@ -872,15 +1095,14 @@ static int symbolic_id(const gj_jit_plan *p, wbuf *sig, char key[64], entry_id *
     return 0;
 }
 
-int gj_jit_disk_save_symbolic(const gj_jit_program *pr, const char *prefix, const void *obj,
-                              size_t obj_size, gj_jit_disk_usage *u) {
+int gj_jit_disk_save_symbolic(const gj_jit_program *pr, const char *prefix,
+                              gj_jit_disk_usage *u) {
     if (u) *u = (gj_jit_disk_usage){0, -1};
     if (!pr->plan.generic || !disk_able(pr)) return -1;
     wbuf sig = {0};
     char key[64];
     entry_id id;
-    int rc = symbolic_id(&pr->plan, &sig, key, &id) == 0 ? save_entry(&id, prefix, obj, obj_size, u)
-                                                         : -1;
+    int rc = symbolic_id(&pr->plan, &sig, key, &id) == 0 ? save_entry(&id, pr, prefix, u) : -1;
     gj_rt_free(sig.p);
     return rc;
 }

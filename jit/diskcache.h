@@ -32,8 +32,11 @@ typedef struct gj_jit_disk_usage {
     int64_t bytes;
 } gj_jit_disk_usage;
 
-/* Writes program pr (planned for key w, no hook or call steps) with its
- * object code: to a new temporary file (O_EXCL, 0600), then renamed, so
+/* Writes program pr (planned for key w) with its object code -- the code
+ * of the kernels it compiled (kept by pr->code, compiled under prefix) and
+ * of the kernels it borrowed from other programs (pr->shared) -- so that
+ * a later process loads it alone: to a new temporary file (O_EXCL, 0600),
+ * then renamed, so
  * readers never see half a file. Creates the directory 0700 if needed;
  * refuses one not private to the user (message on stderr, once). Then
  * keeps the directory within gj_jit_disk_limit(): the entries (regular
@@ -45,19 +48,21 @@ typedef struct gj_jit_disk_usage {
  * that found. 0, or -1 (the reason logged under GRADJIT_LOG=cache; never
  * an error for the caller). */
 int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
-                     const void *obj, size_t obj_size, gj_jit_disk_usage *u);
+                     gj_jit_disk_usage *u);
 
 /* Looks up key w for pr, the program this process planned for it
  * (gj_jit_program_plan; no code yet): if the entry is usable and its plan
- * is byte for byte pr's, loads its object code into pr (pr->code set) and
- * returns 0. Otherwise -1 and pr unchanged: *found false if there is no
+ * is byte for byte pr's, loads its object code into pr (pr->code set, and
+ * pr->shared with the code of the kernels it borrowed, those kernels
+ * marked shared) and returns 0. Otherwise -1 and pr unchanged: *found false if there is no
  * entry, true if there was one that could not be used (why[] says why:
  * stale, damaged, refused, or an LLVM error). A used entry's
  * modification time is set to the present (its LRU stamp). Sets no error. */
 int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
                      char *why, size_t why_cap);
-/* (prefix NULL: a symbolic program's code, whose symbol prefix is the
- * entry's own: gj_jit_generic_prefix's random one.) */
+/* (prefix: the symbol prefix its own code was compiled with; an entry may
+ * also have a fresh one of gj_jit_generic_prefix, which a symbolic
+ * program's code always has: pass NULL for those.) */
 
 /* Symbolic entries: the object code of a symbolic program, filed under
  * its kernel signature (gj_jit_generic_signature: the kernels' names and
@@ -67,8 +72,8 @@ int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefi
  * for byte, never parsed). Save: pr generic, prefix the one it was
  * compiled with. Load: pr generic (its plan for this size), as
  * gj_jit_disk_load. */
-int gj_jit_disk_save_symbolic(const gj_jit_program *pr, const char *prefix, const void *obj,
-                              size_t obj_size, gj_jit_disk_usage *u);
+int gj_jit_disk_save_symbolic(const gj_jit_program *pr, const char *prefix,
+                              gj_jit_disk_usage *u);
 int gj_jit_disk_load_symbolic(gj_jit_program *pr, bool *found, char *why, size_t why_cap);
 
 #endif /* GJ_JIT_DISKCACHE_H */

@@ -163,6 +163,7 @@ typedef struct reg_entry {
     size_t n;
     gj_rt_range_fn fn;
     gj_jit_code *code;
+    char sym[96]; /* fn's symbol in code: "<prefix>_<name>" */
 } reg_entry;
 
 static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -179,24 +180,44 @@ static int find_locked(const wbuf *d, const uint64_t h[2]) {
     return -1;
 }
 
-int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code) {
-    if (!code) return 0;
+/* The code object among lent[0..n_lent) whose prefix starts symbol sym
+ * ("<prefix>_..."), or NULL. */
+static gj_jit_code *lender_of(const char *sym, gj_jit_code *const *lent, int n_lent) {
+    for (int c = 0; c < n_lent; c++) {
+        const char *pre = gj_jit_code_prefix(lent[c]);
+        size_t n = strlen(pre);
+        if (n > 0 && strncmp(sym, pre, n) == 0 && sym[n] == '_') return lent[c];
+    }
+    return NULL;
+}
+
+/* Ensures room for one more code object in g_codes (lock held). */
+static int codes_room(void) {
+    if (g_n_codes < g_cap_codes) return 0;
+    int nc = g_cap_codes ? 2 * g_cap_codes : 8;
+    gj_jit_code **c = gj_rt_realloc(g_codes, (size_t)nc * sizeof *c);
+    if (!c) return -1;
+    g_codes = c;
+    g_cap_codes = nc;
+    return 0;
+}
+
+/* Whether the registry holds a reference to c (lock held). */
+static bool codes_have(const gj_jit_code *c) {
+    for (int i = 0; i < g_n_codes; i++)
+        if (g_codes[i] == c) return true;
+    return false;
+}
+
+int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code, gj_jit_code *const *lent,
+                            int n_lent) {
     int rc = 0;
     pthread_mutex_lock(&g_reg_lock);
-    if (g_n_codes == g_cap_codes) {
-        int nc = g_cap_codes ? 2 * g_cap_codes : 8;
-        gj_jit_code **c = gj_rt_realloc(g_codes, (size_t)nc * sizeof *c);
-        if (!c) {
-            pthread_mutex_unlock(&g_reg_lock);
-            return -1;
-        }
-        g_codes = c;
-        g_cap_codes = nc;
-    }
-    bool used = false;
     for (int s = 0; s < p->n_steps && rc == 0; s++) {
         const gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || !k->fn || k->shared) continue;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || !k->fn) continue;
+        gj_jit_code *c = k->shared ? lender_of(k->lent, lent, n_lent) : code;
+        if (!c) continue;
         wbuf d = {0};
         gj_jit_kernel_describe(p, k, p->generic, &d);
         uint64_t h[2];
@@ -212,17 +233,20 @@ int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code) {
                     g_cap_reg = nc;
                 }
             }
+            if (rc == 0 && !codes_have(c) && codes_room() != 0) rc = -1;
             if (rc == 0) {
-                g_reg[g_n_reg++] = (reg_entry){{h[0], h[1]}, d.p, d.n, k->fn, code};
+                reg_entry *e = &g_reg[g_n_reg++];
+                *e = (reg_entry){{h[0], h[1]}, d.p, d.n, k->fn, c, ""};
+                if (k->shared) snprintf(e->sym, sizeof e->sym, "%s", k->lent);
+                else snprintf(e->sym, sizeof e->sym, "%s_%s", gj_jit_code_prefix(c), k->name);
                 d.p = NULL;
-                used = true;
+                if (!codes_have(c)) {
+                    gj_jit_code_ref(c);
+                    g_codes[g_n_codes++] = c;
+                }
             }
         }
         gj_rt_free(d.p);
-    }
-    if (used) {
-        gj_jit_code_ref(code);
-        g_codes[g_n_codes++] = code;
     }
     pthread_mutex_unlock(&g_reg_lock);
     return rc;
@@ -266,6 +290,7 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
                 if (p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0) {
                     p->steps[t].k.fn = g_reg[i].fn;
                     p->steps[t].k.shared = true;
+                    memcpy(p->steps[t].k.lent, g_reg[i].sym, sizeof g_reg[i].sym);
                 }
             bool have = false;
             for (int c = 0; c < n_codes && !have; c++) have = codes[c] == g_reg[i].code;
@@ -281,6 +306,7 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
             if (p->steps[s].k.shared) {
                 p->steps[s].k.fn = NULL;
                 p->steps[s].k.shared = false;
+                p->steps[s].k.lent[0] = '\0';
             }
         gj_rt_free(codes);
         return rc < 0 ? -1 : 1;

@@ -9,11 +9,14 @@
 #include "code.h"
 #include "plan.h"
 
-/* Registers every kernel of p compiled in code c (its fn; not the shared
- * ones) under its description -- generic for a symbolic plan -- unless one
- * is registered already; the registry then holds a reference to c. 0, or
- * -1 on OOM (what was registered stays). */
-int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code);
+/* Registers every kernel of p compiled in code c (its fn) under its
+ * description -- generic for a symbolic plan -- unless one is registered
+ * already; a shared kernel too when the code it was lent from is among
+ * lent[0..n_lent) (a program loaded from disk with the code of the kernels
+ * it borrowed). The registry then holds a reference to each code object it
+ * names. 0, or -1 on OOM (what was registered stays). */
+int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code, gj_jit_code *const *lent,
+                            int n_lent);
 /* Sets the fn of p's kernels whose description is registered, marking
  * them shared; *codes_out (gj_rt_malloc'd, NULL if none) holds the n
  * distinct code objects used, each with a new reference for the caller.

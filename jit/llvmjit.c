@@ -53,6 +53,9 @@ struct gj_jit_code {
     LLVMOrcResourceTrackerRef rt;
     size_t obj_bytes; /* size of the object code it was loaded from */
     int parts;        /* object files in it */
+    char prefix[GJ_JIT_PREFIX_MAX]; /* its symbols' prefix: unique among live codes */
+    unsigned char *obj; /* a copy of its object code (kept on request), or NULL */
+    gj_jit_code *live_next, *live_prev; /* g.live: every code object, under g_lock */
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -78,6 +81,7 @@ static struct {
     char *triple, *layout;   /* gj_rt_malloc'd copies */
     uint64_t next_id;
     char session_error[512]; /* last message of the session error reporter */
+    gj_jit_code *live;       /* every live code object (their prefixes are distinct) */
 } g;
 static atomic_int g_fail_llvm = -1; /* -1: read GRADJIT_TEST_FAIL_LLVM once */
 
@@ -233,17 +237,75 @@ static void drop_unused_math(LLVMModuleRef M) {
     }
 }
 
-/* Adds object code obj (copied) to the JIT under a new resource tracker and
- * looks up every kernel of p (`<prefix>_<name>`). Lock held. Returns the
- * code or NULL with why[] set. */
+/* The live code object whose symbols have prefix `prefix`, or NULL (lock
+ * held). */
+static gj_jit_code *live_find(const char *prefix) {
+    for (gj_jit_code *c = g.live; c; c = c->live_next)
+        if (strcmp(c->prefix, prefix) == 0) return c;
+    return NULL;
+}
+
+/* Looks up `<prefix>_<name>` of every kernel of p that is not shared and
+ * stores it in the kernel's fn (lock held). 0, or -1 with why[] set. */
+static int lookup_kernels(gj_jit_plan *p, const char *prefix, char *why, size_t why_cap) {
+    for (int s = 0; s < p->n_steps; s++) {
+        gj_jit_kernel *k = &p->steps[s].k;
+        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || k->shared) continue;
+        char name[128];
+        snprintf(name, sizeof name, "%s_%s", prefix, k->name);
+        LLVMOrcExecutorAddress addr = 0;
+        LLVMErrorRef err = LLVMOrcLLJITLookup(g.jit, &addr, name);
+        if (err) {
+            take_error(err, "lookup", why, why_cap);
+            return -1;
+        }
+        k->fn = (gj_rt_range_fn)(uintptr_t)addr;
+    }
+    return 0;
+}
+
+/* Adds object code obj (copied; a further copy kept in the code when
+ * `keep`) to the JIT under a new resource tracker and, when p is not NULL,
+ * looks up every kernel of p (`<prefix>_<name>`). Object code whose prefix
+ * a live code object already has is that code's (the same kernels, lent to
+ * another program's disk entry): it is not added twice, the live one gets a
+ * reference instead. Lock held. Returns the code or NULL with why[] set. */
 static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
-                               char *why, size_t why_cap) {
+                               bool keep, char *why, size_t why_cap) {
+    if (strlen(prefix) >= GJ_JIT_PREFIX_MAX) {
+        snprintf(why, why_cap, "LLVM error (add object): symbol prefix too long");
+        return NULL;
+    }
+    gj_jit_code *live = live_find(prefix);
+    if (live) {
+        if (p && lookup_kernels(p, prefix, why, why_cap) != 0) {
+            for (int s = 0; s < p->n_steps; s++)
+                if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
+            return NULL;
+        }
+        if (keep && !live->obj && n > 0) { /* the same bytes: keep them now */
+            live->obj = gj_rt_malloc(n);
+            if (live->obj) memcpy(live->obj, obj, n);
+        }
+        atomic_fetch_add(&live->refs, 1);
+        return live;
+    }
     gj_jit_code *code = gj_rt_calloc(1, sizeof *code);
     if (!code) {
         snprintf(why, why_cap, "out of memory");
         return NULL;
     }
     atomic_init(&code->refs, 1);
+    snprintf(code->prefix, sizeof code->prefix, "%s", prefix);
+    if (keep && n > 0) {
+        code->obj = gj_rt_malloc(n);
+        if (!code->obj) {
+            gj_rt_free(code);
+            snprintf(why, why_cap, "out of memory");
+            return NULL;
+        }
+        memcpy(code->obj, obj, n);
+    }
     LLVMOrcResourceTrackerRef rt =
         LLVMOrcJITDylibCreateResourceTracker(LLVMOrcLLJITGetMainJITDylib(g.jit));
     LLVMErrorRef err;
@@ -283,19 +345,7 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
         }
     }
     g.session_error[0] = '\0';
-    for (int s = 0; s < p->n_steps; s++) {
-        gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || k->shared) continue;
-        char name[128];
-        snprintf(name, sizeof name, "%s_%s", prefix, k->name);
-        LLVMOrcExecutorAddress addr = 0;
-        err = LLVMOrcLLJITLookup(g.jit, &addr, name);
-        if (err) {
-            take_error(err, "lookup", why, why_cap);
-            goto fail;
-        }
-        k->fn = (gj_rt_range_fn)(uintptr_t)addr;
-    }
+    if (p && lookup_kernels(p, prefix, why, why_cap) != 0) goto fail;
     if (fail_llvm_requested()) {
         LLVMOrcExecutorAddress addr = 0;
         err = LLVMOrcLLJITLookup(g.jit, &addr, "gradjit_test_forced_llvm_failure");
@@ -309,14 +359,19 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
     code->rt = rt;
     code->obj_bytes = n;
     code->parts = parts;
+    code->live_next = g.live;
+    if (g.live) g.live->live_prev = code;
+    g.live = code;
     return code;
 fail: {
     LLVMErrorRef e2 = LLVMOrcResourceTrackerRemove(rt);
     if (e2) LLVMConsumeError(e2);
     LLVMOrcReleaseResourceTracker(rt);
+    gj_rt_free(code->obj);
     gj_rt_free(code);
-    for (int s = 0; s < p->n_steps; s++)
-        if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
+    if (p)
+        for (int s = 0; s < p->n_steps; s++)
+            if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
     return NULL;
 }
 }
@@ -557,8 +612,8 @@ static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
     return n;
 }
 
-gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_out,
-                                 size_t *obj_size, char *why, size_t why_cap) {
+gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, bool keep, char *why,
+                                 size_t why_cap) {
     gj_jit_code *code = NULL;
     shard_job job[GJ_JIT_MAX_SHARDS];
     pthread_t tid[GJ_JIT_MAX_SHARDS];
@@ -568,8 +623,6 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
     size_t n = 0;
     int nshards = 0;
     why[0] = '\0';
-    if (obj_out) *obj_out = NULL;
-    if (obj_size) *obj_size = 0;
     bool prof = (gj_jit_log_flags() & GJ_JIT_LOG_PROF) != 0;
     double t0 = prof ? ms_now() : 0, t1 = t0, cpu0 = prof ? cpu_ms_now() : 0;
     if (!shard_of_step) {
@@ -622,7 +675,11 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
         snprintf(why, why_cap, "out of memory");
         goto done;
     }
-    code = add_object(p, prefix, blob, n, why, why_cap);
+    if (live_find(prefix)) { /* compile into a live prefix: a caller's bug */
+        snprintf(why, why_cap, "LLVM error: symbol prefix %s is in use", prefix);
+        goto done;
+    }
+    code = add_object(p, prefix, blob, n, keep, why, why_cap);
     if (prof) {
         double tb = 0, ti = 0, to = 0, tc = 0;
         for (int i = 0; i < nshards; i++) {
@@ -637,11 +694,6 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, void **obj_
                 "ms of CPU on this thread)\n",
                 prefix, t1 - t0, nshards, nshards > 1 ? "s" : "", tb, ti, to, tc, ms_now() - t1, n,
                 cpu_ms_now() - cpu0);
-    }
-    if (code && obj_out) { /* the blob goes to the disk cache (optional: no error) */
-        *obj_out = blob;
-        *obj_size = n;
-        blob = NULL;
     }
 done:
     for (int i = 0; i < nshards; i++)
@@ -660,11 +712,11 @@ out:
 }
 
 gj_jit_code *gj_jit_code_load(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
-                              char *why, size_t why_cap) {
+                              bool keep, char *why, size_t why_cap) {
     gj_jit_code *code = NULL;
     why[0] = '\0';
     pthread_mutex_lock(&g_lock);
-    if (ensure_jit(why, why_cap) == 0) code = add_object(p, prefix, obj, n, why, why_cap);
+    if (ensure_jit(why, why_cap) == 0) code = add_object(p, prefix, obj, n, keep, why, why_cap);
     pthread_mutex_unlock(&g_lock);
     if (!code && !why[0]) snprintf(why, why_cap, "LLVM error: loading object code failed");
     return code;
@@ -691,9 +743,39 @@ void gj_jit_code_ref(gj_jit_code *c) {
 
 int gj_jit_code_refs(const gj_jit_code *c) { return c ? atomic_load(&((gj_jit_code *)c)->refs) : 0; }
 
+gj_rt_range_fn gj_jit_code_lookup(gj_jit_code *c, const char *sym) {
+    if (!c || strncmp(sym, c->prefix, strlen(c->prefix)) != 0) return NULL;
+    LLVMOrcExecutorAddress addr = 0;
+    pthread_mutex_lock(&g_lock);
+    LLVMErrorRef err = g.jit ? LLVMOrcLLJITLookup(g.jit, &addr, sym) : NULL;
+    if (err) {
+        LLVMConsumeError(err);
+        addr = 0;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return (gj_rt_range_fn)(uintptr_t)addr;
+}
+
+const char *gj_jit_code_prefix(const gj_jit_code *c) { return c ? c->prefix : ""; }
+
+const void *gj_jit_code_object(const gj_jit_code *c, size_t *n) {
+    *n = c && c->obj ? c->obj_bytes : 0;
+    return c ? c->obj : NULL;
+}
+
+bool gj_jit_code_prefix_live(const char *prefix) {
+    pthread_mutex_lock(&g_lock);
+    bool live = live_find(prefix) != NULL;
+    pthread_mutex_unlock(&g_lock);
+    return live;
+}
+
 void gj_jit_code_free(gj_jit_code *c) {
     if (!c || atomic_fetch_sub(&c->refs, 1) > 1) return;
     pthread_mutex_lock(&g_lock);
+    if (c->live_prev) c->live_prev->live_next = c->live_next;
+    else if (g.live == c) g.live = c->live_next;
+    if (c->live_next) c->live_next->live_prev = c->live_prev;
     if (c->rt) {
         LLVMErrorRef err = LLVMOrcResourceTrackerRemove(c->rt);
         if (err) LLVMConsumeError(err);
@@ -704,6 +786,7 @@ void gj_jit_code_free(gj_jit_code *c) {
                 LLVMOrcLLJITGetExecutionSession(g.jit)));
     }
     pthread_mutex_unlock(&g_lock);
+    gj_rt_free(c->obj);
     gj_rt_free(c);
 }
 
@@ -713,7 +796,9 @@ size_t gj_jit_code_bytes(const gj_jit_code *c) {
     if (!c) return 0;
     long pg = sysconf(_SC_PAGESIZE);
     size_t page = pg > 0 ? (size_t)pg : 4096;
-    return (c->obj_bytes + page - 1) / page * page + 2 * page * (size_t)(c->parts > 0 ? c->parts : 1);
+    size_t kept = c->obj ? c->obj_bytes : 0; /* the copy kept for the disk cache */
+    return (c->obj_bytes + page - 1) / page * page + 2 * page * (size_t)(c->parts > 0 ? c->parts : 1) +
+           kept;
 }
 
 void gj_jit_llvm_shutdown(void) {

@@ -114,8 +114,11 @@ typedef struct gj_jit_kernel {
     int64_t *ints;
     int n_ints;
     /* fn is another program's compiled kernel of the same description
-     * (generic.c's registry): not lowered or compiled with this plan */
+     * (generic.c's registry): not lowered or compiled with this plan; lent
+     * is its symbol in that program's code ("<prefix>_<name>"), what the
+     * disk cache records so that a later process finds it again */
     bool shared;
+    char lent[96];
 } gj_jit_kernel;
 
 /* The column block of an outer-mode kernel with reduce stores is at most

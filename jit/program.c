@@ -87,8 +87,8 @@ fail:
     return NULL;
 }
 
-int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, void **obj_out,
-                           size_t *obj_size, char *why, size_t why_cap, bool *permanent) {
+int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, bool keep, char *why,
+                           size_t why_cap, bool *permanent) {
     *permanent = false;
     why[0] = '\0';
     char auto_prefix[32];
@@ -97,7 +97,7 @@ int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, void **obj_ou
                  (long long)atomic_fetch_add(&g_next_prefix, 1));
         prefix = auto_prefix;
     }
-    pr->code = gj_jit_code_compile(&pr->plan, prefix, obj_out, obj_size, why, why_cap);
+    pr->code = gj_jit_code_compile(&pr->plan, prefix, keep, why, why_cap);
     if (!pr->code) {
         *permanent = strncmp(why, "LLVM", 4) == 0;
         return -1;
@@ -105,11 +105,10 @@ int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, void **obj_ou
     return 0;
 }
 
-gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void **obj_out,
-                                     size_t *obj_size, char *why, size_t why_cap,
-                                     bool *permanent) {
+gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, char *why,
+                                     size_t why_cap, bool *permanent) {
     gj_jit_program *pr = gj_jit_program_plan(g, why, why_cap, permanent);
-    if (pr && gj_jit_program_compile(pr, prefix, obj_out, obj_size, why, why_cap, permanent) != 0) {
+    if (pr && gj_jit_program_compile(pr, prefix, false, why, why_cap, permanent) != 0) {
         gj_jit_program_free(pr);
         pr = NULL;
     }

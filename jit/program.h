@@ -43,21 +43,20 @@ typedef struct gj_jit_program {
     uint64_t id; /* compiled.c: unique in the process, never reused */
 } gj_jit_program;
 
-/* Optimises g in place (CSE, DCE), plans and compiles it with kernel
- * symbols `<prefix>_k<step>` (prefix NULL: a fresh one). obj_out/obj_size
- * as gj_jit_code_compile. Returns the program, or NULL with why[] set;
- * *permanent tells whether the failure depends only on the graph (no
- * lowering, LLVM error) rather than on this run (out of memory). */
-/* gj_jit_program_build in two halves: the program of g with its plan and
- * no code yet (NULL with why[] and *permanent as below), ... */
+/* Optimises g in place (CSE, DCE) and plans it: the program of g with its
+ * plan and no code yet; NULL with why[] set and *permanent telling whether
+ * the failure depends only on the graph (no lowering) rather than on this
+ * run (out of memory). */
 gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap, bool *permanent);
-/* ... and its compilation: sets pr->code. 0, or -1 with why[] set and
- * *permanent true for an LLVM error (pr keeps its plan, no code). */
-int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, void **obj_out,
-                           size_t *obj_size, char *why, size_t why_cap, bool *permanent);
-gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, void **obj_out,
-                                     size_t *obj_size, char *why, size_t why_cap,
-                                     bool *permanent);
+/* Compiles pr's kernels that are not shared with symbols `<prefix>_<name>`
+ * (prefix NULL: a fresh one); `keep` as gj_jit_code_compile. Sets
+ * pr->code: 0, or -1 with why[] set and *permanent true for an LLVM error
+ * (pr keeps its plan, no code). */
+int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, bool keep, char *why,
+                           size_t why_cap, bool *permanent);
+/* Both halves, keeping no object code. */
+gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, char *why,
+                                     size_t why_cap, bool *permanent);
 void gj_jit_program_free(gj_jit_program *pr);
 /* The bytes pr holds: the program and its plan's heap arrays (at their
  * capacities), the input/output/hook tables and its machine code

@@ -369,7 +369,7 @@ static void test_compiled(void **st) {
     gj_set_compiled_autograd(was);
     assert_int_equal(s.backwards, 3);
     assert_int_equal(s.fallbacks, 0);
-    assert_int_equal(s.compiles, 1);
+    assert_int_equal(s.compiles + s.disk_hits, 1); /* made once: compiled, or loaded */
     assert_int_equal(s.mem_hits, 2);
     gj_release(w);
     gj_release(v);

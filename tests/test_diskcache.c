@@ -278,7 +278,8 @@ static void test_forged_plan(void **st) {
     unsigned char *buf = malloc(n);
     assert_non_null(buf);
 
-    /* the layout: magic, layout, 4 strings, plan blob, object blob, sum */
+    /* the layout: magic, layout, 4 strings, plan blob, object blob, the
+     * lent parts (none) and lent kernels (none), sum */
     size_t pos = 16, len = 0;
     for (int k = 0; k < 5; k++) { /* to the plan blob's bytes */
         assert_true(pos + 8 <= n - 16);
@@ -290,7 +291,9 @@ static void test_forged_plan(void **st) {
     size_t plan_at = pos, plan_n = len;
     size_t obj_len_at = plan_at + plan_n;
     assert_true(plan_n > 64);
-    assert_true(obj_len_at + 8 + rd_u64(orig + obj_len_at) + 16 == n);
+    size_t parts_at = obj_len_at + 8 + rd_u64(orig + obj_len_at);
+    assert_true(parts_at + 8 + 8 + 16 == n);
+    assert_true(rd_u64(orig + parts_at) == 0 && rd_u64(orig + parts_at + 8) == 0);
 
     memcpy(buf, orig, n);
     write_resummed(path, buf, n);
@@ -305,6 +308,10 @@ static void test_forged_plan(void **st) {
         hdr[n_hdr++] = at;     /* low byte of the length */
         hdr[n_hdr++] = at + 7; /* high byte */
         if (k < 5) at += 8 + (size_t)rd_u64(orig + at);
+    }
+    for (int k = 0; k < 2; k++) { /* the counts of lent parts and kernels */
+        hdr[n_hdr++] = parts_at + 8 * (size_t)k;
+        hdr[n_hdr++] = parts_at + 8 * (size_t)k + 7;
     }
     for (int i = 0; i < n_hdr; i++) {
         memcpy(buf, orig, n);

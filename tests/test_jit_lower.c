@@ -57,7 +57,7 @@ static int out_new(gj_jit_graph *g, int v) {
 static gj_jit_program *build(gj_jit_graph *g) {
     char why[300];
     bool perm = false;
-    gj_jit_program *p = gj_jit_program_build(g, NULL, NULL, NULL, why, sizeof why, &perm);
+    gj_jit_program *p = gj_jit_program_build(g, NULL, why, sizeof why, &perm);
     if (!p) print_error("program build failed: %s\n", why);
     assert_non_null(p);
     return p;
@@ -831,7 +831,7 @@ static void test_failures(void **st) {
     char why[300];
     bool perm = false;
     gj_jit_test_no_lowering(GJ_P_SCATTER_ADD_ROWS);
-    assert_null(gj_jit_program_build(&g, NULL, NULL, NULL, why, sizeof why, &perm));
+    assert_null(gj_jit_program_build(&g, NULL, why, sizeof why, &perm));
     gj_jit_test_no_lowering(-1);
     assert_true(perm);
     assert_non_null(strstr(why, "no lowering for scatter_add_rows"));
@@ -844,7 +844,7 @@ static void test_failures(void **st) {
     out_new(&g, un(&g, GJ_P_EXP, x));
     gj_jit_test_fail_llvm(true);
     perm = false;
-    assert_null(gj_jit_program_build(&g, NULL, NULL, NULL, why, sizeof why, &perm));
+    assert_null(gj_jit_program_build(&g, NULL, why, sizeof why, &perm));
     gj_jit_test_fail_llvm(false);
     assert_true(perm);
     assert_non_null(strstr(why, "LLVM error"));
