@@ -82,20 +82,7 @@ void gj_compiled_autograd_reset_stats(void) {
     gj_jit_reset_stats();
 }
 
-const char *gj_ca_reason_name(gj_ca_reason r) {
-    switch (r) {
-    case GJ_CA_NO_LOWERING: return "no_lowering";
-    case GJ_CA_LLVM_ERROR: return "llvm_error";
-    case GJ_CA_RECORD_STREAM: return "record_stream";
-    case GJ_CA_SET_MISMATCH: return "set_mismatch";
-    case GJ_CA_RECOMPILE_LIMIT: return "recompile_limit";
-    case GJ_CA_RETAIN_GRAPH: return "retain_graph";
-    case GJ_CA_HOOK_GUARD: return "hook_guard";
-    case GJ_CA_INCOMPATIBLE_MODE: return "incompatible_mode";
-    case GJ_CA_OTHER: return "other";
-    default: return "unknown";
-    }
-}
+const char *gj_ca_reason_name(gj_ca_reason r) { return gj_jit_reason_name(r); }
 
 const char *gj_compiled_autograd_last_fallback(void) { return gj_jit_last_fallback(); }
 

@@ -520,6 +520,7 @@ typedef enum gj_ca_reason {
     GJ_CA_HOOK_GUARD,          /* a hook behaved differently than during capture */
     GJ_CA_INCOMPATIBLE_MODE,   /* a setting incompatible with compiled mode (anomaly mode) */
     GJ_CA_OTHER,
+    GJ_CA_LOCK_CONTENTION,     /* another thread's backward was writing a .grad this one writes */
     GJ_CA_N_REASONS
 } gj_ca_reason;
 GJ_API const char *gj_ca_reason_name(gj_ca_reason r); /* borrowed (static) */

@@ -808,7 +808,7 @@ done:
     return rc;
 }
 
-int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
+int gj_jit_disk_save(const gj_jit_key *w, const gj_jit_program *pr, const char *prefix,
                      gj_jit_disk_usage *u) {
     if (u) *u = (gj_jit_disk_usage){0, -1};
     if (!disk_able(pr)) {
@@ -820,7 +820,7 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
     }
     wbuf pb = {0};
     put_plan(&pb, pr);
-    entry_id id = {w->key, w->key_len, {w->hash[0], w->hash[1]}, &pb};
+    entry_id id = {w->text, w->len, {w->hash[0], w->hash[1]}, &pb};
     int rc = save_entry(&id, pr, prefix, u);
     gj_rt_free(pb.p);
     return rc;
@@ -1061,7 +1061,7 @@ fail:
     return -1;
 }
 
-int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
+int gj_jit_disk_load(const gj_jit_key *w, gj_jit_program *pr, const char *prefix, bool *found,
                      char *why, size_t why_cap) {
     *found = false;
     why[0] = '\0';
@@ -1072,7 +1072,7 @@ int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefi
         snprintf(why, why_cap, "out of memory");
         return -1;
     }
-    entry_id id = {w->key, w->key_len, {w->hash[0], w->hash[1]}, &pb};
+    entry_id id = {w->text, w->len, {w->hash[0], w->hash[1]}, &pb};
     int rc = load_entry(&id, pr, prefix, found, why, why_cap);
     gj_rt_free(pb.p);
     return rc;

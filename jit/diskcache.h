@@ -17,8 +17,7 @@
 #ifndef GJ_JIT_DISKCACHE_H
 #define GJ_JIT_DISKCACHE_H
 
-#include "capture.h"
-#include "program.h"
+#include "cache.h"
 
 /* The cache directory, or NULL when the disk cache is off. Default:
  * $GRADJIT_CACHE_DIR if set ("" or "off": off), else
@@ -47,7 +46,7 @@ typedef struct gj_jit_disk_usage {
  * the present), never the one just written; *u (may be NULL) receives what
  * that found. 0, or -1 (the reason logged under GRADJIT_LOG=cache; never
  * an error for the caller). */
-int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char *prefix,
+int gj_jit_disk_save(const gj_jit_key *w, const gj_jit_program *pr, const char *prefix,
                      gj_jit_disk_usage *u);
 
 /* Looks up key w for pr, the program this process planned for it
@@ -58,7 +57,7 @@ int gj_jit_disk_save(const gj_jit_walk *w, const gj_jit_program *pr, const char 
  * entry, true if there was one that could not be used (why[] says why:
  * stale, damaged, refused, or an LLVM error). A used entry's
  * modification time is set to the present (its LRU stamp). Sets no error. */
-int gj_jit_disk_load(const gj_jit_walk *w, gj_jit_program *pr, const char *prefix, bool *found,
+int gj_jit_disk_load(const gj_jit_key *w, gj_jit_program *pr, const char *prefix, bool *found,
                      char *why, size_t why_cap);
 /* (prefix: the symbol prefix its own code was compiled with; an entry may
  * also have a fresh one of gj_jit_generic_prefix, which a symbolic

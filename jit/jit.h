@@ -35,6 +35,10 @@ void gj_jit_stats(gj_ca_stats *out);
 bool gj_jit_last_program_info(gj_ca_program_info *out);
 void gj_jit_reset_stats(void);
 
+/* The name of fallback reason r ("record_stream", ...; "unknown" out of
+ * range): what gj_ca_reason_name returns. */
+const char *gj_jit_reason_name(gj_ca_reason r);
+
 /* Appended by helper "jit". The reason of this thread's last fallback
  * ("" if none since the last reset): a borrowed string. */
 const char *gj_jit_last_fallback_reason(void);

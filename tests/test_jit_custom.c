@@ -388,7 +388,7 @@ static void test_failing_backward(void **st) {
     }
     gj_ca_stats s = gjt_ca_now();
     assert_int_equal(s.compiles + s.disk_hits, 1);
-    assert_int_equal(s.mem_hits, 2);
+    assert_int_equal(s.mem_hits, 1); /* step 2 (step 1's hit was abandoned: a fallback) */
     assert_int_equal(s.fallbacks, 1); /* the abandoned run only: step 2 ran compiled */
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 1);
     assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "jitc::scaled_gelu"));
@@ -440,7 +440,8 @@ static void test_no_gradient_returned(void **st) {
     run_steps(&c, true);
     g_drop_grad = false;
     gj_ca_stats s = gjt_ca_now();
-    assert_int_equal(s.compiles, 1);
+    /* step 0 compiled, its run was abandoned: every backward is a fallback */
+    assert_int_equal(s.compiles, 0);
     assert_int_equal(s.fallbacks, NSTEPS);
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_HOOK_GUARD], NSTEPS);
     for (int k = 0; k < NSTEPS; k++) assert_false(c.has_gw[k]);

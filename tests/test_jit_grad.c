@@ -636,8 +636,8 @@ static void test_hook_fallbacks(void **st) {
     }
     assert_int_equal(cc.on_h.calls, 3);
     gj_ca_stats st1 = gjt_ca_now();
-    assert_int_equal(st1.compiles, 1);
-    assert_int_equal(st1.mem_hits, 1);
+    assert_int_equal(st1.compiles + st1.disk_hits, 1);
+    assert_int_equal(st1.mem_hits, 0); /* the 2nd run hit, tripped: a fallback */
     assert_int_equal(st1.fallbacks, 2); /* the guard's, then the eager-only key's */
     assert_int_equal(st1.fallbacks_by_reason[GJ_CA_RECORD_STREAM], 2);
     assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "record_stream"));
@@ -660,8 +660,8 @@ static void test_hook_fallbacks(void **st) {
     res_free(&got);
     assert_int_equal(fc.on_h.calls, 3); /* the failing call ran, then eager's again */
     gj_ca_stats st2 = gjt_ca_now();
-    assert_int_equal(st2.compiles, 1);
-    assert_int_equal(st2.mem_hits, 1);
+    assert_int_equal(st2.compiles + st2.disk_hits, 1);
+    assert_int_equal(st2.mem_hits, 0); /* the 2nd run hit, tripped: a fallback */
     assert_int_equal(st2.fallbacks, 1);
     assert_int_equal(st2.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 1);
     res_free(&w1);

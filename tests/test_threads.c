@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,9 +120,142 @@ static void test_shared_leaves_compiled(void **state) {
     /* every backward went through the compiled path: compiled, or left to
      * the eager engine while another thread held a leaf (counted) */
     assert_int_equal(b.backwards - a.backwards, NT * ITERS);
+    /* ... and each counts exactly once, a fallback with its reason named */
+    assert_int_equal(b.compiles + b.mem_hits + b.disk_hits + b.instantiations + b.fallbacks -
+                         (a.compiles + a.mem_hits + a.disk_hits + a.instantiations + a.fallbacks),
+                     NT * ITERS);
+    assert_int_equal(b.fallbacks - a.fallbacks, b.fallbacks_by_reason[GJ_CA_LOCK_CONTENTION] -
+                                                    a.fallbacks_by_reason[GJ_CA_LOCK_CONTENTION]);
+    if (b.fallbacks > a.fallbacks) /* readable from this thread too */
+        assert_non_null(strstr(gj_compiled_autograd_last_fallback(), "lock_contention"));
     print_message("  compiled: %lld backwards, %lld fell back while another thread wrote a "
                   "shared .grad\n",
                   (long long)(b.backwards - a.backwards), (long long)(b.fallbacks - a.fallbacks));
+}
+
+/* ----------------------------------- private models, settings changing */
+
+enum { PT = 3, PITERS = 40 };
+
+typedef struct priv_model {
+    gj_tensor *w1, *b1, *w2;
+    double final[H * IN + H + OUT * H];
+} priv_model;
+
+static priv_model g_pm[PT];
+static atomic_bool g_stop;
+
+static void priv_init(priv_model *m, uint64_t seed) {
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    m->w1 = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){H, IN}, -0.3, 0.3);
+    m->b1 = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){H}, -0.1, 0.1);
+    m->w2 = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){OUT, H}, -0.3, 0.3);
+    assert_int_equal(gj_set_requires_grad(m->w1, true), 0);
+    assert_int_equal(gj_set_requires_grad(m->b1, true), 0);
+    assert_int_equal(gj_set_requires_grad(m->w2, true), 0);
+}
+
+/* PITERS SGD steps of model t on its own batches; the final weights. */
+static void *priv_worker(void *arg) {
+    int t = (int)(intptr_t)arg;
+    priv_model *m = &g_pm[t];
+    gjt_rng r;
+    gjt_rng_seed(&r, 100 + (uint64_t)t);
+    gj_tensor *ps[3] = {m->w1, m->b1, m->w2};
+    for (int i = 0; i < PITERS; i++) {
+        gj_scope_push();
+        gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){B, IN}, -1, 1);
+        gj_tensor *h = gj_gelu(gj_linear(x, m->w1, m->b1));
+        gj_tensor *y = gj_linear(h, m->w2, NULL);
+        for (int k = 0; k < 3; k++) gj_tensor_set_grad(ps[k], NULL);
+        if (gj_backward(gj_mean(gj_mul(y, y), 0, NULL, false), NULL) != 0) {
+            g_fail[t] = 1;
+            snprintf(g_msg[t], sizeof g_msg[t], "%s", gj_last_error());
+        }
+        gj_no_grad_push();
+        for (int k = 0; k < 3 && !g_fail[t]; k++) gj_add_scaled_(ps[k], gj_tensor_grad(ps[k]), -0.1);
+        gj_no_grad_pop();
+        gj_scope_pop();
+    }
+    int64_t at = 0;
+    for (int k = 0; k < 3; k++) {
+        gj_tensor_to_f64(ps[k], m->final + at);
+        at += gj_tensor_numel(ps[k]);
+    }
+    return NULL;
+}
+
+/* The settings a fourth thread keeps changing meanwhile. */
+static void *settings_thrasher(void *arg) {
+    (void)arg;
+    int i = 0;
+    while (!atomic_load(&g_stop)) {
+        gj_set_num_threads(1 + (i % 2));
+        gj_mem_release_cache();
+        gj_ca_stats s;
+        gj_compiled_autograd_stats(&s);
+        gj_compiled_autograd_set_quiet(true);
+        gj_mem s2;
+        gj_mem_stats(&s2);
+        i++;
+    }
+    gj_set_num_threads(0);
+    return NULL;
+}
+
+static void priv_free(priv_model *m) {
+    gj_release(m->w1);
+    gj_release(m->b1);
+    gj_release(m->w2);
+}
+
+/* Three threads train private models compiled while a fourth changes
+ * thread counts, releases the allocator's cache and reads the counters:
+ * every backward counts exactly once (compiles + hits + instantiations +
+ * fallbacks = backwards), every fallback carries a named reason (never
+ * "other"), and the final weights are bit for bit those of the same
+ * training run eagerly, one model after another. */
+static void test_private_models_settings(void **state) {
+    (void)state;
+    static double ref[PT][H * IN + H + OUT * H];
+    for (int t = 0; t < PT; t++) {
+        priv_init(&g_pm[t], 7 + (uint64_t)t);
+        priv_worker((void *)(intptr_t)t);
+        memcpy(ref[t], g_pm[t].final, sizeof ref[t]);
+        priv_free(&g_pm[t]);
+        priv_init(&g_pm[t], 7 + (uint64_t)t);
+    }
+    gj_compiled_autograd_reset_stats();
+    gj_set_compiled_autograd(true);
+    atomic_store(&g_stop, false);
+    pthread_t th[PT], thr;
+    assert_int_equal(pthread_create(&thr, NULL, settings_thrasher, NULL), 0);
+    for (int t = 0; t < PT; t++) {
+        g_fail[t] = 0;
+        assert_int_equal(pthread_create(&th[t], NULL, priv_worker, (void *)(intptr_t)t), 0);
+    }
+    for (int t = 0; t < PT; t++) assert_int_equal(pthread_join(th[t], NULL), 0);
+    atomic_store(&g_stop, true);
+    assert_int_equal(pthread_join(thr, NULL), 0);
+    gj_set_compiled_autograd(false);
+    gj_ca_stats s;
+    gj_compiled_autograd_stats(&s);
+    print_message("  %lld backwards: %lld compiles, %lld memory hits, %lld disk hits, %lld bound, "
+                  "%lld fallbacks (%lld lock contention)\n",
+                  (long long)s.backwards, (long long)s.compiles, (long long)s.mem_hits,
+                  (long long)s.disk_hits, (long long)s.instantiations, (long long)s.fallbacks,
+                  (long long)s.fallbacks_by_reason[GJ_CA_LOCK_CONTENTION]);
+    assert_int_equal(s.backwards, PT * PITERS);
+    assert_int_equal(s.compiles + s.mem_hits + s.disk_hits + s.instantiations + s.fallbacks,
+                     PT * PITERS);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_OTHER], 0);
+    if (s.fallbacks > 0) assert_true(gj_compiled_autograd_last_fallback()[0] != '\0');
+    for (int t = 0; t < PT; t++) {
+        if (g_fail[t]) fail_msg("thread %d: %s", t, g_msg[t]);
+        assert_memory_equal(g_pm[t].final, ref[t], sizeof ref[t]);
+        priv_free(&g_pm[t]);
+    }
 }
 
 static int setup(void **state) {
@@ -154,6 +288,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shared_leaves_eager),
         cmocka_unit_test(test_shared_leaves_compiled),
+        cmocka_unit_test(test_private_models_settings),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
