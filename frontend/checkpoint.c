@@ -41,15 +41,15 @@ int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data) {
     if (out && n_out > 0 && n_out <= GJ_AG_MAX_OUT)
         for (int k = 0; k < n_out; k++) out[k] = NULL;
-    if (!ckpt_args_ok(fn, n_in, in, n_out, out)) return -1;
+    if (!ckpt_args_ok(fn, n_in, in, n_out, out)) goto fail;
     gj_ag_ckpt_region *r = NULL;
     if (gj_ag_grad_enabled()) { /* under no-grad nothing is recorded: fn just runs */
         r = gj_ag_ckpt_begin(n_in, in, policy, policy_data);
-        if (!r) return -1;
+        if (!r) goto fail;
     } else if (gj_ag_ckpt_active()) {
         gj_rt_set_error("gj_checkpoint: nested checkpoint regions are not supported (a region "
                         "is already open on this thread)");
-        return -1;
+        goto fail;
     }
     gj_tensor *fo[GJ_AG_MAX_OUT] = {0}, *res[GJ_AG_MAX_OUT] = {0};
     int rc = -1;
@@ -98,7 +98,10 @@ done:
                 for (int q = 0; q < n_out; q++)
                     if (out[q]) gj_release(out[q]);
                 for (int q = 0; q < n_out; q++) out[q] = NULL;
-                return -1;
+                goto fail;
             }
-    return rc;
+    if (rc == 0) return 0;
+fail:
+    gj_rt_null_result(); /* out[] are NULL: a NULL passed on cites this failure */
+    return -1;
 }

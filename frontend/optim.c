@@ -156,8 +156,12 @@ OPT_DEFINE_RANGE(opt_range_f64, double, opt_load_d, opt_store_d, sqrt)
 /* ------------------------------------------------------ construction */
 
 static gj_optim *opt_new(const char *op, opt_kind kind, int n, gj_tensor *const *params) {
-    if (n <= 0 || !params) {
+    if (n <= 0) {
         gj_rt_set_error("%s: need a non-empty parameter list (n_params = %d)", op, n);
+        return NULL;
+    }
+    if (!params) {
+        gj_rt_set_error("%s: params is NULL (n_params = %d)", op, n);
         return NULL;
     }
     for (int k = 0; k < n; k++) {

@@ -198,11 +198,15 @@ const char *gj_state_dict_name(const gj_state_dict *sd, int i) {
     return sd && i >= 0 && i < sd->n ? sd->names[i] : NULL;
 }
 
+/* Both return NULL without an error for an absent entry: no failure, so
+ * that NULL, passed on, cites no earlier one (gj_rt_tensor_result). */
 gj_tensor *gj_state_dict_tensor(const gj_state_dict *sd, int i) {
+    gj_rt_tensor_result();
     return sd && i >= 0 && i < sd->n ? sd->tensors[i] : NULL;
 }
 
 gj_tensor *gj_state_dict_get(const gj_state_dict *sd, const char *name) {
+    gj_rt_tensor_result();
     if (!sd || !name)
         return NULL;
     int i = st_find(sd, name);

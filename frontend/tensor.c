@@ -50,14 +50,16 @@ static void scopes_thread_exit(void *unused) {
 static void scope_key_init(void) { pthread_key_create(&g_scope_key, scopes_thread_exit); }
 
 gj_tensor *gj_fe_own(gj_tensor *t) {
-    if (!t || g_depth == 0) return t;
+    if (!t) return gj_fe_fail();
+    gj_rt_tensor_result();
+    if (g_depth == 0) return t;
     fe_scope *s = &g_scopes[g_depth - 1];
     if (s->n == s->cap) {
         int64_t cap = s->cap ? s->cap * 2 : 64;
         gj_tensor **items = gj_rt_realloc(s->items, (size_t)cap * sizeof *items);
         if (!items) { /* cannot register: do not leak it, fail the call */
             gj_rt_tensor_release(t);
-            return NULL;
+            return gj_fe_fail();
         }
         if (!s->items) { /* first array of this thread: arrange its freeing */
             pthread_once(&g_scope_once, scope_key_init);
@@ -125,8 +127,9 @@ void *gj_fe_user_scope_push(void) {
 }
 
 gj_tensor *gj_scope_keep(gj_tensor *t) {
-    if (!gj_rt_check_tensor(t, "gj_scope_keep", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_scope_keep", "t")) return gj_fe_fail();
     scope_unregister(t);
+    gj_rt_tensor_result();
     return t;
 }
 
@@ -153,8 +156,9 @@ void gj_release(gj_tensor *t) {
 }
 
 gj_tensor *gj_retain(gj_tensor *t) {
-    if (!gj_rt_check_tensor(t, "gj_retain", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_retain", "t")) return gj_fe_fail();
     gj_rt_tensor_retain(t);
+    gj_rt_tensor_result();
     return t;
 }
 
@@ -163,24 +167,24 @@ gj_tensor *gj_retain(gj_tensor *t) {
 static gj_tensor *new_checked(gj_dtype dt, int ndim, const int64_t *shape, const char *op) {
     if (!gj_rt_dtype_valid((int)dt)) {
         gj_rt_set_error("%s: invalid dtype %d", op, (int)dt);
-        return NULL;
+        return gj_fe_fail();
     }
     if (ndim > 0 && !shape) {
         gj_rt_set_error("%s: shape is NULL for ndim %d", op, ndim);
-        return NULL;
+        return gj_fe_fail();
     }
-    if (!gj_rt_check_shape(ndim, shape, dt, op)) return NULL;
+    if (!gj_rt_check_shape(ndim, shape, dt, op)) return gj_fe_fail();
     return gj_rt_tensor_new(dt, ndim, shape);
 }
 
 gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const void *data) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_from_data");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (t->numel > 0) {
         if (!data) {
             gj_rt_set_error("gj_from_data: data is NULL for %lld elements", (long long)t->numel);
             gj_rt_tensor_release(t);
-            return NULL;
+            return gj_fe_fail();
         }
         memcpy(t->storage->data, data, (size_t)t->numel * gj_rt_dtype_size(dtype));
     }
@@ -200,7 +204,7 @@ static void set_elem(gj_tensor *t, int64_t i, double v) {
 
 gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_full");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (value != 0.0)
         for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, value);
     return gj_fe_own(t);
@@ -213,14 +217,14 @@ gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape) {
 
 gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_ones");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, 1.0);
     return gj_fe_own(t);
 }
 
 gj_tensor *gj_scalar(gj_dtype dtype, double value) {
     gj_tensor *t = new_checked(dtype, 0, NULL, "gj_scalar");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     set_elem(t, 0, value);
     return gj_fe_own(t);
 }
@@ -228,11 +232,11 @@ gj_tensor *gj_scalar(gj_dtype dtype, double value) {
 
 gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_randn");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (!gj_rt_dtype_is_float(dtype)) {
         gj_rt_set_error("gj_randn: dtype %s is not a float dtype", gj_rt_dtype_name(dtype));
         gj_rt_tensor_release(t);
-        return NULL;
+        return gj_fe_fail();
     }
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
@@ -242,12 +246,12 @@ gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) 
 
 gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_rand");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (!gj_rt_dtype_is_float(dtype) || !(hi >= lo)) {
         gj_rt_set_error("gj_rand: needs a float dtype and lo <= hi (got %s, [%g, %g))",
                         gj_rt_dtype_name(dtype), lo, hi);
         gj_rt_tensor_release(t);
-        return NULL;
+        return gj_fe_fail();
     }
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
@@ -257,12 +261,27 @@ gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, do
 
 /* ----------------------------------------------------------- accessors */
 
-gj_dtype gj_tensor_dtype(const gj_tensor *t) { return t ? t->dtype : GJ_F32; }
-int gj_tensor_ndim(const gj_tensor *t) { return t ? t->ndim : -1; }
-const int64_t *gj_tensor_shape(const gj_tensor *t) { return t ? t->shape : NULL; }
-const int64_t *gj_tensor_strides(const gj_tensor *t) { return t ? t->strides : NULL; }
-int64_t gj_tensor_numel(const gj_tensor *t) { return t ? t->numel : -1; }
-bool gj_tensor_is_contiguous(const gj_tensor *t) { return t && gj_rt_is_contiguous(t); }
+/* On a NULL or dead tensor each accessor sets an error naming itself
+ * (with the cause of the NULL, gj_rt_check_tensor) and returns its
+ * documented sentinel. */
+gj_dtype gj_tensor_dtype(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_dtype", "t") ? t->dtype : GJ_F32;
+}
+int gj_tensor_ndim(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_ndim", "t") ? t->ndim : -1;
+}
+const int64_t *gj_tensor_shape(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_shape", "t") ? t->shape : NULL;
+}
+const int64_t *gj_tensor_strides(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_strides", "t") ? t->strides : NULL;
+}
+int64_t gj_tensor_numel(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_numel", "t") ? t->numel : -1;
+}
+bool gj_tensor_is_contiguous(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_is_contiguous", "t") && gj_rt_is_contiguous(t);
+}
 
 void *gj_tensor_data(gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_tensor_data", "t")) return NULL;
@@ -367,20 +386,21 @@ int gj_set_requires_grad(gj_tensor *t, bool requires_grad) {
 }
 
 bool gj_requires_grad(const gj_tensor *t) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return false;
+    if (!gj_rt_check_tensor(t, "gj_requires_grad", "t")) return false;
     gj_ag_tensor_meta *m = t->ag;
     return m && m->requires_grad;
 }
 
 bool gj_is_leaf(const gj_tensor *t) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return false;
+    if (!gj_rt_check_tensor(t, "gj_is_leaf", "t")) return false;
     gj_ag_tensor_meta *m = t->ag;
     return !(m && m->node);
 }
 
 gj_tensor *gj_tensor_grad(const gj_tensor *t) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_tensor_grad", "t")) return gj_fe_fail();
     gj_ag_tensor_meta *m = t->ag;
+    gj_rt_tensor_result(); /* no .grad yet is a NULL that no failure explains */
     return m ? m->grad : NULL;
 }
 
@@ -406,7 +426,7 @@ int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g) {
 }
 
 gj_tensor *gj_detach(gj_tensor *t) {
-    if (!gj_rt_check_tensor(t, "gj_detach", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_detach", "t")) return gj_fe_fail();
     return gj_fe_own(gj_rt_tensor_alias(t));
 }
 
@@ -567,7 +587,7 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
     }
     gj_ag_backward_exit();
     if (brc != 0) goto done;
-    if (handled) gj_clear_error(); /* no stale message of the compiled path (gj_backward_ex) */
+    gj_clear_error(); /* a good gj_grad leaves no message, however it ran (gj_backward_ex) */
     rc = 0;
     for (int i = 0; i < n_inputs; i++) {
         gj_tensor *g = gt[i]; /* a reference kept for us */
@@ -612,5 +632,6 @@ done:
     gj_rt_free(sv);
     gj_rt_free(gv);
     gj_rt_free(gt);
+    if (rc != 0) gj_rt_null_result(); /* grads_out[] are NULL: passed on, they cite it */
     return rc;
 }

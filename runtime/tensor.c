@@ -61,11 +61,13 @@ bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
         /* A NULL here is usually the result of an earlier failed call in a
          * chain such as gj_cross_entropy(gj_linear(gj_gelu(gj_linear(x, ..)))):
          * carry the innermost cause forward however deep the chain is. The
-         * message before this one is either "<op>: <arg> is NULL (caused by:
-         * <cause>)", whose cause is the innermost one already, or itself the
-         * first failure (possibly a NULL the caller passed). */
-        const char *prev = gj_last_error();
-        if (prev[0]) {
+         * cause (error.c) is either "<op>: <arg> is NULL (caused by:
+         * <cause>)", whose cause is the innermost one already, or itself
+         * the first failure. Without one (the NULL was passed as such, or
+         * calls have succeeded since the last failure) the message says
+         * only that the argument is NULL. */
+        const char *prev = gj_rt_null_cause();
+        if (prev) {
             char cause[768];
             const char *c = strstr(prev, " (caused by: ");
             if (c) {
@@ -77,6 +79,7 @@ bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
                 snprintf(cause, sizeof cause, "%s", prev);
             }
             gj_rt_set_error("%s: %s is NULL (caused by: %s)", op, arg, cause);
+            gj_rt_null_result(); /* still that NULL's cause, for its next use */
         } else {
             gj_rt_set_error("%s: %s is NULL", op, arg);
         }
