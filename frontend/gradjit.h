@@ -822,9 +822,15 @@ typedef gj_ckpt_policy (*gj_ckpt_policy_fn)(const char *op_name, int position,
  * (parameters), exactly as without checkpointing. Dropout inside a region
  * draws the same mask when recomputed. fn runs inside its own scope
  * (gj_scope_push): its temporaries are freed when gj_checkpoint returns.
- * out[k] receive new references; 1 <= n_out <= 2. Regions do not nest (a
- * gj_checkpoint inside fn fails with an error). Under no-grad fn simply
- * runs. Returns 0, or -1 with gj_last_error() set and out[] all NULL. */
+ * out[k] receive new references, 1 <= n_out <= 2, each a tensor header of
+ * its own (never one of in[] or another out[q], even when fn stored the
+ * same tensor there), owned as any op's result: by the innermost scope
+ * open when gj_checkpoint returns -- the caller's, since fn's scope is
+ * closed by then -- else by the caller, who releases them. With grad mode
+ * on they carry the region's node; under no-grad fn simply runs and out[k]
+ * shares the storage of what fn stored. Regions do not nest (a
+ * gj_checkpoint inside fn fails with an error). Returns 0, or -1 with
+ * gj_last_error() set and out[] all NULL. */
 GJ_API int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data);
 
