@@ -143,6 +143,16 @@ GJ_API gj_tensor *gj_retain(gj_tensor *t);
 GJ_API void gj_scope_push(void);
 GJ_API void gj_scope_pop(void);
 GJ_API gj_tensor *gj_scope_keep(gj_tensor *t);
+/* Scopes open on the calling thread (0 outside any). A push without its
+ * pop keeps every tensor made after it alive: when one thread's depth
+ * reaches 10000, deeper than real programs nest, gradjit prints a warning
+ * once on stderr; GRADJIT_LOG=leaks reports what is left at exit. */
+GJ_API int gj_scope_depth(void);
+/* Tensors alive in the process (headers not yet freed: yours, the scopes',
+ * and those gradjit holds, such as .grad, saved tensors of graphs not yet
+ * run backward, optimizer state). With gj_mem_stats' live_bytes and
+ * gj_scope_depth, a leak check: take both before a step and compare after. */
+GJ_API int64_t gj_live_tensors(void);
 
 /* Accessors (borrowed views of metadata; never fail on a valid tensor).
  * The shape and strides arrays are borrowed: they live in t and are valid

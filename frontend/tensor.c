@@ -8,6 +8,14 @@
  * t->scope_slot == its index in the scope's array). gj_release and
  * gj_scope_keep unregister a tensor (the slot becomes NULL) before it can
  * die, so a scope never drops a reference it no longer holds.
+ * g_open_scopes counts the scopes open on every thread (pushes past the
+ * fixed stack included); a thread that exits pops its own first.
+ *
+ * Forgotten scopes: a push without its pop keeps every tensor made after
+ * it alive. gj_scope_depth and gj_live_tensors show it through the API, a
+ * one-time stderr warning fires when a thread's depth reaches
+ * GJ_FE_SCOPE_WARN_DEPTH, and GRADJIT_LOG=leaks prints what is still alive
+ * and open at exit (fe_leaks_at_exit).
  */
 #include "fe.h"
 #include "../jit/jit.h"
@@ -16,6 +24,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* -------------------------------------------------------------- scopes */
@@ -30,8 +39,14 @@ typedef struct fe_scope {
  * Pushes deeper than GJ_FE_MAX_SCOPES are counted in g_overflow and share
  * the innermost real scope (an error is set). */
 #define GJ_FE_MAX_SCOPES 256
+/* A thread's depth (real and overflow scopes) at which a forgotten
+ * gj_scope_pop is reported once per process on stderr: deeper than any
+ * real program nests (a step is one scope; recursion adds a few). */
+#define GJ_FE_SCOPE_WARN_DEPTH 10000
 static _Thread_local fe_scope g_scopes[GJ_FE_MAX_SCOPES];
 static _Thread_local int g_depth, g_overflow;
+static _Thread_local bool g_thread_registered; /* scopes_thread_exit will run */
+static atomic_llong g_open_scopes;             /* every thread's g_depth + g_overflow */
 static pthread_key_t g_scope_key;
 static pthread_once_t g_scope_once = PTHREAD_ONCE_INIT;
 
@@ -47,11 +62,36 @@ static void scopes_thread_exit(void *unused) {
     }
 }
 
-static void scope_key_init(void) { pthread_key_create(&g_scope_key, scopes_thread_exit); }
+/* GRADJIT_LOG=leaks: one line at exit, what is still alive and open. */
+static void fe_leaks_at_exit(void) {
+    gj_mem m;
+    gj_mem_stats(&m);
+    long long n = (long long)gj_live_tensors(), open = (long long)atomic_load(&g_open_scopes);
+    fprintf(stderr, "[gradjit leaks] at exit: %lld tensor%s alive (%lld bytes of tensor storage), "
+                    "%lld scope%s open (%d on the exiting thread)%s\n",
+            n, n == 1 ? "" : "s", (long long)m.live_bytes, open, open == 1 ? "" : "s",
+            g_depth + g_overflow,
+            n || open ? ": release what you own and pop every scope you push" : "");
+}
+
+/* Once per process, at the first scope or tensor: the thread-exit key, and
+ * the leak report if GRADJIT_LOG asks for it (this reads GRADJIT_LOG). */
+static void scope_key_init(void) {
+    pthread_key_create(&g_scope_key, scopes_thread_exit);
+    if (gj_jit_log_leaks()) atexit(fe_leaks_at_exit);
+}
+
+/* Arranges scopes_thread_exit for this thread (once per thread). */
+static void scope_thread_register(void) {
+    pthread_once(&g_scope_once, scope_key_init);
+    pthread_setspecific(g_scope_key, g_scopes);
+    g_thread_registered = true;
+}
 
 gj_tensor *gj_fe_own(gj_tensor *t) {
     if (!t) return gj_fe_fail();
     gj_rt_tensor_result();
+    if (!g_thread_registered) scope_thread_register();
     if (g_depth == 0) return t;
     fe_scope *s = &g_scopes[g_depth - 1];
     if (s->n == s->cap) {
@@ -60,10 +100,6 @@ gj_tensor *gj_fe_own(gj_tensor *t) {
         if (!items) { /* cannot register: do not leak it, fail the call */
             gj_rt_tensor_release(t);
             return gj_fe_fail();
-        }
-        if (!s->items) { /* first array of this thread: arrange its freeing */
-            pthread_once(&g_scope_once, scope_key_init);
-            pthread_setspecific(g_scope_key, g_scopes);
         }
         s->items = items;
         s->cap = cap;
@@ -83,6 +119,17 @@ static void scope_unregister(gj_tensor *t) {
 }
 
 void gj_scope_push(void) {
+    if (!g_thread_registered) scope_thread_register();
+    atomic_fetch_add(&g_open_scopes, 1);
+    if (g_depth + g_overflow + 1 == GJ_FE_SCOPE_WARN_DEPTH) {
+        static atomic_bool warned;
+        if (!atomic_exchange(&warned, true))
+            fprintf(stderr, "gradjit: %d scopes are open on one thread: a gj_scope_push without "
+                            "its gj_scope_pop? Every tensor made since stays alive until its "
+                            "scope pops (gj_scope_depth, gj_live_tensors; GRADJIT_LOG=leaks "
+                            "reports at exit). Printed once.\n",
+                    GJ_FE_SCOPE_WARN_DEPTH);
+    }
     if (g_depth == GJ_FE_MAX_SCOPES) {
         g_overflow++;
         gj_rt_set_error("gj_scope_push: more than %d nested scopes; the inner ones share "
@@ -93,15 +140,19 @@ void gj_scope_push(void) {
     g_depth++;
 }
 
+int gj_scope_depth(void) { return g_depth + g_overflow; }
+
 void gj_scope_pop(void) {
     if (g_overflow > 0) {
         g_overflow--;
+        atomic_fetch_sub(&g_open_scopes, 1);
         return;
     }
     if (g_depth == 0) {
         gj_rt_set_error("gj_scope_pop: no scope is open");
         return;
     }
+    atomic_fetch_sub(&g_open_scopes, 1);
     fe_scope *s = &g_scopes[g_depth - 1];
     for (int64_t i = s->n - 1; i >= 0; i--) {
         gj_tensor *t = s->items[i];

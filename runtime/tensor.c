@@ -25,6 +25,7 @@
 #include <string.h>
 
 static void (*g_ag_free)(gj_tensor *t);
+static atomic_llong g_live_tensors; /* headers made by gj_rt_header_new, not yet freed */
 
 /* ------------------------------------------------------------- dtypes */
 
@@ -216,6 +217,7 @@ static gj_tensor *gj_rt_header_new(gj_rt_storage *s, gj_dtype dt, int ndim, cons
     t->storage = s;
     t->scope_slot = -1;
     gj_rt_storage_retain(s);
+    atomic_fetch_add(&g_live_tensors, 1);
     return t;
 }
 
@@ -308,7 +310,10 @@ void gj_rt_tensor_release(gj_tensor *t) {
     t->magic = GJ_RT_TENSOR_DEAD;
     gj_rt_free(t->name);
     gj_rt_free(t);
+    atomic_fetch_sub(&g_live_tensors, 1);
 }
+
+int64_t gj_live_tensors(void) { return atomic_load(&g_live_tensors); }
 
 const char *gj_rt_tensor_label(const gj_tensor *t, char *buf, size_t cap) {
     if (!t || !t->name || cap == 0) return "";
