@@ -532,52 +532,60 @@ int gj_broadcast(gj_pg *pg, gj_tensor *t, int root) {
     return rc == 0 ? 0 : with_context(ctx);
 }
 
+/* The NULL a collective returning a tensor ends with when it failed: the
+ * error becomes the cause a NULL argument cites when it is passed on. */
+static gj_tensor *dist_null(void) {
+    gj_rt_null_result();
+    return NULL;
+}
+
 gj_tensor *gj_allgather(gj_pg *pg, gj_tensor *t) {
-    if (need_pg("gj_allgather", pg) != 0 || check_tensor("gj_allgather", t) != 0) return NULL;
+    if (need_pg("gj_allgather", pg) != 0 || check_tensor("gj_allgather", t) != 0)
+        return dist_null();
     int nd = gj_tensor_ndim(t);
     char ctx[256];
     prefix("gj_allgather", t, ctx, sizeof ctx);
     if (nd < 1) {
         gj_rt_set_error("%s: needs at least one dimension to gather along", ctx);
-        return NULL;
+        return dist_null();
     }
     int64_t shape[GJ_MAX_DIMS];
     memcpy(shape, gj_tensor_shape(t), (size_t)nd * sizeof shape[0]);
     shape[0] *= gj_pg_size(pg);
     gj_tensor *out = gj_zeros(gj_tensor_dtype(t), nd, shape);
-    if (!out) return NULL;
+    if (!out) return dist_null();
     gj_dist_job job = {.kind = GJ_DIST_ALLGATHER, .wire = gj_tensor_dtype(t),
                        .send = gj_tensor_data(t), .buf = gj_tensor_data(out),
                        .count = gj_tensor_numel(t)};
     if (run_sync(pg, &job) != 0) {
         gj_release(out);
         with_context(ctx);
-        return NULL;
+        return dist_null();
     }
     return out;
 }
 
 gj_tensor *gj_reduce_scatter(gj_pg *pg, gj_tensor *t, gj_reduce_op op) {
     if (need_pg("gj_reduce_scatter", pg) != 0 || check_tensor("gj_reduce_scatter", t) != 0)
-        return NULL;
+        return dist_null();
     int nd = gj_tensor_ndim(t), size = gj_pg_size(pg);
     char ctx[256];
     prefix("gj_reduce_scatter", t, ctx, sizeof ctx);
     if (nd < 1 || gj_tensor_shape(t)[0] % size != 0) {
         gj_rt_set_error("%s: the first dimension must be a multiple of the group size %d", ctx,
                         size);
-        return NULL;
+        return dist_null();
     }
     if (op != GJ_REDUCE_SUM && op != GJ_REDUCE_AVG) {
         gj_rt_set_error("%s: unknown reduce op %d", ctx, (int)op);
-        return NULL;
+        return dist_null();
     }
     int64_t shape[GJ_MAX_DIMS];
     memcpy(shape, gj_tensor_shape(t), (size_t)nd * sizeof shape[0]);
     shape[0] /= size;
     gj_dtype d = gj_tensor_dtype(t);
     gj_tensor *out = gj_zeros(d, nd, shape);
-    if (!out) return NULL;
+    if (!out) return dist_null();
     float *in32 = NULL, *out32 = NULL;
     if (d == GJ_BF16) {
         in32 = bf16_to_f32_copy(t);
@@ -600,7 +608,7 @@ fail:
     gj_rt_free(in32);
     gj_rt_free(out32);
     gj_release(out);
-    return NULL;
+    return dist_null();
 }
 
 struct gj_work {

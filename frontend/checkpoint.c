@@ -8,7 +8,12 @@
  * and does not return dies when gj_checkpoint returns (that is what frees
  * a region's activations); what fn stores in out[] is owned by that scope
  * (or is one of in[], borrowed). The outputs handed to the caller are new
- * references carrying the region's node, scoped like any op's result.
+ * references, each a header of its own (never one of in[], never another
+ * out[q]), given to the scope that is innermost once the region's scope
+ * is closed -- the caller's, if one is open -- like any op's result. With
+ * grad mode on they carry the region's node; under no-grad each is a new
+ * header sharing the storage of what fn stored (so a tensor passed through
+ * is never registered twice, in a scope and with the caller).
  */
 #include "fe.h"
 
@@ -41,15 +46,15 @@ int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data) {
     if (out && n_out > 0 && n_out <= GJ_AG_MAX_OUT)
         for (int k = 0; k < n_out; k++) out[k] = NULL;
-    if (!ckpt_args_ok(fn, n_in, in, n_out, out)) return -1;
+    if (!ckpt_args_ok(fn, n_in, in, n_out, out)) goto fail;
     gj_ag_ckpt_region *r = NULL;
     if (gj_ag_grad_enabled()) { /* under no-grad nothing is recorded: fn just runs */
         r = gj_ag_ckpt_begin(n_in, in, policy, policy_data);
-        if (!r) return -1;
+        if (!r) goto fail;
     } else if (gj_ag_ckpt_active()) {
         gj_rt_set_error("gj_checkpoint: nested checkpoint regions are not supported (a region "
                         "is already open on this thread)");
-        return -1;
+        goto fail;
     }
     gj_tensor *fo[GJ_AG_MAX_OUT] = {0}, *res[GJ_AG_MAX_OUT] = {0};
     int rc = -1;
@@ -77,10 +82,11 @@ int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int
         r = NULL; /* gj_ag_ckpt_end always consumes it */
         if (gj_ag_ckpt_end(rr, n_out, fo, res) != 0) goto done;
     } else {
-        for (int k = 0; k < n_out; k++) {
-            gj_rt_tensor_retain(fo[k]);
-            res[k] = fo[k];
-        }
+        /* a header of its own for each output, as gj_ag_ckpt_end gives
+         * one to a passed-through input: what fn stored may be one of in[]
+         * (the caller's, perhaps already in a scope) or stored twice */
+        for (int k = 0; k < n_out; k++)
+            if (!(res[k] = gj_rt_tensor_alias(fo[k]))) goto done;
     }
     rc = 0;
 done:
@@ -98,7 +104,10 @@ done:
                 for (int q = 0; q < n_out; q++)
                     if (out[q]) gj_release(out[q]);
                 for (int q = 0; q < n_out; q++) out[q] = NULL;
-                return -1;
+                goto fail;
             }
-    return rc;
+    if (rc == 0) return 0;
+fail:
+    gj_rt_null_result(); /* out[] are NULL: a NULL passed on cites this failure */
+    return -1;
 }

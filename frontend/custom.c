@@ -18,7 +18,10 @@ gj_custom_op *gj_custom_op_find(const char *name) { return gj_ag_custom_find(nam
 
 int gj_custom_op_call(gj_custom_op *op, gj_tensor *const *tensor_args,
                       const double *scalar_args, gj_tensor **outs) {
-    if (gj_ag_custom_call(op, tensor_args, scalar_args, outs) != 0) return -1;
+    if (gj_ag_custom_call(op, tensor_args, scalar_args, outs) != 0) {
+        gj_rt_null_result(); /* a NULL output passed on cites this failure */
+        return -1;
+    }
     int n = gj_ag_custom_n_outputs(op), rc = 0;
     for (int k = 0; k < n; k++) {
         outs[k] = gj_fe_own(outs[k]); /* releases it on OOM */
@@ -29,5 +32,6 @@ int gj_custom_op_call(gj_custom_op *op, gj_tensor *const *tensor_args,
             gj_release(outs[k]);
             outs[k] = NULL;
         }
+    if (rc != 0) gj_rt_null_result();
     return rc;
 }

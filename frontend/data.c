@@ -81,22 +81,22 @@ static int idx_type_size(int tc) {
 gj_tensor *gj_idx_load(const char *path, gj_dtype dtype, double scale) {
     if (!path) {
         gj_rt_set_error("gj_idx_load: path is NULL");
-        return NULL;
+        return gj_fe_fail();
     }
     if (dtype != GJ_F32 && dtype != GJ_F64 && dtype != GJ_BF16 && dtype != GJ_I64) {
         gj_rt_set_error("gj_idx_load(%s): unknown dtype %d", path, (int)dtype);
-        return NULL;
+        return gj_fe_fail();
     }
     if (dtype == GJ_I64 ? scale != 1.0 : !isfinite(scale)) {
         gj_rt_set_error("gj_idx_load(%s): scale %g: i64 values are read as they are (scale 1), "
                         "float values need a finite scale", path, scale);
-        return NULL;
+        return gj_fe_fail();
     }
     gzFile g = gzopen(path, "rb");
     if (!g) {
         gj_rt_set_error("gj_idx_load: cannot open %s: %s", path,
                         errno ? strerror(errno) : "out of memory");
-        return NULL;
+        return gj_fe_fail();
     }
     gj_tensor *out = NULL;
     uint8_t *raw = NULL;
@@ -177,6 +177,7 @@ done:
     gzclose(g);
     gj_rt_free(raw);
     gj_rt_free(vals);
+    if (!out) gj_rt_null_result();
     return out;
 }
 
@@ -296,6 +297,7 @@ fail:
         gj_release(out[k]);
         out[k] = NULL;
     }
+    gj_rt_null_result(); /* a NULL batch passed on cites this failure */
     return false;
 }
 

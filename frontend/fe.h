@@ -9,8 +9,18 @@
 
 /* Hands a new reference t to the innermost open scope (if any) and returns
  * t; NULL passes through. Every public function returning a tensor ends
- * with it. */
+ * with it or with gj_fe_fail: it also tells the error state (runtime/
+ * error.c) that a tensor was handed out (t), or that the current error is
+ * the cause of the NULL handed out (NULL, or t could not be registered). */
 gj_tensor *gj_fe_own(gj_tensor *t);
+
+/* The NULL a public function returning a tensor ends with when it fails,
+ * after its last gj_rt_set_error: the message becomes the cause a NULL
+ * argument cites when that NULL is passed on (gj_rt_check_tensor). */
+static inline gj_tensor *gj_fe_fail(void) {
+    gj_rt_null_result();
+    return NULL;
+}
 
 /* The compiled-autograd flag as seen by gj_backward/gj_grad (reads
  * GRADJIT_COMPILED_AUTOGRAD once). */

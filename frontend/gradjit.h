@@ -13,8 +13,10 @@
  * Functions taking tensors borrow them unless they say "stolen".
  *
  * Errors: a function that fails returns NULL (tensors) or a non-zero status
- * (int) and sets a thread-local message, gj_last_error(), naming the op, the
- * shapes and the dtypes involved. No public function aborts on bad input.
+ * (int), or the sentinel its comment names (NaN, -1, false), and sets a
+ * thread-local message, gj_last_error(), naming the op, the shapes and the
+ * dtypes involved. No public function aborts on bad input. See "errors"
+ * below for when the message is meaningful.
  */
 #ifndef GRADJIT_H
 #define GRADJIT_H
@@ -54,10 +56,33 @@ typedef struct gj_state_dict gj_state_dict; /* named tensors: checkpoints */
 
 /* ---------------------------------------------------------------- errors */
 
-/* The message of the last failed call on this thread ("" if none).
- * Borrowed: a thread-local buffer overwritten by the next error; copy it
- * to keep it. */
+/* The message of the last failed call on this thread ("" if none yet, or
+ * since gj_clear_error). It is meaningful right after a call that reported
+ * failure (its NULL, non-zero status or other sentinel). Like errno, a
+ * call that succeeds neither sets nor clears it, so after a success it may
+ * still hold an older failure's message. The exceptions: gj_backward,
+ * gj_backward_ex, gj_backward_multi, gj_grad and gj_batches_next empty it
+ * when they succeed, and gj_custom_op_call empties it before it calls your
+ * forward function (which may leave a message of its own). For a result
+ * that cannot show failure by itself (gj_tensor_item of a tensor that may
+ * hold NaN, gj_tensor_dtype), call gj_clear_error() first and test
+ * gj_last_error()[0] after. Borrowed: a thread-local buffer overwritten by
+ * the next error; copy it to keep it.
+ *
+ * A NULL tensor argument fails with "<op>: <arg> is NULL", followed by
+ * "(caused by: <message>)" only when that NULL comes from a failed call:
+ * when the last call on this thread that handed out tensors (returned one,
+ * or filled out[] as gj_grad, gj_checkpoint, gj_batches_next and
+ * gj_custom_op_call do) failed, and no error was set since. In
+ * gj_gelu(gj_matmul(a, b)) the cause is matmul's message, however long the
+ * chain (the innermost cause is kept). No cause is cited for a NULL you
+ * pass yourself, after a call that failed with a status (gj_state_dict_add
+ * returning -1), or when calls have made tensors since the failure, which
+ * includes a sibling argument: in gj_add(f(), g()) C may evaluate g() after
+ * a failed f(). gj_tensor_grad and gj_state_dict_get/_tensor returning NULL
+ * without an error count as calls that handed out a tensor. */
 GJ_API const char *gj_last_error(void);
+/* Empties gj_last_error() (and forgets the cause above). */
 GJ_API void gj_clear_error(void);
 
 /* ------------------------------------------------------- library / info */
@@ -118,10 +143,23 @@ GJ_API gj_tensor *gj_retain(gj_tensor *t);
 GJ_API void gj_scope_push(void);
 GJ_API void gj_scope_pop(void);
 GJ_API gj_tensor *gj_scope_keep(gj_tensor *t);
+/* Scopes open on the calling thread (0 outside any). A push without its
+ * pop keeps every tensor made after it alive: when one thread's depth
+ * reaches 10000, deeper than real programs nest, gradjit prints a warning
+ * once on stderr; GRADJIT_LOG=leaks reports what is left at exit. */
+GJ_API int gj_scope_depth(void);
+/* Tensors alive in the process (headers not yet freed: yours, the scopes',
+ * and those gradjit holds, such as .grad, saved tensors of graphs not yet
+ * run backward, optimizer state). With gj_mem_stats' live_bytes and
+ * gj_scope_depth, a leak check: take both before a step and compare after. */
+GJ_API int64_t gj_live_tensors(void);
 
 /* Accessors (borrowed views of metadata; never fail on a valid tensor).
  * The shape and strides arrays are borrowed: they live in t and are valid
- * while t lives (do not free them). */
+ * while t lives (do not free them). On a NULL or released tensor each sets
+ * an error naming itself and returns: ndim and numel -1, shape and strides
+ * NULL, is_contiguous false, dtype GJ_F32 (indistinguishable from a real
+ * f32: gj_clear_error() first and test gj_last_error() to tell). */
 GJ_API gj_dtype gj_tensor_dtype(const gj_tensor *t);
 GJ_API int gj_tensor_ndim(const gj_tensor *t);
 GJ_API const int64_t *gj_tensor_shape(const gj_tensor *t);
@@ -152,9 +190,11 @@ GJ_API int64_t gj_tensor_version(const gj_tensor *t);
 /* ------------------------------------------------------------ autograd */
 
 GJ_API int gj_set_requires_grad(gj_tensor *t, bool requires_grad); /* leaves only */
+/* false, with an error set, for a NULL or released t. */
 GJ_API bool gj_requires_grad(const gj_tensor *t);
 GJ_API bool gj_is_leaf(const gj_tensor *t);
-/* The accumulated .grad of t, or NULL if none yet. Borrowed: the .grad
+/* The accumulated .grad of t, or NULL if none yet (no error: that is no
+ * failure; a NULL or released t is, with an error). Borrowed: the .grad
  * slot holds the reference; do not gj_release it (refused, see
  * gj_release). It stays valid until .grad is replaced or cleared
  * (gj_tensor_set_grad, gj_optim_zero_grad) or t dies; gj_retain it to
@@ -793,9 +833,15 @@ typedef gj_ckpt_policy (*gj_ckpt_policy_fn)(const char *op_name, int position,
  * (parameters), exactly as without checkpointing. Dropout inside a region
  * draws the same mask when recomputed. fn runs inside its own scope
  * (gj_scope_push): its temporaries are freed when gj_checkpoint returns.
- * out[k] receive new references; 1 <= n_out <= 2. Regions do not nest (a
- * gj_checkpoint inside fn fails with an error). Under no-grad fn simply
- * runs. Returns 0, or -1 with gj_last_error() set and out[] all NULL. */
+ * out[k] receive new references, 1 <= n_out <= 2, each a tensor header of
+ * its own (never one of in[] or another out[q], even when fn stored the
+ * same tensor there), owned as any op's result: by the innermost scope
+ * open when gj_checkpoint returns -- the caller's, since fn's scope is
+ * closed by then -- else by the caller, who releases them. With grad mode
+ * on they carry the region's node; under no-grad fn simply runs and out[k]
+ * shares the storage of what fn stored. Regions do not nest (a
+ * gj_checkpoint inside fn fails with an error). Returns 0, or -1 with
+ * gj_last_error() set and out[] all NULL. */
 GJ_API int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data);
 

@@ -78,7 +78,7 @@ fail:
 gj_tensor *gj_linear_forward(gj_linear_layer *l, gj_tensor *x) {
     if (!l || !l->weight) {
         gj_rt_set_error("gj_linear_forward: layer is NULL or not initialised");
-        return NULL;
+        return gj_fe_fail();
     }
     return gj_linear(x, l->weight, l->bias);
 }
@@ -120,7 +120,7 @@ int gj_layer_norm_init(gj_layer_norm_layer *l, int64_t features, double eps, gj_
 gj_tensor *gj_layer_norm_forward(gj_layer_norm_layer *l, gj_tensor *x) {
     if (!l || !l->weight) {
         gj_rt_set_error("gj_layer_norm_forward: layer is NULL or not initialised");
-        return NULL;
+        return gj_fe_fail();
     }
     return gj_layer_norm(x, l->weight, l->bias, l->eps);
 }
@@ -157,7 +157,7 @@ int gj_embedding_init(gj_embedding_layer *l, int64_t num, int64_t dim, gj_dtype 
 gj_tensor *gj_embedding_forward(gj_embedding_layer *l, gj_tensor *idx) {
     if (!l || !l->weight) {
         gj_rt_set_error("gj_embedding_forward: layer is NULL or not initialised");
-        return NULL;
+        return gj_fe_fail();
     }
     return gj_embedding(l->weight, idx);
 }

@@ -54,7 +54,7 @@ static gj_tensor *fe_apply1(const char *name, const gj_ag_opdef *op, const gj_ag
         if (r == 0)
             gj_rt_set_error("op produced no output");
         fe_prefix_error(name);
-        return NULL;
+        return gj_fe_fail();
     }
     for (int k = 1; k < r; k++)
         gj_rt_tensor_release(outs[k]);
@@ -150,7 +150,7 @@ static gj_tensor *fe_binary(const char *op, const gj_ag_opdef *def, gj_tensor *a
     int64_t shape[GJ_MAX_DIMS];
     if (!fe_check_float(a, op, "a") || !fe_check_float(b, op, "b") ||
         !fe_same_dtype(a, b, op, "a", "b") || !fe_broadcast(a, b, op, &nd, shape))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs at = {0};
     gj_tensor *in[2] = {a, b};
     return fe_apply1(op, def, &at, 2, in);
@@ -164,7 +164,7 @@ gj_tensor *gj_div(gj_tensor *a, gj_tensor *b) { return fe_binary("gj_div", &gj_a
 /* A float unary op with optional scalar attribute c (f[0]). */
 static gj_tensor *fe_unary(const char *op, const gj_ag_opdef *def, gj_tensor *x, double c) {
     if (!fe_check_float(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     a.f[0] = c;
     a.nf = 1;
@@ -227,12 +227,12 @@ static gj_tensor *fe_sum(const char *op, gj_tensor *x, int n_axes, const int *ax
     uint32_t mask;
     int64_t n;
     if (!fe_check(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     /* gj_sum also counts i64 values (no gradient); gj_mean needs a float */
     if ((mean || x->dtype != GJ_I64) && !fe_check_float(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     if (!fe_axes_mask(op, x, n_axes, axes, &mask, &n))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     a.i[0] = mask;
     a.i[1] = keepdim;
@@ -253,12 +253,12 @@ gj_tensor *gj_max(gj_tensor *x, int axis, bool keepdim) {
     const char *op = "gj_max";
     int ax;
     if (!fe_check_float(x, op, "x") || !fe_axis(axis, x->ndim, op, x, &ax))
-        return NULL;
+        return gj_fe_fail();
     if (x->shape[ax] == 0) {
         char s[160];
         gj_rt_set_error("%s: cannot take the max over axis %d of size 0 (shape %s)", op, axis,
                         gj_rt_fmt_shape(s, sizeof s, x->ndim, x->shape));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     a.i[0] = ax;
@@ -274,20 +274,20 @@ gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b) {
     char sa[160], sb[160];
     if (!fe_check_float(a, op, "a") || !fe_check_float(b, op, "b") ||
         !fe_same_dtype(a, b, op, "a", "b"))
-        return NULL;
+        return gj_fe_fail();
     if (a->ndim < 2 || b->ndim < 2) {
         gj_rt_fmt_shape(sa, sizeof sa, a->ndim, a->shape);
         gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: both operands need ndim >= 2, got a %s and b %s (%s)", op, sa, sb,
                         gj_rt_dtype_name(a->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     if (a->shape[a->ndim - 1] != b->shape[b->ndim - 2]) {
         gj_rt_fmt_shape(sa, sizeof sa, a->ndim, a->shape);
         gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: inner dimensions differ: a %s, b %s (%s)", op, sa, sb,
                         gj_rt_dtype_name(a->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     int nd;
     int64_t bs[GJ_MAX_DIMS];
@@ -296,7 +296,7 @@ gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b) {
         gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
         gj_rt_set_error("%s: batch dimensions of a %s and b %s cannot be broadcast (%s)", op,
                         sa, sb, gj_rt_dtype_name(a->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs at = {0};
     at.ni = 2; /* ta = tb = 0 */
@@ -309,9 +309,9 @@ gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b) {
     char sx[160], sw[160], sb[160] = "none";
     if (!fe_check_float(x, op, "x") || !fe_check_float(w, op, "w") ||
         !fe_same_dtype(x, w, op, "x", "w"))
-        return NULL;
+        return gj_fe_fail();
     if (b && (!fe_check_float(b, op, "b") || !fe_same_dtype(x, b, op, "x", "b")))
-        return NULL;
+        return gj_fe_fail();
     if (x->ndim < 1 || w->ndim != 2 || x->shape[x->ndim - 1] != w->shape[1] ||
         (b && (b->ndim != 1 || b->shape[0] != w->shape[0]))) {
         gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
@@ -321,7 +321,7 @@ gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b) {
         gj_rt_set_error("%s: expected x [..., in], w [out, in], b [out]; got x %s, w %s, b %s "
                         "(%s)",
                         op, sx, sw, sb, gj_rt_dtype_name(x->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     a.i[0] = b != NULL;
@@ -336,17 +336,17 @@ static gj_tensor *fe_permute(const char *op, gj_tensor *x, const int *perm) {
     int nd = x->ndim;
     if (nd > 0 && !perm) {
         gj_rt_set_error("%s: perm is NULL", op);
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     uint32_t seen = 0;
     for (int k = 0; k < nd; k++) {
         int ax;
         if (!fe_axis(perm[k], nd, op, x, &ax))
-            return NULL;
+            return gj_fe_fail();
         if (seen & (1u << ax)) {
             gj_rt_set_error("%s: perm is not a permutation (axis %d repeated)", op, perm[k]);
-            return NULL;
+            return gj_fe_fail();
         }
         seen |= 1u << ax;
         a.i[k] = ax;
@@ -357,7 +357,7 @@ static gj_tensor *fe_permute(const char *op, gj_tensor *x, const int *perm) {
 
 gj_tensor *gj_permute(gj_tensor *x, const int *perm) {
     if (!fe_check(x, "gj_permute", "x"))
-        return NULL;
+        return gj_fe_fail();
     return fe_permute("gj_permute", x, perm);
 }
 
@@ -366,7 +366,7 @@ gj_tensor *gj_transpose(gj_tensor *x, int dim0, int dim1) {
     int d0, d1;
     if (!fe_check(x, op, "x") || !fe_axis(dim0, x->ndim, op, x, &d0) ||
         !fe_axis(dim1, x->ndim, op, x, &d1))
-        return NULL;
+        return gj_fe_fail();
     int perm[GJ_MAX_DIMS];
     for (int k = 0; k < x->ndim; k++)
         perm[k] = k;
@@ -425,7 +425,7 @@ gj_tensor *gj_reshape(gj_tensor *x, int ndim, const int64_t *shape) {
     const char *op = "gj_reshape";
     int64_t s[GJ_MAX_DIMS];
     if (!fe_check(x, op, "x") || !fe_resolve_shape(op, x, ndim, shape, s))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     fe_attrs_shape(&a, ndim, s);
     return fe_apply1(op, &gj_ag_op_reshape, &a, 1, &x);
@@ -463,7 +463,7 @@ gj_tensor *gj_view(gj_tensor *x, int ndim, const int64_t *shape) {
     const char *op = "gj_view";
     int64_t s[GJ_MAX_DIMS];
     if (!fe_check(x, op, "x") || !fe_resolve_shape(op, x, ndim, shape, s))
-        return NULL;
+        return gj_fe_fail();
     if (!fe_viewable(x, ndim, s)) {
         char sx[160], st[160], ss[160];
         gj_rt_set_error("%s: a tensor of shape %s and strides %s (%s) cannot be viewed as %s "
@@ -471,7 +471,7 @@ gj_tensor *gj_view(gj_tensor *x, int ndim, const int64_t *shape) {
                         op, gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape),
                         gj_rt_fmt_shape(ss, sizeof ss, x->ndim, x->strides),
                         gj_rt_dtype_name(x->dtype), gj_rt_fmt_shape(st, sizeof st, ndim, s));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     fe_attrs_shape(&a, ndim, s);
@@ -481,12 +481,12 @@ gj_tensor *gj_view(gj_tensor *x, int ndim, const int64_t *shape) {
 gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape) {
     const char *op = "gj_expand";
     if (!fe_check(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     char sx[160], st[160];
     if (ndim < x->ndim || ndim > GJ_MAX_DIMS || (ndim > 0 && !shape)) {
         gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape);
         gj_rt_set_error("%s: cannot expand a tensor of shape %s to %d dims", op, sx, ndim);
-        return NULL;
+        return gj_fe_fail();
     }
     int off = ndim - x->ndim;
     int64_t s[GJ_MAX_DIMS];
@@ -500,12 +500,12 @@ gj_tensor *gj_expand(gj_tensor *x, int ndim, const int64_t *shape) {
             gj_rt_fmt_shape(st, sizeof st, ndim, shape);
             gj_rt_set_error("%s: cannot expand a tensor of shape %s (%s) to %s (dim %d)", op, sx,
                             gj_rt_dtype_name(x->dtype), st, k);
-            return NULL;
+            return gj_fe_fail();
         }
         s[k] = want;
     }
     if (!gj_rt_check_shape(ndim, s, x->dtype, op))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     fe_attrs_shape(&a, ndim, s);
     return fe_apply1(op, &gj_ag_op_expand, &a, 1, &x);
@@ -515,7 +515,7 @@ gj_tensor *gj_narrow(gj_tensor *x, int axis, int64_t start, int64_t length) {
     const char *op = "gj_narrow";
     int ax;
     if (!fe_check(x, op, "x") || !fe_axis(axis, x->ndim, op, x, &ax))
-        return NULL;
+        return gj_fe_fail();
     int64_t dim = x->shape[ax];
     if (start < 0)
         start += dim;
@@ -525,7 +525,7 @@ gj_tensor *gj_narrow(gj_tensor *x, int axis, int64_t start, int64_t length) {
                         "%s)",
                         op, (long long)start, (long long)start, (long long)length, axis,
                         (long long)dim, gj_rt_fmt_shape(s, sizeof s, x->ndim, x->shape));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     a.i[0] = ax;
@@ -550,7 +550,7 @@ static gj_tensor *fe_cat_raw(int n, gj_tensor *const *xs, int axis) {
     gj_tensor **parts = gj_rt_calloc((size_t)ng, sizeof *parts);
     gj_tensor *res = NULL;
     if (!parts)
-        return NULL;
+        return gj_fe_fail();
     for (int g = 0; g < ng; g++) {
         int lo = g * GJ_RT_MAX_INPUTS, cnt = n - lo < GJ_RT_MAX_INPUTS ? n - lo : GJ_RT_MAX_INPUTS;
         if (!(parts[g] = fe_cat_raw(cnt, xs + lo, axis)))
@@ -570,16 +570,16 @@ gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis) {
     if (n < 1 || !xs) {
         gj_rt_set_error("%s: need at least one tensor (n = %d, xs %s)", op, n,
                         xs ? "given" : "NULL");
-        return NULL;
+        return gj_fe_fail();
     }
     for (int k = 0; k < n; k++) {
         char arg[32]; /* "xs[2] is NULL (caused by: ...)": the cause is kept */
         snprintf(arg, sizeof arg, "xs[%d]", k);
-        if (!fe_check(xs[k], op, arg)) return NULL;
+        if (!fe_check(xs[k], op, arg)) return gj_fe_fail();
     }
     int ax;
     if (!fe_axis(axis, xs[0]->ndim, op, xs[0], &ax))
-        return NULL;
+        return gj_fe_fail();
     for (int k = 1; k < n; k++) {
         bool ok = xs[k]->dtype == xs[0]->dtype && xs[k]->ndim == xs[0]->ndim;
         for (int d = 0; ok && d < xs[0]->ndim; d++)
@@ -591,13 +591,13 @@ gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis) {
                             gj_rt_fmt_shape(sk, sizeof sk, xs[k]->ndim, xs[k]->shape),
                             gj_rt_dtype_name(xs[0]->dtype),
                             gj_rt_fmt_shape(s0, sizeof s0, xs[0]->ndim, xs[0]->shape), axis);
-            return NULL;
+            return gj_fe_fail();
         }
     }
     gj_tensor *r = fe_cat_raw(n, xs, ax);
     if (!r) {
         fe_prefix_error(op);
-        return NULL;
+        return gj_fe_fail();
     }
     return gj_fe_own(r);
 }
@@ -607,7 +607,7 @@ gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis) {
 gj_tensor *gj_contiguous(gj_tensor *x) {
     const char *op = "gj_contiguous";
     if (!fe_check(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     if (gj_rt_is_contiguous(x))
         return fe_alias(op, x);
     gj_ag_attrs a = {0};
@@ -620,14 +620,14 @@ static gj_tensor *fe_softmax_like(const char *op, const gj_ag_opdef *def, gj_ten
                                   int axis) {
     int ax;
     if (!fe_check_float(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     if (x->ndim < 1) {
         gj_rt_set_error("%s: needs a tensor with ndim >= 1, got a 0-d %s tensor", op,
                         gj_rt_dtype_name(x->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     if (!fe_axis(axis, x->ndim, op, x, &ax))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     a.i[0] = ax;
     a.ni = 1;
@@ -644,15 +644,15 @@ gj_tensor *gj_log_softmax(gj_tensor *x, int axis) {
 gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps) {
     const char *op = "gj_layer_norm";
     if (!fe_check_float(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     if (x->ndim < 1) {
         gj_rt_set_error("%s: needs a tensor with ndim >= 1, got a 0-d %s tensor", op,
                         gj_rt_dtype_name(x->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     if (!(eps >= 0.0) || isinf(eps)) {
         gj_rt_set_error("%s: eps must be finite and >= 0, got %g", op, eps);
-        return NULL;
+        return gj_fe_fail();
     }
     int64_t c = x->shape[x->ndim - 1];
     gj_tensor *in[3] = {x, NULL, NULL};
@@ -664,14 +664,14 @@ gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps) {
         if (!p)
             continue;
         if (!fe_check_float(p, op, names[k]) || !fe_same_dtype(x, p, op, "x", names[k]))
-            return NULL;
+            return gj_fe_fail();
         if (p->ndim != 1 || p->shape[0] != c) {
             char sx[160], sp[160];
             gj_rt_set_error("%s: %s must have shape [%lld] (the last dim of x %s), got %s", op,
                             names[k], (long long)c,
                             gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape),
                             gj_rt_fmt_shape(sp, sizeof sp, p->ndim, p->shape));
-            return NULL;
+            return gj_fe_fail();
         }
         in[n++] = p;
     }
@@ -717,7 +717,7 @@ static bool fe_check_indices(const char *op, const char *arg, const gj_tensor *i
 gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
     const char *op = "gj_cross_entropy";
     if (!fe_check_float(logits, op, "logits") || !fe_check(labels, op, "labels"))
-        return NULL;
+        return gj_fe_fail();
     char sl[160], sy[160];
     if (logits->ndim != 2 || labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
         logits->shape[0] < 1 || logits->shape[1] < 1) {
@@ -727,10 +727,10 @@ gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
                         "%s %s, labels %s %s",
                         op, sl, gj_rt_dtype_name(logits->dtype), sy,
                         gj_rt_dtype_name(labels->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     if (!fe_check_indices(op, "labels", labels, logits->shape[1]))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     gj_tensor *in[2] = {logits, labels};
     return fe_apply1(op, &gj_ag_op_cross_entropy, &a, 2, in);
@@ -739,16 +739,16 @@ gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
 gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx) {
     const char *op = "gj_embedding";
     if (!fe_check_float(table, op, "table") || !fe_check(idx, op, "idx"))
-        return NULL;
+        return gj_fe_fail();
     if (table->ndim != 2 || idx->ndim + 1 > GJ_MAX_DIMS) {
         char st[160], si[160];
         gj_rt_set_error("%s: expected table [V, D] and idx with ndim < %d; got table %s, idx %s",
                         op, GJ_MAX_DIMS, gj_rt_fmt_shape(st, sizeof st, table->ndim, table->shape),
                         gj_rt_fmt_shape(si, sizeof si, idx->ndim, idx->shape));
-        return NULL;
+        return gj_fe_fail();
     }
     if (!fe_check_indices(op, "idx", idx, table->shape[0]))
-        return NULL;
+        return gj_fe_fail();
     gj_ag_attrs a = {0};
     gj_tensor *in[2] = {table, idx};
     return fe_apply1(op, &gj_ag_op_embedding, &a, 2, in);
@@ -760,10 +760,10 @@ gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx) {
 gj_tensor *gj_dropout(gj_tensor *x, double p, bool train) {
     const char *op = "gj_dropout";
     if (!fe_check_float(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     if (!(p >= 0.0 && p <= 1.0)) {
         gj_rt_set_error("%s: p must be in [0, 1], got %g", op, p);
-        return NULL;
+        return gj_fe_fail();
     }
     if (!train || p == 0.0)
         return fe_alias(op, x);
@@ -785,13 +785,13 @@ gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b) {
     if (!fe_check(cond, op, "cond") || !fe_check_float(a, op, "a") ||
         !fe_check_float(b, op, "b") || !fe_same_dtype(a, b, op, "a", "b") ||
         !fe_broadcast(a, b, op, &nd, s))
-        return NULL;
+        return gj_fe_fail();
     if (!gj_rt_broadcast_shape(cond->ndim, cond->shape, nd, s, &nd2, s2)) {
         char sc[160], sab[160];
         gj_rt_set_error("%s: cond %s (%s) cannot be broadcast with the shape %s of a and b", op,
                         gj_rt_fmt_shape(sc, sizeof sc, cond->ndim, cond->shape),
                         gj_rt_dtype_name(cond->dtype), gj_rt_fmt_shape(sab, sizeof sab, nd, s));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs at = {0};
     gj_tensor *in[3] = {cond, a, b};
@@ -801,7 +801,7 @@ gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b) {
 gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value) {
     const char *op = "gj_masked_fill";
     if (!fe_check_float(x, op, "x") || !fe_check(mask, op, "mask"))
-        return NULL;
+        return gj_fe_fail();
     if (!fe_broadcasts_to(mask, x->ndim, x->shape)) {
         char sx[160], sm[160];
         gj_rt_set_error("%s: mask %s (%s) does not broadcast to x %s (%s)", op,
@@ -809,7 +809,7 @@ gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value) {
                         gj_rt_dtype_name(mask->dtype),
                         gj_rt_fmt_shape(sx, sizeof sx, x->ndim, x->shape),
                         gj_rt_dtype_name(x->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     a.f[0] = value;
@@ -821,10 +821,10 @@ gj_tensor *gj_masked_fill(gj_tensor *x, gj_tensor *mask, double value) {
 gj_tensor *gj_cast(gj_tensor *x, gj_dtype dtype) {
     const char *op = "gj_cast";
     if (!fe_check(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     if (!gj_rt_dtype_valid((int)dtype)) {
         gj_rt_set_error("%s: invalid target dtype %d", op, (int)dtype);
-        return NULL;
+        return gj_fe_fail();
     }
     gj_ag_attrs a = {0};
     a.i[0] = dtype;
@@ -992,7 +992,7 @@ static gj_tensor *fe_win_error(const char *op, const char *what, const gj_tensor
         gj_rt_fmt_shape(sw, sizeof sw, w->ndim, w->shape);
     gj_rt_set_error("%s: %s (x %s %s%s%s%s%s, %s)", op, what, sx, gj_rt_dtype_name(x->dtype),
                     w ? ", w " : "", sw, w ? " " : "", w ? gj_rt_dtype_name(w->dtype) : "", geo);
-    return NULL;
+    return gj_fe_fail();
 }
 
 /* Output positions of a window along one axis (<= 0: none). */
@@ -1008,7 +1008,7 @@ gj_tensor *gj_conv2d(gj_tensor *x, gj_tensor *w, gj_tensor *b, int64_t stride, i
     const char *op = "gj_conv2d";
     if (!fe_check_float(x, op, "x") || !fe_check_float(w, op, "w") ||
         !fe_same_dtype(x, w, op, "x", "w"))
-        return NULL;
+        return gj_fe_fail();
     char geo[200];
     snprintf(geo, sizeof geo, "stride %lld, padding %lld, dilation %lld, groups %lld",
              (long long)stride, (long long)padding, (long long)dilation, (long long)groups);
@@ -1035,7 +1035,7 @@ gj_tensor *gj_conv2d(gj_tensor *x, gj_tensor *w, gj_tensor *b, int64_t stride, i
                             x, w, geo);
     if (b) {
         if (!fe_check_float(b, op, "b") || !fe_same_dtype(x, b, op, "x", "b"))
-            return NULL;
+            return gj_fe_fail();
         if (b->ndim != 1 || b->shape[0] != OC) {
             char sb[160], msg[256];
             snprintf(msg, sizeof msg, "b must have shape [%lld] (OC), got %s", (long long)OC,
@@ -1055,7 +1055,7 @@ gj_tensor *gj_conv2d(gj_tensor *x, gj_tensor *w, gj_tensor *b, int64_t stride, i
 static gj_tensor *fe_pool(const char *op, const gj_ag_opdef *def, gj_tensor *x, int64_t kernel,
                           int64_t stride, int64_t padding) {
     if (!fe_check_float(x, op, "x"))
-        return NULL;
+        return gj_fe_fail();
     char geo[160];
     snprintf(geo, sizeof geo, "kernel %lld, stride %lld, padding %lld", (long long)kernel,
              (long long)stride, (long long)padding);

@@ -156,8 +156,12 @@ OPT_DEFINE_RANGE(opt_range_f64, double, opt_load_d, opt_store_d, sqrt)
 /* ------------------------------------------------------ construction */
 
 static gj_optim *opt_new(const char *op, opt_kind kind, int n, gj_tensor *const *params) {
-    if (n <= 0 || !params) {
+    if (n <= 0) {
         gj_rt_set_error("%s: need a non-empty parameter list (n_params = %d)", op, n);
+        return NULL;
+    }
+    if (!params) {
+        gj_rt_set_error("%s: params is NULL (n_params = %d)", op, n);
         return NULL;
     }
     for (int k = 0; k < n; k++) {
@@ -488,15 +492,20 @@ int gj_optim_load_state_dict(gj_optim *o, const gj_state_dict *sd, const char *p
     if (!opt_key(key, sizeof key, op, prefix, -1, "kind"))
         goto done;
     const char *fk = gj_state_dict_get_metadata(sd, key);
-    if (!fk || strcmp(fk, kind) != 0)
-        gj_fe_msg_add(m, "\"%s\" is \"%.40s\", this optimizer is \"%s\"", key,
-                      fk ? fk : "(absent)", kind);
+    if (!fk)
+        gj_fe_msg_add(m, "missing metadata \"%s\" (this optimizer is \"%s\")", key, kind);
+    else if (strcmp(fk, kind) != 0)
+        gj_fe_msg_add(m, "\"%s\" is \"%.40s\", this optimizer is \"%s\"", key, fk, kind);
     uint64_t np = 0;
     if (!opt_key(key, sizeof key, op, prefix, -1, "n_params"))
         goto done;
-    if (gj_fe_meta_u64(sd, key, &np) != 0 || np != (uint64_t)o->n)
-        gj_fe_msg_add(m, "\"%s\" is \"%.40s\", this optimizer has %d parameters", key,
-                      gj_state_dict_get_metadata(sd, key) ?: "(absent)", o->n);
+    const char *fn = gj_state_dict_get_metadata(sd, key);
+    if (!fn)
+        gj_fe_msg_add(m, "missing metadata \"%s\" (this optimizer has %d parameters)", key,
+                      o->n);
+    else if (gj_fe_meta_u64(sd, key, &np) != 0 || np != (uint64_t)o->n)
+        gj_fe_msg_add(m, "\"%s\" is \"%.40s\", this optimizer has %d parameters", key, fn,
+                      o->n);
     opt_hyper h[6];
     double hv[6];
     int nh = opt_hypers(o, h);
@@ -507,9 +516,11 @@ int gj_optim_load_state_dict(gj_optim *o, const gj_state_dict *sd, const char *p
         char *end = NULL;
         hv[i] = v ? strtod(v, &end) : NAN;
         bool beta = !strncmp(h[i].name, "beta", 4);
-        if (!v || !v[0] || *end || !isfinite(hv[i]) || hv[i] < 0 || (beta && hv[i] >= 1))
-            gj_fe_msg_add(m, "\"%s\" is \"%.40s\", not a finite number in [0, %s)", key,
-                          v ? v : "(absent)", beta ? "1" : "inf");
+        if (!v)
+            gj_fe_msg_add(m, "missing metadata \"%s\"", key);
+        else if (!v[0] || *end || !isfinite(hv[i]) || hv[i] < 0 || (beta && hv[i] >= 1))
+            gj_fe_msg_add(m, "\"%s\" is \"%.40s\", not a finite number in [0, %s)", key, v,
+                          beta ? "1" : "inf");
     }
     /* Per-parameter state: shapes and dtypes against the parameters. */
     for (int k = 0; k < o->n; k++) {

@@ -198,11 +198,15 @@ const char *gj_state_dict_name(const gj_state_dict *sd, int i) {
     return sd && i >= 0 && i < sd->n ? sd->names[i] : NULL;
 }
 
+/* Both return NULL without an error for an absent entry: no failure, so
+ * that NULL, passed on, cites no earlier one (gj_rt_tensor_result). */
 gj_tensor *gj_state_dict_tensor(const gj_state_dict *sd, int i) {
+    gj_rt_tensor_result();
     return sd && i >= 0 && i < sd->n ? sd->tensors[i] : NULL;
 }
 
 gj_tensor *gj_state_dict_get(const gj_state_dict *sd, const char *name) {
+    gj_rt_tensor_result();
     if (!sd || !name)
         return NULL;
     int i = st_find(sd, name);
@@ -530,22 +534,35 @@ int gj_save_safetensors(const gj_state_dict *sd, const char *path) {
     snprintf(tmp, plen + 64, "%s.tmp-%ld-%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
     int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) {
-        gj_rt_set_error("%s: cannot create %s: %s", op, tmp, strerror(errno));
+        /* name the user's path (the temporary name is ours); a missing
+         * directory is the usual cause, so name it too */
+        int e = errno;
+        const char *slash = strrchr(path, '/');
+        int dlen = slash ? (slash == path ? 1 : (int)(slash - path)) : 1;
+        if (e == ENOENT)
+            gj_rt_set_error("%s: cannot write %s: the directory %.*s does not exist", op, path,
+                            dlen, slash ? path : ".");
+        else
+            gj_rt_set_error("%s: cannot write %s: %s (creating a temporary file in its "
+                            "directory)", op, path, strerror(e));
         gj_rt_free(tmp);
         return -1;
     }
     st_filesink f = {fd, path};
     int rc = st_write(op, sd, st_fd_write, &f, NULL);
     if (rc == 0 && fsync(fd) != 0) {
-        gj_rt_set_error("%s: fsync %s: %s", op, tmp, strerror(errno));
+        gj_rt_set_error("%s: cannot write %s: fsync of the temporary file %s: %s", op, path, tmp,
+                        strerror(errno));
         rc = -1;
     }
     if (close(fd) != 0 && rc == 0) {
-        gj_rt_set_error("%s: close %s: %s", op, tmp, strerror(errno));
+        gj_rt_set_error("%s: cannot write %s: close of the temporary file %s: %s", op, path, tmp,
+                        strerror(errno));
         rc = -1;
     }
     if (rc == 0 && rename(tmp, path) != 0) {
-        gj_rt_set_error("%s: rename %s to %s: %s", op, tmp, path, strerror(errno));
+        gj_rt_set_error("%s: cannot write %s: rename of the temporary file %s onto it: %s", op,
+                        path, tmp, strerror(errno));
         rc = -1;
     }
     if (rc != 0)
@@ -1053,11 +1070,20 @@ int gj_rng_load_state_dict(const gj_state_dict *sd, const char *prefix) {
     snprintf(ks, sizeof ks, "%.200s.seed", prefix);
     snprintf(kc, sizeof kc, "%.200s.counter", prefix);
     uint64_t seed, counter;
+    const char *vs = gj_state_dict_get_metadata(sd, ks), *vc = gj_state_dict_get_metadata(sd, kc);
+    if (!vs || !vc) {
+        char what[600];
+        if (!vs && !vc)
+            snprintf(what, sizeof what, "\"%s\" and \"%s\"", ks, kc);
+        else
+            snprintf(what, sizeof what, "\"%s\"", vs ? kc : ks);
+        gj_rt_set_error("%s: missing metadata %s (gj_rng_state_dict_add stores both)", op, what);
+        return -1;
+    }
     if (gj_fe_meta_u64(sd, ks, &seed) != 0 || gj_fe_meta_u64(sd, kc, &counter) != 0) {
         gj_rt_set_error("%s: metadata \"%s\" and \"%s\" must both be decimal unsigned 64-bit "
                         "integers (got \"%.40s\" and \"%.40s\")",
-                        op, ks, kc, gj_state_dict_get_metadata(sd, ks) ?: "(absent)",
-                        gj_state_dict_get_metadata(sd, kc) ?: "(absent)");
+                        op, ks, kc, vs, vc);
         return -1;
     }
     gj_rng_set_state(seed, counter);

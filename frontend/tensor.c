@@ -8,6 +8,14 @@
  * t->scope_slot == its index in the scope's array). gj_release and
  * gj_scope_keep unregister a tensor (the slot becomes NULL) before it can
  * die, so a scope never drops a reference it no longer holds.
+ * g_open_scopes counts the scopes open on every thread (pushes past the
+ * fixed stack included); a thread that exits pops its own first.
+ *
+ * Forgotten scopes: a push without its pop keeps every tensor made after
+ * it alive. gj_scope_depth and gj_live_tensors show it through the API, a
+ * one-time stderr warning fires when a thread's depth reaches
+ * GJ_FE_SCOPE_WARN_DEPTH, and GRADJIT_LOG=leaks prints what is still alive
+ * and open at exit (fe_leaks_at_exit).
  */
 #include "fe.h"
 #include "../jit/jit.h"
@@ -16,6 +24,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* -------------------------------------------------------------- scopes */
@@ -30,8 +39,14 @@ typedef struct fe_scope {
  * Pushes deeper than GJ_FE_MAX_SCOPES are counted in g_overflow and share
  * the innermost real scope (an error is set). */
 #define GJ_FE_MAX_SCOPES 256
+/* A thread's depth (real and overflow scopes) at which a forgotten
+ * gj_scope_pop is reported once per process on stderr: deeper than any
+ * real program nests (a step is one scope; recursion adds a few). */
+#define GJ_FE_SCOPE_WARN_DEPTH 10000
 static _Thread_local fe_scope g_scopes[GJ_FE_MAX_SCOPES];
 static _Thread_local int g_depth, g_overflow;
+static _Thread_local bool g_thread_registered; /* scopes_thread_exit will run */
+static atomic_llong g_open_scopes;             /* every thread's g_depth + g_overflow */
 static pthread_key_t g_scope_key;
 static pthread_once_t g_scope_once = PTHREAD_ONCE_INIT;
 
@@ -47,21 +62,44 @@ static void scopes_thread_exit(void *unused) {
     }
 }
 
-static void scope_key_init(void) { pthread_key_create(&g_scope_key, scopes_thread_exit); }
+/* GRADJIT_LOG=leaks: one line at exit, what is still alive and open. */
+static void fe_leaks_at_exit(void) {
+    gj_mem m;
+    gj_mem_stats(&m);
+    long long n = (long long)gj_live_tensors(), open = (long long)atomic_load(&g_open_scopes);
+    fprintf(stderr, "[gradjit leaks] at exit: %lld tensor%s alive (%lld bytes of tensor storage), "
+                    "%lld scope%s open (%d on the exiting thread)%s\n",
+            n, n == 1 ? "" : "s", (long long)m.live_bytes, open, open == 1 ? "" : "s",
+            g_depth + g_overflow,
+            n || open ? ": release what you own and pop every scope you push" : "");
+}
+
+/* Once per process, at the first scope or tensor: the thread-exit key, and
+ * the leak report if GRADJIT_LOG asks for it (this reads GRADJIT_LOG). */
+static void scope_key_init(void) {
+    pthread_key_create(&g_scope_key, scopes_thread_exit);
+    if (gj_jit_log_leaks()) atexit(fe_leaks_at_exit);
+}
+
+/* Arranges scopes_thread_exit for this thread (once per thread). */
+static void scope_thread_register(void) {
+    pthread_once(&g_scope_once, scope_key_init);
+    pthread_setspecific(g_scope_key, g_scopes);
+    g_thread_registered = true;
+}
 
 gj_tensor *gj_fe_own(gj_tensor *t) {
-    if (!t || g_depth == 0) return t;
+    if (!t) return gj_fe_fail();
+    gj_rt_tensor_result();
+    if (!g_thread_registered) scope_thread_register();
+    if (g_depth == 0) return t;
     fe_scope *s = &g_scopes[g_depth - 1];
     if (s->n == s->cap) {
         int64_t cap = s->cap ? s->cap * 2 : 64;
         gj_tensor **items = gj_rt_realloc(s->items, (size_t)cap * sizeof *items);
         if (!items) { /* cannot register: do not leak it, fail the call */
             gj_rt_tensor_release(t);
-            return NULL;
-        }
-        if (!s->items) { /* first array of this thread: arrange its freeing */
-            pthread_once(&g_scope_once, scope_key_init);
-            pthread_setspecific(g_scope_key, g_scopes);
+            return gj_fe_fail();
         }
         s->items = items;
         s->cap = cap;
@@ -81,6 +119,17 @@ static void scope_unregister(gj_tensor *t) {
 }
 
 void gj_scope_push(void) {
+    if (!g_thread_registered) scope_thread_register();
+    atomic_fetch_add(&g_open_scopes, 1);
+    if (g_depth + g_overflow + 1 == GJ_FE_SCOPE_WARN_DEPTH) {
+        static atomic_bool warned;
+        if (!atomic_exchange(&warned, true))
+            fprintf(stderr, "gradjit: %d scopes are open on one thread: a gj_scope_push without "
+                            "its gj_scope_pop? Every tensor made since stays alive until its "
+                            "scope pops (gj_scope_depth, gj_live_tensors; GRADJIT_LOG=leaks "
+                            "reports at exit). Printed once.\n",
+                    GJ_FE_SCOPE_WARN_DEPTH);
+    }
     if (g_depth == GJ_FE_MAX_SCOPES) {
         g_overflow++;
         gj_rt_set_error("gj_scope_push: more than %d nested scopes; the inner ones share "
@@ -91,15 +140,19 @@ void gj_scope_push(void) {
     g_depth++;
 }
 
+int gj_scope_depth(void) { return g_depth + g_overflow; }
+
 void gj_scope_pop(void) {
     if (g_overflow > 0) {
         g_overflow--;
+        atomic_fetch_sub(&g_open_scopes, 1);
         return;
     }
     if (g_depth == 0) {
         gj_rt_set_error("gj_scope_pop: no scope is open");
         return;
     }
+    atomic_fetch_sub(&g_open_scopes, 1);
     fe_scope *s = &g_scopes[g_depth - 1];
     for (int64_t i = s->n - 1; i >= 0; i--) {
         gj_tensor *t = s->items[i];
@@ -142,8 +195,9 @@ void gj_fe_use_scopes(void) {
 }
 
 gj_tensor *gj_scope_keep(gj_tensor *t) {
-    if (!gj_rt_check_tensor(t, "gj_scope_keep", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_scope_keep", "t")) return gj_fe_fail();
     scope_unregister(t);
+    gj_rt_tensor_result();
     return t;
 }
 
@@ -171,8 +225,9 @@ void gj_release(gj_tensor *t) {
 }
 
 gj_tensor *gj_retain(gj_tensor *t) {
-    if (!gj_rt_check_tensor(t, "gj_retain", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_retain", "t")) return gj_fe_fail();
     gj_rt_tensor_retain(t);
+    gj_rt_tensor_result();
     return t;
 }
 
@@ -181,24 +236,24 @@ gj_tensor *gj_retain(gj_tensor *t) {
 static gj_tensor *new_checked(gj_dtype dt, int ndim, const int64_t *shape, const char *op) {
     if (!gj_rt_dtype_valid((int)dt)) {
         gj_rt_set_error("%s: invalid dtype %d", op, (int)dt);
-        return NULL;
+        return gj_fe_fail();
     }
     if (ndim > 0 && !shape) {
         gj_rt_set_error("%s: shape is NULL for ndim %d", op, ndim);
-        return NULL;
+        return gj_fe_fail();
     }
-    if (!gj_rt_check_shape(ndim, shape, dt, op)) return NULL;
+    if (!gj_rt_check_shape(ndim, shape, dt, op)) return gj_fe_fail();
     return gj_rt_tensor_new(dt, ndim, shape);
 }
 
 gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const void *data) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_from_data");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (t->numel > 0) {
         if (!data) {
             gj_rt_set_error("gj_from_data: data is NULL for %lld elements", (long long)t->numel);
             gj_rt_tensor_release(t);
-            return NULL;
+            return gj_fe_fail();
         }
         memcpy(t->storage->data, data, (size_t)t->numel * gj_rt_dtype_size(dtype));
     }
@@ -218,7 +273,7 @@ static void set_elem(gj_tensor *t, int64_t i, double v) {
 
 gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_full");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (value != 0.0)
         for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, value);
     return gj_fe_own(t);
@@ -231,14 +286,14 @@ gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape) {
 
 gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_ones");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, 1.0);
     return gj_fe_own(t);
 }
 
 gj_tensor *gj_scalar(gj_dtype dtype, double value) {
     gj_tensor *t = new_checked(dtype, 0, NULL, "gj_scalar");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     set_elem(t, 0, value);
     return gj_fe_own(t);
 }
@@ -246,16 +301,16 @@ gj_tensor *gj_scalar(gj_dtype dtype, double value) {
 
 gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_randn");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (!gj_rt_dtype_is_float(dtype)) {
         gj_rt_set_error("gj_randn: dtype %s is not a float dtype", gj_rt_dtype_name(dtype));
         gj_rt_tensor_release(t);
-        return NULL;
+        return gj_fe_fail();
     }
     if (!isfinite(std) || std < 0.0) { /* as torch.normal: std >= 0, and a number */
         gj_rt_set_error("gj_randn: std must be a finite number >= 0, got %g", std);
         gj_rt_tensor_release(t);
-        return NULL;
+        return gj_fe_fail();
     }
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
@@ -265,13 +320,13 @@ gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) 
 
 gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, double hi) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_rand");
-    if (!t) return NULL;
+    if (!t) return gj_fe_fail();
     if (!gj_rt_dtype_is_float(dtype) || !isfinite(lo) || !isfinite(hi) || !(hi >= lo)) {
         gj_rt_set_error("gj_rand: needs a float dtype and finite bounds lo <= hi (got %s, "
                         "[%g, %g))",
                         gj_rt_dtype_name(dtype), lo, hi);
         gj_rt_tensor_release(t);
-        return NULL;
+        return gj_fe_fail();
     }
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
@@ -281,12 +336,27 @@ gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, do
 
 /* ----------------------------------------------------------- accessors */
 
-gj_dtype gj_tensor_dtype(const gj_tensor *t) { return t ? t->dtype : GJ_F32; }
-int gj_tensor_ndim(const gj_tensor *t) { return t ? t->ndim : -1; }
-const int64_t *gj_tensor_shape(const gj_tensor *t) { return t ? t->shape : NULL; }
-const int64_t *gj_tensor_strides(const gj_tensor *t) { return t ? t->strides : NULL; }
-int64_t gj_tensor_numel(const gj_tensor *t) { return t ? t->numel : -1; }
-bool gj_tensor_is_contiguous(const gj_tensor *t) { return t && gj_rt_is_contiguous(t); }
+/* On a NULL or dead tensor each accessor sets an error naming itself
+ * (with the cause of the NULL, gj_rt_check_tensor) and returns its
+ * documented sentinel. */
+gj_dtype gj_tensor_dtype(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_dtype", "t") ? t->dtype : GJ_F32;
+}
+int gj_tensor_ndim(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_ndim", "t") ? t->ndim : -1;
+}
+const int64_t *gj_tensor_shape(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_shape", "t") ? t->shape : NULL;
+}
+const int64_t *gj_tensor_strides(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_strides", "t") ? t->strides : NULL;
+}
+int64_t gj_tensor_numel(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_numel", "t") ? t->numel : -1;
+}
+bool gj_tensor_is_contiguous(const gj_tensor *t) {
+    return gj_rt_check_tensor(t, "gj_tensor_is_contiguous", "t") && gj_rt_is_contiguous(t);
+}
 
 void *gj_tensor_data(gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_tensor_data", "t")) return NULL;
@@ -391,20 +461,21 @@ int gj_set_requires_grad(gj_tensor *t, bool requires_grad) {
 }
 
 bool gj_requires_grad(const gj_tensor *t) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return false;
+    if (!gj_rt_check_tensor(t, "gj_requires_grad", "t")) return false;
     gj_ag_tensor_meta *m = t->ag;
     return m && m->requires_grad;
 }
 
 bool gj_is_leaf(const gj_tensor *t) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return false;
+    if (!gj_rt_check_tensor(t, "gj_is_leaf", "t")) return false;
     gj_ag_tensor_meta *m = t->ag;
     return !(m && m->node);
 }
 
 gj_tensor *gj_tensor_grad(const gj_tensor *t) {
-    if (!t || t->magic != GJ_RT_TENSOR_MAGIC) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_tensor_grad", "t")) return gj_fe_fail();
     gj_ag_tensor_meta *m = t->ag;
+    gj_rt_tensor_result(); /* no .grad yet is a NULL that no failure explains */
     return m ? m->grad : NULL;
 }
 
@@ -430,7 +501,7 @@ int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g) {
 }
 
 gj_tensor *gj_detach(gj_tensor *t) {
-    if (!gj_rt_check_tensor(t, "gj_detach", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_detach", "t")) return gj_fe_fail();
     return gj_fe_own(gj_rt_tensor_alias(t));
 }
 
@@ -591,7 +662,7 @@ int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, i
     }
     gj_ag_backward_exit();
     if (brc != 0) goto done;
-    if (handled) gj_clear_error(); /* no stale message of the compiled path (gj_backward_ex) */
+    gj_clear_error(); /* a good gj_grad leaves no message, however it ran (gj_backward_ex) */
     rc = 0;
     for (int i = 0; i < n_inputs; i++) {
         gj_tensor *g = gt[i]; /* a reference kept for us */
@@ -636,5 +707,6 @@ done:
     gj_rt_free(sv);
     gj_rt_free(gv);
     gj_rt_free(gt);
+    if (rc != 0) gj_rt_null_result(); /* grads_out[] are NULL: passed on, they cite it */
     return rc;
 }

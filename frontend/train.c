@@ -97,20 +97,20 @@ static int64_t argmax_run(const double *v, int64_t n, int64_t s) {
 
 gj_tensor *gj_argmax(gj_tensor *x, int axis, bool keepdim) {
     const char *op = "gj_argmax";
-    if (!gj_rt_check_tensor(x, op, "x")) return NULL;
+    if (!gj_rt_check_tensor(x, op, "x")) return gj_fe_fail();
     int nd = x->ndim;
     if (nd == 0 || axis < -nd || axis >= nd) {
         gj_rt_set_error("%s: axis %d out of range for a %d-d tensor", op, axis, nd);
-        return NULL;
+        return gj_fe_fail();
     }
     if (!gj_rt_dtype_is_float(x->dtype)) {
         gj_rt_set_error("%s: x is %s, not a float dtype", op, gj_rt_dtype_name(x->dtype));
-        return NULL;
+        return gj_fe_fail();
     }
     if (axis < 0) axis += nd;
     if (x->shape[axis] == 0) {
         gj_rt_set_error("%s: axis %d of x has size 0", op, axis);
-        return NULL;
+        return gj_fe_fail();
     }
     int64_t outer = 1, len = x->shape[axis], inner = 1;
     for (int d = 0; d < axis; d++) outer *= x->shape[d];

@@ -340,7 +340,8 @@ unsigned gj_jit_log_flags(void) {
         {"steps", "one line per compiled backward and per step of it", GJ_JIT_LOG_STEPS},
         {"recompiles", "why a call site compiles again: the first difference from its "
                        "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
-        {"all", "all of the above", 0xffu},
+        {"leaks", "at exit: tensors still alive, their bytes, scopes still open", GJ_JIT_LOG_LEAKS},
+        {"all", "all of the above", 0x1ffu},
     };
     static atomic_bool reported;
     bool report = !atomic_exchange(&reported, true); /* one parse prints */
@@ -363,8 +364,8 @@ unsigned gj_jit_log_flags(void) {
             }
         if (!known && report)
             fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
-                            "graph, ir, plan, cache, fallback, prof, steps, recompiles, all, "
-                            "help)\n",
+                            "graph, ir, plan, cache, fallback, prof, steps, recompiles, leaks, "
+                            "all, help)\n",
                     (int)n, e);
         e += n;
         e += strspn(e, ", ");
@@ -373,6 +374,8 @@ unsigned gj_jit_log_flags(void) {
     if (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_CACHE)) gj_jit_log_summary_at_exit();
     return fl;
 }
+
+bool gj_jit_log_leaks(void) { return (gj_jit_log_flags() & GJ_JIT_LOG_LEAKS) != 0; }
 
 int gj_jit_parse_bytes(const char *s, int64_t *out) {
     if (!s || !*s) return -1;

@@ -188,6 +188,7 @@ enum {
     GJ_JIT_LOG_PROF = 32, /* time of every step of every compiled run */
     GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
     GJ_JIT_LOG_STEPS = 128, /* one line per backward and per step of every compiled run */
+    GJ_JIT_LOG_LEAKS = 256, /* at exit: live tensors and open scopes (frontend/tensor.c) */
 };
 /* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
 unsigned gj_jit_log_flags(void);

@@ -28,6 +28,10 @@ int gj_jit_grad(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds, i
                 gj_tensor *const *inputs, gj_tensor **grads_out, bool retain_graph,
                 bool *handled);
 
+/* GRADJIT_LOG has the word "leaks" (parsed once with the others, ir.c):
+ * frontend/tensor.c then reports live tensors and open scopes at exit. */
+bool gj_jit_log_leaks(void);
+
 /* Counters of gj_ca_stats (frontend/ adds `backwards`). */
 void gj_jit_stats(gj_ca_stats *out);
 /* The info of the program the calling thread's last compiled backward ran;

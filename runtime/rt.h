@@ -29,6 +29,16 @@
 
 /* Set the thread-local message of gj_last_error() (printf format). */
 void gj_rt_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The cause a NULL tensor argument cites (error.c explains the rule):
+ * gj_rt_null_result: a public call is handing its caller NULL tensors
+ * because of the current error (call it after the last gj_rt_set_error
+ * of that failure); gj_rt_tensor_result: a public call handed out a
+ * tensor (or a NULL that is no failure), so no earlier failure explains
+ * a later NULL; gj_rt_null_cause: the message of the failure that the
+ * NULL argument seen now comes from, or NULL if there is none. */
+void gj_rt_null_result(void);
+void gj_rt_tensor_result(void);
+const char *gj_rt_null_cause(void);
 /* Formats "[d0, d1, ...]" into buf (always NUL-terminated). Returns buf. */
 char *gj_rt_fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape);
 const char *gj_rt_dtype_name(gj_dtype dt);

@@ -25,6 +25,7 @@
 #include <string.h>
 
 static void (*g_ag_free)(gj_tensor *t);
+static atomic_llong g_live_tensors; /* headers made by gj_rt_header_new, not yet freed */
 
 /* ------------------------------------------------------------- dtypes */
 
@@ -61,11 +62,13 @@ bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
         /* A NULL here is usually the result of an earlier failed call in a
          * chain such as gj_cross_entropy(gj_linear(gj_gelu(gj_linear(x, ..)))):
          * carry the innermost cause forward however deep the chain is. The
-         * message before this one is either "<op>: <arg> is NULL (caused by:
-         * <cause>)", whose cause is the innermost one already, or itself the
-         * first failure (possibly a NULL the caller passed). */
-        const char *prev = gj_last_error();
-        if (prev[0]) {
+         * cause (error.c) is either "<op>: <arg> is NULL (caused by:
+         * <cause>)", whose cause is the innermost one already, or itself
+         * the first failure. Without one (the NULL was passed as such, or
+         * calls have succeeded since the last failure) the message says
+         * only that the argument is NULL. */
+        const char *prev = gj_rt_null_cause();
+        if (prev) {
             char cause[768];
             const char *c = strstr(prev, " (caused by: ");
             if (c) {
@@ -77,6 +80,7 @@ bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
                 snprintf(cause, sizeof cause, "%s", prev);
             }
             gj_rt_set_error("%s: %s is NULL (caused by: %s)", op, arg, cause);
+            gj_rt_null_result(); /* still that NULL's cause, for its next use */
         } else {
             gj_rt_set_error("%s: %s is NULL", op, arg);
         }
@@ -213,6 +217,7 @@ static gj_tensor *gj_rt_header_new(gj_rt_storage *s, gj_dtype dt, int ndim, cons
     t->storage = s;
     t->scope_slot = -1;
     gj_rt_storage_retain(s);
+    atomic_fetch_add(&g_live_tensors, 1);
     return t;
 }
 
@@ -305,7 +310,10 @@ void gj_rt_tensor_release(gj_tensor *t) {
     t->magic = GJ_RT_TENSOR_DEAD;
     gj_rt_free(t->name);
     gj_rt_free(t);
+    atomic_fetch_sub(&g_live_tensors, 1);
 }
+
+int64_t gj_live_tensors(void) { return atomic_load(&g_live_tensors); }
 
 const char *gj_rt_tensor_label(const gj_tensor *t, char *buf, size_t cap) {
     if (!t || !t->name || cap == 0) return "";

@@ -20,7 +20,10 @@
 
 static int g_fail;
 
-static void expect_null_impl(gj_tensor *r, const char *op, const char *expr, int line) {
+/* For a call that returns a tensor (tensor true), the NULL it returned,
+ * passed on, must cite its message as the cause (gradjit.h, "errors"). */
+static void expect_null_impl(gj_tensor *r, const char *op, const char *expr, int line,
+                             bool tensor) {
     if (r) {
         fprintf(stderr, "line %d: %s: expected NULL, got a tensor\n", line, expr);
         g_fail++;
@@ -30,6 +33,22 @@ static void expect_null_impl(gj_tensor *r, const char *op, const char *expr, int
     if (gj_last_error()[0] == '\0' || !gjt_error_has(op)) {
         fprintf(stderr, "line %d: %s: error '%s' does not name '%s'\n", line, expr,
                 gj_last_error(), op);
+        g_fail++;
+        return;
+    }
+    if (!tensor) return;
+    char msg[1024], want[1200];
+    snprintf(msg, sizeof msg, "%s", gj_last_error());
+    const char *inner = strstr(msg, " (caused by: "); /* a cause of its own is kept */
+    if (inner) {
+        inner += strlen(" (caused by: ");
+        msg[strlen(msg) - 1] = '\0'; /* its closing parenthesis */
+    }
+    snprintf(want, sizeof want, "gj_neg: x is NULL (caused by: %s)", inner ? inner : msg);
+    gj_tensor *n = gj_neg(r);
+    if (n || strcmp(gj_last_error(), want) != 0) {
+        fprintf(stderr, "line %d: %s: the NULL passed on says '%s', not '%s'\n", line, expr,
+                gj_last_error(), want);
         g_fail++;
     }
 }
@@ -51,7 +70,7 @@ static void expect_fail_impl(int rc, const char *op, const char *expr, int line)
 #define EXPECT_NULL(op, ...)                                                    \
     do {                                                                        \
         gj_clear_error();                                                       \
-        expect_null_impl((__VA_ARGS__), op, #__VA_ARGS__, __LINE__);            \
+        expect_null_impl((__VA_ARGS__), op, #__VA_ARGS__, __LINE__, true);      \
     } while (0)
 #define EXPECT_FAIL(op, ...)                                                    \
     do {                                                                        \
@@ -66,7 +85,7 @@ static void expect_null_optim_impl(gj_optim *o, const char *op, const char *expr
         gj_optim_free(o);
         return;
     }
-    expect_null_impl(NULL, op, expr, line);
+    expect_null_impl(NULL, op, expr, line, false);
 }
 #define EXPECT_NULL_OPTIM(op, ...)                                              \
     do {                                                                        \
@@ -464,6 +483,160 @@ static void test_error_state(void **s) {
     END();
 }
 
+/* The cause a NULL argument cites comes only from the failure that made
+ * that NULL (gradjit.h, "errors"): not from a failed call that returned a
+ * status, not from a failure followed by calls that made tensors, not
+ * after gj_clear_error; a chain keeps its innermost cause, also through
+ * gj_retain(NULL), out[] of gj_grad and a second use of the same NULL. */
+static bool has_cause(void) { return gjt_error_has("caused by"); }
+
+static void test_error_cause(void **s) {
+    BEGIN();
+    gj_tensor *a = z32(SHP(2, 3)), *b = z32(SHP(4, 5));
+    /* the reported case: a status failure is no cause */
+    gj_state_dict *sd = gj_state_dict_new();
+    assert_non_null(sd);
+    assert_int_not_equal(gj_state_dict_add(sd, NULL, a), 0);
+    assert_true(isnan(gj_tensor_item(NULL)));
+    assert_string_equal(gj_last_error(), "gj_tensor_item: t is NULL");
+    /* a failure followed by a successful op is no cause either */
+    assert_null(gj_matmul(a, b));
+    assert_non_null(gj_add(a, a));
+    assert_null(gj_exp(NULL));
+    assert_string_equal(gj_last_error(), "gj_exp: x is NULL");
+    /* nor after gj_clear_error */
+    assert_null(gj_matmul(a, b));
+    gj_clear_error();
+    assert_null(gj_exp(NULL));
+    assert_false(has_cause());
+    /* a chain keeps the innermost cause, through gj_retain and keep */
+    assert_null(gj_sum(gj_relu(gj_retain(gj_scope_keep(gj_gelu(gj_matmul(a, b))))), 0, NULL,
+                       false));
+    assert_true(gjt_error_has("gj_sum: x is NULL (caused by: gj_matmul: inner dimensions"));
+    const char *c1 = strstr(gj_last_error(), "caused by");
+    assert_null(strstr(c1 + 1, "caused by")); /* the innermost cause once, not nested */
+    /* the same NULL used twice (a status failure that cites it, then
+     * another use) cites it both times */
+    gj_tensor *loss = gj_cross_entropy(a, b); /* labels of the wrong dtype */
+    assert_null(loss);
+    assert_int_not_equal(gj_backward(loss, NULL), 0);
+    assert_true(gjt_error_has("gj_backward: root is NULL (caused by: gj_cross_entropy"));
+    assert_true(isnan(gj_tensor_item(loss)));
+    assert_true(gjt_error_has("gj_tensor_item: t is NULL (caused by: gj_cross_entropy"));
+    /* out[] of a failed gj_grad is a NULL with a cause */
+    gj_tensor *g = a;
+    assert_int_not_equal(gj_grad(1, &a, NULL, 1, &a, &g, false, false), 0);
+    assert_null(g);
+    assert_null(gj_neg(g));
+    assert_true(gjt_error_has("gj_neg: x is NULL (caused by: gj_grad"));
+    /* a missing .grad or state dict entry is no failure: no stale cause */
+    gj_tensor *w = z32(SHP(3));
+    assert_int_equal(gj_set_requires_grad(w, true), 0);
+    assert_null(gj_matmul(a, b));
+    assert_null(gj_mul(gj_tensor_grad(w), w));
+    assert_string_equal(gj_last_error(), "gj_mul: a is NULL");
+    assert_null(gj_matmul(a, b));
+    assert_null(gj_neg(gj_state_dict_get(sd, "absent")));
+    assert_string_equal(gj_last_error(), "gj_neg: x is NULL");
+    gj_state_dict_free(sd);
+    END();
+}
+
+/* gj_last_error() follows errno's rule: a successful call neither sets nor
+ * clears it (so a balanced push/pop leaves it as it was), except the
+ * backward calls, which empty it when they succeed. */
+static void test_error_after_success(void **s) {
+    BEGIN();
+    gj_tensor *a = z32(SHP(2, 3));
+    gj_clear_error();
+    gj_scope_push();
+    gj_tensor *c = gj_sum(gj_mul(gj_add(a, a), a), 0, NULL, false);
+    assert_non_null(c);
+    assert_true(gj_tensor_item(c) == 0.0);
+    assert_int_equal(gj_tensor_ndim(c), 0);
+    gj_scope_pop();
+    assert_string_equal(gj_last_error(), ""); /* successes set nothing */
+    gj_scope_pop(); /* closes BEGIN's scope */
+    gj_scope_pop(); /* one too many: fails with a message */
+    assert_true(gjt_error_has("gj_scope_pop: no scope is open"));
+    gj_scope_push(); /* BEGIN's scope again */
+    gj_scope_push();
+    gj_scope_pop();
+    assert_true(gjt_error_has("gj_scope_pop: no scope is open")); /* left as it was */
+    gj_tensor *w = gj_ones(GJ_F32, SHP(3));
+    assert_int_equal(gj_set_requires_grad(w, true), 0);
+    assert_int_equal(gj_backward(gj_sum(gj_mul(w, w), 0, NULL, false), NULL), 0);
+    assert_string_equal(gj_last_error(), ""); /* a backward that succeeds empties it */
+    END();
+}
+
+/* Accessors on a NULL or released tensor set an error naming themselves
+ * and return their sentinels (they used to return -1 or NULL silently). */
+static void test_accessor_errors(void **s) {
+    BEGIN();
+    gj_tensor dead;
+    memset(&dead, 0, sizeof dead);
+    dead.magic = GJ_RT_TENSOR_DEAD;
+    const gj_tensor *bad[2] = {NULL, &dead};
+    for (int i = 0; i < 2; i++) {
+        const gj_tensor *t = bad[i];
+        gj_clear_error();
+        assert_int_equal(gj_tensor_numel(t), -1);
+        GJT_ASSERT_ERROR("gj_tensor_numel");
+        gj_clear_error();
+        assert_int_equal(gj_tensor_ndim(t), -1);
+        GJT_ASSERT_ERROR("gj_tensor_ndim");
+        gj_clear_error();
+        assert_null(gj_tensor_shape(t));
+        GJT_ASSERT_ERROR("gj_tensor_shape");
+        gj_clear_error();
+        assert_null(gj_tensor_strides(t));
+        GJT_ASSERT_ERROR("gj_tensor_strides");
+        gj_clear_error();
+        assert_int_equal(gj_tensor_dtype(t), GJ_F32);
+        GJT_ASSERT_ERROR("gj_tensor_dtype");
+        gj_clear_error();
+        assert_false(gj_tensor_is_contiguous(t));
+        GJT_ASSERT_ERROR("gj_tensor_is_contiguous");
+        gj_clear_error();
+        assert_false(gj_requires_grad(t));
+        GJT_ASSERT_ERROR("gj_requires_grad");
+        gj_clear_error();
+        assert_false(gj_is_leaf(t));
+        GJT_ASSERT_ERROR("gj_is_leaf");
+        gj_clear_error();
+        assert_null(gj_tensor_grad(t));
+        GJT_ASSERT_ERROR("gj_tensor_grad");
+        gj_clear_error();
+        assert_null(gj_tensor_name(t));
+        GJT_ASSERT_ERROR("gj_tensor_name");
+        gj_clear_error();
+        assert_int_equal(gj_tensor_version(t), -1);
+        GJT_ASSERT_ERROR("gj_tensor_version");
+    }
+    /* on a live tensor they succeed and set nothing */
+    gj_tensor *a = z32(SHP(2, 3));
+    gj_clear_error();
+    assert_int_equal(gj_tensor_numel(a), 6);
+    assert_int_equal(gj_tensor_ndim(a), 2);
+    assert_int_equal(gj_tensor_shape(a)[1], 3);
+    assert_int_equal(gj_tensor_strides(a)[0], 3);
+    assert_int_equal(gj_tensor_dtype(a), GJ_F32);
+    assert_true(gj_tensor_is_contiguous(a));
+    assert_false(gj_requires_grad(a));
+    assert_true(gj_is_leaf(a));
+    assert_null(gj_tensor_grad(a));
+    assert_string_equal(gj_last_error(), "");
+    /* optimizers: a NULL params array is named as such */
+    EXPECT_NULL_OPTIM("params is NULL",
+                      gj_adamw_new(2, NULL, 1e-3, 0.9, 0.999, 1e-8, 0.0));
+    assert_null(strstr(gj_last_error(), "non-empty"));
+    EXPECT_NULL_OPTIM("params is NULL", gj_sgd_new(3, NULL, 0.1, 0, 0));
+    EXPECT_NULL_OPTIM("non-empty parameter list (n_params = 0)",
+                      gj_sgd_new(0, (gj_tensor *[]){a}, 0.1, 0, 0));
+    END();
+}
+
 /* More: overflow in offsets, empty reductions, overlapping in-place writes,
  * .grad of the wrong shape, layers with mismatched inputs. */
 static void test_misc(void **s) {
@@ -529,6 +702,9 @@ int main(void) {
         cmocka_unit_test(test_axis_range),
         cmocka_unit_test(test_dead_and_foreign_headers),
         cmocka_unit_test(test_error_state),
+        cmocka_unit_test(test_error_cause),
+        cmocka_unit_test(test_error_after_success),
+        cmocka_unit_test(test_accessor_errors),
         cmocka_unit_test(test_misc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

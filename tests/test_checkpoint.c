@@ -666,6 +666,50 @@ static void test_nested_and_errors(void **s) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+static int twice_fn(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    out[0] = in[0]; /* the caller's tensor itself... */
+    out[1] = in[0]; /* ...twice */
+    return 0;
+}
+
+/* Who owns out[k] (gradjit.h, gj_checkpoint): new references, each a
+ * header of its own, given to the caller's innermost scope, under no-grad
+ * as with grad. Before, under no-grad, out[k] was in[0] itself registered
+ * in the scope: the caller's own gj_release(x) then took it out of the
+ * scope, and the scope's reference leaked. */
+static void test_out_ownership(void **s) {
+    (void)s;
+    int64_t live0 = gjt_live_bytes();
+    for (int grad = 0; grad < 2; grad++) {
+        gj_tensor *x = gj_ones(GJ_F64, 1, (int64_t[]){5}); /* the caller's, unscoped */
+        assert_non_null(x);
+        if (grad) assert_int_equal(gj_set_requires_grad(x, true), 0);
+        gj_tensor *y[2] = {0};
+        gj_scope_push();
+        if (!grad) gj_no_grad_push();
+        assert_int_equal(gj_checkpoint(twice_fn, NULL, 1, &x, 2, y, NULL, NULL), 0);
+        if (!grad) gj_no_grad_pop();
+        assert_ptr_not_equal(y[0], x);
+        assert_ptr_not_equal(y[1], x);
+        assert_ptr_not_equal(y[0], y[1]);
+        assert_true(gj_tensor_item_at(y[1], 4) == 1.0);
+        gj_release(x); /* the caller's reference: y[] keep the storage alive */
+        assert_true(gj_tensor_item_at(y[0], 0) == 1.0);
+        gj_scope_pop(); /* the scope owned y[0] and y[1] */
+        assert_int_equal(gjt_live_bytes(), live0);
+    }
+    /* outside any scope the caller owns them */
+    gj_tensor *x = gj_full(GJ_F64, 1, (int64_t[]){3}, 2.0), *y[2] = {0};
+    gj_no_grad_push();
+    assert_int_equal(gj_checkpoint(twice_fn, NULL, 1, &x, 2, y, NULL, NULL), 0);
+    gj_no_grad_pop();
+    gj_release(x);
+    assert_true(gjt_live_bytes() > live0);
+    gj_release(y[0]);
+    gj_release(y[1]);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 /* Every allocation of a checkpointed forward and backward made to fail in
  * turn: each call fails cleanly or succeeds, nothing leaks, nothing
  * crashes, the thread has no region left open. */
@@ -1016,6 +1060,7 @@ int main(void) {
         cmocka_unit_test(test_dropout_compiled),
         cmocka_unit_test(test_many_stored),
         cmocka_unit_test(test_nested_and_errors),
+        cmocka_unit_test(test_out_ownership),
         cmocka_unit_test(test_alloc_failures),
         cmocka_unit_test(test_fd_mlp),
         cmocka_unit_test(test_w4_memory),

@@ -791,8 +791,8 @@ static void test_env_log(void **st) {
     assert_int_equal(count_of(err, "bogus"), 1);
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "help", &err), 0);
-    static const char *words[] = {"graph", "ir",         "plan", "cache", "fallback", "prof",
-                                  "steps", "recompiles", "all",  "help"};
+    static const char *words[] = {"graph", "ir",         "plan",  "cache", "fallback", "prof",
+                                  "steps", "recompiles", "leaks", "all",   "help"};
     for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
         if (!strstr(err, words[i])) print_error("help lacks '%s': %s\n", words[i], err);
         assert_non_null(strstr(err, words[i]));

@@ -237,8 +237,15 @@ static void test_dict_errors(void **state) {
     GJT_ASSERT_ERROR("cannot open");
     assert_null(gj_load_safetensors(tmpdir));
     GJT_ASSERT_ERROR("not a regular file");
-    assert_int_not_equal(gj_save_safetensors(sd, "/nonexistent-dir/x.safetensors"), 0);
-    GJT_ASSERT_ERROR("gj_save_safetensors");
+    /* a missing directory: the message names the path given and the
+     * directory, never the temporary file */
+    assert_int_not_equal(gj_save_safetensors(sd, "/nonexistent-dir/sub/x.safetensors"), 0);
+    assert_string_equal(gj_last_error(), "gj_save_safetensors: cannot write "
+                                         "/nonexistent-dir/sub/x.safetensors: the directory "
+                                         "/nonexistent-dir/sub does not exist");
+    assert_int_not_equal(gj_save_safetensors(sd, "/x.safetensors/y/z"), 0);
+    assert_null(strstr(gj_last_error(), ".tmp-"));
+    GJT_ASSERT_ERROR("cannot write /x.safetensors/y/z");
     assert_null(gj_load_safetensors_buffer(NULL, 5));
     GJT_ASSERT_ERROR("NULL");
     gj_release(t);
@@ -672,6 +679,14 @@ static void test_rng_state(void **state) {
         GJT_ASSERT_ERROR("gj_rng_load_state_dict");
     }
     assert_int_not_equal(gj_rng_load_state_dict(sd, "absent"), 0);
+    assert_string_equal(gj_last_error(), "gj_rng_load_state_dict: missing metadata "
+                                         "\"absent.seed\" and \"absent.counter\" "
+                                         "(gj_rng_state_dict_add stores both)");
+    gj_state_dict *half = gj_state_dict_new();
+    assert_int_equal(gj_state_dict_set_metadata(half, "h.seed", "7"), 0);
+    assert_int_not_equal(gj_rng_load_state_dict(half, "h"), 0);
+    GJT_ASSERT_ERROR("missing metadata \"h.counter\" (");
+    gj_state_dict_free(half);
     gj_rng_get_state(&seed, &counter);
     assert_true(seed == UINT64_MAX && counter == UINT64_MAX - 1);
     gj_release(a);
@@ -855,7 +870,17 @@ static void test_optim_state_errors(void **state) {
     const char *e = gj_last_error();
     assert_non_null(strstr(e, "\"o.kind\" is \"adamw\", this optimizer is \"sgd\""));
     assert_non_null(strstr(e, "unexpected \"o.0.exp_avg\""));
-    assert_non_null(strstr(e, "\"o.momentum\" is \"(absent)\""));
+    assert_non_null(strstr(e, "missing metadata \"o.momentum\""));
+    assert_null(strstr(e, "absent")); /* a missing entry is said to be missing */
+    /* An empty dict: every entry missing, each named. */
+    gj_state_dict *none = gj_state_dict_new();
+    assert_int_not_equal(gj_optim_load_state_dict(s.opt, none, "o"), 0);
+    e = gj_last_error();
+    assert_non_null(strstr(e, "missing metadata \"o.kind\" (this optimizer is \"sgd\")"));
+    assert_non_null(strstr(e, "missing metadata \"o.n_params\" (this optimizer has 6 "
+                              "parameters)"));
+    assert_non_null(strstr(e, "missing metadata \"o.lr\""));
+    gj_state_dict_free(none);
     /* Wrong shapes: a state dict from another model. */
     gj_linear_layer other;
     assert_int_equal(gj_linear_init(&other, 3, 3, true, GJ_F32), 0);

@@ -246,7 +246,129 @@ static void test_scopes_per_thread(void **s) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
-int main(void) {
+/* ------------------------------------------------ forgotten scopes */
+
+static const char *g_self;
+
+/* gj_scope_depth counts this thread's open scopes (past the fixed stack
+ * too), and only this thread's. */
+static void *depth_body(void *arg) {
+    int *out = arg;
+    out[0] = gj_scope_depth();
+    gj_scope_push();
+    gj_scope_push();
+    out[1] = gj_scope_depth();
+    gj_scope_pop();
+    gj_scope_pop();
+    return NULL;
+}
+
+static void test_scope_depth(void **s) {
+    assert_int_equal(gj_scope_depth(), 0);
+    gj_scope_push();
+    gj_scope_push();
+    assert_int_equal(gj_scope_depth(), 2);
+    int theirs[2] = {-1, -1};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, depth_body, theirs), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(theirs[0], 0);
+    assert_int_equal(theirs[1], 2);
+    assert_int_equal(gj_scope_depth(), 2);
+    for (int i = 0; i < 400; i++) gj_scope_push(); /* past the 256 of the fixed stack */
+    assert_int_equal(gj_scope_depth(), 402);
+    for (int i = 0; i < 400; i++) gj_scope_pop();
+    gj_scope_pop();
+    gj_scope_pop();
+    assert_int_equal(gj_scope_depth(), 0);
+    gj_scope_pop(); /* an error: the depth stays 0 */
+    assert_int_equal(gj_scope_depth(), 0);
+}
+
+/* gj_live_tensors counts headers: views and scoped tensors included, and
+ * each release or pop takes them off again. */
+static void test_live_tensors(void **s) {
+    int64_t n0 = gj_live_tensors();
+    assert_true(n0 >= 0);
+    gj_tensor *a = gj_ones(GJ_F32, 1, SHAPE);
+    assert_int_equal(gj_live_tensors(), n0 + 1);
+    gj_scope_push();
+    gj_tensor *v = gj_reshape(a, 2, (int64_t[]){2, N / 2}); /* a view: a header of its own */
+    assert_non_null(v);
+    assert_non_null(gj_add(a, a));
+    assert_int_equal(gj_live_tensors(), n0 + 3);
+    gj_scope_pop();
+    assert_int_equal(gj_live_tensors(), n0 + 1);
+    gj_release(a);
+    assert_int_equal(gj_live_tensors(), n0);
+}
+
+/* Child modes, run in a process of their own (stderr captured). */
+static int child(const char *mode) {
+    if (strcmp(mode, "--child-deep") == 0) { /* pushes 25,000 scopes, pops them */
+        for (int i = 0; i < 25000; i++) gj_scope_push();
+        int d = gj_scope_depth();
+        for (int i = 0; i < 25000; i++) gj_scope_pop();
+        return d == 25000 && gj_scope_depth() == 0 ? 0 : 1;
+    }
+    if (strcmp(mode, "--child-leak") == 0) { /* leaves two tensors and one scope */
+        gj_tensor *mine = gj_ones(GJ_F32, 1, SHAPE); /* never released */
+        gj_scope_push();
+        gj_tensor *t = gj_zeros(GJ_F64, 1, (int64_t[]){3}); /* its scope is never popped */
+        return mine && t ? 0 : 1;
+    }
+    if (strcmp(mode, "--child-clean") == 0) { /* releases and pops everything */
+        gj_scope_push();
+        gj_tensor *t = gj_ones(GJ_F32, 1, SHAPE);
+        gj_tensor *u = gj_scope_keep(gj_add(t, t));
+        gj_scope_pop();
+        gj_release(u);
+        return 0;
+    }
+    return 2;
+}
+
+/* 100,000 pushes without a pop used to grow silently: now one warning on
+ * stderr when a thread's depth reaches 10,000, and only one. */
+static void test_deep_warning(void **s) {
+    char *err = NULL;
+    assert_int_equal(gjt_run_self(g_self, "--child-deep", NULL, NULL, &err), 0);
+    const char *w = strstr(err, "gradjit: 10000 scopes are open on one thread");
+    if (!w) print_error("stderr: %s\n", err);
+    assert_non_null(w);
+    assert_null(strstr(w + strlen("gradjit: 10000 scopes"), "scopes are open")); /* once */
+    assert_non_null(strstr(err, "gj_scope_pop"));
+    free(err);
+}
+
+/* GRADJIT_LOG=leaks: one line at exit with the tensors alive, their bytes
+ * and the scopes open; a clean program says zero. */
+static void test_leak_report(void **s) {
+    /* the leaking child's leaks are the point: LeakSanitizer must not fail it */
+    const char *env[] = {"GRADJIT_LOG=leaks", "ASAN_OPTIONS=detect_leaks=0", NULL};
+    char *err = NULL;
+    assert_int_equal(gjt_run_self(g_self, "--child-leak", env, NULL, &err), 0);
+    char want[256];
+    snprintf(want, sizeof want,
+             "[gradjit leaks] at exit: 2 tensors alive (%lld bytes of tensor storage), 1 scope "
+             "open (1 on the exiting thread): release what you own and pop every scope you push\n",
+             (long long)(BYTES + 3 * 8));
+    assert_string_equal(err, want);
+    free(err);
+    assert_int_equal(gjt_run_self(g_self, "--child-clean", env, NULL, &err), 0);
+    assert_string_equal(err, "[gradjit leaks] at exit: 0 tensors alive (0 bytes of tensor "
+                             "storage), 0 scopes open (0 on the exiting thread)\n");
+    free(err);
+    /* without the word: nothing */
+    const char *quiet[] = {"GRADJIT_LOG", "ASAN_OPTIONS=detect_leaks=0", NULL};
+    assert_int_equal(gjt_run_self(g_self, "--child-leak", quiet, NULL, &err), 0);
+    assert_string_equal(err, "");
+    free(err);
+}
+
+int main(int argc, char **argv) {
+    g_self = argv[0];
+    if (argc > 1) return child(argv[1]);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_scope_releases_temporaries),
         cmocka_unit_test(test_scope_keep),
@@ -260,6 +382,10 @@ int main(void) {
         cmocka_unit_test(test_unbalanced_pop),
         cmocka_unit_test(test_deep_nesting),
         cmocka_unit_test(test_scopes_per_thread),
+        cmocka_unit_test(test_scope_depth),
+        cmocka_unit_test(test_live_tensors),
+        cmocka_unit_test(test_deep_warning),
+        cmocka_unit_test(test_leak_report),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
