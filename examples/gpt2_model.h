@@ -250,11 +250,11 @@ static gj_tensor *gpt2_heads(const gpt2 *m, gj_tensor *qkv, int idx, int64_t B, 
 static gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
     static const int perm[4] = {0, 2, 1, 3};
     const int64_t *ts = gj_tensor_shape(tokens);
-    int64_t B = ts[0], T = ts[1], C = m->cfg.channels, NH = m->cfg.num_heads;
-    if (gj_tensor_ndim(tokens) != 2 || !m->mask || T != m->mask_T) {
+    if (gj_tensor_ndim(tokens) != 2 || !m->mask || ts[1] != m->mask_T) {
         fprintf(stderr, "gpt2: tokens must be (B, T) with T the length of gpt2_set_seq_len\n");
         return NULL;
     }
+    int64_t B = ts[0], T = ts[1], C = m->cfg.channels, NH = m->cfg.num_heads;
     int64_t cs[3] = {B, T, C};
     double scale = 1.0 / sqrt((double)(C / NH));
     gj_tensor *pos = gj_narrow(m->leaf[1], 0, 0, T);                 /* (T, C) */
@@ -294,8 +294,8 @@ static gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
  * tensor of the model's dtype; scope-owned new reference), or NULL. */
 static gj_tensor *gpt2_loss(void *ctx, int n_in, gj_tensor *const *in) {
     gpt2 *m = ctx;
-    if (n_in != 2) {
-        fprintf(stderr, "gpt2_loss: takes tokens and targets\n");
+    if (n_in != 2 || gj_tensor_ndim(in[0]) != 2) {
+        fprintf(stderr, "gpt2_loss: takes tokens and targets, (B, T) each\n");
         return NULL;
     }
     const int64_t *ts = gj_tensor_shape(in[0]);
