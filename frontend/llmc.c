@@ -494,7 +494,7 @@ int gj_llmc_save_model(const char *path, const gj_llmc_config *cfg, gj_tensor *c
 /* -------------------------------------------------------- token files */
 
 /* Opens a token file and checks its header and length: the descriptor
- * (*n: the token count, *size: bytes), or -1 (error set). */
+ * (*n receives the token count), or -1 (error set). */
 static int llmc_tokens_open(const char *op, const char *path, int64_t *n) {
     int64_t size = 0;
     int32_t h[LLMC_HEADER_INTS];
