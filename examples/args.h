@@ -35,6 +35,7 @@ typedef enum arg_kind {
     ARG_FILE,   /* const char *, "-" means none (NULL) */
     ARG_STR,    /* const char *, as given (the program checks it) */
     ARG_STRS,   /* repeatable: const char *dst[max], *count of them */
+    ARG_STR2,   /* two values (--opt A B): const char *dst[2], as given */
 } arg_kind;
 
 typedef struct arg_spec {
@@ -57,6 +58,7 @@ static inline const char *args_value_name(arg_kind k) {
     case ARG_DOUBLE: return "X";
     case ARG_FILE: case ARG_STRS: return "FILE";
     case ARG_STR: return "S";
+    case ARG_STR2: return "A B";
     default: return "";
     }
 }
@@ -75,6 +77,11 @@ static inline void args_default(const arg_spec *s, char *buf, size_t cap) {
         break;
     }
     case ARG_STRS: snprintf(buf, cap, "%s", *s->count ? "given" : "none"); break;
+    case ARG_STR2: {
+        const char *const *v = s->dst;
+        snprintf(buf, cap, "%s", v[0] ? "given" : "none");
+        break;
+    }
     case ARG_STR: {
         const char *v = *(const char **)s->dst;
         snprintf(buf, cap, "%s", v ? v : "none");
@@ -168,6 +175,17 @@ static inline int args_parse(const char *prog, const char *summary, int argc, ch
         }
         case ARG_FILE: *(const char **)s->dst = strcmp(v, "-") ? v : NULL; break;
         case ARG_STR: *(const char **)s->dst = v; break;
+        case ARG_STR2:
+            /* the second value is the next word (getopt_long has already
+             * moved past the first) */
+            if (optind >= argc) {
+                fprintf(stderr, "%s: --%s takes two values\n", prog, s->name);
+                ok = false;
+            } else {
+                ((const char **)s->dst)[0] = v;
+                ((const char **)s->dst)[1] = argv[optind++];
+            }
+            break;
         case ARG_STRS:
             if (*s->count >= s->max) {
                 fprintf(stderr, "%s: --%s at most %d times\n", prog, s->name, s->max);

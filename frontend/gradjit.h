@@ -535,6 +535,108 @@ GJ_API void gj_batches_reset(gj_batches *it);
 GJ_API int64_t gj_batches_len(const gj_batches *it); /* batches per epoch */
 GJ_API void gj_batches_free(gj_batches *it);
 
+/* ------------------------------------------- llm.c's files (GPT-2) */
+/* The files of karpathy/llm.c's CPU trainer (train_gpt2.c), read and
+ * written byte for byte as llm.c does, so a trainer can start from
+ * gpt2_124M.bin, the token files of dev/data/ and gpt2_tokenizer.bin, and
+ * llm.c can continue from a checkpoint written here. Each begins with 256
+ * little-endian int32 (magic, version, ...). Readers check the magic, the
+ * version, every size (positive, no overflow) and that the file's length is
+ * exactly what the header announces before allocating anything; a bad file
+ * is an error naming the function, the file and the field (never a crash).
+ * Writers go through a temporary file renamed over the path. */
+
+/* A model checkpoint's hyperparameters (header words 2..7). */
+typedef struct gj_llmc_config {
+    int max_seq_len;       /* maxT: rows of wpe (1024 for GPT-2) */
+    int vocab_size;        /* V: real tokens (50257) */
+    int num_layers;        /* L (12 for 124M) */
+    int num_heads;         /* NH, dividing channels (12) */
+    int channels;          /* C (768) */
+    int padded_vocab_size; /* Vp >= V: rows of wte (50304) */
+} gj_llmc_config;
+
+/* The 16 parameter tensors, in llm.c's (and the file's) order:
+ *   0 wte [Vp, C]    1 wpe [maxT, C]   2 ln1w [L, C]       3 ln1b [L, C]
+ *   4 qkvw [L, 3C, C] 5 qkvb [L, 3C]   6 attprojw [L, C, C] 7 attprojb [L, C]
+ *   8 ln2w [L, C]    9 ln2b [L, C]    10 fcw [L, 4C, C]   11 fcb [L, 4C]
+ *  12 fcprojw [L, C, 4C] 13 fcprojb [L, C] 14 lnfw [C]   15 lnfb [C]
+ * (weights [out, in], as gj_linear takes them). */
+#define GJ_LLMC_N_PARAMS 16
+/* "wte" ... "lnfb" (static), or NULL if i is out of range. */
+GJ_API const char *gj_llmc_param_name(int i);
+/* Shape of parameter i under cfg into shape[0..3); returns its ndim, or -1
+ * with an error (NULL argument, i out of range). */
+GJ_API int gj_llmc_param_shape(const gj_llmc_config *cfg, int i, int64_t *shape);
+/* 0 if cfg is a valid configuration (every field positive, Vp >= V, C a
+ * multiple of NH, sizes without int64 overflow), else -1 with an error
+ * naming the field. */
+GJ_API int gj_llmc_config_check(const gj_llmc_config *cfg);
+/* Total parameter count (124475904 for GPT-2 124M), or -1 with an error. */
+GJ_API int64_t gj_llmc_num_parameters(const gj_llmc_config *cfg);
+/* Reads a checkpoint (magic 20240326, version 3: f32 parameters): *cfg
+ * and params[0..16) (new references, in dtype GJ_F32 or GJ_F64, not
+ * requiring grad). 0, or -1 with an error and params[] all NULL. */
+GJ_API int gj_llmc_load_model(const char *path, gj_dtype dtype, gj_llmc_config *cfg,
+                              gj_tensor **params);
+/* Writes a version 3 checkpoint from params[0..16) (borrowed; f32 or f64,
+ * each of its shape under cfg; f64 values are rounded to f32). 0 or -1. */
+GJ_API int gj_llmc_save_model(const char *path, const gj_llmc_config *cfg,
+                              gj_tensor *const *params);
+
+/* Token files (magic 20240520, version 1: a count n, then n uint16 tokens).
+ * The whole file as a new i64 tensor [n]; vocab_size > 0: every token must
+ * be below it (else an error naming the file and the token's position). */
+GJ_API gj_tensor *gj_llmc_load_tokens(const char *path, int64_t vocab_size);
+/* Writes tokens[0..n), 1 <= n <= INT32_MAX. 0 or -1. */
+GJ_API int gj_llmc_save_tokens(const char *path, const uint16_t *tokens, int64_t n);
+
+/* Batches of a token file as llm.c's DataLoader serves them (one process,
+ * one file): an epoch has (n - 1) / (B T) batches; batch k holds tokens
+ * [k B T, (k+1) B T] (inputs the first B T as [B, T], targets the last B T);
+ * after the last batch the next epoch starts at the beginning (the tail
+ * that does not fill a batch is never used). With shuffle, each epoch
+ * serves its batches in the order of a permutation drawn as llm.c's
+ * shuffling train loader draws it (Fisher-Yates, Mersenne Twister seeded
+ * 42; train_gpt2.c shuffles its train loader, not its val loader). The
+ * whole file is checked when the loader is made (header, length, n >=
+ * B T + 1, every token below vocab_size when > 0). NULL with an error. */
+typedef struct gj_llmc_loader gj_llmc_loader;
+GJ_API gj_llmc_loader *gj_llmc_loader_new(const char *path, int64_t B, int64_t T,
+                                          int64_t vocab_size, bool shuffle);
+/* The next batch: *inputs, *targets receive new references (i64 [B, T]).
+ * 0, or -1 with an error (both NULL). */
+GJ_API int gj_llmc_loader_next(gj_llmc_loader *l, gj_tensor **inputs, gj_tensor **targets);
+/* Back to the first batch, as llm.c's dataloader_reset (a new epoch: a
+ * shuffling loader draws its next permutation). */
+GJ_API void gj_llmc_loader_reset(gj_llmc_loader *l);
+GJ_API int64_t gj_llmc_loader_num_tokens(const gj_llmc_loader *l);  /* -1 for NULL */
+GJ_API int64_t gj_llmc_loader_num_batches(const gj_llmc_loader *l); /* per epoch */
+/* Where the loader is, to resume: epoch (0 for the first, +1 per reset or
+ * wrap) and batches served in it (0 ... num_batches). set: continues
+ * exactly from there (a shuffling loader draws the permutations again).
+ * 0, or -1 with an error. */
+GJ_API int gj_llmc_loader_get_position(const gj_llmc_loader *l, int64_t *epoch, int64_t *batch);
+GJ_API int gj_llmc_loader_set_position(gj_llmc_loader *l, int64_t epoch, int64_t batch);
+GJ_API void gj_llmc_loader_free(gj_llmc_loader *l);
+
+/* llm.c's tokenizer (magic 20240328): token id -> bytes, for printing
+ * samples. Version 1 is GPT-2's (50257 pieces, end-of-text 50256); version
+ * 2 stores the end-of-text id. NULL with an error. */
+typedef struct gj_llmc_tokenizer gj_llmc_tokenizer;
+GJ_API gj_llmc_tokenizer *gj_llmc_tokenizer_load(const char *path);
+/* Writes a version 2 tokenizer of n pieces (pieces[i]: lens[i] bytes, 1 to
+ * 255) with end-of-text eot (< n). 0 or -1. */
+GJ_API int gj_llmc_tokenizer_save(const char *path, int64_t n, const char *const *pieces,
+                                  const int *lens, int64_t eot);
+GJ_API int64_t gj_llmc_tokenizer_vocab_size(const gj_llmc_tokenizer *t); /* -1 for NULL */
+GJ_API int64_t gj_llmc_tokenizer_eot(const gj_llmc_tokenizer *t);        /* -1 for NULL */
+/* The bytes of token id (borrowed, valid while t lives; NUL-terminated,
+ * *len bytes not counting the NUL; len may be NULL), or NULL with an
+ * error if id is out of range. */
+GJ_API const char *gj_llmc_tokenizer_decode(const gj_llmc_tokenizer *t, int64_t id, size_t *len);
+GJ_API void gj_llmc_tokenizer_free(gj_llmc_tokenizer *t);
+
 /* t's values as text in the layout of PyTorch's repr ("tensor([[1.0000,
  * ...]], dtype=f32)"); a dimension longer than 2 * edge + 1 shows its first
  * and last edge entries around "..." (edge < 1: 3). A new string (free it

@@ -16,7 +16,7 @@ check() { # name expected-status needle command...
     echo "ok   $name"
   fi
 }
-for p in train_fashion_mnist train_charlm train_fashion_cnn demo_w1; do
+for p in train_fashion_mnist train_charlm train_fashion_cnn demo_w1 train_gpt2; do
   check "$p --help" 0 "--threads N" "$b/$p" --help
   check "$p --version" 0 "(gradjit " "$b/$p" --version
   check "$p --bogus" 2 "unknown option" "$b/$p" --bogus
@@ -31,4 +31,14 @@ check "fashion --lr missing" 2 "missing value: --lr" "$b/train_fashion_mnist" --
 check "charlm --steps and --epochs" 2 "give --steps or --epochs" \
       "$b/train_charlm" --steps 5 --epochs 2
 check "charlm --text twice ok in --help" 0 "repeatable" "$b/train_charlm" --help
+g=$b/train_gpt2
+check "gpt2 no files" 2 "give --model FILE and --train FILE" "$g"
+check "gpt2 --model only" 2 "give --model FILE and --train FILE" "$g" --model m.bin
+check "gpt2 --save .txt" 2 "name it FILE.bin" "$g" --model m.bin --train t.bin --save x.txt
+check "gpt2 --resume .bin" 2 "takes a FILE.safetensors" "$g" --train t.bin --resume m.bin
+check "gpt2 --make-tokens one value" 2 "--make-tokens takes two values" "$g" --make-tokens in.txt
+check "gpt2 making and training" 2 "train in a second command" "$g" --init-model m.bin --model m.bin
+check "gpt2 --batch 0" 2 "--batch: '0' is not a whole number" "$g" --model m.bin --train t.bin --batch 0
+check "gpt2 --help shows --make-tokens A B" 0 "--make-tokens A B" "$g" --help
+check "gpt2 missing model" 1 "cannot open /nonexistent/m.bin" "$g" --model /nonexistent/m.bin --train t.bin
 exit $fail

@@ -1,0 +1,750 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * train_gpt2.c - trains GPT-2 from karpathy/llm.c's files as llm.c's
+ * train_gpt2.c does, eagerly or with compiled autograd, and prints each step
+ * as llm.c prints it, so the two outputs compare line by line.
+ *
+ *   train_gpt2 --model gpt2_124M.bin --train tiny_shakespeare_train.bin
+ *              [--val tiny_shakespeare_val.bin] [--batch 4] [--seq 64]
+ *              [--steps 41] [--lr 1e-4] [--compiled-autograd] [--threads N]
+ *              [--shuffle] [--sample 63] [--tokenizer gpt2_tokenizer.bin]
+ *              [--seed 1337] [--save FILE.bin | FILE.safetensors]
+ *              [--resume FILE.safetensors] [--stop-after N]
+ *   train_gpt2 --init-model FILE.bin [--layers 12 --channels 768 --heads 12
+ *              --vocab 50257 --padded-vocab 50304 --max-seq 1024 --seed S]
+ *   train_gpt2 --make-tokens IN.txt OUT.bin     (byte values as token ids)
+ *   train_gpt2 --make-tokenizer FILE.bin        (the matching 257-piece tokenizer)
+ *
+ * Files (frontend/llmc.c reads and writes them byte for byte as llm.c):
+ * the model checkpoint (gpt2_124M.bin, or --init-model's), token files
+ * (the .bin files of llm.c's dev/data/ scripts, or --make-tokens'), the tokenizer
+ * (gpt2_tokenizer.bin, or --make-tokenizer's) used to print samples.
+ *
+ * What llm.c's main does, and so this program (llm.c at the commit named
+ * in tests/test_gpt2.c): steps 0 .. steps-1, each on the next batch of the
+ * train file in file order (llm.c's train loader shuffles: --shuffle draws
+ * the same order; without it, the order of llm.c's unshuffled loader);
+ * before step s, when s % 10 == 0 and --val is given, "val loss %f" over 5
+ * batches of the val file from its start; when s > 0 and s % 20 == 0,
+ * --sample tokens generated from the end-of-text token (the tokenizer's,
+ * or V-1 without one, which is GPT-2's 50256) with llm.c's xorshift
+ * sampler seeded --seed (1337 in llm.c) and printed between "generating:"
+ * and "---" lines; then the step: forward (the mean cross-entropy over
+ * the real vocabulary), backward, AdamW as llm.c's gpt2_update (lr 1e-4,
+ * betas 0.9/0.999, eps 1e-8, no weight decay: llm.c's float constants),
+ * and "step %d: train loss %f (took %f ms)" (batch, forward, backward and
+ * update, as llm.c times it). After the last step this program adds a
+ * summary (mean step time, peak tensor memory) that llm.c does not print.
+ *
+ * The step's forward is gpt2_loss of gpt2_model.h: one function from the
+ * step's inputs (tokens, targets) to the loss, with the optimizer apart.
+ *
+ * Checkpoints: --save FILE.bin writes llm.c's checkpoint format (llm.c can
+ * continue from it); --save FILE.safetensors writes the parameters under
+ * llm.c's names ("model.wte", ...), the AdamW state, the step, the loaders'
+ * positions and the sampler's state through gradjit's state dict API, and
+ * --resume FILE.safetensors continues from it bit-identically (same
+ * --batch, --seq, --shuffle, files and --threads). --save is written at
+ * the end, on Ctrl-C (the step under way finishes; exit status 130) and at
+ * --stop-after N steps of this run.
+ *
+ * Invariants: every training step, evaluation batch and generated token
+ * runs inside gj_scope_push/pop; the model, optimizer, loaders and
+ * tokenizer are released before exit; the model's parameters live in
+ * llm.c's 16 tensors (gpt2_model.h), so saving writes those.
+ */
+#include "gradjit.h"
+#include "args.h"
+#include "common.h"
+#include "gpt2_model.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PROG "train_gpt2"
+#define VAL_EVERY 10   /* llm.c: step % 10 == 0 */
+#define VAL_BATCHES 5  /* llm.c: val_num_batches */
+#define SAMPLE_EVERY 20
+
+typedef struct opts {
+    /* making files */
+    const char *init_model, *make_tokens[2], *make_tokenizer;
+    int layers, channels, heads, vocab, padded_vocab, max_seq;
+    /* training */
+    const char *model, *train, *val, *tokenizer, *save, *resume;
+    int batch, seq, threads, sample;
+    int64_t steps, stop_after;
+    double lr;
+    uint64_t seed;
+    bool compiled, shuffle, sample_given;
+} opts;
+
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && !strcmp(s + n - k, suffix);
+}
+
+/* ------------------------------------------------------- making files */
+
+/* --init-model: GPT-2's initialisation written as an llm.c checkpoint. */
+static int init_model(const opts *o) {
+    gj_llmc_config cfg = {.max_seq_len = o->max_seq, .vocab_size = o->vocab,
+                          .num_layers = o->layers, .num_heads = o->heads,
+                          .channels = o->channels, .padded_vocab_size = o->padded_vocab};
+    if (cfg.padded_vocab_size == 0) /* llm.c pads to a multiple of 128 */
+        cfg.padded_vocab_size = (int)(((int64_t)cfg.vocab_size + 127) / 128 * 128);
+    gj_tensor *file[GJ_LLMC_N_PARAMS];
+    int64_t n = gj_llmc_num_parameters(&cfg);
+    if (n < 0 || gpt2_init_params(&cfg, o->seed, file) != 0) {
+        fprintf(stderr, PROG ": --init-model: %s\n", gj_last_error());
+        return 1;
+    }
+    int rc = gj_llmc_save_model(o->init_model, &cfg, file);
+    for (int i = 0; i < GJ_LLMC_N_PARAMS; i++)
+        gj_release(file[i]);
+    if (rc != 0) {
+        fprintf(stderr, PROG ": %s\n", gj_last_error());
+        return 1;
+    }
+    printf("wrote %s: GPT-2 initialisation (seed %" PRIu64 "), max_seq_len %d, vocab_size %d, "
+           "padded_vocab_size %d, num_layers %d, num_heads %d, channels %d: %" PRId64
+           " parameters\n",
+           o->init_model, o->seed, cfg.max_seq_len, cfg.vocab_size, cfg.padded_vocab_size,
+           cfg.num_layers, cfg.num_heads, cfg.channels, n);
+    return 0;
+}
+
+/* --make-tokens IN OUT: the bytes of IN as token ids. */
+static int make_tokens(const char *in, const char *out) {
+    FILE *f = fopen(in, "rb");
+    if (!f) {
+        fprintf(stderr, PROG ": --make-tokens: cannot read %s: %s\n", in, strerror(errno));
+        return 1;
+    }
+    uint16_t *tok = NULL;
+    size_t n = 0, cap = 0;
+    int c, rc = 1;
+    while ((c = getc(f)) != EOF) {
+        if (n == cap) {
+            size_t nc = cap ? cap * 2 : 1 << 16;
+            uint16_t *t = nc <= INT32_MAX ? realloc(tok, nc * sizeof *t) : NULL;
+            if (!t) {
+                fprintf(stderr, PROG ": --make-tokens: %s is too large (out of memory or more "
+                                "than 2^31 - 1 tokens)\n", in);
+                goto done;
+            }
+            tok = t;
+            cap = nc;
+        }
+        tok[n++] = (uint16_t)c;
+    }
+    if (ferror(f)) {
+        fprintf(stderr, PROG ": --make-tokens: error reading %s\n", in);
+        goto done;
+    }
+    if (n == 0) {
+        fprintf(stderr, PROG ": --make-tokens: %s is empty\n", in);
+        goto done;
+    }
+    if (gj_llmc_save_tokens(out, tok, (int64_t)n) != 0) {
+        fprintf(stderr, PROG ": %s\n", gj_last_error());
+        goto done;
+    }
+    printf("wrote %s: %zu tokens (the bytes of %s; token ids 0-255, a model needs "
+           "--vocab >= 256)\n", out, n, in);
+    rc = 0;
+done:
+    fclose(f);
+    free(tok);
+    return rc;
+}
+
+/* --make-tokenizer FILE: byte b is token b, end-of-text is token 256. */
+static int make_tokenizer(const char *path) {
+    static char bytes[256];
+    const char *pieces[257];
+    int lens[257];
+    for (int b = 0; b < 256; b++) {
+        bytes[b] = (char)b;
+        pieces[b] = &bytes[b];
+        lens[b] = 1;
+    }
+    pieces[256] = "<|endoftext|>";
+    lens[256] = (int)strlen(pieces[256]);
+    if (gj_llmc_tokenizer_save(path, 257, pieces, lens, 256) != 0) {
+        fprintf(stderr, PROG ": %s\n", gj_last_error());
+        return 1;
+    }
+    printf("wrote %s: byte-level tokenizer, 257 pieces (bytes 0-255, end-of-text 256)\n", path);
+    return 0;
+}
+
+/* ------------------------------------------------------------ sampling */
+
+/* llm.c's sampler: xorshift* and a float in [0, 1), then the first index
+ * whose cumulative probability exceeds the coin. */
+static uint32_t random_u32(uint64_t *state) {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return (uint32_t)((*state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+static float random_f32(uint64_t *state) { return (float)(random_u32(state) >> 8) / 16777216.0f; }
+
+static int sample_mult(const float *p, int n, float coin) {
+    float cdf = 0.0f;
+    for (int i = 0; i < n; i++) {
+        cdf += p[i];
+        if (coin < cdf)
+            return i;
+    }
+    return n - 1;
+}
+
+/* Prints a piece as llm.c's safe_printf: a lone byte only if printable or
+ * white space. */
+static void print_piece(const char *s, size_t len) {
+    if (len == 0)
+        return;
+    if (len == 1 && !(isprint((unsigned char)s[0]) || isspace((unsigned char)s[0])))
+        return;
+    fwrite(s, 1, len, stdout);
+}
+
+/* Generates n tokens as llm.c does: position 0 holds the end-of-text
+ * token, token t is drawn from the softmax (over the real vocabulary, in
+ * f32 as llm.c) of the logits at t - 1 of a full-length forward (row 0 of
+ * llm.c's batch: one row here). Prints them as it goes. 0 or -1. */
+static int generate(gpt2 *m, int64_t T, int n, int64_t eot, const gj_llmc_tokenizer *tok,
+                    uint64_t *rng) {
+    int V = m->cfg.vocab_size, rc = -1;
+    int64_t *ids = malloc((size_t)T * sizeof *ids);
+    float *logit = malloc((size_t)V * sizeof *logit), *prob = malloc((size_t)V * sizeof *prob);
+    if (!ids || !logit || !prob)
+        goto done;
+    for (int64_t i = 0; i < T; i++)
+        ids[i] = eot;
+    printf("generating:\n---\n");
+    gj_no_grad_push();
+    for (int t = 1; t <= n; t++) {
+        gj_scope_push();
+        int64_t s[2] = {1, T};
+        gj_tensor *x = gj_from_data(GJ_I64, 2, s, ids);
+        gj_tensor *lg = x ? gpt2_logits(m, x) : NULL;              /* (1, T, Vp) */
+        lg = lg ? gj_narrow(gj_narrow(lg, 1, t - 1, 1), 2, 0, V) : NULL; /* (1, 1, V) */
+        bool ok = lg && gj_tensor_to_f32(lg, logit) == 0;
+        gj_scope_pop();
+        if (!ok) {
+            gj_no_grad_pop();
+            goto done;
+        }
+        float maxval = -10000.0f, sum = 0.0f; /* llm.c's softmax_forward */
+        for (int i = 0; i < V; i++)
+            maxval = logit[i] > maxval ? logit[i] : maxval;
+        for (int i = 0; i < V; i++) {
+            prob[i] = expf(logit[i] - maxval);
+            sum += prob[i];
+        }
+        for (int i = 0; i < V; i++)
+            prob[i] /= sum;
+        int next = sample_mult(prob, V, random_f32(rng));
+        ids[t] = next;
+        if (tok) {
+            size_t len;
+            const char *piece = gj_llmc_tokenizer_decode(tok, next, &len);
+            if (piece)
+                print_piece(piece, len);
+            else
+                printf("invalid token id %d!\n", next);
+        } else {
+            printf("%d ", next);
+        }
+        fflush(stdout);
+    }
+    gj_no_grad_pop();
+    printf("\n---\n");
+    rc = 0;
+done:
+    free(ids);
+    free(logit);
+    free(prob);
+    return rc;
+}
+
+/* ------------------------------------------------------------ training */
+
+typedef struct run {
+    const opts *o;
+    gpt2 m;
+    gj_optim *opt;
+    gj_llmc_loader *train, *val;
+    gj_llmc_tokenizer *tok;
+    uint64_t sample_rng;
+    int64_t step; /* the next step to run */
+    double total_ms; /* steps after the first */
+    int64_t timed;
+} run;
+
+static void run_free(run *r) {
+    gj_optim_free(r->opt);
+    gpt2_free(&r->m);
+    gj_llmc_loader_free(r->train);
+    gj_llmc_loader_free(r->val);
+    gj_llmc_tokenizer_free(r->tok);
+}
+
+/* Mean loss of VAL_BATCHES batches from the val file's start, summed in
+ * f32 as llm.c. NaN on error. */
+static double val_loss(run *r) {
+    float total = 0.0f;
+    gj_llmc_loader_reset(r->val);
+    gj_no_grad_push();
+    for (int i = 0; i < VAL_BATCHES; i++) {
+        gj_scope_push();
+        gj_tensor *in[2];
+        gj_tensor *loss = gj_llmc_loader_next(r->val, &in[0], &in[1]) == 0
+                              ? gpt2_loss(&r->m, 2, in) : NULL;
+        double v = loss ? gj_tensor_item(loss) : NAN;
+        gj_scope_pop();
+        if (isnan(v)) {
+            gj_no_grad_pop();
+            return NAN;
+        }
+        total += (float)v;
+    }
+    gj_no_grad_pop();
+    return total / VAL_BATCHES;
+}
+
+/* One training step (batch, forward, zero_grad, backward, AdamW), as
+ * llm.c's loop body. *loss receives the step's loss. 0 or -1. */
+static int train_step(run *r, double *loss) {
+    gj_scope_push();
+    gj_tensor *in[2];
+    gj_tensor *l = gj_llmc_loader_next(r->train, &in[0], &in[1]) == 0 ? gpt2_loss(&r->m, 2, in)
+                                                                       : NULL;
+    gj_optim_zero_grad(r->opt);
+    int ok = l && gj_backward(l, NULL) == 0 && gj_optim_step(r->opt) == 0;
+    *loss = ok ? gj_tensor_item(l) : NAN;
+    gj_scope_pop();
+    return ok ? 0 : -1;
+}
+
+/* The state dict of a checkpoint: llm.c's 16 tensors as "model.<name>",
+ * the optimizer and the RNG. New dict or NULL. */
+static gj_state_dict *run_dict(run *r) {
+    gj_state_dict *sd = gj_state_dict_new();
+    int rc = sd ? 0 : -1;
+    for (int i = 0; !rc && i < GJ_LLMC_N_PARAMS; i++) {
+        char nm[64];
+        snprintf(nm, sizeof nm, "model.%s", gj_llmc_param_name(i));
+        rc = gj_state_dict_add(sd, nm, r->m.file[i]);
+    }
+    if (rc) {
+        gj_state_dict_free(sd);
+        return NULL;
+    }
+    return sd;
+}
+
+static const char *const cfg_keys[6] = {"llmc.max_seq_len", "llmc.vocab_size",
+                                        "llmc.num_layers",  "llmc.num_heads",
+                                        "llmc.channels",    "llmc.padded_vocab_size"};
+
+static void cfg_values(const gj_llmc_config *c, int *v) {
+    v[0] = c->max_seq_len;
+    v[1] = c->vocab_size;
+    v[2] = c->num_layers;
+    v[3] = c->num_heads;
+    v[4] = c->channels;
+    v[5] = c->padded_vocab_size;
+}
+
+/* Writes --save: llm.c's format (.bin) or a gradjit checkpoint to resume
+ * from (.safetensors) before step r->step. 0, or 1 with a message. */
+static int run_save(run *r, const char *path) {
+    if (ends_with(path, ".bin")) {
+        if (gj_llmc_save_model(path, &r->m.cfg, r->m.file) != 0) {
+            fprintf(stderr, PROG ": %s\n", gj_last_error());
+            return 1;
+        }
+        return 0;
+    }
+    const opts *o = r->o;
+    gj_state_dict *sd = run_dict(r);
+    int64_t epoch = 0, batch = 0;
+    char rng[32];
+    snprintf(rng, sizeof rng, "%" PRIu64, r->sample_rng);
+    int rc = sd ? 0 : -1, v[6];
+    cfg_values(&r->m.cfg, v);
+    rc = rc || gj_optim_state_dict_add(r->opt, sd, "optim");
+    rc = rc || gj_rng_state_dict_add(sd, "rng");
+    rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
+    rc = rc || gj_state_dict_set_metadata(sd, "train.program", PROG);
+    for (int k = 0; k < 6; k++)
+        rc = rc || meta_i64(sd, cfg_keys[k], v[k]);
+    rc = rc || meta_i64(sd, "train.step", r->step);
+    rc = rc || meta_i64(sd, "train.batch_size", o->batch) || meta_i64(sd, "train.seq_len", o->seq);
+    rc = rc || meta_i64(sd, "train.shuffle", o->shuffle);
+    rc = rc || gj_llmc_loader_get_position(r->train, &epoch, &batch);
+    rc = rc || meta_i64(sd, "train.loader_epoch", epoch) ||
+         meta_i64(sd, "train.loader_batch", batch);
+    rc = rc || gj_state_dict_set_metadata(sd, "train.sample_rng", rng);
+    rc = rc || gj_save_safetensors(sd, path);
+    gj_state_dict_free(sd);
+    if (rc) {
+        fprintf(stderr, PROG ": saving %s: %s\n", path, gj_last_error());
+        return 1;
+    }
+    return 0;
+}
+
+/* Metadata key as an integer (*out), which must equal want unless want <
+ * 0. 0, or 1 with a message. */
+static int meta_get(const gj_state_dict *sd, const char *path, const char *key, int64_t want,
+                    int64_t *out) {
+    const char *v = gj_state_dict_get_metadata(sd, key);
+    char *end = NULL;
+    errno = 0;
+    long long x = v ? strtoll(v, &end, 10) : -1;
+    if (!v || !*v || *end || errno || x < 0 || (want >= 0 && x != want)) {
+        fprintf(stderr, PROG ": --resume %s: %s is %s%s", path, key, v ? v : "absent",
+                want >= 0 ? "" : "\n");
+        if (want >= 0)
+            fprintf(stderr, ", this run has %lld (resume with the same model, --batch, --seq "
+                            "and --shuffle)\n", (long long)want);
+        return 1;
+    }
+    if (out)
+        *out = x;
+    return 0;
+}
+
+/* The model configuration stored in a gradjit checkpoint. 0 or 1. */
+static int resume_config(const gj_state_dict *sd, const char *path, gj_llmc_config *c) {
+    int64_t v[6];
+    for (int k = 0; k < 6; k++)
+        if (meta_get(sd, path, cfg_keys[k], -1, &v[k]) || v[k] > INT32_MAX)
+            return 1;
+    *c = (gj_llmc_config){.max_seq_len = (int)v[0], .vocab_size = (int)v[1],
+                          .num_layers = (int)v[2], .num_heads = (int)v[3],
+                          .channels = (int)v[4], .padded_vocab_size = (int)v[5]};
+    return 0;
+}
+
+/* Restores parameters, AdamW state, RNG, step, loader and sampler from
+ * sd (a gradjit checkpoint of this model). 0, or 1 with a message. */
+static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
+    const opts *o = r->o;
+    int v[6];
+    int64_t step, epoch, batch;
+    cfg_values(&r->m.cfg, v);
+    for (int k = 0; k < 6; k++)
+        if (meta_get(sd, path, cfg_keys[k], v[k], NULL))
+            return 1;
+    if (meta_get(sd, path, "train.batch_size", o->batch, NULL) ||
+        meta_get(sd, path, "train.seq_len", o->seq, NULL) ||
+        meta_get(sd, path, "train.shuffle", o->shuffle, NULL) ||
+        meta_get(sd, path, "train.step", -1, &step) ||
+        meta_get(sd, path, "train.loader_epoch", -1, &epoch) ||
+        meta_get(sd, path, "train.loader_batch", -1, &batch))
+        return 1;
+    const char *rs = gj_state_dict_get_metadata(sd, "train.sample_rng");
+    char *end = NULL;
+    errno = 0;
+    uint64_t rng = rs ? strtoull(rs, &end, 10) : 0;
+    if (!rs || !*rs || *end || errno || step > o->steps) {
+        fprintf(stderr, PROG ": --resume %s: sampler state %s, step %lld (this run: %lld "
+                        "steps)\n", path, rs ? rs : "absent", (long long)step,
+                (long long)o->steps);
+        return 1;
+    }
+    gj_state_dict *m = run_dict(r);
+    int rc = !m || gj_state_dict_copy_into(m, sd, false) != 0 ||
+             gj_optim_load_state_dict(r->opt, sd, "optim") != 0 ||
+             gj_rng_load_state_dict(sd, "rng") != 0 ||
+             gj_llmc_loader_set_position(r->train, epoch, batch) != 0;
+    gj_state_dict_free(m);
+    if (rc) {
+        fprintf(stderr, PROG ": --resume %s: %s\n", path, gj_last_error());
+        return 1;
+    }
+    r->step = step;
+    r->sample_rng = rng;
+    return 0;
+}
+
+/* The run stops before step r->step (Ctrl-C, --stop-after): saves if
+ * --save was given. 130, or 1 if saving failed. */
+static int run_stop(run *r) {
+    const opts *o = r->o;
+    const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
+    if (!o->save) {
+        printf("%s at step %lld; no --save FILE given, nothing saved\n", why,
+               (long long)r->step);
+        return 130;
+    }
+    if (run_save(r, o->save) != 0)
+        return 1;
+    if (ends_with(o->save, ".bin"))
+        printf("%s at step %lld: saved %s (llm.c's format: parameters only)\n", why,
+               (long long)r->step, o->save);
+    else
+        printf("%s at step %lld: saved %s (continue with --resume %s)\n", why,
+               (long long)r->step, o->save, o->save);
+    return 130;
+}
+
+/* Loads everything, prints llm.c's preamble, trains. 0, 130 (stopped and
+ * saved) or 1. */
+static int train(const opts *o) {
+    run r;
+    memset(&r, 0, sizeof r);
+    r.o = o;
+    r.sample_rng = o->seed;
+    int rc = 1;
+    gj_state_dict *resume = NULL;
+    if (o->resume && !(resume = gj_load_safetensors(o->resume)))
+        goto gj_fail;
+    if (o->model) {
+        if (gpt2_load(&r.m, o->model, GJ_F32) != 0)
+            goto gj_fail;
+    } else { /* --resume alone: the configuration comes from the checkpoint */
+        gj_llmc_config cfg;
+        gj_tensor *file[GJ_LLMC_N_PARAMS];
+        if (resume_config(resume, o->resume, &cfg) != 0)
+            goto done;
+        if (gj_llmc_config_check(&cfg) != 0)
+            goto gj_fail;
+        for (int i = 0; i < GJ_LLMC_N_PARAMS; i++) {
+            int64_t s[3];
+            int nd = gj_llmc_param_shape(&cfg, i, s);
+            if (!(file[i] = gj_zeros(GJ_F32, nd, s))) {
+                while (i-- > 0)
+                    gj_release(file[i]);
+                goto gj_fail;
+            }
+        }
+        if (gpt2_init_from(&r.m, &cfg, file) != 0)
+            goto gj_fail;
+    }
+    const gj_llmc_config *c = &r.m.cfg;
+    if (o->seq > c->max_seq_len) {
+        fprintf(stderr, PROG ": --seq %d is longer than the model's max_seq_len %d\n", o->seq,
+                c->max_seq_len);
+        goto done;
+    }
+    if (gpt2_set_seq_len(&r.m, o->seq) != 0)
+        goto gj_fail;
+    printf("[GPT-2]\nmax_seq_len: %d\nvocab_size: %d\npadded_vocab_size: %d\nnum_layers: %d\n"
+           "num_heads: %d\nchannels: %d\nnum_parameters: %" PRId64 "\n",
+           c->max_seq_len, c->vocab_size, c->padded_vocab_size, c->num_layers, c->num_heads,
+           c->channels, gj_llmc_num_parameters(c));
+    if (!(r.train = gj_llmc_loader_new(o->train, o->batch, o->seq, c->vocab_size, o->shuffle)))
+        goto gj_fail;
+    if (o->val && !(r.val = gj_llmc_loader_new(o->val, o->batch, o->seq, c->vocab_size, false)))
+        goto gj_fail;
+    printf("train dataset num_batches: %" PRId64 "\n",
+           gj_llmc_loader_num_tokens(r.train) / ((int64_t)o->batch * o->seq));
+    if (r.val)
+        printf("val dataset num_batches: %" PRId64 "\n",
+               gj_llmc_loader_num_tokens(r.val) / ((int64_t)o->batch * o->seq));
+    if (o->tokenizer && !(r.tok = gj_llmc_tokenizer_load(o->tokenizer)))
+        goto gj_fail;
+    int64_t eot = r.tok ? gj_llmc_tokenizer_eot(r.tok) : c->vocab_size - 1;
+    if (eot >= c->vocab_size) {
+        fprintf(stderr, PROG ": the tokenizer's end-of-text token %lld is not below the model's "
+                        "vocab_size %d\n", (long long)eot, c->vocab_size);
+        goto done;
+    }
+    int sample = o->sample_given ? o->sample : (o->seq - 1 < o->sample ? o->seq - 1 : o->sample);
+    if (sample > o->seq - 1) {
+        fprintf(stderr, PROG ": --sample %d: at most --seq - 1 = %d tokens\n", sample,
+                o->seq - 1);
+        goto done;
+    }
+    r.opt = gj_adamw_new(r.m.n_leaves, r.m.leaf, (float)o->lr, 0.9f, 0.999f, 1e-8f, 0.0f);
+    if (!r.opt)
+        goto gj_fail;
+    if (resume) {
+        if (run_resume(&r, resume, o->resume) != 0)
+            goto done;
+        gj_state_dict_free(resume);
+        resume = NULL;
+    }
+    gj_info info;
+    gj_get_info(&info);
+    printf("gradjit %s: %d threads, BLAS %s, %s autograd, batch %d, seq %d, AdamW lr %g%s\n",
+           info.version, info.num_threads, info.blas_core ? info.blas_core : "?",
+           o->compiled ? "compiled" : "eager", o->batch, o->seq, o->lr,
+           o->shuffle ? ", shuffled" : "");
+    if (o->resume)
+        printf("resumed from %s at step %lld\n", o->resume, (long long)r.step);
+    fflush(stdout);
+    gj_set_compiled_autograd(o->compiled);
+    gj_mem_reset_peak();
+    int64_t start = r.step;
+    for (; r.step < o->steps; r.step++) {
+        int64_t s = r.step;
+        if (g_interrupted || (o->stop_after > 0 && s - start == o->stop_after)) {
+            rc = run_stop(&r);
+            goto done;
+        }
+        if (r.val && s % VAL_EVERY == 0) {
+            double v = val_loss(&r);
+            if (isnan(v))
+                goto gj_fail;
+            printf("val loss %f\n", v);
+        }
+        if (sample > 0 && s > 0 && s % SAMPLE_EVERY == 0 &&
+            generate(&r.m, o->seq, sample, eot, r.tok, &r.sample_rng) != 0)
+            goto gj_fail;
+        double t0 = now_s(), loss;
+        if (train_step(&r, &loss) != 0)
+            goto gj_fail;
+        double ms = (now_s() - t0) * 1e3;
+        if (s > start) {
+            r.total_ms += ms;
+            r.timed++;
+        }
+        printf("step %d: train loss %f (took %f ms)\n", (int)s, loss, ms);
+        fflush(stdout);
+    }
+    gj_set_compiled_autograd(false);
+    gj_mem mem;
+    gj_mem_stats(&mem);
+    printf("gradjit: %lld steps, %.1f ms per step after the first, peak tensor memory %.1f MiB\n",
+           (long long)(o->steps - start), r.timed ? r.total_ms / (double)r.timed : NAN,
+           (double)mem.peak_bytes / 1048576.0);
+    if (o->compiled) {
+        gj_ca_stats ca;
+        gj_compiled_autograd_stats(&ca);
+        print_ca("compiled", &ca);
+    }
+    if (o->save) {
+        if (run_save(&r, o->save) != 0)
+            goto done;
+        printf("saved %s\n", o->save);
+    }
+    rc = 0;
+    goto done;
+gj_fail:
+    fprintf(stderr, PROG ": %s\n", gj_last_error());
+done:
+    gj_set_compiled_autograd(false);
+    gj_state_dict_free(resume);
+    run_free(&r);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- main */
+
+/* The options (examples/args.h). 0, 1 (--help/--version printed) or -1. */
+static int parse_opts(int argc, char **argv, opts *o) {
+    *o = (opts){.layers = 12, .channels = 768, .heads = 12, .vocab = 50257, .max_seq = 1024,
+                .batch = 4, .seq = 64, .steps = 41, .lr = 1e-4, .seed = 1337, .sample = 63};
+    arg_spec specs[] = {
+        ARG_OPT("model", ARG_FILE, &o->model, 0, 0, "llm.c model checkpoint to start from"),
+        ARG_OPT("train", ARG_FILE, &o->train, 0, 0, "llm.c token file to train on"),
+        ARG_OPT("val", ARG_FILE, &o->val, 0, 0, "llm.c token file: val loss every 10 steps"),
+        ARG_OPT("batch", ARG_INT, &o->batch, 1, 65536, "sequences per batch (B)"),
+        ARG_OPT("seq", ARG_INT, &o->seq, 1, 1 << 20, "tokens per sequence (T)"),
+        ARG_OPT("steps", ARG_I64, &o->steps, 1, 1e12, "training steps (llm.c: 0 to 40)"),
+        ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
+        ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
+        ARG_OPT("shuffle", ARG_FLAG, &o->shuffle, 0, 0,
+                "train batches in llm.c's shuffled order (its train loader's default)"),
+        ARG_OPT("sample", ARG_INT, &o->sample, 0, 1 << 20,
+                "tokens generated at steps 20, 40, ... (at most --seq - 1; 0: none)"),
+        ARG_OPT("tokenizer", ARG_FILE, &o->tokenizer, 0, 0,
+                "llm.c tokenizer to print samples with (else token ids)"),
+        ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "sampler seed (llm.c: 1337); --init-model's seed"),
+        ARG_OPT("save", ARG_FILE, &o->save, 0, 0,
+                "checkpoint at the end and on Ctrl-C: FILE.bin (llm.c) or FILE.safetensors"),
+        ARG_OPT("resume", ARG_FILE, &o->resume, 0, 0,
+                "continue a FILE.safetensors of --save bit-identically"),
+        ARG_OPT("stop-after", ARG_I64, &o->stop_after, 1, 9e18, "stop (and save) after N steps"),
+        ARG_OPT("init-model", ARG_FILE, &o->init_model, 0, 0,
+                "write a GPT-2-initialised llm.c checkpoint and exit"),
+        ARG_OPT("layers", ARG_INT, &o->layers, 1, 1 << 16, "--init-model: layers (L)"),
+        ARG_OPT("channels", ARG_INT, &o->channels, 1, 1 << 20, "--init-model: channels (C)"),
+        ARG_OPT("heads", ARG_INT, &o->heads, 1, 1 << 16, "--init-model: heads (NH)"),
+        ARG_OPT("vocab", ARG_INT, &o->vocab, 1, INT32_MAX, "--init-model: vocabulary (V)"),
+        ARG_OPT("padded-vocab", ARG_INT, &o->padded_vocab, 0, INT32_MAX,
+                "--init-model: padded vocabulary (0: V rounded up to 128)"),
+        ARG_OPT("max-seq", ARG_INT, &o->max_seq, 1, 1 << 20, "--init-model: max sequence length"),
+        ARG_OPT("make-tokens", ARG_STR2, (void *)o->make_tokens, 0, 0,
+                "IN.txt OUT.bin: write a token file of IN's bytes and exit"),
+        ARG_OPT("make-tokenizer", ARG_FILE, &o->make_tokenizer, 0, 0,
+                "write the byte-level tokenizer of --make-tokens' files and exit"),
+    };
+    specs[10].given = &o->sample_given;
+    int rc = args_parse(PROG,
+                        "Trains GPT-2 from llm.c's files (model checkpoint, token files, "
+                        "tokenizer) as llm.c's train_gpt2.c does, eager or with compiled "
+                        "autograd; or makes such files.",
+                        argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
+    if (rc != 0)
+        return rc;
+    bool making = o->init_model || o->make_tokens[0] || o->make_tokenizer;
+    if (making && (o->model || o->train || o->resume)) {
+        fprintf(stderr, PROG ": --init-model, --make-tokens and --make-tokenizer write files "
+                        "and exit; train in a second command\n");
+        return -1;
+    }
+    if (!making && (!o->train || (!o->model && !o->resume))) {
+        fprintf(stderr, PROG ": give --model FILE and --train FILE (or --resume FILE and "
+                        "--train FILE), or one of --init-model, --make-tokens, "
+                        "--make-tokenizer (see --help)\n");
+        return -1;
+    }
+    if (o->save && !ends_with(o->save, ".bin") && !ends_with(o->save, ".safetensors")) {
+        fprintf(stderr, PROG ": --save %s: name it FILE.bin (llm.c's format) or "
+                        "FILE.safetensors (with the optimizer state, for --resume)\n", o->save);
+        return -1;
+    }
+    if (o->resume && !ends_with(o->resume, ".safetensors")) {
+        fprintf(stderr, PROG ": --resume %s: takes a FILE.safetensors of --save; an llm.c "
+                        "checkpoint (.bin) is a --model\n", o->resume);
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    int prc = parse_opts(argc, argv, &o);
+    if (prc != 0)
+        return prc > 0 ? 0 : 2;
+    if (o.init_model || o.make_tokens[0] || o.make_tokenizer) {
+        int rc = 0;
+        if (o.init_model)
+            rc |= init_model(&o);
+        if (!rc && o.make_tokens[0])
+            rc |= make_tokens(o.make_tokens[0], o.make_tokens[1]);
+        if (!rc && o.make_tokenizer)
+            rc |= make_tokenizer(o.make_tokenizer);
+        return rc;
+    }
+    /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag. */
+    if (!o.compiled && gj_compiled_autograd_enabled())
+        o.compiled = true;
+    gj_set_num_threads(o.threads);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sa.sa_flags = SA_RESETHAND;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    return train(&o);
+}
