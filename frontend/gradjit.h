@@ -667,11 +667,16 @@ typedef enum gj_ca_reason {
 } gj_ca_reason;
 GJ_API const char *gj_ca_reason_name(gj_ca_reason r); /* borrowed (static) */
 
+/* Every backward counts once, when it ends: by how its program was found
+ * if it ran compiled (compiles, mem_hits, disk_hits, instantiations), else
+ * in fallbacks -- also one that found or compiled its program and then fell
+ * back. So compiles + mem_hits + disk_hits + instantiations + fallbacks ==
+ * backwards. */
 typedef struct gj_ca_stats {
     int64_t backwards;    /* backward calls while the flag was on */
-    int64_t compiles;
-    int64_t mem_hits;
-    int64_t disk_hits;
+    int64_t compiles;     /* backwards that compiled their program and ran it */
+    int64_t mem_hits;     /* ... that ran a program from the memory cache */
+    int64_t disk_hits;    /* ... that ran a program loaded from the disk cache */
     int64_t fallbacks;    /* backwards that ran eagerly */
     double compile_ms;
     double run_ms;
@@ -696,8 +701,9 @@ typedef struct gj_ca_stats {
 } gj_ca_stats;
 GJ_API void gj_compiled_autograd_stats(gj_ca_stats *out);
 GJ_API void gj_compiled_autograd_reset_stats(void);
-/* The message of the last fallback ("" if none): reason and detail.
- * Borrowed: overwritten by the next fallback; copy it to keep it. */
+/* The message of the calling thread's last fallback, or when it has none
+ * since the last reset the process's last one ("" if none): reason and
+ * detail. Borrowed: overwritten by the next fallback; copy it to keep it. */
 GJ_API const char *gj_compiled_autograd_last_fallback(void);
 /* Quiet mode: no stderr line per fallback key (counters still count). */
 GJ_API void gj_compiled_autograd_set_quiet(bool quiet);

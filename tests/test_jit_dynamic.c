@@ -619,8 +619,9 @@ static void test_threads(void **state) {
     report("MLP f32, two threads, 8 random batch sizes each", &s, 2 * TSTEPS);
     /* the only fallback allowed: the two models' leaves share a lock stripe
      * (64 stripes by address), and a compiled run that finds one busy
-     * leaves its backward to the eager engine (fallbacks.md, "other") */
-    assert_int_equal(s.fallbacks, s.fallbacks_by_reason[GJ_CA_OTHER]);
+     * leaves its backward to the eager engine (fallbacks.md,
+     * "lock_contention") */
+    assert_int_equal(s.fallbacks, s.fallbacks_by_reason[GJ_CA_LOCK_CONTENTION]);
     assert_true(s.compiles <= 3); /* a race may compile the symbolic program twice */
     for (int t = 0; t < 2; t++) {
         assert_int_equal(w[t].failed, 0);
