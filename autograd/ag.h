@@ -522,5 +522,75 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
 int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
                              gj_tensor *const *inputs, gj_tensor **outs);
 
+/* ---------------------------------------- the trace of a step (trace.c) */
+/* While a training step's function runs eagerly under gj_ag_trace_begin,
+ * every op gj_ag_apply runs on this thread (outside checkpoint regions) is
+ * appended to the trace with where its inputs came from; the compiled step
+ * (jit/step.c) replays it with the recording builder. See trace.c. */
+
+typedef enum gj_ag_slot_kind {
+    GJ_AG_SLOT_INPUT = 0,  /* step input #index */
+    GJ_AG_SLOT_PARAM = 1,  /* parameter #index */
+    GJ_AG_SLOT_CONST = 2,  /* constant #index: from outside, or made in the function */
+    GJ_AG_SLOT_OUTPUT = 3, /* output #out of entry #index */
+    GJ_AG_SLOT_ALIAS = 4,  /* gj_detach of slot alias_of: the same value, no gradient */
+} gj_ag_slot_kind;
+
+typedef struct gj_ag_trace_slot {
+    gj_ag_slot_kind kind;
+    int index, out, alias_of;
+    bool created;   /* CONST: made in the function by gj_zeros, gj_full, ... */
+    gj_tensor *t;   /* strong while the trace lives */
+    gj_rt_meta meta;
+} gj_ag_trace_slot;
+
+typedef struct gj_ag_trace_entry {
+    const gj_ag_opdef *op;
+    gj_ag_attrs attrs;
+    int n_in, n_out;
+    int in[GJ_AG_MAX_IN];   /* slots */
+    int out[GJ_AG_MAX_OUT]; /* slots */
+    gj_ag_node *node;       /* the node gj_ag_apply made (strong), or NULL */
+} gj_ag_trace_entry;
+
+typedef struct gj_ag_trace {
+    int n_inputs, n_params;
+    gj_ag_trace_slot *slots;
+    int n_slots, cap_slots;
+    gj_ag_trace_entry *entries;
+    int n_entries, cap_entries;
+    uint64_t seed, rng0, rng1; /* the generator: seed, counter at begin and end */
+    bool failed;               /* out of memory while recording */
+    char untraceable[300];     /* why a replay would differ ("" if it would not) */
+} gj_ag_trace;
+
+/* Starts recording this thread's ops: in[0..n_in) are the step inputs,
+ * params[0..n_params) the parameters (borrowed; the trace takes its own
+ * references). NULL with the error set if a trace is already recording. */
+gj_ag_trace *gj_ag_trace_begin(int n_in, gj_tensor *const *in, int n_params,
+                               gj_tensor *const *params);
+/* Stops recording (the trace stays readable); notes a reseeded generator. */
+void gj_ag_trace_end(gj_ag_trace *tr);
+void gj_ag_trace_free(gj_ag_trace *tr);
+/* The trace recording on this thread, or NULL (cheap: a thread-local). */
+gj_ag_trace *gj_ag_trace_active(void);
+/* The slot of t (the latest if several), or -1. */
+int gj_ag_trace_slot_of(const gj_ag_trace *tr, const gj_tensor *t);
+/* gj_ag_apply: op made outs[] from in[] (node: the node it recorded, or
+ * NULL). Nothing if no trace is recording. */
+void gj_ag_trace_note_op(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
+                         gj_tensor *const *in, int n_out, gj_tensor *const *outs,
+                         gj_ag_node *node);
+/* The frontend tells the recording trace (if any) what the function did:
+ * an alias of src without history (gj_detach); a tensor made by a creation
+ * function (deterministic: from its arguments alone); a read of t's values
+ * (writable: through a pointer the caller may write through); and anything
+ * a replay cannot reproduce (printf-style reason; the first one is kept). */
+void gj_ag_trace_note_alias(gj_tensor *src, gj_tensor *alias);
+void gj_ag_trace_note_created(gj_tensor *t, bool deterministic, const char *what);
+void gj_ag_trace_note_read(const gj_tensor *t, const char *what, bool writable);
+void gj_ag_trace_untraceable(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void gj_ag_trace_untraceable_in(gj_ag_trace *tr, const char *why);
+
 #endif /* GJ_AG_H */
 

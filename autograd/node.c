@@ -331,6 +331,7 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
         }
         gj_ag_node_release(node); /* outputs own it now */
     }
+    if (!ckpt && gj_ag_trace_active()) gj_ag_trace_note_op(op, a, n_in, in, n_out, outs, node);
     b->end_step(b);
     return n_out;
 

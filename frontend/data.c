@@ -267,6 +267,7 @@ int64_t gj_batches_len(const gj_batches *it) {
 }
 
 bool gj_batches_next(gj_batches *it, gj_tensor **out) {
+    GJ_FE_TRACE_UNTRACEABLE("gj_batches_next");
     if (!it || !out) {
         gj_rt_set_error("gj_batches_next: %s is NULL", !it ? "iterator" : "out");
         return false;

@@ -19,12 +19,14 @@ static void use_frontend_scopes(void) { gj_fe_use_scopes(); }
 
 int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user) {
     use_frontend_scopes();
+    GJ_FE_TRACE_UNTRACEABLE("gj_register_hook");
     return gj_ag_hook_register(t, GJ_AG_HOOK_TENSOR, fn, NULL, user, "gj_register_hook");
 }
 
 int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
                                               void *user) {
     use_frontend_scopes();
+    GJ_FE_TRACE_UNTRACEABLE("gj_register_post_accumulate_grad_hook");
     return gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
                                "gj_register_post_accumulate_grad_hook");
 }
@@ -37,6 +39,7 @@ int64_t gj_register_post_accumulate_grad_hook_ex(gj_tensor *leaf, gj_post_accumu
         return -1;
     }
     use_frontend_scopes();
+    GJ_FE_TRACE_UNTRACEABLE("gj_register_post_accumulate_grad_hook_ex");
     int64_t h = gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
                                     "gj_register_post_accumulate_grad_hook_ex");
     if (h > 0 && (flags & GJ_HOOK_NO_GRAPH_WRITES)) gj_ag_hook_set_early(h);
@@ -64,6 +67,7 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src) {
     if (!gj_rt_check_tensor(dst, "gj_tensor_set_", "dst") ||
         !gj_rt_check_tensor(src, "gj_tensor_set_", "src"))
         return -1;
+    GJ_FE_TRACE_UNTRACEABLE("gj_tensor_set_");
     gj_ag_tensor_meta *m = dst->ag;
     char a[96], b[96];
     gj_rt_fmt_shape(a, sizeof a, dst->ndim, dst->shape);

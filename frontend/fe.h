@@ -22,6 +22,39 @@ static inline gj_tensor *gj_fe_fail(void) {
     return NULL;
 }
 
+/* Tell the step being traced on this thread, if any, that the function
+ * read values of t, or did something a replay cannot reproduce
+ * (autograd/trace.c). */
+#define GJ_FE_TRACE_READ(t, what, writable)                                                    \
+    do {                                                                                       \
+        if (gj_ag_trace_active()) gj_ag_trace_note_read((t), (what), (writable));              \
+    } while (0)
+#define GJ_FE_TRACE_UNTRACEABLE(what)                                                          \
+    do {                                                                                       \
+        if (gj_ag_trace_active())                                                              \
+            gj_ag_trace_untraceable("the step function called %s, which a compiled step "      \
+                                    "cannot replay",                                           \
+                                    (what));                                                   \
+    } while (0)
+#define GJ_FE_TRACE_CREATED(t, deterministic, what)                                            \
+    do {                                                                                       \
+        if ((t) && gj_ag_trace_active()) gj_ag_trace_note_created((t), (deterministic), (what)); \
+    } while (0)
+
+/* The optimizer as the compiled step sees it (optim.c): its parameter
+ * count and k-th parameter (borrowed); its description for the compiler
+ * (out's kind, n and structure; s1[k], s2[k] its state tensors, borrowed,
+ * NULL before its first update; hyper[k * GJ_JIT_HYPER ..] the scalars of
+ * parameter k's next update, as gj_optim_step would compute them); and the
+ * bookkeeping of a compiled update (AdamW: the step count of every
+ * parameter updated). */
+struct gj_jit_opt;
+int gj_fe_optim_n(const gj_optim *o);
+gj_tensor *gj_fe_optim_param(const gj_optim *o, int k);
+void gj_fe_optim_describe(const gj_optim *o, struct gj_jit_opt *out, gj_tensor **s1,
+                          gj_tensor **s2, double *hyper);
+void gj_fe_optim_updated(gj_optim *o, const bool *updated);
+
 /* The compiled-autograd flag as seen by gj_backward/gj_grad (reads
  * GRADJIT_COMPILED_AUTOGRAD once). */
 bool gj_fe_compiled_enabled(void);

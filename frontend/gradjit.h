@@ -663,6 +663,7 @@ typedef enum gj_ca_reason {
     GJ_CA_INCOMPATIBLE_MODE,   /* a setting incompatible with compiled mode (anomaly mode) */
     GJ_CA_OTHER,
     GJ_CA_LOCK_CONTENTION,     /* another thread's backward was writing a .grad this one writes */
+    GJ_CA_UNTRACEABLE,         /* a compiled step's function did what a replay cannot redo */
     GJ_CA_N_REASONS
 } gj_ca_reason;
 GJ_API const char *gj_ca_reason_name(gj_ca_reason r); /* borrowed (static) */
@@ -782,6 +783,50 @@ typedef struct gj_ca_program_info {
 /* 0 and *out filled, or -1 (error set) when this thread has run no
  * compiled backward yet. */
 GJ_API int gj_compiled_autograd_last_program(gj_ca_program_info *out);
+
+/* ------------------------------------------------ the compiled training step */
+/* A whole training step -- forward, backward and the optimizer's update --
+ * compiled into one program (docs/guide.md, "The compiled step"). The step
+ * function builds the loss from the step's inputs with ordinary gj_* calls;
+ * gj_step_run is then equivalent to
+ *     gj_optim_zero_grad(opt); loss = fn(ctx, n_in, in);
+ *     gj_backward(loss, NULL); gj_optim_step(opt);
+ *     and, unless opts->keep_grads, gj_optim_zero_grad(opt) again
+ * with the same bits. Its first run (and the first with new input shapes)
+ * runs exactly that eagerly while it traces fn, and compiles; later runs
+ * run the program without calling fn. So fn must compute the loss from its
+ * inputs, the optimizer's parameters and tensors that do not change
+ * identity (a causal mask made once): it may not read values (gj_tensor_item
+ * of something it computed), update tensors in place, register hooks, draw
+ * random numbers other than gj_dropout's, or run a backward. What it does
+ * that a replay cannot redo makes the step run eagerly from then on, with
+ * the reason counted (gj_step_stats, GJ_CA_UNTRACEABLE) and printed once. */
+typedef struct gj_step gj_step;
+/* Returns the step's loss: a 0-d float tensor (a new reference, as any op's
+ * result), or NULL with an error. in[0..n_in) are borrowed. */
+typedef gj_tensor *(*gj_step_fn)(void *ctx, int n_in, gj_tensor *const *in);
+typedef struct gj_step_opts {
+    bool eager;      /* every run eager (the reference the compiled step equals) */
+    bool keep_grads; /* leave each parameter's .grad of the step after it */
+    bool eval;       /* forward only: the loss under no_grad, no backward, no
+                        update (opt may then be NULL) */
+} gj_step_opts;
+/* opts NULL: all false. fn and ctx are borrowed for the step's life; so is
+ * opt, whose parameters are the step's. NULL with an error. */
+GJ_API gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts *opts);
+/* One step on in[0..n_in) (borrowed). *loss_out (may be NULL) receives the
+ * loss, a new 0-d tensor without history (owned by the innermost open
+ * scope). 0, or -1 with an error (the step function's, or its backward's:
+ * as for the eager step, parameters are then not updated). */
+GJ_API int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out);
+GJ_API void gj_step_free(gj_step *s);
+/* Counters of every gj_step of the process, as gj_ca_stats: `backwards` is
+ * the steps run; compiles / mem_hits / disk_hits / instantiations count the
+ * steps that made or ran a program, fallbacks those that ran eagerly (with
+ * their reason; gj_compiled_autograd_last_fallback's message starts with
+ * "step: "). */
+GJ_API void gj_step_stats(gj_ca_stats *out);
+GJ_API void gj_step_reset_stats(void);
 
 /* ------------------------------------- runtime effects (helper "hooks") */
 /* Hooks, streams, set_, custom ops and anomaly mode: the runtime effects

@@ -845,6 +845,7 @@ gj_tensor *gj_cast(gj_tensor *x, gj_dtype dtype) {
 static bool fe_inplace_ok(gj_tensor *x, const char *op, const char *arg) {
     if (!fe_check(x, op, arg))
         return false;
+    GJ_FE_TRACE_UNTRACEABLE(op); /* in-place ops are not recorded */
     if (gj_ag_grad_enabled() && gj_requires_grad(x)) {
         char s[160];
         gj_rt_fmt_shape(s, sizeof s, x->ndim, x->shape);

@@ -21,6 +21,7 @@
  *     before updating anything, so a failed step changes nothing.
  */
 #include "fe.h"
+#include "../jit/jit.h"
 #include "../runtime/gj_math.h"
 
 #include <math.h>
@@ -332,6 +333,50 @@ done:
     gj_rt_free(grads);
     gj_rt_free(fresh);
     return rc;
+}
+
+/* -------------------------------------------------- the compiled step */
+
+int gj_fe_optim_n(const gj_optim *o) { return o ? o->n : 0; }
+
+gj_tensor *gj_fe_optim_param(const gj_optim *o, int k) { return o->ps[k].p; }
+
+void gj_fe_optim_describe(const gj_optim *o, gj_jit_opt *out, gj_tensor **s1, gj_tensor **s2,
+                          double *hyper) {
+    memset(out, 0, sizeof *out);
+    out->kind = o->kind == OPT_SGD ? GJ_JIT_OPT_SGD : GJ_JIT_OPT_ADAMW;
+    out->n = o->n;
+    out->momentum = o->momentum != 0.0;
+    out->weight_decay = o->weight_decay != 0.0;
+    for (int k = 0; k < o->n; k++) {
+        const opt_param *q = &o->ps[k];
+        s1[k] = q->s1;
+        s2[k] = q->s2;
+        double *h = hyper + (size_t)k * GJ_JIT_HYPER;
+        memset(h, 0, GJ_JIT_HYPER * sizeof *h);
+        /* exactly the doubles gj_optim_step hands its kernel (opt_job) */
+        h[GJ_JIT_H_LR] = o->lr;
+        h[GJ_JIT_H_MOMENTUM] = o->momentum;
+        h[GJ_JIT_H_WD] = o->weight_decay;
+        h[GJ_JIT_H_B1C] = 1.0 - o->beta1;
+        h[GJ_JIT_H_B2] = o->beta2;
+        h[GJ_JIT_H_B2C] = 1.0 - o->beta2;
+        h[GJ_JIT_H_EPS] = o->eps;
+        if (o->kind == OPT_ADAMW) { /* the step this update will be */
+            int64_t t = q->step + 1;
+            double bc1 = 1.0 - pow(o->beta1, (double)t);
+            double bc2 = 1.0 - pow(o->beta2, (double)t);
+            h[GJ_JIT_H_STEP_SIZE] = o->lr / bc1;
+            h[GJ_JIT_H_BC2_SQRT] = sqrt(bc2);
+            h[GJ_JIT_H_DECAY] = 1.0 - o->lr * o->weight_decay;
+        }
+    }
+    out->params = NULL; /* the caller fills params, s1, s2 (its own arrays) */
+}
+
+void gj_fe_optim_updated(gj_optim *o, const bool *updated) {
+    for (int k = 0; k < o->n; k++)
+        if (updated[k] && o->kind == OPT_ADAMW) o->ps[k].step++;
 }
 
 void gj_optim_zero_grad(gj_optim *o) {

@@ -257,6 +257,7 @@ gj_tensor *gj_from_data(gj_dtype dtype, int ndim, const int64_t *shape, const vo
         }
         memcpy(t->storage->data, data, (size_t)t->numel * gj_rt_dtype_size(dtype));
     }
+    GJ_FE_TRACE_CREATED(t, false, "gj_from_data");
     return gj_fe_own(t);
 }
 
@@ -276,11 +277,13 @@ gj_tensor *gj_full(gj_dtype dtype, int ndim, const int64_t *shape, double value)
     if (!t) return gj_fe_fail();
     if (value != 0.0)
         for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, value);
+    GJ_FE_TRACE_CREATED(t, true, "gj_full");
     return gj_fe_own(t);
 }
 
 gj_tensor *gj_zeros(gj_dtype dtype, int ndim, const int64_t *shape) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_zeros");
+    GJ_FE_TRACE_CREATED(t, true, "gj_zeros");
     return gj_fe_own(t);
 }
 
@@ -288,6 +291,7 @@ gj_tensor *gj_ones(gj_dtype dtype, int ndim, const int64_t *shape) {
     gj_tensor *t = new_checked(dtype, ndim, shape, "gj_ones");
     if (!t) return gj_fe_fail();
     for (int64_t i = 0; i < t->numel; i++) set_elem(t, i, 1.0);
+    GJ_FE_TRACE_CREATED(t, true, "gj_ones");
     return gj_fe_own(t);
 }
 
@@ -295,6 +299,7 @@ gj_tensor *gj_scalar(gj_dtype dtype, double value) {
     gj_tensor *t = new_checked(dtype, 0, NULL, "gj_scalar");
     if (!t) return gj_fe_fail();
     set_elem(t, 0, value);
+    GJ_FE_TRACE_CREATED(t, true, "gj_scalar");
     return gj_fe_own(t);
 }
 
@@ -315,6 +320,7 @@ gj_tensor *gj_randn(gj_dtype dtype, int ndim, const int64_t *shape, double std) 
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
         set_elem(t, i, std * gj_rt_rng_normal(seed, c0 + (uint64_t)i));
+    GJ_FE_TRACE_CREATED(t, false, "gj_randn");
     return gj_fe_own(t);
 }
 
@@ -331,6 +337,7 @@ gj_tensor *gj_rand(gj_dtype dtype, int ndim, const int64_t *shape, double lo, do
     uint64_t seed = gj_rt_rng_seed(), c0 = gj_rt_rng_reserve((uint64_t)t->numel);
     for (int64_t i = 0; i < t->numel; i++)
         set_elem(t, i, lo + (hi - lo) * gj_rt_rng_uniform(seed, c0 + (uint64_t)i));
+    GJ_FE_TRACE_CREATED(t, false, "gj_rand");
     return gj_fe_own(t);
 }
 
@@ -360,6 +367,7 @@ bool gj_tensor_is_contiguous(const gj_tensor *t) {
 
 void *gj_tensor_data(gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_tensor_data", "t")) return NULL;
+    GJ_FE_TRACE_READ(t, "gj_tensor_data", true);
     return gj_rt_data_ptr(t);
 }
 
@@ -369,6 +377,7 @@ int gj_tensor_to_f64(const gj_tensor *t, double *out) {
         gj_rt_set_error("gj_tensor_to_f64: out is NULL");
         return -1;
     }
+    GJ_FE_TRACE_READ(t, "gj_tensor_to_f64", false);
     for (int64_t i = 0; i < t->numel; i++) out[i] = gj_rt_get(t, i);
     return 0;
 }
@@ -379,12 +388,14 @@ int gj_tensor_to_f32(const gj_tensor *t, float *out) {
         gj_rt_set_error("gj_tensor_to_f32: out is NULL");
         return -1;
     }
+    GJ_FE_TRACE_READ(t, "gj_tensor_to_f32", false);
     for (int64_t i = 0; i < t->numel; i++) out[i] = (float)gj_rt_get(t, i);
     return 0;
 }
 
 double gj_tensor_item_at(const gj_tensor *t, int64_t index) {
     if (!gj_rt_check_tensor(t, "gj_tensor_item_at", "t")) return NAN;
+    GJ_FE_TRACE_READ(t, "gj_tensor_item_at", false);
     if (index < 0 || index >= t->numel) {
         char sh[96];
         gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
@@ -397,6 +408,7 @@ double gj_tensor_item_at(const gj_tensor *t, int64_t index) {
 
 double gj_tensor_item(const gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_tensor_item", "t")) return NAN;
+    GJ_FE_TRACE_READ(t, "gj_tensor_item", false);
     if (t->numel != 1) {
         char sh[96];
         gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
@@ -441,6 +453,7 @@ const char *gj_tensor_name(const gj_tensor *t) {
 
 int gj_set_requires_grad(gj_tensor *t, bool requires_grad) {
     if (!gj_rt_check_tensor(t, "gj_set_requires_grad", "t")) return -1;
+    GJ_FE_TRACE_UNTRACEABLE("gj_set_requires_grad");
     gj_ag_tensor_meta *m = t->ag;
     if (m && m->node) {
         gj_rt_set_error("gj_set_requires_grad: only leaf tensors can change requires_grad "
@@ -481,6 +494,7 @@ gj_tensor *gj_tensor_grad(const gj_tensor *t) {
 
 int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g) {
     if (!gj_rt_check_tensor(t, "gj_tensor_set_grad", "t")) return -1;
+    GJ_FE_TRACE_UNTRACEABLE("gj_tensor_set_grad");
     if (g) {
         if (!gj_rt_check_tensor(g, "gj_tensor_set_grad", "g")) return -1;
         if (g->ndim != t->ndim || memcmp(g->shape, t->shape, (size_t)t->ndim * 8) != 0 ||
@@ -502,7 +516,9 @@ int gj_tensor_set_grad(gj_tensor *t, gj_tensor *g) {
 
 gj_tensor *gj_detach(gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_detach", "t")) return gj_fe_fail();
-    return gj_fe_own(gj_rt_tensor_alias(t));
+    gj_tensor *a = gj_rt_tensor_alias(t);
+    if (a && gj_ag_trace_active()) gj_ag_trace_note_alias(t, a);
+    return gj_fe_own(a);
 }
 
 void gj_no_grad_push(void) { gj_ag_no_grad_enter(); }
@@ -562,6 +578,7 @@ static bool anomaly_blocks_compiled(void) {
  * on, else (or on a fallback) eagerly. */
 static int backward_roots(int n, gj_tensor *const *roots, gj_tensor *const *seeds,
                           bool retain_graph, const char *fn) {
+    GJ_FE_TRACE_UNTRACEABLE("a backward (gj_backward)");
     int rc = -1;
     gj_tensor **sd = gj_rt_calloc((size_t)n, sizeof *sd);
     bool *made = gj_rt_calloc((size_t)n, sizeof *made);
@@ -620,6 +637,7 @@ int gj_backward(gj_tensor *root, gj_tensor *seed) { return gj_backward_ex(root, 
 int gj_grad(int n_outputs, gj_tensor *const *outputs, gj_tensor *const *seeds, int n_inputs,
             gj_tensor *const *inputs, gj_tensor **grads_out, bool retain_graph,
             bool allow_unused) {
+    GJ_FE_TRACE_UNTRACEABLE("gj_grad");
     int rc = -1;
     if (n_outputs <= 0 || n_inputs <= 0 || !outputs || !inputs || !grads_out) {
         gj_rt_set_error("gj_grad: needs n_outputs > 0, n_inputs > 0 and non-NULL outputs, "

@@ -14,6 +14,7 @@
 #include <math.h>
 
 int gj_clip_grad_norm(int n, gj_tensor *const *params, double max_norm, double *total_norm) {
+    GJ_FE_TRACE_UNTRACEABLE("gj_clip_grad_norm");
     const char *op = "gj_clip_grad_norm";
     if (total_norm) *total_norm = NAN;
     if (n < 0 || (n > 0 && !params)) {
@@ -96,6 +97,7 @@ static int64_t argmax_run(const double *v, int64_t n, int64_t s) {
 }
 
 gj_tensor *gj_argmax(gj_tensor *x, int axis, bool keepdim) {
+    if (x) GJ_FE_TRACE_READ(x, "gj_argmax", false);
     const char *op = "gj_argmax";
     if (!gj_rt_check_tensor(x, op, "x")) return gj_fe_fail();
     int nd = x->ndim;
@@ -136,6 +138,7 @@ done:
 }
 
 double gj_accuracy(gj_tensor *logits, gj_tensor *labels) {
+    if (logits) GJ_FE_TRACE_READ(logits, "gj_accuracy", false);
     const char *op = "gj_accuracy";
     if (!gj_rt_check_tensor(logits, op, "logits") || !gj_rt_check_tensor(labels, op, "labels"))
         return NAN;

@@ -429,7 +429,7 @@ void gj_jit_cache_levels(int64_t *mem_bytes, int64_t *mem_entries, int64_t *disk
 void gj_jit_stats(gj_ca_stats *out) {
     if (!out) return;
     int64_t backwards = out->backwards;
-    gj_jit_counters(out);
+    gj_jit_counters(GJ_JIT_PATH_BACKWARD, out);
     out->backwards = backwards;
     gj_jit_cache_levels(&out->mem_bytes, &out->mem_entries, &out->disk_bytes);
 }
@@ -459,7 +459,7 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
         if (!symbolic) {
             cache_insert(w, NULL, GJ_CA_RECOMPILE_LIMIT, lwhy, false);
             pthread_mutex_unlock(&g_lock);
-            gj_jit_fallback(GJ_CA_RECOMPILE_LIMIT, lwhy, true);
+            gj_jit_fallback(src->path, GJ_CA_RECOMPILE_LIMIT, lwhy, true);
             return GJ_JIT_FELL;
         }
     }
@@ -472,7 +472,7 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
         if (permanent) cache_insert(w, NULL, code, why, false);
         pthread_mutex_unlock(&g_lock);
         if (!permanent) return GJ_JIT_FALL;
-        gj_jit_fallback(code, why, true);
+        gj_jit_fallback(src->path, code, why, true);
         return GJ_JIT_FELL;
     }
     permanent = false;
@@ -505,7 +505,7 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
         gj_jit_program_free(prog);
         cache_insert(w, NULL, GJ_CA_RECOMPILE_LIMIT, lwhy, false);
         pthread_mutex_unlock(&g_lock);
-        gj_jit_fallback(GJ_CA_RECOMPILE_LIMIT, lwhy, true);
+        gj_jit_fallback(src->path, GJ_CA_RECOMPILE_LIMIT, lwhy, true);
         return GJ_JIT_FELL;
     }
     /* the disk cache answers only for the plan made here: its file's
@@ -578,13 +578,13 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
         gj_jit_program_free(prog);
         prog = NULL;
     }
-    gj_jit_count_compile_ms(gj_jit_now_ms() - t0);
+    gj_jit_count_compile_ms(src->path, gj_jit_now_ms() - t0);
     if (!prog) {
         got->code = build_reason(why);
         if (permanent) cache_insert(w, NULL, got->code, why, false);
         pthread_mutex_unlock(&g_lock);
         if (!permanent) return GJ_JIT_FALL;
-        gj_jit_fallback(got->code, why, true);
+        gj_jit_fallback(src->path, got->code, why, true);
         return GJ_JIT_FELL;
     }
     if (cache_insert(w, prog, GJ_CA_OTHER, NULL, false) != 0) {

@@ -41,6 +41,7 @@ typedef struct gj_jit_source {
                              bool *permanent);
     int (*finish)(void *ctx, gj_jit_program *prog);
     void *ctx;
+    gj_jit_path path; /* whose counters a fallback decided here goes to */
 } gj_jit_source;
 
 /* The outcome of gj_jit_get_program. */

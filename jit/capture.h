@@ -124,4 +124,30 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds);
 void gj_jit_capture_free(gj_jit_capture *cap);
 
+/* The recording builder itself (record.c), for captures other than a
+ * backward's (a training step's: step_capture.c). A value of it is a graph
+ * value id + 1 as a pointer (gj_jit_rec_val, gj_jit_rec_id). resolve, when
+ * set, gives the value of every tensor the formulas ask for as a constant
+ * (a saved tensor: its value id, or -1 with the capture's reason set);
+ * dropout, when set, says where a dropout mask's seed and offset come from
+ * at run time (the graph node's rt_node and rt_tape; 0, or -1 with the
+ * reason set). */
+typedef struct gj_jit_recorder {
+    gj_ag_builder b; /* first: the builder pointer is the recorder pointer */
+    gj_jit_capture *cap;
+    const gj_jit_walk *w;
+    int (*resolve)(void *ctx, gj_tensor *t);
+    int (*dropout)(void *ctx, uint64_t seed, uint64_t offset, int *rt_node, int *rt_tape);
+    void *ctx;
+} gj_jit_recorder;
+static inline gj_val *gj_jit_rec_val(int id) { return (gj_val *)(uintptr_t)((uintptr_t)id + 1); }
+static inline int gj_jit_rec_id(gj_val *v) { return (int)((uintptr_t)v - 1); }
+/* A recorder of cap (initialised by the caller: gj_jit_graph_init) over
+ * walk w, without resolve and dropout. */
+void gj_jit_recorder_init(gj_jit_recorder *r, gj_jit_capture *cap, const gj_jit_walk *w);
+/* A graph input for tensor t (role, node, slot as gj_jit_input), read in
+ * place in t's layout (GRAD: contiguous); its value id, or -1 (OOM). */
+int gj_jit_recorder_input(gj_jit_recorder *r, gj_tensor *t, gj_jit_role role, int node,
+                          int slot);
+
 #endif /* GJ_JIT_CAPTURE_H */

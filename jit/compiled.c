@@ -80,7 +80,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
     if (gj_jit_walk_build_grad(&w, n_roots, roots, seeds, gr ? gr->n_inputs : 0,
                                gr ? gr->inputs : NULL) != 0) {
         gj_jit_walk_free(&w);
-        gj_jit_fallback(GJ_CA_OTHER, "out of memory while computing the key", false);
+        gj_jit_fallback(GJ_JIT_PATH_BACKWARD, GJ_CA_OTHER, "out of memory while computing the key", false);
         return 0;
     }
     if (w.invalid) {
@@ -90,7 +90,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
         goto out;
     }
     gj_jit_key key = gj_jit_walk_key(&w);
-    gj_jit_source source = {bwd_capture, bwd_finish, &src};
+    gj_jit_source source = {bwd_capture, bwd_finish, &src, GJ_JIT_PATH_BACKWARD};
     int g = gj_jit_get_program(&key, &source, &got);
     if (g < 0) { /* the processes run different programs: an error */
         rc = -1;
@@ -155,10 +155,10 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
          * run finished (the .grads not yet written got the eager
          * accumulate's result) */
         bool first = !hc.transient && gj_jit_demote(&key, hc.code, hc.why);
-        gj_jit_fallback(hc.code, hc.why, first);
+        gj_jit_fallback(GJ_JIT_PATH_BACKWARD, hc.code, hc.why, first);
         if (r == 2) goto out; /* nothing written: the eager engine runs this backward */
     } else {
-        gj_jit_count_run(got.made, gj_jit_now_ms() - t1); /* it ran (r == -1: and failed) */
+        gj_jit_count_run(GJ_JIT_PATH_BACKWARD, got.made, gj_jit_now_ms() - t1); /* it ran (r == -1: and failed) */
     }
     if (r == 0) gj_jit_note_last_program(prog);
     rc = r == 0 ? 0 : -1;
@@ -176,7 +176,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
     }
     goto out;
 fall:
-    gj_jit_fallback(code, why, false);
+    gj_jit_fallback(GJ_JIT_PATH_BACKWARD, code, why, false);
 out:
     gj_ag_leaf_unlock_stripes(stripes);
     gj_jit_program_release(got.prog);

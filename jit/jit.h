@@ -115,4 +115,72 @@ void gj_jit_set_disk_limit(int64_t bytes);
 void gj_jit_set_dynamic(gj_ca_dynamic mode);
 gj_ca_dynamic gj_jit_dynamic(void);
 
+/* ------------------------------------------- the compiled training step */
+/* A training step (frontend gj_step) compiled whole: its forward (a trace
+ * of the step function, autograd/trace.c), backward and optimizer update
+ * as one program (jit/step.c). */
+
+typedef enum gj_jit_opt_kind { GJ_JIT_OPT_SGD = 0, GJ_JIT_OPT_ADAMW = 1 } gj_jit_opt_kind;
+
+/* Per parameter, the run-time scalars of its update (doubles, cast to the
+ * update's compute type as the eager update does): */
+enum {
+    GJ_JIT_H_LR = 0,
+    GJ_JIT_H_MOMENTUM,
+    GJ_JIT_H_WD,        /* SGD weight decay */
+    GJ_JIT_H_DECAY,     /* AdamW: 1 - lr * weight_decay */
+    GJ_JIT_H_B1C,       /* AdamW: 1 - beta1 */
+    GJ_JIT_H_B2,        /* AdamW: beta2 */
+    GJ_JIT_H_B2C,       /* AdamW: 1 - beta2 */
+    GJ_JIT_H_EPS,
+    GJ_JIT_H_STEP_SIZE, /* AdamW: lr / (1 - beta1^t) */
+    GJ_JIT_H_BC2_SQRT,  /* AdamW: sqrt(1 - beta2^t) */
+    GJ_JIT_HYPER        /* scalars per parameter */
+};
+
+/* The optimizer of a step as the compiler sees it (the frontend's
+ * gj_optim, flattened): its parameters and their state tensors (borrowed),
+ * what shapes the update (SGD: a momentum buffer? weight decay?), and this
+ * run's hyperparameters. */
+typedef struct gj_jit_opt {
+    gj_jit_opt_kind kind;
+    int n;
+    gj_tensor *const *params;
+    gj_tensor *const *s1; /* per parameter or NULL: SGD momentum, AdamW exp_avg */
+    gj_tensor *const *s2; /* AdamW exp_avg_sq */
+    bool momentum, weight_decay;
+    const double *hyper; /* [n * GJ_JIT_HYPER] */
+} gj_jit_opt;
+
+typedef struct gj_jit_cstep gj_jit_cstep; /* the compiled variants of one gj_step */
+gj_jit_cstep *gj_jit_cstep_new(void);
+void gj_jit_cstep_free(gj_jit_cstep *s);
+
+/* After the traced (eager) forward of a step, before its backward: makes
+ * (finds, loads or compiles) the program of this trace and keeps it as a
+ * variant of s, guarded by the inputs', parameters', state's and
+ * constants' metas. loss: the function's result (its graph alive);
+ * keep_grads / eval: the step's options. 0 (a variant), 1 (no program:
+ * *code and why[] say why; counted as a fallback), -1 (error set). */
+int gj_jit_cstep_prepare(gj_jit_cstep *s, const gj_ag_trace *tr, gj_tensor *loss,
+                        const gj_jit_opt *opt, bool keep_grads, bool eval, gj_ca_reason *code,
+                        char *why, size_t why_cap);
+
+/* Runs the variant of s whose guards hold for in[0..n_in) and opt (the
+ * generator draws the step's dropout masks as eager would). Returns 0 (ran:
+ * *loss_out a new 0-d tensor, parameters and state updated in place,
+ * updated[p] set for every parameter updated, grads_out[p] a new reference
+ * to its gradient when the variant keeps them, else NULL), 1 (no variant
+ * matches: trace the step again; nothing changed), or -1 (error set; the
+ * parameters may be partly updated, as after a failing eager step). */
+int gj_jit_cstep_run(gj_jit_cstep *s, int n_in, gj_tensor *const *in, const gj_jit_opt *opt,
+                    gj_tensor **loss_out, bool *updated, gj_tensor **grads_out);
+
+/* The compiled step's counters (`backwards`: steps run) and their reset;
+ * a fallback decided outside jit/ (an untraceable function, anomaly mode)
+ * is counted with gj_jit_cstep_note_fallback. */
+void gj_jit_cstep_stats(gj_ca_stats *out);
+void gj_jit_cstep_reset_stats(void);
+void gj_jit_cstep_note_fallback(gj_ca_reason reason, const char *detail, bool first);
+
 #endif /* GJ_JIT_H */

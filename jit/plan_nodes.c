@@ -884,6 +884,61 @@ static bool gemm_accumulate(planner *pl, const gj_jit_output *o, int dst) {
     return true;
 }
 
+/* Whether node i reads buffer b through one of its input values (a view of
+ * b, or -- for a value its group computes again -- through that value's
+ * own inputs). */
+static bool node_reads_buf(const planner *pl, int i, int b) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    for (int k = 0; k < n->inst.n_in; k++) {
+        const vinfo *u = &pl->vi[n->in[k]];
+        if (u->kind == V_VIEW && u->buf == b) return true;
+    }
+    return false;
+}
+
+/* Whether planned step s reads buffer b. */
+static bool step_reads_buf(const planner *pl, int s, int b) {
+    const pstep *x = &pl->ps[s];
+    switch (x->kind) {
+    case PS_GROUP: {
+        const pgroup *G = &pl->groups[x->idx];
+        if (G->is_copy) {
+            const vinfo *u = G->copy_src >= 0 ? &pl->vi[G->copy_src] : NULL;
+            return u && u->kind == V_VIEW && u->buf == b;
+        }
+        for (int k = 0; k < G->n; k++)
+            if (node_reads_buf(pl, G->nodes[k], b)) return true;
+        for (int k = 0; k < G->n_recomp; k++) {
+            int node = pl->g->values[G->recomp[k]].node;
+            if (node >= 0 && node_reads_buf(pl, node, b)) return true;
+        }
+        return false;
+    }
+    case PS_MATMUL: return pl->mms[x->idx].a_buf == b || pl->mms[x->idx].b_buf == b;
+    case PS_INDEX: return pl->ixs[x->idx].src_buf == b || pl->ixs[x->idx].idx_buf == b;
+    case PS_FOLD: return pl->fds[x->idx].src_buf == b;
+    case PS_HOOK: return pl->hks[x->idx].src_buf == b;
+    case PS_CALL:
+        for (int k = 0; k < pl->cls[x->idx].n_in; k++)
+            if (pl->cls[x->idx].src_buf[k] == b) return true;
+        return false;
+    default: return false;
+    }
+}
+
+/* An output written in place into input buffer b (a .grad, or a training
+ * step's parameter and optimizer state) overwrites what other steps read:
+ * the writing step comes after every other step that reads b. 0 or -1. */
+static int after_readers(planner *pl, int b) {
+    int w = pl->p->bufs[b].writer;
+    if (w < 0) return 0;
+    for (int s = 0; s < pl->n_ps; s++) {
+        if (s == w || pl->ps[s].kind == PS_DEAD || !step_reads_buf(pl, s, b)) continue;
+        if (add_dep(pl, w, s) != 0) return gj_jit_pl_oom(pl);
+    }
+    return 0;
+}
+
 int gj_jit_pl_outputs(planner *pl) {
     const gj_jit_graph *g = pl->g;
     gj_jit_plan *p = pl->p;
@@ -934,6 +989,9 @@ int gj_jit_pl_outputs(planner *pl) {
         }
         p->out_buf[oi] = dst;
     }
+    for (int oi = 0; oi < g->n_outputs; oi++)
+        if (g->outputs[oi].grad_input >= 0 && after_readers(pl, g->outputs[oi].grad_input) != 0)
+            return -1;
     return 0;
 }
 

@@ -34,14 +34,10 @@
 
 #include <string.h>
 
-typedef struct recorder {
-    gj_ag_builder b; /* first: the builder pointer is the recorder pointer */
-    gj_jit_capture *cap;
-    const gj_jit_walk *w;
-} recorder;
+typedef gj_jit_recorder recorder;
 
-static gj_val *id_val(int id) { return (gj_val *)(uintptr_t)((uintptr_t)id + 1); }
-static int val_id(gj_val *v) { return (int)((uintptr_t)v - 1); }
+static gj_val *id_val(int id) { return gj_jit_rec_val(id); }
+static int val_id(gj_val *v) { return gj_jit_rec_id(v); }
 
 /* Records the real tensor of graph input index i. 0 or -1 (OOM). */
 static int note_tensor(gj_jit_capture *cap, int i, gj_tensor *t) {
@@ -57,7 +53,8 @@ static int note_tensor(gj_jit_capture *cap, int i, gj_tensor *t) {
     return 0;
 }
 
-static int add_tensor_input(recorder *r, gj_tensor *t, gj_jit_role role, int node, int slot) {
+int gj_jit_recorder_input(gj_jit_recorder *r, gj_tensor *t, gj_jit_role role, int node,
+                          int slot) {
     gj_rt_meta m;
     gj_rt_meta_of(t, &m);
     int v = gj_jit_graph_add_input(&r->cap->g, &m, role, node, slot);
@@ -101,7 +98,13 @@ static int rec_emit(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     if (n < 0) return -1;
     if (inst->prim == GJ_P_DROPOUT_MASK) { /* seed/offset come from the node (or tape) at run time */
         gj_jit_node *gn = &r->cap->g.nodes[r->cap->g.n_nodes - 1];
-        gn->rt_node = gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset, &gn->rt_tape);
+        if (r->dropout) {
+            if (r->dropout(r->ctx, inst->seed, inst->rng_offset, &gn->rt_node, &gn->rt_tape) != 0)
+                return -1;
+        } else {
+            gn->rt_node =
+                gj_jit_walk_find_dropout(r->w, inst->seed, inst->rng_offset, &gn->rt_tape);
+        }
     }
     for (int k = 0; k < n; k++) outs[k] = id_val(out_ids[k]);
     return n;
@@ -114,6 +117,10 @@ static void rec_meta(gj_ag_builder *b, gj_val *v, gj_rt_meta *out) {
 
 static gj_val *rec_constant(gj_ag_builder *b, gj_tensor *t) {
     recorder *r = (recorder *)b;
+    if (r->resolve) { /* a training step: the value its forward computed */
+        int v = r->resolve(r->ctx, t);
+        return v < 0 ? NULL : id_val(v);
+    }
     int node = -1, slot = 0;
     gj_jit_role role = GJ_JIT_IN_SAVED;
     if (gj_jit_walk_saved_origin(r->w, t, &node, &slot) != 0) {
@@ -121,7 +128,7 @@ static gj_val *rec_constant(gj_ag_builder *b, gj_tensor *t) {
         node = -1;
         r->cap->unknown_origin = true;
     }
-    int v = add_tensor_input(r, t, role, node, slot);
+    int v = gj_jit_recorder_input(r, t, role, node, slot);
     return v < 0 ? NULL : id_val(v);
 }
 
@@ -167,7 +174,7 @@ static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
         gj_rt_set_error("jit capture: unsupported .grad layout");
         return -1;
     }
-    int gin = add_tensor_input(r, grad, GJ_JIT_IN_GRAD, acc, 0);
+    int gin = gj_jit_recorder_input(r, grad, GJ_JIT_IN_GRAD, acc, 0);
     if (gin < 0) return -1;
     if (gm.dtype != grad->dtype) {
         gj_rt_inst cast = {.prim = GJ_P_CAST, .n_in = 1, .dtype = grad->dtype};
@@ -408,6 +415,24 @@ done:
     return rc;
 }
 
+void gj_jit_recorder_init(gj_jit_recorder *r, gj_jit_capture *cap, const gj_jit_walk *w) {
+    memset(r, 0, sizeof *r);
+    r->b = (gj_ag_builder){.emit = rec_emit,
+                           .meta = rec_meta,
+                           .constant = rec_constant,
+                           .keep = rec_keep,
+                           .drop = rec_drop,
+                           .end_step = rec_end_step,
+                           .accumulate = rec_accumulate,
+                           .records = true,
+                           .call_hook = rec_call_hook,
+                           .call_post_hook = rec_call_post_hook,
+                           .call_custom = rec_call_custom,
+                           .call_custom_fwd = rec_call_custom_fwd};
+    r->cap = cap;
+    r->w = w;
+}
+
 int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
                        gj_tensor *const *roots, gj_tensor *const *seeds) {
     memset(cap, 0, sizeof *cap);
@@ -415,29 +440,15 @@ int gj_jit_capture_run(gj_jit_capture *cap, const gj_jit_walk *w, int n_roots,
     gj_jit_graph_init(&cap->g);
     cap->g.walk_nodes = w->nodes; /* leaf names in GRADJIT_LOG=graph */
     cap->g.n_walk_nodes = w->n;
-    recorder r = {
-        .b = {.emit = rec_emit,
-              .meta = rec_meta,
-              .constant = rec_constant,
-              .keep = rec_keep,
-              .drop = rec_drop,
-              .end_step = rec_end_step,
-              .accumulate = rec_accumulate,
-              .records = true,
-              .call_hook = rec_call_hook,
-              .call_post_hook = rec_call_post_hook,
-              .call_custom = rec_call_custom,
-              .call_custom_fwd = rec_call_custom_fwd},
-        .cap = cap,
-        .w = w,
-    };
+    recorder r;
+    gj_jit_recorder_init(&r, cap, w);
     int rc = -1;
     gj_val **seed_vals = gj_rt_calloc((size_t)n_roots + 1, sizeof *seed_vals);
     if (!seed_vals) goto done;
     for (int i = 0; i < n_roots; i++) {
         int v;
         if (seeds && seeds[i]) {
-            v = add_tensor_input(&r, seeds[i], GJ_JIT_IN_SEED, -1, i);
+            v = gj_jit_recorder_input(&r, seeds[i], GJ_JIT_IN_SEED, -1, i);
         } else {
             gj_rt_inst fill = {.prim = GJ_P_FILL, .n_in = 0, .scalar = 1.0,
                                .dtype = roots[i]->dtype, .ndim = roots[i]->ndim};
