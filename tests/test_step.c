@@ -1,0 +1,497 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * test_step.c - the compiled training step (gj_step) against the eager
+ * step, bit for bit: loss, parameters, optimizer state and kept .grads,
+ * over several steps, in f32, f64 and bf16, with SGD (momentum, weight
+ * decay) and AdamW, dropout, an eval step; its variants (new input shapes,
+ * a parameter changed by set_), its guards and every reason it runs
+ * eagerly (each checked for the reason and for eager's results); and its
+ * counters, which add up to the steps run.
+ */
+#include "gjtest.h"
+
+#include "../jit/jit.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { IN = 12, HID = 24, OUT = 5, NSTEP = 6, NP = 4 };
+
+typedef enum misuse {
+    M_NONE = 0,
+    M_ITEM,      /* reads a value it computed */
+    M_INPLACE,   /* an in-place op */
+    M_HOOK,      /* registers a hook */
+    M_RANDN,     /* draws a random tensor */
+    M_FROM_DATA, /* makes a tensor from memory */
+    M_BACKWARD,  /* runs a backward */
+    M_CKPT,      /* a checkpoint region */
+    M_N
+} misuse;
+
+static const char *const g_misuse_text[M_N] = {
+    "", "gj_tensor_item", "gj_mul_scalar_", "gj_register_hook", "gj_randn",
+    "gj_from_data", "gj_grad", "gj_checkpoint"};
+
+typedef struct model {
+    gj_dtype dt;
+    gj_tensor *p[NP]; /* w1 [HID, IN], b1 [HID], w2 [OUT, HID], b2 [OUT] */
+    gj_tensor *unused; /* a parameter the loss never reads */
+    double drop;       /* dropout probability after the hidden layer (0: none) */
+    misuse mis;
+    gj_tensor *mask;   /* a constant: scales the hidden layer */
+} model;
+
+static gj_tensor *keep_hook(gj_tensor *g, void *u) {
+    (void)u;
+    (void)g;
+    return NULL;
+}
+
+static int ck_fn(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    (void)user;
+    (void)n_in;
+    (void)n_out;
+    out[0] = gj_tanh(in[0]);
+    return out[0] ? 0 : -1;
+}
+
+/* The step function: mean cross-entropy of a 2-layer MLP. */
+static gj_tensor *mlp_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    model *m = ctx;
+    (void)n_in;
+    gj_tensor *h = gj_gelu(gj_linear(in[0], m->p[0], m->p[1]));
+    if (m->mask) h = gj_mul(h, m->mask);
+    if (m->drop > 0) h = gj_dropout(h, m->drop, true);
+    switch (m->mis) {
+    case M_ITEM: (void)gj_tensor_item(gj_sum(h, 0, NULL, false)); break;
+    case M_INPLACE: {
+        gj_no_grad_push();
+        gj_tensor *c = gj_contiguous(gj_detach(h));
+        (void)gj_mul_scalar_(c, 1.0);
+        gj_no_grad_pop();
+        break;
+    }
+    case M_HOOK: (void)gj_register_hook(h, keep_hook, NULL); break;
+    case M_RANDN: h = gj_add(h, gj_mul_scalar(gj_randn(m->dt, 1, (int64_t[]){HID}, 1.0), 0.0)); break;
+    case M_FROM_DATA: {
+        double z = 0.0;
+        gj_tensor *t = gj_cast(gj_from_data(GJ_F64, 0, NULL, &z), m->dt);
+        h = gj_add(h, t);
+        break;
+    }
+    case M_BACKWARD: {
+        gj_tensor *g = NULL, *x = in[0];
+        (void)x;
+        gj_tensor *s = gj_sum(gj_mul(h, h), 0, NULL, false);
+        gj_tensor *pp = m->p[0];
+        (void)gj_grad(1, &s, NULL, 1, &pp, &g, true, true);
+        break;
+    }
+    case M_CKPT: {
+        gj_tensor *o = NULL;
+        if (gj_checkpoint(ck_fn, NULL, 1, &h, 1, &o, NULL, NULL) == 0) h = o;
+        break;
+    }
+    default: break;
+    }
+    gj_tensor *y = gj_linear(h, m->p[2], m->p[3]);
+    return gj_cross_entropy(y, in[1]);
+}
+
+static void model_init(model *m, gj_dtype dt, uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    m->dt = dt;
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    const int64_t s[NP][2] = {{HID, IN}, {HID, 0}, {OUT, HID}, {OUT, 0}};
+    for (int k = 0; k < NP; k++) {
+        m->p[k] = gjt_uniform(&r, dt, s[k][1] ? 2 : 1, s[k], -0.4, 0.4);
+        assert_int_equal(gj_set_requires_grad(m->p[k], true), 0);
+    }
+    m->unused = gjt_uniform(&r, dt, 1, (int64_t[]){3}, -1, 1);
+    assert_int_equal(gj_set_requires_grad(m->unused, true), 0);
+}
+
+static void model_free(model *m) {
+    for (int k = 0; k < NP; k++) gj_release(m->p[k]);
+    gj_release(m->unused);
+    if (m->mask) gj_release(m->mask);
+}
+
+/* What a run leaves: per step the loss, then the parameters, the
+ * optimizer state (through its state dict) and the .grads (NAN: none). */
+typedef struct result {
+    double loss[NSTEP + 4];
+    double *params, *state, *grads;
+    int64_t n_params, n_state, n_grads;
+    bool has_grad[NP + 1];
+    uint64_t rng_counter;
+} result;
+
+static void result_free(result *r) {
+    free(r->params);
+    free(r->state);
+    free(r->grads);
+}
+
+typedef struct run_cfg {
+    gj_dtype dt;
+    bool adamw, keep_grads, eval;
+    double drop;
+    misuse mis;
+    bool mask;
+    int batch2;  /* > 0: steps from NSTEP/2 on use this batch */
+    double lr2;  /* > 0: the learning rate from NSTEP/2 on */
+} run_cfg;
+
+static double *all_values(gj_tensor *const *ts, int n, int64_t *total) {
+    int64_t t = 0;
+    for (int k = 0; k < n; k++) t += ts[k] ? gj_tensor_numel(ts[k]) : 0;
+    double *v = calloc((size_t)t + 1, sizeof *v);
+    assert_non_null(v);
+    int64_t at = 0;
+    for (int k = 0; k < n; k++) {
+        if (!ts[k]) continue;
+        assert_int_equal(gj_tensor_to_f64(ts[k], v + at), 0);
+        at += gj_tensor_numel(ts[k]);
+    }
+    *total = t;
+    return v;
+}
+
+/* NSTEP steps of cfg, eager or compiled, from the same weights and data. */
+static result run(const run_cfg *cfg, bool eager) {
+    model m;
+    model_init(&m, cfg->dt, 11);
+    m.drop = cfg->drop;
+    m.mis = cfg->mis;
+    if (cfg->mask) {
+        gjt_rng r;
+        gjt_rng_seed(&r, 5);
+        m.mask = gjt_uniform(&r, cfg->dt, 1, (int64_t[]){HID}, 0.5, 1.5);
+    }
+    gj_tensor *ps[NP + 1] = {m.p[0], m.p[1], m.p[2], m.p[3], m.unused};
+    gj_optim *o = cfg->adamw ? gj_adamw_new(NP + 1, ps, 1e-2, 0.9, 0.999, 1e-8, 0.05)
+                             : gj_sgd_new(NP + 1, ps, 0.05, 0.9, 0.01);
+    assert_non_null(o);
+    gj_step_opts so = {.eager = eager, .keep_grads = cfg->keep_grads, .eval = cfg->eval};
+    gj_step *st = gj_step_new(mlp_loss, &m, o, &so);
+    assert_non_null(st);
+    gj_manual_seed(42);
+    gjt_rng r;
+    gjt_rng_seed(&r, 77);
+    result res;
+    memset(&res, 0, sizeof res);
+    for (int i = 0; i < NSTEP; i++) {
+        int64_t b = cfg->batch2 > 0 && i >= NSTEP / 2 ? cfg->batch2 : 8;
+        if (cfg->lr2 > 0 && i == NSTEP / 2) gj_optim_set_lr(o, cfg->lr2);
+        gj_scope_push();
+        gj_tensor *x = gjt_uniform(&r, cfg->dt, 2, (int64_t[]){b, IN}, -1, 1);
+        gj_tensor *y = gjt_labels(&r, 1, &b, OUT);
+        gj_tensor *in[2] = {x, y}, *loss = NULL;
+        if (gj_step_run(st, 2, in, &loss) != 0) fail_msg("step %d: %s", i, gj_last_error());
+        assert_non_null(loss);
+        assert_true(gj_is_grad_enabled());
+        res.loss[i] = gj_tensor_item(loss);
+        if (!cfg->keep_grads && !cfg->eval)
+            for (int k = 0; k < NP + 1; k++) assert_null(gj_tensor_grad(ps[k]));
+        gj_scope_pop();
+    }
+    res.params = all_values(ps, NP + 1, &res.n_params);
+    gj_tensor *gs[NP + 1];
+    for (int k = 0; k < NP + 1; k++) {
+        gs[k] = gj_tensor_grad(ps[k]);
+        res.has_grad[k] = gs[k] != NULL;
+    }
+    res.grads = all_values(gs, NP + 1, &res.n_grads);
+    gj_state_dict *sd = gj_state_dict_new();
+    assert_int_equal(gj_optim_state_dict_add(o, sd, "o"), 0);
+    res.state = all_values(gj_state_dict_tensors(sd), gj_state_dict_size(sd), &res.n_state);
+    gj_state_dict_free(sd);
+    uint64_t seed;
+    gj_rng_get_state(&seed, &res.rng_counter);
+    gj_step_free(st);
+    gj_optim_free(o);
+    for (int k = 0; k < NP + 1; k++) gj_tensor_set_grad(ps[k], NULL);
+    model_free(&m);
+    return res;
+}
+
+static void same(const char *what, const result *e, const result *c) {
+    for (int i = 0; i < NSTEP; i++)
+        if (memcmp(&e->loss[i], &c->loss[i], sizeof e->loss[i]) != 0)
+            fail_msg("%s: step %d loss %.17g eager, %.17g compiled", what, i, e->loss[i],
+                     c->loss[i]);
+    assert_int_equal(e->n_params, c->n_params);
+    assert_int_equal(e->n_state, c->n_state);
+    assert_int_equal(e->n_grads, c->n_grads);
+    assert_memory_equal(e->has_grad, c->has_grad, sizeof e->has_grad);
+    int64_t bad = 0;
+    for (int64_t k = 0; k < e->n_params; k++) bad += memcmp(&e->params[k], &c->params[k], 8) != 0;
+    if (bad) fail_msg("%s: %lld parameter values differ", what, (long long)bad);
+    assert_memory_equal(e->state, c->state, (size_t)e->n_state * sizeof(double));
+    assert_memory_equal(e->grads, c->grads, (size_t)e->n_grads * sizeof(double));
+    assert_true(e->rng_counter == c->rng_counter); /* the same draws from the generator */
+}
+
+static gj_ca_stats check(const char *what, const run_cfg *cfg, int64_t want_fallbacks) {
+    gj_compiled_autograd_set_quiet(true);
+    result e = run(cfg, true);
+    gj_step_reset_stats();
+    result c = run(cfg, false);
+    gj_ca_stats s;
+    gj_step_stats(&s);
+    if (s.fallbacks != want_fallbacks)
+        fail_msg("%s: %lld fallbacks (want %lld): %s", what, (long long)s.fallbacks,
+                 (long long)want_fallbacks, gj_compiled_autograd_last_fallback());
+    assert_int_equal(s.backwards, NSTEP);
+    assert_int_equal(s.compiles + s.mem_hits + s.disk_hits + s.instantiations + s.fallbacks,
+                     s.backwards);
+    same(what, &e, &c);
+    result_free(&e);
+    result_free(&c);
+    return s;
+}
+
+/* ----------------------------------------------------------- results */
+
+static void test_f32_adamw(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32, .adamw = true};
+    check("f32 AdamW", &c, 0);
+}
+
+static void test_f64_adamw(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F64, .adamw = true};
+    check("f64 AdamW", &c, 0);
+}
+
+static void test_bf16_adamw(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_BF16, .adamw = true};
+    check("bf16 AdamW", &c, 0);
+}
+
+static void test_f32_sgd(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32};
+    check("f32 SGD momentum + weight decay", &c, 0);
+    c.dt = GJ_F64;
+    check("f64 SGD", &c, 0);
+}
+
+static void test_dropout_constant_keep(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32, .adamw = true, .drop = 0.3, .mask = true, .keep_grads = true};
+    check("dropout, a constant, kept .grads", &c, 0);
+}
+
+static void test_eval(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32, .eval = true, .drop = 0.2};
+    check("eval", &c, 0);
+}
+
+/* A new batch size is a new variant (traced, compiled or bound to the
+ * first's symbolic kernels); a new learning rate is a run-time value. */
+static void test_variants(void **st) {
+    (void)st;
+    gj_jit_clear_cache(); /* (the first shape's program is not in memory already) */
+    run_cfg c = {.dt = GJ_F32, .adamw = true, .batch2 = 5, .lr2 = 3e-3};
+    gj_ca_stats s = check("a second batch size, another lr", &c, 0);
+    assert_int_equal(s.compiles + s.disk_hits + s.instantiations, 2);
+    assert_int_equal(s.mem_hits, NSTEP - 2);
+}
+
+/* ------------------------------------------------------------ reasons */
+
+/* Each thing a replay cannot redo: the step runs eagerly from its first
+ * run on, with reason untraceable naming it, and eager's results. */
+static void test_untraceable(void **st) {
+    (void)st;
+    for (int mi = M_ITEM; mi < M_N; mi++) {
+        run_cfg c = {.dt = GJ_F32, .adamw = true, .mis = (misuse)mi};
+        char what[64];
+        snprintf(what, sizeof what, "untraceable: %s", g_misuse_text[mi]);
+        gj_ca_stats s = check(what, &c, NSTEP);
+        assert_int_equal(s.fallbacks_by_reason[GJ_CA_UNTRACEABLE], NSTEP);
+        const char *last = gj_compiled_autograd_last_fallback();
+        if (!strstr(last, g_misuse_text[mi]) || !strstr(last, "step: untraceable"))
+            fail_msg("%s: last fallback '%s'", what, last);
+    }
+}
+
+static void test_anomaly_mode(void **st) {
+    (void)st;
+    gj_set_anomaly_mode(true);
+    run_cfg c = {.dt = GJ_F32, .adamw = true};
+    gj_ca_stats s = check("anomaly mode", &c, NSTEP);
+    gj_set_anomaly_mode(false);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_INCOMPATIBLE_MODE], NSTEP);
+}
+
+/* ------------------------------------------------------------- guards */
+
+/* A parameter given another dtype by set_ between steps is another
+ * variant: the step traces again (eager's results: a bf16 parameter) and
+ * the earlier variant is not run on it. */
+static void test_guard_set_dtype(void **st) {
+    (void)st;
+    gj_compiled_autograd_set_quiet(true);
+    double loss[2][NSTEP];
+    for (int mode = 0; mode < 2; mode++) {
+        model m;
+        model_init(&m, GJ_F32, 3);
+        gj_tensor *ps[NP] = {m.p[0], m.p[1], m.p[2], m.p[3]};
+        gj_optim *o = gj_sgd_new(NP, ps, 0.05, 0.0, 0.0);
+        gj_step_opts so = {.eager = mode == 0};
+        gj_step *s = gj_step_new(mlp_loss, &m, o, &so);
+        gjt_rng r;
+        gjt_rng_seed(&r, 9);
+        gj_step_reset_stats();
+        for (int i = 0; i < NSTEP; i++) {
+            if (i == NSTEP / 2) { /* every parameter to f64 */
+                for (int k = 0; k < NP; k++) {
+                    gj_tensor *c = gj_cast(ps[k], GJ_F64);
+                    gj_no_grad_push();
+                    assert_int_equal(gj_tensor_set_(ps[k], c), 0);
+                    gj_no_grad_pop();
+                    gj_release(c);
+                }
+                m.dt = GJ_F64;
+            }
+            gj_scope_push();
+            int64_t b = 6;
+            gj_tensor *x = gjt_uniform(&r, m.dt, 2, (int64_t[]){b, IN}, -1, 1);
+            gj_tensor *y = gjt_labels(&r, 1, &b, OUT);
+            gj_tensor *in[2] = {x, y}, *l = NULL;
+            if (gj_step_run(s, 2, in, &l) != 0) fail_msg("step %d: %s", i, gj_last_error());
+            loss[mode][i] = gj_tensor_item(l);
+            gj_scope_pop();
+        }
+        if (mode == 1) {
+            gj_ca_stats c;
+            gj_step_stats(&c);
+            assert_int_equal(c.fallbacks, 0);
+            assert_int_equal(c.compiles + c.disk_hits + c.instantiations, 2);
+        }
+        gj_step_free(s);
+        gj_optim_free(o);
+        model_free(&m);
+    }
+    assert_memory_equal(loss[0], loss[1], sizeof loss[0]);
+}
+
+/* A constant read by the step function is read at run time: changing its
+ * values in place between steps changes the compiled step's results as it
+ * changes eager's. */
+static void test_constant_read_at_run_time(void **st) {
+    (void)st;
+    gj_compiled_autograd_set_quiet(true);
+    double loss[2][NSTEP];
+    for (int mode = 0; mode < 2; mode++) {
+        model m;
+        model_init(&m, GJ_F32, 4);
+        m.mask = gj_ones(GJ_F32, 1, (int64_t[]){HID});
+        gj_scope_keep(m.mask);
+        gj_tensor *ps[NP] = {m.p[0], m.p[1], m.p[2], m.p[3]};
+        gj_optim *o = gj_adamw_new(NP, ps, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+        gj_step_opts so = {.eager = mode == 0};
+        gj_step *s = gj_step_new(mlp_loss, &m, o, &so);
+        gjt_rng r;
+        gjt_rng_seed(&r, 10);
+        for (int i = 0; i < NSTEP; i++) {
+            gj_no_grad_push();
+            assert_int_equal(gj_mul_scalar_(m.mask, 0.9), 0);
+            gj_no_grad_pop();
+            gj_scope_push();
+            int64_t b = 4;
+            gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){b, IN}, -1, 1);
+            gj_tensor *y = gjt_labels(&r, 1, &b, OUT);
+            gj_tensor *in[2] = {x, y}, *l = NULL;
+            assert_int_equal(gj_step_run(s, 2, in, &l), 0);
+            loss[mode][i] = gj_tensor_item(l);
+            gj_scope_pop();
+        }
+        gj_step_free(s);
+        gj_optim_free(o);
+        model_free(&m);
+    }
+    assert_memory_equal(loss[0], loss[1], sizeof loss[0]);
+}
+
+/* A step program is a disk hit when the memory cache is gone (what a new
+ * process sees), with the same results. */
+static void test_disk(void **st) {
+    (void)st;
+    char dir[] = "/tmp/gj-step-disk-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    gj_jit_set_disk_cache(dir);
+    gj_jit_clear_cache();
+    run_cfg c = {.dt = GJ_F32, .adamw = true, .drop = 0.1};
+    gj_ca_stats s = check("into the disk cache", &c, 0);
+    assert_int_equal(s.compiles, 1);
+    gj_jit_clear_cache();
+    s = check("from the disk cache", &c, 0);
+    assert_int_equal(s.compiles, 0);
+    assert_int_equal(s.disk_hits, 1);
+    gj_jit_clear_cache();
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+    const char *env = getenv("GRADJIT_CACHE_DIR");
+    gj_jit_set_disk_cache(env && *env && strcmp(env, "off") != 0 ? env : NULL);
+}
+
+/* ---------------------------------------------------------- bad input */
+
+static void test_bad_input(void **st) {
+    (void)st;
+    model m;
+    model_init(&m, GJ_F32, 5);
+    gj_tensor *ps[NP] = {m.p[0], m.p[1], m.p[2], m.p[3]};
+    gj_optim *o = gj_sgd_new(NP, ps, 0.1, 0.0, 0.0);
+    gj_clear_error();
+    assert_null(gj_step_new(NULL, &m, o, NULL));
+    assert_true(gjt_error_has("fn is NULL"));
+    assert_null(gj_step_new(mlp_loss, &m, NULL, NULL));
+    assert_true(gjt_error_has("opt is NULL"));
+    gj_step *s = gj_step_new(mlp_loss, &m, o, NULL);
+    assert_non_null(s);
+    assert_int_equal(gj_step_run(NULL, 0, NULL, NULL), -1);
+    assert_true(gjt_error_has("step is NULL"));
+    assert_int_equal(gj_step_run(s, 2, NULL, NULL), -1);
+    gj_tensor *in[2] = {NULL, NULL};
+    assert_int_equal(gj_step_run(s, 2, in, NULL), -1);
+    assert_true(gjt_error_has("in[0]"));
+    gj_step_free(s);
+    gj_step_free(NULL);
+    gj_optim_free(o);
+    model_free(&m);
+}
+
+int main(void) {
+    gjt_setup();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_f32_adamw),
+        cmocka_unit_test(test_f64_adamw),
+        cmocka_unit_test(test_bf16_adamw),
+        cmocka_unit_test(test_f32_sgd),
+        cmocka_unit_test(test_dropout_constant_keep),
+        cmocka_unit_test(test_eval),
+        cmocka_unit_test(test_variants),
+        cmocka_unit_test(test_untraceable),
+        cmocka_unit_test(test_anomaly_mode),
+        cmocka_unit_test(test_guard_set_dtype),
+        cmocka_unit_test(test_constant_read_at_run_time),
+        cmocka_unit_test(test_disk),
+        cmocka_unit_test(test_bad_input),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    gj_jit_clear_cache();
+    return rc;
+}
