@@ -323,6 +323,20 @@ extern const gj_ag_opdef gj_ag_op_checkpoint;
 typedef struct gj_ag_ckpt_region gj_ag_ckpt_region;
 /* The region open on this thread, or NULL. */
 gj_ag_ckpt_region *gj_ag_ckpt_active(void);
+/* Tape ops the backwards of checkpoint nodes replayed (recomputed) on this
+ * thread so far, with any builder: eager recomputation, or recomputation
+ * recorded into a compiled graph. For tests of the policies. */
+int64_t gj_ag_ckpt_recomputed(void);
+/* The number of ops on region r's tape so far. */
+int gj_ag_ckpt_tape_len(const gj_ag_ckpt_region *r);
+/* Where stored tensor k of checkpoint node n (gj_ag_ckpt_stored) comes
+ * from: an output (GJ_AG_STORED_OUTPUT: output *index of tape op *op), a
+ * value an op's formula saved (GJ_AG_STORED_INTERNAL: saved value *index of
+ * tape op *op), or a tensor from outside the region that it read
+ * (GJ_AG_STORED_SOURCE: input *index of tape op *op is it). 0, or -1 if n
+ * is not a live checkpoint node or k is out of range. */
+enum { GJ_AG_STORED_OUTPUT = 0, GJ_AG_STORED_INTERNAL = 1, GJ_AG_STORED_SOURCE = 2 };
+int gj_ag_ckpt_stored_origin(const gj_ag_node *n, int k, int *kind, int *op, int *index);
 /* Opens a region on this thread: in[0..n_in) (borrowed) are its inputs,
  * policy (may be NULL: recompute everything) decides per op. NULL with the
  * error set if a region is already open (nested regions are an error). */
@@ -551,6 +565,12 @@ typedef struct gj_ag_trace_entry {
     int in[GJ_AG_MAX_IN];   /* slots */
     int out[GJ_AG_MAX_OUT]; /* slots */
     gj_ag_node *node;       /* the node gj_ag_apply made (strong), or NULL */
+    /* An op of a checkpoint region: op #tape_pos of the tape of checkpoint
+     * node ckpt (the region's own entry comes after its ops; borrowed: the
+     * region's entry holds the node). NULL for an op outside regions. */
+    gj_ag_node *ckpt;
+    bool in_region;
+    int tape_pos;
 } gj_ag_trace_entry;
 
 typedef struct gj_ag_trace {
@@ -577,10 +597,11 @@ gj_ag_trace *gj_ag_trace_active(void);
 /* The slot of t (the latest if several), or -1. */
 int gj_ag_trace_slot_of(const gj_ag_trace *tr, const gj_tensor *t);
 /* gj_ag_apply: op made outs[] from in[] (node: the node it recorded, or
- * NULL). Nothing if no trace is recording. */
+ * NULL; tape_pos: its position on the tape of the checkpoint region open,
+ * or -1 outside regions). Nothing if no trace is recording. */
 void gj_ag_trace_note_op(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
                          gj_tensor *const *in, int n_out, gj_tensor *const *outs,
-                         gj_ag_node *node);
+                         gj_ag_node *node, int tape_pos);
 /* The frontend tells the recording trace (if any) what the function did:
  * an alias of src without history (gj_detach); a tensor made by a creation
  * function (deterministic: from its arguments alone); a read of t's values

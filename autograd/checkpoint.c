@@ -129,8 +129,13 @@ struct gj_ag_ckpt_region {
 };
 
 static _Thread_local gj_ag_ckpt_region *g_region;
+static _Thread_local int64_t g_recomputed; /* tape ops replayed by backwards, this thread */
+
+int64_t gj_ag_ckpt_recomputed(void) { return g_recomputed; }
 
 gj_ag_ckpt_region *gj_ag_ckpt_active(void) { return g_region; }
+
+int gj_ag_ckpt_tape_len(const gj_ag_ckpt_region *r) { return r->tape->n_entries; }
 
 static void tape_free(ckpt_tape *tp) {
     if (!tp) return;
@@ -524,6 +529,37 @@ gj_tensor *gj_ag_ckpt_stored(const gj_ag_node *n, int k, int64_t *version) {
     }
     if (version) *version = tp->stored_version[k];
     return tp->stored[k];
+}
+
+int gj_ag_ckpt_stored_origin(const gj_ag_node *n, int k, int *kind, int *op, int *index) {
+    if (!n || n->kind != GJ_AG_OP || n->op != &gj_ag_op_checkpoint) return -1;
+    const ckpt_tape *tp = registry_find(n);
+    if (!tp || k < 0 || k >= tp->n_stored) return -1;
+    for (int j = 0; j < tp->n_entries; j++) {
+        const ckpt_entry *e = &tp->e[j];
+        for (int m = 0; m < e->n_out; m++)
+            if (e->out_stored[m] == k) {
+                *kind = GJ_AG_STORED_OUTPUT;
+                *op = j;
+                *index = m;
+                return 0;
+            }
+        for (int s = 0; s < e->n_saved && e->keep; s++)
+            if (e->saved[s].kind == SV_INTERNAL && e->saved[s].index == k) {
+                *kind = GJ_AG_STORED_INTERNAL;
+                *op = j;
+                *index = s;
+                return 0;
+            }
+        for (int i = 0; i < e->n_in; i++)
+            if (e->in[i].entry < 0 && tp->src[e->in[i].index].stored == k) {
+                *kind = GJ_AG_STORED_SOURCE;
+                *op = j;
+                *index = i;
+                return 0;
+            }
+    }
+    return -1;
 }
 
 int gj_ag_ckpt_n_ops(const gj_ag_node *n) {
@@ -946,6 +982,7 @@ static int run_replay(replay *R, gj_ag_bctx *ctx) {
         const ckpt_entry *e = &tp->e[j];
         gj_val **es = &R->esaved[j * GJ_AG_MAX_SAVED];
         if (R->need_run[j]) {
+            g_recomputed++;
             gj_val *vin[GJ_AG_MAX_IN], *vout[GJ_AG_MAX_OUT] = {0}, *sv[GJ_AG_MAX_SAVED] = {0};
             int ns = 0;
             for (int i = 0; i < e->n_in; i++) {

@@ -289,6 +289,7 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
             goto fail;
         }
     }
+    int tape_pos = ckpt ? gj_ag_ckpt_tape_len(ckpt) : -1;
     if (ckpt && gj_ag_ckpt_note(ckpt, op, a, n_in, in, vout, n_out, outs, fctx.n_saved,
                                 fctx.saved) != 0)
         goto fail_outs;
@@ -331,7 +332,7 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
         }
         gj_ag_node_release(node); /* outputs own it now */
     }
-    if (!ckpt && gj_ag_trace_active()) gj_ag_trace_note_op(op, a, n_in, in, n_out, outs, node);
+    if (gj_ag_trace_active()) gj_ag_trace_note_op(op, a, n_in, in, n_out, outs, node, tape_pos);
     b->end_step(b);
     return n_out;
 

@@ -134,7 +134,7 @@ static int slot_or_const(gj_ag_trace *tr, gj_tensor *t) {
 
 void gj_ag_trace_note_op(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
                          gj_tensor *const *in, int n_out, gj_tensor *const *outs,
-                         gj_ag_node *node) {
+                         gj_ag_node *node, int tape_pos) {
     gj_ag_trace *tr = g_trace;
     if (!tr || tr->failed) return;
     if (tr->n_entries == tr->cap_entries) {
@@ -169,6 +169,12 @@ void gj_ag_trace_note_op(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
     }
     if (node) gj_ag_node_retain(node);
     e->node = node;
+    e->in_region = tape_pos >= 0;
+    e->tape_pos = tape_pos;
+    if (op == &gj_ag_op_checkpoint && node) /* the region's ops, just before it, are its tape */
+        for (int j = tr->n_entries - 1; j >= 0 && tr->entries[j].in_region && !tr->entries[j].ckpt;
+             j--)
+            tr->entries[j].ckpt = node;
     tr->n_entries++;
 }
 

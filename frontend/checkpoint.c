@@ -44,7 +44,6 @@ static bool ckpt_args_ok(gj_ckpt_fn fn, int n_in, gj_tensor *const *in, int n_ou
 
 int gj_checkpoint(gj_ckpt_fn fn, void *user, int n_in, gj_tensor *const *in, int n_out,
                   gj_tensor **out, gj_ckpt_policy_fn policy, void *policy_data) {
-    GJ_FE_TRACE_UNTRACEABLE("gj_checkpoint");
     if (out && n_out > 0 && n_out <= GJ_AG_MAX_OUT)
         for (int k = 0; k < n_out; k++) out[k] = NULL;
     if (!ckpt_args_ok(fn, n_in, in, n_out, out)) goto fail;

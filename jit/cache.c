@@ -10,8 +10,9 @@
  *     caller's gj_jit_source), then asks the disk cache (diskcache.c) for
  *     object code compiled for exactly that plan (the file's plan is never
  *     run, only compared); a compiled program is written there (its kernels
- *     are named after the key's hash, so object code from another process
- *     links without clashes).
+ *     are named after the hash of the key and the plan, so object code from
+ *     another process links without clashes, and code made for another plan
+ *     is never taken for this one's).
  *   - Dynamic shapes (generic.c): when the call site already has a
  *     program (every time under GJ_CA_DYNAMIC_ALWAYS) the new plan is made
  *     generic and first bound to registered symbolic kernels: no compile,
@@ -477,12 +478,14 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
     }
     permanent = false;
     bool disk = gj_jit_disk_dir() != NULL;
-    char prefix[48];
-    snprintf(prefix, sizeof prefix, "gjk%016llx%016llx", (unsigned long long)w->hash[0],
-             (unsigned long long)w->hash[1]);
+    char prefix[48] = "";
     gj_jit_program *prog = gj_jit_program_plan(g, why, why_cap, &permanent);
     if (prog && src->finish && src->finish(src->ctx, prog) != 0)
         drop_oom(&prog, &permanent, why, why_cap);
+    /* the symbol prefix of its code names what the code is: the key and
+     * the plan (code loaded from disk that another process compiled for the
+     * same key but another plan never passes for this program's) */
+    if (prog && gj_jit_program_prefix(w, prog, prefix) != 0) drop_oom(&prog, &permanent, why, why_cap);
     if (prog && symbolic) {
         char bwhy[200] = "";
         int b = gj_jit_plan_make_generic(&prog->plan);

@@ -139,6 +139,7 @@ typedef struct gj_jit_recorder {
     int (*resolve)(void *ctx, gj_tensor *t);
     int (*dropout)(void *ctx, uint64_t seed, uint64_t offset, int *rt_node, int *rt_tape);
     void *ctx;
+    int phase; /* of the nodes recorded from now on (gj_jit_node.phase) */
 } gj_jit_recorder;
 static inline gj_val *gj_jit_rec_val(int id) { return (gj_val *)(uintptr_t)((uintptr_t)id + 1); }
 static inline int gj_jit_rec_id(gj_val *v) { return (int)((uintptr_t)v - 1); }

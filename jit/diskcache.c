@@ -609,6 +609,22 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
     put_u64(b, p->generic); /* symbolic kernels take their integer table */
 }
 
+int gj_jit_program_prefix(const gj_jit_key *w, const gj_jit_program *pr, char out[48]) {
+    wbuf b = {0};
+    put_u64(&b, w->hash[0]);
+    put_u64(&b, w->hash[1]);
+    put_plan(&b, pr);
+    if (b.oom) {
+        gj_rt_free(b.p);
+        return -1;
+    }
+    uint64_t h[2];
+    gj_jit_hash128(b.p, b.n, h);
+    gj_rt_free(b.p);
+    snprintf(out, 48, "gjk%016llx%016llx", (unsigned long long)h[0], (unsigned long long)h[1]);
+    return 0;
+}
+
 /* Whether pr can live on disk: no step kind put_plan does not know. */
 static bool disk_able(const gj_jit_program *pr) {
     for (int s = 0; s < pr->plan.n_steps; s++) {

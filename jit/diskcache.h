@@ -49,6 +49,12 @@ typedef struct gj_jit_disk_usage {
 int gj_jit_disk_save(const gj_jit_key *w, const gj_jit_program *pr, const char *prefix,
                      gj_jit_disk_usage *u);
 
+/* The symbol prefix of the code of program pr (planned, not yet generic)
+ * for key w: "gjk" and the 128-bit hash of the key's hash and pr's plan,
+ * so that two processes name the same code alike and different code
+ * differently. 0, or -1 on OOM. */
+int gj_jit_program_prefix(const gj_jit_key *w, const gj_jit_program *pr, char out[48]);
+
 /* Looks up key w for pr, the program this process planned for it
  * (gj_jit_program_plan; no code yet): if the entry is usable and its plan
  * is byte for byte pr's, loads its object code into pr (pr->code set, and

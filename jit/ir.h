@@ -80,6 +80,11 @@ typedef struct gj_jit_node {
     int in[GJ_RT_MAX_INPUTS];
     int n_out;
     int out[GJ_RT_MAX_OUTPUTS];
+    /* CSE merges only nodes of one phase: a training step's forward is
+     * phase 0 and its backward phase 1, so a value a checkpoint region
+     * recomputes in the backward is never replaced by the forward's (which
+     * would keep it alive across the step, against the region's policy) */
+    int phase;
 } gj_jit_node;
 
 typedef struct gj_jit_value {

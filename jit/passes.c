@@ -48,6 +48,7 @@ static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node 
     ng->nodes[ng->n_nodes - 1].rt_node = n->rt_node;
     ng->nodes[ng->n_nodes - 1].rt_tape = n->rt_tape;
     ng->nodes[ng->n_nodes - 1].hook = n->hook;
+    ng->nodes[ng->n_nodes - 1].phase = n->phase;
     for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
     return 0;
 }
@@ -126,7 +127,7 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
                 break;
             }
             const gj_jit_node *m = &g->nodes[j];
-            if (gj_jit_inst_equal(&m->inst, &n->inst) &&
+            if (m->phase == n->phase && gj_jit_inst_equal(&m->inst, &n->inst) &&
                 memcmp(m->in, n->in, (size_t)n->inst.n_in * sizeof n->in[0]) == 0) {
                 for (int k = 0; k < n->n_out; k++) repl[n->out[k]] = m->out[k];
                 break;

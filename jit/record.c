@@ -96,6 +96,7 @@ static int rec_emit(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     }
     int n = gj_jit_graph_add_node(&r->cap->g, inst, ids, out_ids);
     if (n < 0) return -1;
+    r->cap->g.nodes[r->cap->g.n_nodes - 1].phase = r->phase;
     if (inst->prim == GJ_P_DROPOUT_MASK) { /* seed/offset come from the node (or tape) at run time */
         gj_jit_node *gn = &r->cap->g.nodes[r->cap->g.n_nodes - 1];
         if (r->dropout) {

@@ -47,6 +47,7 @@ typedef struct scap {
     gj_tensor *hyper_t;
     gj_tensor **made; /* state stand-ins for a step whose state does not exist yet */
     int n_made;
+    int (*esaved)[GJ_AG_MAX_SAVED]; /* per trace entry: the values its formula saved */
 } scap;
 
 static void fail(scap *c, bool permanent, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -127,15 +128,78 @@ static int step_dropout(void *ctx, uint64_t seed, uint64_t offset, int *rt_node,
     return 0;
 }
 
+/* The trace entry of op #pos of checkpoint node n's tape, or -1. */
+static int region_entry(const gj_ag_trace *tr, const gj_ag_node *n, int pos) {
+    for (int j = 0; j < tr->n_entries; j++)
+        if (tr->entries[j].ckpt == n && tr->entries[j].tape_pos == pos) return j;
+    return -1;
+}
+
+/* Whether tensors a and b are the same view of the same storage. */
+static bool same_view(const gj_tensor *a, const gj_tensor *b) {
+    return a->storage == b->storage && a->offset == b->offset && a->ndim == b->ndim &&
+           a->dtype == b->dtype &&
+           memcmp(a->shape, b->shape, (size_t)a->ndim * sizeof a->shape[0]) == 0 &&
+           memcmp(a->strides, b->strides, (size_t)a->ndim * sizeof a->strides[0]) == 0;
+}
+
+/* A checkpoint region's own entry j: its outputs are values its ops made
+ * (or, passed through, values from before it); the tensors the region
+ * stored for its backward (the node's saved ones and the tape's) are the
+ * forward values they alias (resolve_saved). 0 or -1 (reason set). */
+static int region_done(scap *c, int j) {
+    const gj_ag_trace *tr = c->s->tr;
+    const gj_ag_trace_entry *e = &tr->entries[j];
+    for (int k = 0; k < e->n_out; k++) {
+        const gj_tensor *t = tr->slots[e->out[k]].t;
+        int v = -1;
+        for (int q = e->out[k] - 1; q >= 0 && v < 0; q--)
+            if (tr->slots[q].t == t || same_view(tr->slots[q].t, t)) v = slot_value(c, q);
+        if (v < 0) {
+            fail(c, true, "a checkpoint region's output %d is no value of the step", k);
+            return -1;
+        }
+        c->slot_val[e->out[k]] = v;
+    }
+    if (!e->node) return 0; /* nothing requires grad in it */
+    gj_ag_ckpt_info info;
+    if (gj_ag_ckpt_info_of(e->node, &info) != 0) {
+        fail(c, true, "internal: a checkpoint region without its tape");
+        return -1;
+    }
+    for (int k = 0; k < info.n_stored; k++) {
+        int kind, op, idx, v = -1;
+        gj_tensor *t = gj_ag_ckpt_stored(e->node, k, NULL);
+        int re = gj_ag_ckpt_stored_origin(e->node, k, &kind, &op, &idx) == 0
+                     ? region_entry(tr, e->node, op)
+                     : -1;
+        if (t && re >= 0) {
+            const gj_ag_trace_entry *r = &tr->entries[re];
+            if (kind == GJ_AG_STORED_OUTPUT) v = c->slot_val[r->out[idx]];
+            else if (kind == GJ_AG_STORED_INTERNAL) v = c->esaved[re][idx];
+            else v = slot_value(c, r->in[idx]);
+        }
+        if (v < 0) {
+            fail(c, true, "a value a checkpoint region stored is no value of the step");
+            return -1;
+        }
+        if (note_saved(c, t, v) != 0) {
+            fail(c, false, "out of memory");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Replays entry j of the trace: its outputs' values, and the values its
- * node saved (for resolve_saved). 0 or -1 (reason set). */
+ * formula saved (for resolve_saved through its node, or through the
+ * region whose tape holds it). 0 or -1 (reason set). */
 static int replay_entry(scap *c, int j) {
     const gj_ag_trace_entry *e = &c->s->tr->entries[j];
     gj_ag_builder *b = &c->r.b;
-    if (e->op == &gj_ag_op_checkpoint || gj_ag_custom_of(e->op)) {
-        fail(c, true, "a %s in the step function", e->op == &gj_ag_op_checkpoint
-                                                      ? "checkpoint region"
-                                                      : "custom op");
+    if (e->op == &gj_ag_op_checkpoint) return region_done(c, j);
+    if (gj_ag_custom_of(e->op)) {
+        fail(c, true, "a custom op in the step function");
         return -1;
     }
     gj_val *in[GJ_AG_MAX_IN], *out[GJ_AG_MAX_OUT] = {0}, *saved[GJ_AG_MAX_SAVED];
@@ -161,6 +225,7 @@ static int replay_entry(scap *c, int j) {
         }
         c->slot_val[e->out[k]] = v;
     }
+    for (int s = 0; s < n_saved; s++) c->esaved[j][s] = gj_jit_rec_id(saved[s]);
     if (e->node) {
         if (e->node->n_saved != n_saved) {
             fail(c, true, "replaying op %s of the step saved %d values, its node %d", e->op->name,
@@ -339,7 +404,8 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
     c.slot_val = gj_rt_malloc(((size_t)s->tr->n_slots + 1) * sizeof *c.slot_val);
     cap->ret = gj_rt_malloc(((size_t)2 * n + 1) * sizeof *cap->ret);
     c.made = gj_rt_calloc((size_t)2 * n + 1, sizeof *c.made);
-    if (!c.slot_val || !cap->ret || !c.made) {
+    c.esaved = gj_rt_calloc((size_t)s->tr->n_entries + 1, sizeof *c.esaved);
+    if (!c.slot_val || !cap->ret || !c.made || !c.esaved) {
         fail(&c, false, "out of memory");
         goto done;
     }
@@ -355,6 +421,7 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
         fail(&c, false, "out of memory");
         goto done;
     }
+    c.r.phase = 1; /* the backward: no CSE with the forward */
     if (!s->eval && capture_train(&c, w) != 0) goto done;
     rc = 0;
 done:
@@ -365,5 +432,6 @@ done:
     if (c.hyper_t) gj_rt_tensor_release(c.hyper_t);
     for (int k = 0; k < c.n_made; k++) gj_rt_tensor_release(c.made[k]);
     gj_rt_free(c.made);
+    gj_rt_free(c.esaved);
     return rc;
 }

@@ -27,13 +27,12 @@ typedef enum misuse {
     M_RANDN,     /* draws a random tensor */
     M_FROM_DATA, /* makes a tensor from memory */
     M_BACKWARD,  /* runs a backward */
-    M_CKPT,      /* a checkpoint region */
     M_N
 } misuse;
 
 static const char *const g_misuse_text[M_N] = {
     "", "gj_tensor_item", "gj_mul_scalar_", "gj_register_hook", "gj_randn",
-    "gj_from_data", "gj_grad", "gj_checkpoint"};
+    "gj_from_data", "gj_grad"};
 
 typedef struct model {
     gj_dtype dt;
@@ -50,13 +49,6 @@ static gj_tensor *keep_hook(gj_tensor *g, void *u) {
     return NULL;
 }
 
-static int ck_fn(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
-    (void)user;
-    (void)n_in;
-    (void)n_out;
-    out[0] = gj_tanh(in[0]);
-    return out[0] ? 0 : -1;
-}
 
 /* The step function: mean cross-entropy of a 2-layer MLP. */
 static gj_tensor *mlp_loss(void *ctx, int n_in, gj_tensor *const *in) {
@@ -88,11 +80,6 @@ static gj_tensor *mlp_loss(void *ctx, int n_in, gj_tensor *const *in) {
         gj_tensor *s = gj_sum(gj_mul(h, h), 0, NULL, false);
         gj_tensor *pp = m->p[0];
         (void)gj_grad(1, &s, NULL, 1, &pp, &g, true, true);
-        break;
-    }
-    case M_CKPT: {
-        gj_tensor *o = NULL;
-        if (gj_checkpoint(ck_fn, NULL, 1, &h, 1, &o, NULL, NULL) == 0) h = o;
         break;
     }
     default: break;
@@ -447,6 +434,138 @@ static void test_disk(void **st) {
     gj_jit_set_disk_cache(env && *env && strcmp(env, "off") != 0 ? env : NULL);
 }
 
+/* ---------------------------------------------------- checkpoint regions */
+
+enum { CK_L = 3, CK_B = 16, CK_C = 32 };
+
+typedef struct ck_model {
+    gj_tensor *w1[CK_L], *w2[CK_L], *b1[CK_L];
+    gj_tensor *head;
+    gj_ckpt_policy_fn policy;
+    double drop;
+} ck_model;
+
+static gj_ckpt_policy save_all(const char *op, int pos, void *d) {
+    (void)op, (void)pos, (void)d;
+    return GJ_CKPT_MUST_SAVE;
+}
+
+/* torch's selective checkpointing: keep matmuls, recompute the rest */
+static gj_ckpt_policy save_matmuls(const char *op, int pos, void *d) {
+    (void)pos, (void)d;
+    return strcmp(op, "linear") == 0 || strcmp(op, "matmul") == 0 ? GJ_CKPT_PREFER_SAVE
+                                                                    : GJ_CKPT_PREFER_RECOMPUTE;
+}
+
+typedef struct ck_layer {
+    ck_model *m;
+    int l;
+} ck_layer;
+
+/* One residual block: x + W2 gelu(W1 x + b1), dropout inside. */
+static int ck_block(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
+    ck_layer *cl = user;
+    (void)n_in, (void)n_out;
+    ck_model *m = cl->m;
+    gj_tensor *h = gj_gelu(gj_linear(in[0], m->w1[cl->l], m->b1[cl->l]));
+    if (m->drop > 0) h = gj_dropout(h, m->drop, true);
+    out[0] = gj_add(in[0], gj_linear(h, m->w2[cl->l], NULL));
+    return out[0] ? 0 : -1;
+}
+
+static gj_tensor *ck_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    ck_model *m = ctx;
+    (void)n_in;
+    gj_tensor *x = in[0];
+    for (int l = 0; l < CK_L && x; l++) {
+        ck_layer cl = {m, l};
+        gj_tensor *y = NULL;
+        if (gj_checkpoint(ck_block, &cl, 1, &x, 1, &y, m->policy, NULL) != 0) return NULL;
+        x = y;
+    }
+    gj_tensor *o = x ? gj_linear(x, m->head, NULL) : NULL;
+    return o ? gj_mean(gj_mul(o, o), 0, NULL, false) : NULL;
+}
+
+/* Three checkpointed residual blocks with dropout under each policy
+ * (recompute everything, save everything, save the matmuls): the
+ * compiled step runs compiled and equals eager bit for bit; its peak of
+ * tensor bytes over a step is never above eager's (the regions' saved
+ * sets are eager's, and a value a region recomputes is recomputed in the
+ * compiled backward too, never kept from the forward). */
+static void test_checkpoint_policies(void **st) {
+    (void)st;
+    gj_compiled_autograd_set_quiet(true);
+    gj_ckpt_policy_fn pols[3] = {NULL, save_all, save_matmuls};
+    for (int pi = 0; pi < 3; pi++) {
+        int64_t recomputed = 0;
+        double loss[2][NSTEP], *fin[2];
+        int64_t peak[2], nfin = 0;
+        for (int mode = 0; mode < 2; mode++) {
+            ck_model m;
+            memset(&m, 0, sizeof m);
+            m.policy = pols[pi];
+            m.drop = 0.1;
+            gjt_rng r;
+            gjt_rng_seed(&r, 21);
+            gj_tensor *ps[3 * CK_L + 1];
+            int np = 0;
+            for (int l = 0; l < CK_L; l++) {
+                ps[np++] = m.w1[l] = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){2 * CK_C, CK_C}, -.2, .2);
+                ps[np++] = m.b1[l] = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){2 * CK_C}, -.1, .1);
+                ps[np++] = m.w2[l] = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){CK_C, 2 * CK_C}, -.2, .2);
+            }
+            ps[np++] = m.head = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){4, CK_C}, -.3, .3);
+            for (int k = 0; k < np; k++) assert_int_equal(gj_set_requires_grad(ps[k], true), 0);
+            gj_optim *o = gj_adamw_new(np, ps, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+            gj_step_opts so = {.eager = mode == 0};
+            gj_step *s = gj_step_new(ck_loss, &m, o, &so);
+            gj_manual_seed(3);
+            gj_step_reset_stats();
+            peak[mode] = 0;
+            for (int i = 0; i < NSTEP; i++) {
+                int64_t rc0 = gj_ag_ckpt_recomputed();
+                gj_scope_push();
+                gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){CK_B, CK_C}, -1, 1);
+                gj_mem m0;
+                gj_mem_stats(&m0);
+                gj_mem_reset_peak();
+                gj_tensor *l = NULL;
+                if (gj_step_run(s, 1, &x, &l) != 0) fail_msg("step %d: %s", i, gj_last_error());
+                gj_mem m1;
+                gj_mem_stats(&m1);
+                if (i >= 2 && m1.peak_bytes - m0.live_bytes > peak[mode])
+                    peak[mode] = m1.peak_bytes - m0.live_bytes; /* (a cached step) */
+                loss[mode][i] = gj_tensor_item(l);
+                gj_scope_pop();
+                /* recomputed ops: eager's per step; the compiled step's
+                 * first run is eager and records the same replay into its
+                 * program, which its later runs run (no replay) */
+                int64_t rc = gj_ag_ckpt_recomputed() - rc0;
+                if (mode == 0) recomputed = rc;
+                else assert_int_equal(rc, i == 0 ? 2 * recomputed : 0);
+            }
+            if (mode == 1) {
+                gj_ca_stats c;
+                gj_step_stats(&c);
+                if (c.fallbacks) fail_msg("policy %d: %s", pi, gj_compiled_autograd_last_fallback());
+            }
+            fin[mode] = all_values(ps, np, &nfin);
+            gj_step_free(s);
+            gj_optim_free(o);
+            for (int k = 0; k < np; k++) gj_release(ps[k]);
+        }
+        print_message("  policy %d: %lld ops recomputed a step; step peak %lld bytes eager, %lld "
+                      "compiled\n",
+                      pi, (long long)recomputed, (long long)peak[0], (long long)peak[1]);
+        assert_memory_equal(loss[0], loss[1], sizeof loss[0]);
+        assert_memory_equal(fin[0], fin[1], (size_t)nfin * sizeof(double));
+        assert_true(peak[1] <= peak[0]);
+        free(fin[0]);
+        free(fin[1]);
+    }
+}
+
 /* ---------------------------------------------------------- bad input */
 
 static void test_bad_input(void **st) {
@@ -485,6 +604,7 @@ int main(void) {
         cmocka_unit_test(test_eval),
         cmocka_unit_test(test_variants),
         cmocka_unit_test(test_untraceable),
+        cmocka_unit_test(test_checkpoint_policies),
         cmocka_unit_test(test_anomaly_mode),
         cmocka_unit_test(test_guard_set_dtype),
         cmocka_unit_test(test_constant_read_at_run_time),
