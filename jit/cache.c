@@ -74,7 +74,7 @@ typedef struct cache_entry {
     gj_ca_reason code;    /* eager-only: why */
     uint64_t last_use;    /* g_tick when inserted or last found */
     int64_t bytes;        /* charged to g_mem_bytes */
-    char reason[256];
+    char reason[400];     /* eager-only: the message (a guard's: first cause, "also: ..." */
     uint64_t agreed_gen;  /* the agreement registration this key was agreed under */
 } cache_entry;
 
@@ -407,7 +407,7 @@ bool gj_jit_demote(const gj_jit_key *w, gj_ca_reason code, const char *why) {
     if (first) {
         e->demoted = true;
         e->code = code;
-        snprintf(e->reason, sizeof e->reason, "%.250s", why);
+        snprintf(e->reason, sizeof e->reason, "%s", why);
         int64_t pb = (int64_t)gj_jit_program_bytes(e->prog);
         e->bytes -= pb;
         g_mem_bytes -= pb;

@@ -57,7 +57,7 @@ typedef struct gj_jit_got {
     gj_jit_made made; /* how it was found (GJ_JIT_GOT) */
     bool fresh;       /* compiled, loaded or bound for this call */
     gj_ca_reason code;
-    char why[300];
+    char why[400];
 } gj_jit_got;
 
 /* The program of key k: from the memory cache; else, unless the key is

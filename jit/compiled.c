@@ -70,7 +70,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
     gj_jit_got got = {0};
     gj_tensor **tensors = NULL;
     uint64_t stripes = 0; /* leaf-lock stripes held during the run */
-    char why[300] = "";
+    char why[400] = "";
     gj_ca_reason code = GJ_CA_OTHER;
     int rc = 0;
     unsigned fl = gj_jit_log_flags();

@@ -24,9 +24,9 @@
 static pthread_mutex_t g_stats_lock = PTHREAD_MUTEX_INITIALIZER;
 static gj_ca_stats g_stats[GJ_JIT_N_PATHS];
 static atomic_bool g_quiet;
-static _Thread_local char g_last_reason[400];
+static _Thread_local char g_last_reason[512];
 static _Thread_local uint64_t g_last_gen; /* g_reset_gen when g_last_reason was set */
-static char g_process_reason[400];        /* under g_stats_lock */
+static char g_process_reason[512];        /* under g_stats_lock */
 static uint64_t g_reset_gen = 1;          /* under g_stats_lock */
 
 double gj_jit_now_ms(void) {
@@ -97,7 +97,7 @@ const char *gj_jit_reason_name(gj_ca_reason r) {
 const char *gj_jit_last_fallback_reason(void) { return gj_jit_last_fallback(); }
 
 const char *gj_jit_last_fallback(void) {
-    static _Thread_local char copy[400];
+    static _Thread_local char copy[512];
     pthread_mutex_lock(&g_stats_lock);
     bool mine = g_last_reason[0] && g_last_gen == g_reset_gen;
     if (!mine) snprintf(copy, sizeof copy, "%s", g_process_reason);

@@ -27,6 +27,11 @@
  *     eager-only, unless the trip was user code failing this time (a hook
  *     or custom op function returning an error, e.g. out of memory) with
  *     no earlier cause in the run (ctx->transient).
+ *   - The reason of a run whose guards tripped more than once is its first
+ *     cause in program order (gj_jit_trip: class and message), the later
+ *     ones listed after "also:"; whether the run goes on depends only on
+ *     who tripped (a tensor hook or custom call abandons it), never on
+ *     which reason is kept.
  *   - Custom ops: a custom op's backward is a call step of the plan; its C
  *     function gets fresh tensors holding copies of the output gradients
  *     and saved arguments, and the gradients it returns are copied into
@@ -35,22 +40,43 @@
  *     eager engine redoes the backward).
  */
 #include "guards.h"
+#include "jit.h"
 
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
+/* Records a guard's trip: the first in program order is the reason (class
+ * and message); a later one is appended as "; also: <class>: <message>"
+ * unless the message holds it already, and a message full ends in "...".
+ * What the run does next is up to the caller (abandon or go on), whatever
+ * the reason kept. */
 void gj_jit_trip(gj_jit_runctx *hc, gj_ca_reason code, const char *fmt, ...) {
-    /* the first reason is kept, but a guard that abandons the run names it
-     * rather than an earlier record_stream that let it go on */
-    if (hc->tripped && (hc->code != GJ_CA_RECORD_STREAM || code == GJ_CA_RECORD_STREAM)) return;
-    hc->tripped = true;
-    hc->code = code;
+    char msg[sizeof hc->why];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(hc->why, sizeof hc->why, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    if (!hc->tripped) {
+        hc->tripped = true;
+        hc->code = code;
+        snprintf(hc->why, sizeof hc->why, "%s", msg);
+        return;
+    }
+    char also[sizeof hc->why + 64];
+    snprintf(also, sizeof also, "; also: %s: %s", gj_jit_reason_name(code), msg);
+    size_t n = strlen(hc->why), cap = sizeof hc->why, len = strlen(msg);
+    bool same_first = code == hc->code && strncmp(hc->why, msg, len) == 0 &&
+                      (hc->why[len] == '\0' || strncmp(hc->why + len, "; also: ", 8) == 0);
+    if (hc->why_full || same_first || strstr(hc->why, also)) return;
+    if (n + strlen(also) < cap) {
+        memcpy(hc->why + n, also, strlen(also) + 1);
+    } else { /* as much as fits, then "..." */
+        snprintf(hc->why + n, cap - n, "%s", also);
+        memcpy(hc->why + cap - 4, "...", 4);
+        hc->why_full = true;
+    }
 }
 
 /* The leaf of graph output o (NULL for a gradient gj_grad returns). */

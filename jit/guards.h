@@ -28,16 +28,24 @@ typedef struct gj_jit_runctx {
     int next_out, next_hook;
     int early_from;              /* steps after which no hook/call step is left */
     gj_tensor **contig, **news;
-    bool tripped;                /* a guard tripped (first reason kept) */
-    bool transient;              /* ... because user code failed this time (not a cause
-                                    that recurs: the key stays compiled) */
-    gj_ca_reason code;
-    char why[300];
+    bool tripped;                /* a guard tripped */
+    bool transient;              /* ... first because user code failed this time (not a
+                                    cause that recurs: the key stays compiled) */
+    gj_ca_reason code;           /* the first cause's class */
+    char why[400];               /* the first cause; then "; also: <class>: <message>"
+                                    for each later one */
+    bool why_full;               /* why[] had no room for a later cause ("...") */
 } gj_jit_runctx;
 
-/* Records that a guard tripped with class code and a message. The first
- * reason is kept, except that a guard that abandons the run replaces an
- * earlier record_stream (which let the run go on). */
+/* Records that a guard tripped with class code and a message. The reason
+ * is the first cause in program order: the first trip of the run (the
+ * guards run after each user call in the order the program makes them;
+ * within one call they check a failure, then record_stream, then the
+ * program's tensors: changed by set_, a .grad replaced or given). Later
+ * trips are listed in why
+ * after "also:". The class and message never decide what the run does:
+ * the caller abandons the run on a tensor hook's or custom call's trip,
+ * whatever came first. */
 void gj_jit_trip(gj_jit_runctx *hc, gj_ca_reason code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 

@@ -190,8 +190,10 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             p->n_steps--;
         }
     }
-    gj_jit_schedule_order(p);
-    gj_jit_schedule_groups(p);
+    if (gj_jit_schedule_order(p) != 0 || gj_jit_schedule_groups(p) != 0) {
+        gj_jit_pl_oom(&pl);
+        goto done;
+    }
     for (int s = 0; s < p->n_steps; s++)
         if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
             snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);

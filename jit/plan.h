@@ -270,12 +270,12 @@ typedef struct gj_jit_plan {
     bool generic;
 } gj_jit_plan;
 
-/* schedule.c: pairs independent GEMM steps (see its contract). order runs
- * once before the memory plan; groups sets group_end (also after a plan is
- * read back from the disk cache). */
+/* schedule.c: pairs independent GEMM steps when that costs no memory (see
+ * its contract). order runs once before the memory plan; groups sets
+ * group_end from the order. Each returns 0, or -1 on OOM. */
 #define GJ_JIT_MAX_GROUP 2
-void gj_jit_schedule_order(gj_jit_plan *p);
-void gj_jit_schedule_groups(gj_jit_plan *p);
+int gj_jit_schedule_order(gj_jit_plan *p);
+int gj_jit_schedule_groups(gj_jit_plan *p);
 
 /* memplan.c: liveness of every buffer, the run's allocation and release
  * order, and the peak of temporary bytes (see its contract). 0, or -1 on

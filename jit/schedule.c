@@ -10,18 +10,27 @@
  * pool, and a lone GEMM as row or column blocks on the pool.
  *
  * Contract:
+ *   - Memory: compiled never needs more memory than the step order (plan.c's
+ *     topological order, which follows the engine's), counted as the most
+ *     bytes of temporaries and new .grads alive at once when the steps run
+ *     one at a time (sched_mem). Neither a move nor a group may raise it:
+ *     a group allocates the buffers of all its steps before it runs and
+ *     frees them after, so two GEMMs side by side can hold more than the
+ *     same two in turn (W4's last layer: dW2's input, the recomputed gelu
+ *     output, stayed alive while dW1's 4 MiB .grad was made).
  *   - gj_jit_schedule_order moves a GEMM step up to right after an earlier
  *     GEMM step when it is independent of it and of every step in between
  *     (no buffer one writes is read or written by the other), never across
  *     a hook or custom call step (user code sees values in the engine's
- *     order), and only when the move does not raise the most bytes of
- *     temporaries and new .grad alive at once (compiled never needs more
- *     memory than the engine's order). It runs once, before the memory
- *     plan, and only permutes steps: what each step computes is unchanged.
+ *     order), and only when the new order one step at a time stays within
+ *     the step order's peak and the pair fits under it (group_fits). It
+ *     runs once, before the memory plan, and only permutes steps: what each
+ *     step computes is unchanged. 0, or -1 on OOM (nothing moved).
  *   - gj_jit_schedule_groups sets group_end of every step from the order:
  *     adjacent independent GEMM steps form a group of at most
- *     GJ_JIT_MAX_GROUP; every other step is a group of one. It depends only
- *     on the plan, so a plan read from the disk cache gets the same groups.
+ *     GJ_JIT_MAX_GROUP when the group holds no more than the order's own
+ *     peak one step at a time; every other step is a group of one. It
+ *     depends only on the plan. 0, or -1 on OOM (group_end unset).
  *   - Summation order inside every GEMM is BLAS's own for the whole K, so
  *     splitting M or N, or running two GEMMs at once, changes no value.
  */
@@ -93,57 +102,120 @@ static bool independent(const gj_jit_step *x, const gj_jit_step *y) {
            !any_common(yw, nyw, xr, nxr);
 }
 
-/* Most bytes of temporaries and new .grad buffers alive at once when p
- * runs in its current order and groups (sets group_end): a buffer lives
- * from the group of its first use to the group of its last use (a .grad to
- * the end). SIZE_MAX when out of memory. */
-static size_t plan_peak(gj_jit_plan *p) {
-    gj_jit_schedule_groups(p);
-    int *first = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *first);
-    int *last = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *last);
-    size_t *delta = gj_rt_calloc((size_t)p->n_steps + 2, sizeof *delta);
-    size_t *drop = gj_rt_calloc((size_t)p->n_steps + 2, sizeof *drop);
-    size_t peak = SIZE_MAX;
-    if (!first || !last || !delta || !drop) goto out;
-    for (int b = 0; b < p->n_bufs; b++) first[b] = last[b] = -1;
+/* The memory of a plan whose steps run one at a time in their current
+ * order: a temporary is alive from the first step that uses it to the last,
+ * a new .grad from its first step to the end (memplan.c's allocation and
+ * release order, with groups of one). */
+typedef struct sched_mem {
+    int *first, *last; /* per buffer: the first and last step using it, or -1 */
+    size_t *alloc;     /* per step: bytes of the buffers it uses first */
+    size_t *drop;      /* per step: bytes of the temporaries it uses last */
+    size_t *at;        /* per step: bytes alive while it runs */
+    size_t peak;       /* the most of at[] */
+} sched_mem;
+
+static void mem_free(sched_mem *m) {
+    gj_rt_free(m->first);
+    gj_rt_free(m->last);
+    gj_rt_free(m->alloc);
+    gj_rt_free(m->drop);
+    gj_rt_free(m->at);
+    memset(m, 0, sizeof *m);
+}
+
+/* Room for the memory of p's plan. 0, or -1 on OOM (*m freed). */
+static int mem_new(const gj_jit_plan *p, sched_mem *m) {
+    m->first = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *m->first);
+    m->last = gj_rt_malloc((size_t)(p->n_bufs + 1) * sizeof *m->last);
+    m->alloc = gj_rt_malloc((size_t)(p->n_steps + 1) * sizeof *m->alloc);
+    m->drop = gj_rt_malloc((size_t)(p->n_steps + 1) * sizeof *m->drop);
+    m->at = gj_rt_malloc((size_t)(p->n_steps + 1) * sizeof *m->at);
+    m->peak = 0;
+    if (m->first && m->last && m->alloc && m->drop && m->at) return 0;
+    mem_free(m);
+    return -1;
+}
+
+static void mem_use(sched_mem *m, int b, int s) {
+    if (m->first[b] < 0) m->first[b] = s;
+    m->last[b] = s;
+}
+
+/* Fills m for p's current order. Every buffer a step touches counts
+ * (memplan.c's list: a kernel's params, hook and call buffers too). */
+static void mem_eval(const gj_jit_plan *p, sched_mem *m) {
+    for (int b = 0; b < p->n_bufs; b++) m->first[b] = m->last[b] = -1;
     for (int s = 0; s < p->n_steps; s++) {
-        int g0 = s; /* first step of s's group */
-        while (g0 > 0 && p->steps[g0 - 1].group_end == p->steps[s].group_end) g0--;
-        int r[GJ_JIT_SCHED_CAP], w[GJ_JIT_SCHED_CAP], nr, nw;
-        step_bufs(&p->steps[s], r, &nr, w, &nw, GJ_JIT_SCHED_CAP);
-        for (int k = 0; k < nr + nw; k++) {
-            int b = k < nr ? r[k] : w[k - nr];
-            if (first[b] < 0 || g0 < first[b]) first[b] = g0;
-            if (p->steps[s].group_end - 1 > last[b]) last[b] = p->steps[s].group_end - 1;
+        const gj_jit_step *st = &p->steps[s];
+        m->alloc[s] = m->drop[s] = 0;
+        switch (st->kind) {
+        case GJ_JIT_STEP_KERNEL:
+            for (int q = 0; q < st->k.n_params; q++) mem_use(m, st->k.param_buf[q], s);
+            break;
+        case GJ_JIT_STEP_MATMUL:
+            mem_use(m, st->mm.a_buf, s);
+            mem_use(m, st->mm.b_buf, s);
+            mem_use(m, st->mm.c_buf, s);
+            break;
+        case GJ_JIT_STEP_FOLD:
+            mem_use(m, st->fd.src_buf, s);
+            mem_use(m, st->fd.out_buf, s);
+            break;
+        case GJ_JIT_STEP_HOOK:
+            mem_use(m, st->hk.src_buf, s);
+            mem_use(m, st->hk.out_buf, s);
+            break;
+        case GJ_JIT_STEP_CALL:
+            for (int k = 0; k < st->cs.n_in; k++) mem_use(m, st->cs.src_buf[k], s);
+            for (int k = 0; k < st->cs.n_out; k++) mem_use(m, st->cs.out_buf[k], s);
+            break;
+        case GJ_JIT_STEP_INDEX:
+            mem_use(m, st->ix.src_buf, s);
+            mem_use(m, st->ix.idx_buf, s);
+            mem_use(m, st->ix.out_buf, s);
+            break;
         }
     }
     for (int b = 0; b < p->n_bufs; b++) {
         const gj_jit_buffer *x = &p->bufs[b];
-        if (first[b] < 0 || (x->kind != GJ_JIT_BUF_TEMP && x->kind != GJ_JIT_BUF_OUTPUT)) continue;
-        delta[first[b]] += x->nbytes;
-        if (x->kind == GJ_JIT_BUF_TEMP) drop[last[b]] += x->nbytes;
+        if (m->first[b] < 0 || (x->kind != GJ_JIT_BUF_TEMP && x->kind != GJ_JIT_BUF_OUTPUT))
+            continue;
+        m->alloc[m->first[b]] += x->nbytes;
+        if (x->kind == GJ_JIT_BUF_TEMP) m->drop[m->last[b]] += x->nbytes;
     }
     size_t live = 0;
-    peak = 0;
+    m->peak = 0;
     for (int s = 0; s < p->n_steps; s++) {
-        live += delta[s];
-        if (live > peak) peak = live;
-        live -= drop[s];
+        live += m->alloc[s];
+        m->at[s] = live;
+        if (live > m->peak) m->peak = live;
+        live -= m->drop[s];
     }
-out:
-    gj_rt_free(first);
-    gj_rt_free(last);
-    gj_rt_free(delta);
-    gj_rt_free(drop);
-    return peak;
 }
 
-void gj_jit_schedule_order(gj_jit_plan *p) {
-    size_t peak = plan_peak(p);
+/* Whether steps [s, e) run as one group within the peak of m's order: a
+ * group allocates the buffers of all its steps before it runs and frees
+ * them after, so it holds what step s holds plus what the others allocate.
+ * (Groups are disjoint: each one's excess is independent of the others'.) */
+static bool group_fits(const sched_mem *m, int s, int e) {
+    size_t live = m->at[s];
+    for (int u = s + 1; u < e; u++) live += m->alloc[u];
+    return live <= m->peak;
+}
+
+int gj_jit_schedule_order(gj_jit_plan *p) {
+    sched_mem cur, next;
+    if (mem_new(p, &cur) != 0) return -1;
+    if (mem_new(p, &next) != 0) {
+        mem_free(&cur);
+        return -1;
+    }
+    mem_eval(p, &cur);
+    size_t limit = cur.peak; /* the step order's, one step at a time */
     for (int s = 0; s + 1 < p->n_steps; s++) {
         if (p->steps[s].kind != GJ_JIT_STEP_MATMUL) continue;
         if (p->steps[s + 1].kind == GJ_JIT_STEP_MATMUL &&
-            independent(&p->steps[s], &p->steps[s + 1])) {
+            independent(&p->steps[s], &p->steps[s + 1]) && group_fits(&cur, s, s + 2)) {
             s++; /* already a pair */
             continue;
         }
@@ -158,27 +230,36 @@ void gj_jit_schedule_order(gj_jit_plan *p) {
             gj_jit_step moved = *y;
             memmove(&p->steps[s + 2], &p->steps[s + 1], (size_t)(t - s - 1) * sizeof *p->steps);
             p->steps[s + 1] = moved;
-            size_t np = plan_peak(p);
-            if (np > peak) { /* never more memory than the engine's order: undo */
+            mem_eval(p, &next);
+            if (next.peak > limit || !group_fits(&next, s, s + 2)) {
+                /* more memory than the step order, or a pair that would: undo */
                 moved = p->steps[s + 1];
                 memmove(&p->steps[s + 1], &p->steps[s + 2], (size_t)(t - s - 1) * sizeof *p->steps);
                 p->steps[t] = moved;
                 continue;
             }
-            peak = np;
+            sched_mem tmp = cur;
+            cur = next;
+            next = tmp;
             s++;
             break;
         }
     }
+    mem_free(&cur);
+    mem_free(&next);
+    return 0;
 }
 
-void gj_jit_schedule_groups(gj_jit_plan *p) {
+int gj_jit_schedule_groups(gj_jit_plan *p) {
+    sched_mem m;
+    if (mem_new(p, &m) != 0) return -1;
+    mem_eval(p, &m);
     p->n_par_groups = 0;
     for (int s = 0; s < p->n_steps;) {
         int e = s + 1;
         if (p->steps[s].kind == GJ_JIT_STEP_MATMUL) {
             while (e < p->n_steps && e - s < GJ_JIT_MAX_GROUP &&
-                   p->steps[e].kind == GJ_JIT_STEP_MATMUL) {
+                   p->steps[e].kind == GJ_JIT_STEP_MATMUL && group_fits(&m, s, e + 1)) {
                 bool ok = true;
                 for (int u = s; u < e && ok; u++) ok = independent(&p->steps[u], &p->steps[e]);
                 if (!ok) break;
@@ -189,4 +270,6 @@ void gj_jit_schedule_groups(gj_jit_plan *p) {
         for (int u = s; u < e; u++) p->steps[u].group_end = e;
         s = e;
     }
+    mem_free(&m);
+    return 0;
 }

@@ -7,8 +7,10 @@
  * same mask when recomputed, matmul counts of the eager backward and of the
  * captured graph follow the policy, nested regions are a clear error, a
  * finite-difference check of a checkpointed MLP, the W4-style memory bound
- * (8 layers: eager with checkpointing peaks at most half of eager without)
- * and compiled autograd's gradients equal eager's.
+ * (8 layers: eager with checkpointing peaks at most half of eager without),
+ * compiled peaks at most eager's with and without checkpointing (a small
+ * W4-style model, and the bench's W4 and W4n at their own size) and
+ * compiled autograd's gradients equal eager's.
  *
  * Dimension legend: N rows (batch), C features, H hidden.
  */
@@ -802,15 +804,15 @@ static void test_fd_mlp(void **s) {
 
 /* ------------------------------------------------- W4-style memory */
 
-enum { WN = 512, WC = 64, WH = 256, WL = 8 };
+enum { WL = 8 };
 
 typedef struct w4 {
-    gj_tensor *x;            /* [WN, WC] */
-    gj_tensor *p[WL][4];     /* w1 [WH, WC], b1 [WH], w2 [WC, WH], b2 [WC] */
-    int layer;
+    int64_t n, c, h;     /* rows (batch), features, hidden */
+    gj_tensor *x;        /* [n, c] */
+    gj_tensor *p[WL][4]; /* w1 [h, c], b1 [h], w2 [c, h], b2 [c] */
 } w4;
 
-/* y = x + Linear(WH, WC)(gelu(Linear(WC, WH)(x))) with layer l's parameters. */
+/* y = x + Linear(h, c)(gelu(Linear(c, h)(x))) with layer l's parameters. */
 static int w4_layer(void *user, int n_in, gj_tensor *const *in, int n_out, gj_tensor **out) {
     gj_tensor **p = user;
     gj_tensor *h = gj_linear(in[0], p[0], p[1]);
@@ -819,7 +821,32 @@ static int w4_layer(void *user, int n_in, gj_tensor *const *in, int n_out, gj_te
     return out[0] ? 0 : -1;
 }
 
-/* One step; returns the peak tensor bytes above the bytes live before it. */
+/* A model of WL layers of shape (n, c, h), seeded; no .grads. */
+static void w4_init(w4 *m, int64_t n, int64_t c, int64_t h, uint64_t seed) {
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    m->n = n;
+    m->c = c;
+    m->h = h;
+    m->x = leaf(&r, GJ_F32, 2, (int64_t[]){n, c}, -1, 1, false);
+    double a1 = 1.0 / sqrt((double)c), a2 = 1.0 / sqrt((double)h);
+    for (int l = 0; l < WL; l++) {
+        m->p[l][0] = leaf(&r, GJ_F32, 2, (int64_t[]){h, c}, -a1, a1, true);
+        m->p[l][1] = leaf(&r, GJ_F32, 1, (int64_t[]){h}, -0.1, 0.1, true);
+        m->p[l][2] = leaf(&r, GJ_F32, 2, (int64_t[]){c, h}, -a2, a2, true);
+        m->p[l][3] = leaf(&r, GJ_F32, 1, (int64_t[]){c}, -0.1, 0.1, true);
+    }
+}
+
+static void w4_free(w4 *m) {
+    for (int l = 0; l < WL; l++)
+        for (int k = 0; k < 4; k++)
+            gj_release(m->p[l][k]);
+    gj_release(m->x);
+}
+
+/* One step (forward, loss = mean(y*y), backward) into .grads that are
+ * none; returns the peak tensor bytes above the bytes live before it. */
 static int64_t w4_step(w4 *m, bool ckpt) {
     gj_mem m0, m1;
     gj_mem_stats(&m0);
@@ -850,6 +877,12 @@ static double **w4_grads(w4 *m) {
     return g;
 }
 
+static void w4_clear_grads(w4 *m) {
+    for (int l = 0; l < WL; l++)
+        for (int k = 0; k < 4; k++)
+            assert_int_equal(gj_tensor_set_grad(m->p[l][k], NULL), 0);
+}
+
 static void w4_cmp(const char *what, w4 *m, double **a, double **b, double rel) {
     for (int l = 0; l < WL; l++)
         for (int k = 0; k < 4; k++) {
@@ -865,59 +898,107 @@ static void w4_free_grads(double **g) {
     free(g);
 }
 
-/* Gradients with checkpointing equal those without (eager and compiled);
- * eager with checkpointing peaks at most half of eager without; compiled
- * with checkpointing (second step, cached) at most eager with. */
+/* The peaks of one model (w4_step) in both modes, with and without
+ * checkpointing; compiled: the second step, which runs the cached program. */
+typedef struct w4_peaks {
+    int64_t plain, ckpt;           /* eager */
+    int64_t comp_plain, comp_ckpt; /* compiled */
+} w4_peaks;
+
+static void w4_print(const char *name, const w4 *m, const w4_peaks *pk) {
+    fprintf(stderr,
+            "  %s (x[%lld,%lld], %d layers %lld-%lld-%lld): peak above live, eager %lld B, "
+            "compiled %lld B; with checkpointing eager %lld B (%.2f), compiled %lld B\n",
+            name, (long long)m->n, (long long)m->c, WL, (long long)m->c, (long long)m->h,
+            (long long)m->c, (long long)pk->plain, (long long)pk->comp_plain,
+            (long long)pk->ckpt, (double)pk->ckpt / (double)pk->plain, (long long)pk->comp_ckpt);
+}
+
+/* The compiled program never needs more memory than the eager engine:
+ * compiled peak <= eager peak with and without checkpointing (counted
+ * bytes, jit/schedule.c's rule), on a cached step. */
+static void w4_check_peaks(const w4_peaks *pk) {
+    assert_true(pk->comp_plain <= pk->plain);
+    assert_true(pk->comp_ckpt <= pk->ckpt);
+}
+
+/* W4-style at a small size: gradients with checkpointing equal those
+ * without (eager and compiled); eager with checkpointing peaks at most half
+ * of eager without; compiled at most eager, with and without. */
 static void test_w4_memory(void **s) {
     (void)s;
     int64_t live0 = gjt_live_bytes();
     bool was = gj_compiled_autograd_enabled();
     gj_set_compiled_autograd(false);
-    gjt_rng r;
-    gjt_rng_seed(&r, 18);
     w4 m;
-    m.x = leaf(&r, GJ_F32, 2, (int64_t[]){WN, WC}, -1, 1, false);
-    for (int l = 0; l < WL; l++) {
-        m.p[l][0] = leaf(&r, GJ_F32, 2, (int64_t[]){WH, WC}, -0.125, 0.125, true);
-        m.p[l][1] = leaf(&r, GJ_F32, 1, (int64_t[]){WH}, -0.1, 0.1, true);
-        m.p[l][2] = leaf(&r, GJ_F32, 2, (int64_t[]){WC, WH}, -0.0625, 0.0625, true);
-        m.p[l][3] = leaf(&r, GJ_F32, 1, (int64_t[]){WC}, -0.1, 0.1, true);
-    }
-    int64_t peak_plain = w4_step(&m, false);
+    w4_init(&m, 512, 64, 256, 18);
+    w4_peaks pk;
+    pk.plain = w4_step(&m, false);
     double **g_plain = w4_grads(&m);
-    int64_t peak_ckpt = w4_step(&m, true);
+    pk.ckpt = w4_step(&m, true);
     double **g_ckpt = w4_grads(&m);
     w4_cmp("eager ckpt vs plain", &m, g_ckpt, g_plain, 1e-6);
     gj_set_compiled_autograd(true);
     gj_ca_stats a = gjt_ca_now();
-    int64_t peak_comp1 = w4_step(&m, true);
+    w4_step(&m, true);
     double **g_comp1 = w4_grads(&m);
-    int64_t peak_comp = w4_step(&m, true);
+    pk.comp_ckpt = w4_step(&m, true);
     gj_ca_stats b = gjt_ca_now();
     double **g_comp = w4_grads(&m);
+    w4_step(&m, false);
+    w4_clear_grads(&m);
+    pk.comp_plain = w4_step(&m, false);
+    double **g_comp_plain = w4_grads(&m);
     gj_set_compiled_autograd(was);
     w4_cmp("compiled ckpt (step 1) vs eager ckpt", &m, g_comp1, g_ckpt, 1e-5);
     w4_cmp("compiled ckpt (step 2) vs eager ckpt", &m, g_comp, g_ckpt, 1e-5);
+    w4_cmp("compiled plain vs eager plain", &m, g_comp_plain, g_plain, 1e-5);
+    w4_print("W4-style", &m, &pk);
     fprintf(stderr,
-            "  W4-style (x[%d,%d], %d layers %d-%d-%d): peak above live, eager %lld B, eager "
-            "ckpt %lld B (%.2f), compiled ckpt %lld B first step, %lld B cached step; "
-            "compiled: %lld compiles, %lld hits (%lld from disk), %lld fallbacks%s%s\n",
-            WN, WC, WL, WC, WH, WC, (long long)peak_plain, (long long)peak_ckpt,
-            (double)peak_ckpt / (double)peak_plain, (long long)peak_comp1, (long long)peak_comp,
+            "  compiled ckpt: %lld compiles, %lld hits (%lld from disk), %lld fallbacks%s%s\n",
             (long long)(b.compiles - a.compiles),
             (long long)(b.mem_hits - a.mem_hits + b.disk_hits - a.disk_hits),
-            (long long)(b.disk_hits - a.disk_hits), (long long)(b.fallbacks - a.fallbacks), b.fallbacks > a.fallbacks ? ": " : "",
+            (long long)(b.disk_hits - a.disk_hits), (long long)(b.fallbacks - a.fallbacks),
+            b.fallbacks > a.fallbacks ? ": " : "",
             b.fallbacks > a.fallbacks ? gj_compiled_autograd_last_fallback() : "");
-    assert_true(2 * peak_ckpt <= peak_plain);
-    assert_true(peak_comp <= peak_ckpt);
+    assert_true(2 * pk.ckpt <= pk.plain);
+    w4_check_peaks(&pk);
     w4_free_grads(g_plain);
     w4_free_grads(g_ckpt);
     w4_free_grads(g_comp1);
     w4_free_grads(g_comp);
-    for (int l = 0; l < WL; l++)
-        for (int k = 0; k < 4; k++)
-            gj_release(m.p[l][k]);
-    gj_release(m.x);
+    w4_free_grads(g_comp_plain);
+    w4_free(&m);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* The benchmark's W4 and W4n (bench/workloads.c: x[128, 512], 8 layers
+ * 512-2048-512, with and without checkpointing). Here the 4 MiB weight
+ * gradients outweigh the [128, 2048] activations: the last layer's dW2
+ * and dW1 GEMMs side by side held the recomputed gelu output while dW1's
+ * .grad was made, 1 MiB above eager (jit/schedule.c now keeps such a pair
+ * apart). Compiled peaks at most eager's, with and without checkpointing;
+ * gradients are compared at the small size above. */
+static void test_w4_bench_memory(void **s) {
+    (void)s;
+    int64_t live0 = gjt_live_bytes();
+    bool was = gj_compiled_autograd_enabled();
+    w4 m;
+    w4_init(&m, 128, 512, 2048, 20240611);
+    w4_peaks pk;
+    int64_t *slot[2][2] = {{&pk.plain, &pk.ckpt}, {&pk.comp_plain, &pk.comp_ckpt}};
+    for (int mode = 0; mode < 2; mode++) {
+        gj_set_compiled_autograd(mode == 1);
+        for (int ck = 0; ck < 2; ck++)
+            for (int rep = 0; rep < 2; rep++) { /* compiled: compile, then the cached program */
+                *slot[mode][ck] = w4_step(&m, ck == 1);
+                w4_clear_grads(&m);
+            }
+    }
+    gj_set_compiled_autograd(was);
+    w4_print("W4", &m, &pk);
+    w4_check_peaks(&pk);
+    w4_free(&m);
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
@@ -1064,6 +1145,7 @@ int main(void) {
         cmocka_unit_test(test_alloc_failures),
         cmocka_unit_test(test_fd_mlp),
         cmocka_unit_test(test_w4_memory),
+        cmocka_unit_test(test_w4_bench_memory),
         cmocka_unit_test(test_compiled_capture),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -18,12 +18,19 @@
  *   5. Creation functions check the byte size of a shape with a zero dim;
  *      a compiled embedding backward with embedding dimension 0 (run it
  *      under -DGJ_SANITIZE=ON: UBSan flags memset(NULL, 0, 0)).
+ *   6. Several guards trip in one backward (DeepSpeed's ZeRO-3 hook: copy
+ *      the .grad to a bucket, record_stream it, set_ a parameter to bf16):
+ *      the fallback's reason is the first cause, record_stream, and the
+ *      message lists set_mismatch after "also:"; a tensor hook doing the
+ *      same still abandons the run; .grads as eager, which reports nothing.
+ *      gj_jit_trip alone: repeats dropped, a full message ends in "...".
  *
  * MLP of 1: x[8, 64] -> linear(w1[96, 64], b1[96]) = h -> tanh -> linear(
  * w2[10, 96], b2[10]) -> cross entropy with labels y[8]; all f32.
  */
 #include "gjtest.h"
 
+#include "jit/guards.h"
 #include "jit/jit.h"
 
 #include <stdio.h>
@@ -37,13 +44,23 @@
 
 /* ------------------------------------------- 1. set_ to bf16 mid-backward */
 
-typedef enum who { BY_NONE = 0, BY_TENSOR_HOOK, BY_POST_HOOK, BY_CUSTOM_OP } who;
+typedef enum who {
+    BY_NONE = 0,
+    BY_TENSOR_HOOK,
+    BY_POST_HOOK,
+    BY_CUSTOM_OP,
+    BY_TENSOR_HOOK_RS, /* 6.: a tensor hook records a stream, then swaps */
+    BY_ZERO3_HOOK,     /* 6.: a post hook copies to a bucket, records it, then swaps */
+} who;
 
 typedef struct mlp {
     gj_tensor *p[4]; /* w1, b1, w2, b2 (owned) */
     who by;
     int from;        /* first step whose backward swaps w1 to bf16 */
     int step, calls; /* calls: of the swapping user code */
+    gj_tensor *bucket; /* BY_ZERO3_HOOK: flat f32 bucket [NO * NH] (owned) */
+    gj_stream *s;      /* BY_*_RS, BY_ZERO3_HOOK: the reduce stream (owned) */
+    int64_t hook;      /* the handle of the hook that swaps */
 } mlp;
 
 static mlp *g_mlp; /* for the custom op's backward */
@@ -69,6 +86,29 @@ static gj_tensor *hook_swap(gj_tensor *grad, void *user) {
 static void post_swap(gj_tensor *leaf, void *user) {
     (void)leaf;
     swap_w1(user);
+}
+
+/* From step `from`: record_stream on the gradient it got, then swap w1. */
+static gj_tensor *hook_rs_swap(gj_tensor *grad, void *user) {
+    mlp *m = user;
+    if (m->step >= m->from) assert_int_equal(gj_tensor_record_stream(grad, m->s), 0);
+    swap_w1(m);
+    return NULL;
+}
+
+/* DeepSpeed's ZeRO-3 pattern, on w2 (its .grad is final): from step
+ * `from`, copy the .grad into the flat bucket, record the bucket on the
+ * reduce stream, then w1 := a bf16 copy of itself. */
+static void post_zero3(gj_tensor *leaf, void *user) {
+    mlp *m = user;
+    if (m->step >= m->from) {
+        gj_tensor *flat = gj_view(gj_tensor_grad(leaf), 1, (int64_t[]){NO * NH});
+        assert_non_null(flat);
+        assert_int_equal(gj_copy_(m->bucket, flat), 0);
+        gj_release(flat);
+        assert_int_equal(gj_tensor_record_stream(m->bucket, m->s), 0);
+    }
+    swap_w1(m);
 }
 
 /* guards::scale(x, alpha) = alpha * x; its backward swaps w1. */
@@ -103,6 +143,16 @@ static void mlp_init(mlp *m) {
     }
     if (m->by == BY_POST_HOOK) /* w2's .grad is written before w1's (eager order) */
         assert_true(gj_register_post_accumulate_grad_hook(m->p[2], post_swap, m) > 0);
+    if (m->by == BY_TENSOR_HOOK_RS || m->by == BY_ZERO3_HOOK) {
+        m->s = gj_stream_new();
+        assert_non_null(m->s);
+    }
+    if (m->by == BY_ZERO3_HOOK) {
+        m->bucket = gj_zeros(GJ_F32, 1, (int64_t[]){NO * NH});
+        assert_non_null(m->bucket);
+        m->hook = gj_register_post_accumulate_grad_hook(m->p[2], post_zero3, m);
+        assert_true(m->hook > 0);
+    }
 }
 
 /* One training step's backward; .grads cleared first. */
@@ -117,6 +167,10 @@ static void mlp_step(mlp *m, bool compiled) {
     gj_tensor *h = gj_linear(x, m->p[0], m->p[1]);
     assert_non_null(h);
     if (m->by == BY_TENSOR_HOOK) assert_true(gj_register_hook(h, hook_swap, m) > 0);
+    if (m->by == BY_TENSOR_HOOK_RS) {
+        m->hook = gj_register_hook(h, hook_rs_swap, m);
+        assert_true(m->hook > 0);
+    }
     if (m->by == BY_CUSTOM_OP) {
         gj_tensor *out = NULL;
         double alpha = 0.75;
@@ -134,16 +188,25 @@ static void mlp_step(mlp *m, bool compiled) {
 typedef struct grads {
     gj_dtype dt[4];
     double *v[4];
+    double *bucket; /* BY_ZERO3_HOOK: the bucket's values, else NULL */
+    int64_t hook;   /* the swapping hook's handle (0: none) */
 } grads;
 
 /* Runs steps 0..from (the last one swaps w1) on a fresh model; the .grads
  * after the last step. */
 static grads mlp_run(who by, int from, bool compiled, int *calls) {
-    mlp m = {{0}, by, from, 0, 0};
+    mlp m = {{0}, by, from, 0, 0, NULL, NULL, 0};
     g_mlp = &m;
     mlp_init(&m);
     for (int s = 0; s <= from; s++) mlp_step(&m, compiled);
-    grads g;
+    grads g = {{0}, {0}, NULL, m.hook};
+    if (m.s) assert_int_equal(gj_stream_synchronize(m.s), 0);
+    if (m.bucket) {
+        g.bucket = gjt_values(m.bucket);
+        assert_non_null(g.bucket);
+        gj_release(m.bucket);
+    }
+    if (m.s) gj_stream_free(m.s);
     for (int i = 0; i < 4; i++) {
         gj_tensor *gr = gj_tensor_grad(m.p[i]);
         assert_non_null(gr);
@@ -278,7 +341,7 @@ static void test_compiled_backward_clears_error(void **st) {
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     for (int mode = 0; mode < 2; mode++) {
-        mlp m = {{0}, BY_NONE, 0, 0, 0};
+        mlp m = {{0}, BY_NONE, 0, 0, 0, NULL, NULL, 0};
         mlp_init(&m);
         for (int s = 0; s < 2; s++) {
             assert_null(gj_matmul(m.p[0], m.p[0])); /* [96, 64] @ [96, 64]: an error */
@@ -454,6 +517,106 @@ static void test_embedding_dim0_compiled(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+/* ------------------------------ 6. the first cause names the fallback */
+
+/* Several guards trip in one backward: the fallback's reason (the class
+ * counted in fallbacks_by_reason, the message's first cause) is the first
+ * cause in program order, and the message lists the later ones after
+ * "also:". by: BY_ZERO3_HOOK (a post hook: the run is kept, every hook
+ * runs once) or BY_TENSOR_HOOK_RS (a tensor hook: its set_ abandons the
+ * run, which still happens, and the eager rerun calls it once more). The
+ * .grads (and the bucket) equal an eager-only run's, and eager reports
+ * nothing for the same hook. */
+static void check_first_cause(who by, int from) {
+    int64_t live0 = gjt_live_bytes();
+    static const int64_t n[4] = {NH * NI, NH, NO * NH, NO};
+    int ecalls, ccalls;
+    gj_jit_clear_cache();
+    gj_compiled_autograd_reset_stats();
+    grads want = mlp_run(by, from, false, &ecalls);
+    gj_ca_stats e = gjt_ca_now();
+    assert_int_equal(e.fallbacks, 0); /* eager: no guard, nothing reported */
+    assert_string_equal(gj_compiled_autograd_last_fallback(), "");
+    assert_int_equal(want.dt[0], GJ_BF16);
+    gj_compiled_autograd_reset_stats();
+    gj_compiled_autograd_set_quiet(true);
+    grads got = mlp_run(by, from, true, &ccalls);
+    gj_ca_stats s = gjt_ca_now();
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(got.dt[i], want.dt[i]);
+        assert_memory_equal(got.v[i], want.v[i], (size_t)n[i] * sizeof(double));
+        free(got.v[i]);
+        free(want.v[i]);
+    }
+    if (by == BY_ZERO3_HOOK) {
+        assert_memory_equal(got.bucket, want.bucket, (size_t)(NO * NH) * sizeof(double));
+        free(got.bucket);
+        free(want.bucket);
+    }
+    assert_int_equal(s.compiles + s.disk_hits, from > 0 ? 1 : 0);
+    assert_int_equal(s.mem_hits, from > 0 ? from - 1 : 0);
+    assert_int_equal(s.fallbacks, 1);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_RECORD_STREAM], 1);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_SET_MISMATCH], 0);
+    const char *msg = gj_compiled_autograd_last_fallback();
+    const char *hk = by == BY_ZERO3_HOOK ? "post-accumulate hook" : "hook";
+    char head[300];
+    snprintf(head, sizeof head,
+             "record_stream: %s #%lld called gj_tensor_record_stream during a compiled run; "
+             "also: set_mismatch: %s #%lld changed leaf f32[96, 64] (whose .grad is output #",
+             hk, (long long)got.hook, hk, (long long)got.hook);
+    if (strncmp(msg, head, strlen(head)) != 0 ||
+        !strstr(msg, ") to bf16[96, 64] (set_) during a compiled run"))
+        fail_msg("the fallback names\n  %s\nwanted\n  %s...) to bf16[96, 64] (set_) during a "
+                 "compiled run", msg, head);
+    /* a post hook's trip keeps the run; a tensor hook's abandons it */
+    assert_int_equal(ccalls, ecalls + (by == BY_ZERO3_HOOK ? 0 : 1));
+    gj_jit_clear_cache();
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* gj_jit_trip on its own: the first trip sets the class and message; the
+ * same cause again adds nothing; each other cause is appended once after
+ * "also:"; a message with no room left ends in "..." and stays bounded. */
+static void test_trip_lists_later_causes(void **st) {
+    (void)st;
+    gj_jit_runctx hc;
+    memset(&hc, 0, sizeof hc);
+    gj_jit_trip(&hc, GJ_CA_RECORD_STREAM, "hook #%d called record_stream", 1);
+    gj_jit_trip(&hc, GJ_CA_RECORD_STREAM, "hook #%d called record_stream", 1);
+    gj_jit_trip(&hc, GJ_CA_SET_MISMATCH, "hook #%d changed leaf", 2);
+    gj_jit_trip(&hc, GJ_CA_SET_MISMATCH, "hook #%d changed leaf", 2);
+    gj_jit_trip(&hc, GJ_CA_HOOK_GUARD, "hook #%d called record_stream", 1); /* other class */
+    assert_true(hc.tripped);
+    assert_int_equal(hc.code, GJ_CA_RECORD_STREAM);
+    assert_string_equal(hc.why, "hook #1 called record_stream; also: set_mismatch: hook #2 "
+                                "changed leaf; also: hook_guard: hook #1 called record_stream");
+    assert_false(hc.why_full);
+    for (int i = 0; i < 40; i++)
+        gj_jit_trip(&hc, GJ_CA_SET_MISMATCH, "post-accumulate hook #%d changed a .grad", 100 + i);
+    assert_int_equal(hc.code, GJ_CA_RECORD_STREAM);
+    assert_true(hc.why_full);
+    size_t n = strlen(hc.why);
+    assert_int_equal(n, sizeof hc.why - 1);
+    assert_string_equal(hc.why + n - 3, "...");
+    assert_int_equal(strncmp(hc.why, "hook #1 called record_stream; also: ", 36), 0);
+}
+
+/* The ZeRO-3 hook of the hardening issue: record_stream came first. */
+static void test_zero3_hook_first_cause(void **st) {
+    (void)st;
+    check_first_cause(BY_ZERO3_HOOK, 0);
+    check_first_cause(BY_ZERO3_HOOK, 1);
+}
+
+/* A tensor hook that records a stream, then swaps w1: the set_ abandons
+ * the run, record_stream is still the reason. */
+static void test_abandoning_trip_keeps_first_cause(void **st) {
+    (void)st;
+    check_first_cause(BY_TENSOR_HOOK_RS, 0);
+    check_first_cause(BY_TENSOR_HOOK_RS, 1);
+}
+
 int main(void) {
     setenv("GRADJIT_CACHE_DIR", "off", 1); /* counts of compiles, not of disk hits */
     gjt_setup();
@@ -468,6 +631,9 @@ int main(void) {
         cmocka_unit_test(test_set_leaf_shape_is_error),
         cmocka_unit_test(test_embedding_dim0_compiled),
         cmocka_unit_test(test_zero_size_shape_overflow),
+        cmocka_unit_test(test_trip_lists_later_causes),
+        cmocka_unit_test(test_zero3_hook_first_cause),
+        cmocka_unit_test(test_abandoning_trip_keeps_first_cause),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
