@@ -427,6 +427,8 @@ struct gj_ag_hook {
 int64_t gj_ag_hook_register(gj_tensor *t, gj_ag_hook_kind kind, gj_grad_hook_fn fn,
                             gj_post_accumulate_hook_fn post_fn, void *user, const char *op);
 int gj_ag_hook_remove(int64_t handle); /* 0, or -1 if unknown/removed (no error set) */
+/* Whether leaf t has a live tensor or post-accumulate hook. */
+bool gj_ag_leaf_has_hooks(const gj_tensor *t);
 /* Sets the `early` flag of live hook handle. 0, or -1 if unknown/removed. */
 int gj_ag_hook_set_early(int64_t handle);
 /* Frees a list (node and meta destruction). */

@@ -376,6 +376,16 @@ int gj_ag_eager_call_post_hook(gj_ag_builder *b, const gj_ag_hook *h, gj_tensor 
     return gj_ag_user_scope_close(us, who);
 }
 
+bool gj_ag_leaf_has_hooks(const gj_tensor *t) {
+    const gj_ag_tensor_meta *m = t->ag;
+    if (!m) return false;
+    for (const gj_ag_hook *h = m->hooks; h; h = h->next)
+        if (!h->removed) return true;
+    for (const gj_ag_hook *h = m->post_hooks; h; h = h->next)
+        if (!h->removed) return true;
+    return false;
+}
+
 /* ------------------------------------------------------------ anomaly */
 
 void gj_ag_set_anomaly(bool on) { atomic_store(&g_anomaly, on); }

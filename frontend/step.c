@@ -195,6 +195,10 @@ int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out
                                   "anomaly mode checks every gradient of the eager engine", false);
         return run_eager(s, n_in, in, loss_out, false);
     }
+    if (!s->o.eval && !gj_ag_grad_enabled()) { /* eager then reports no graph to differentiate */
+        gj_jit_cstep_note_fallback(GJ_CA_INCOMPATIBLE_MODE, "a training step under no_grad", false);
+        return run_eager(s, n_in, in, loss_out, false);
+    }
     if (s->eager_only) {
         gj_jit_cstep_note_fallback(GJ_CA_UNTRACEABLE, s->why, false);
         return run_eager(s, n_in, in, loss_out, false);

@@ -44,6 +44,7 @@ typedef struct variant {
     gj_jit_opt_kind kind;
     bool momentum, weight_decay, keep_grads, eval;
     uint64_t rng; /* numbers the step draws from the generator */
+    bool *requires_grad; /* per parameter, when traced */
 } variant;
 
 struct gj_jit_cstep {
@@ -57,6 +58,7 @@ static void variant_free(variant *v) {
     gj_jit_program_release(v->prog);
     for (int c = 0; c < v->n_consts; c++) gj_rt_tensor_release(v->consts[c]);
     gj_rt_free(v->consts);
+    gj_rt_free(v->requires_grad);
 }
 
 void gj_jit_cstep_free(gj_jit_cstep *s) {
@@ -279,9 +281,16 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     v->rng = tr->rng1 - tr->rng0;
     for (int s = 0; s < tr->n_slots; s++) v->n_consts += tr->slots[s].kind == GJ_AG_SLOT_CONST;
     v->consts = gj_rt_calloc((size_t)v->n_consts + 1, sizeof *v->consts);
-    if (!v->consts) {
+    v->requires_grad = gj_rt_calloc((size_t)opt->n + 1, sizeof *v->requires_grad);
+    if (!v->consts || !v->requires_grad) {
+        gj_rt_free(v->consts);
+        gj_rt_free(v->requires_grad);
         gj_jit_program_release(got.prog);
         goto oom;
+    }
+    for (int p = 0; p < opt->n; p++) {
+        gj_ag_tensor_meta *m = opt->params[p]->ag;
+        v->requires_grad[p] = m && m->requires_grad;
     }
     for (int s = 0; s < tr->n_slots; s++) {
         const gj_ag_trace_slot *sl = &tr->slots[s];
@@ -331,6 +340,11 @@ static bool guards_hold(const variant *v, int n_in, gj_tensor *const *in, const 
     if (v->n_in != n_in || v->n_params != o->n || v->kind != o->kind ||
         v->momentum != o->momentum || v->weight_decay != o->weight_decay)
         return false;
+    for (int p = 0; p < o->n; p++) { /* the graph's structure: what needs a gradient, hooks */
+        gj_ag_tensor_meta *m = o->params[p]->ag;
+        if ((m && m->requires_grad) != v->requires_grad[p] || gj_ag_leaf_has_hooks(o->params[p]))
+            return false;
+    }
     const gj_jit_program *pr = v->prog;
     for (int i = 0; i < pr->n_inputs; i++) {
         gj_tensor *t = bound_tensor(v, &pr->inputs[i], n_in, in, o, hyper);

@@ -414,6 +414,12 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
         cap->ret[p] = -1;
         cap->ret[n + p] = 0;
     }
+    if (w && w->n_hooks > 0) { /* (the program calls no user code) */
+        fail(&c, true, "the step's graph has %d hook%s (on a parameter, or registered before the "
+             "step): a step with hooks runs eagerly", w->n_hooks, w->n_hooks == 1 ? "" : "s");
+        cap->code = GJ_CA_HOOK_GUARD;
+        goto done;
+    }
     for (int j = 0; j < s->tr->n_entries; j++)
         if (replay_entry(&c, j) != 0) goto done;
     int lv = slot_value(&c, s->loss_slot);

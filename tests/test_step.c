@@ -10,6 +10,7 @@
  */
 #include "gjtest.h"
 
+#include "../jit/code.h"
 #include "../jit/jit.h"
 
 #include <math.h>
@@ -321,6 +322,103 @@ static void test_anomaly_mode(void **st) {
     assert_int_equal(s.fallbacks_by_reason[GJ_CA_INCOMPATIBLE_MODE], NSTEP);
 }
 
+/* The compiler's own fallbacks, each with eager's results: an op with no
+ * lowering (the test switch), an LLVM error (its test switch), the
+ * recompile limit of the call site, hooks on the step's graph. */
+static void test_compiler_fallbacks(void **st) {
+    (void)st;
+    gj_jit_set_disk_cache(NULL); /* (compiles, not disk hits) */
+    gj_jit_clear_cache();
+    gj_jit_test_no_lowering(GJ_P_GELU);
+    run_cfg c = {.dt = GJ_F32, .adamw = true};
+    gj_ca_stats s = check("no lowering", &c, NSTEP);
+    gj_jit_test_no_lowering(-1);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_NO_LOWERING], NSTEP);
+    gj_jit_clear_cache();
+    gj_jit_test_fail_llvm(true);
+    s = check("LLVM error", &c, NSTEP);
+    gj_jit_test_fail_llvm(false);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_LLVM_ERROR], NSTEP);
+    gj_jit_clear_cache();
+    gj_compiled_autograd_set_recompile_limit(1);
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_OFF);
+    c.batch2 = 3;
+    s = check("recompile limit", &c, NSTEP / 2);
+    gj_compiled_autograd_set_recompile_limit(8);
+    gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_AUTO);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_RECOMPILE_LIMIT], NSTEP / 2);
+    gj_jit_clear_cache();
+    const char *env = getenv("GRADJIT_CACHE_DIR");
+    gj_jit_set_disk_cache(env && *env && strcmp(env, "off") != 0 ? env : NULL);
+}
+
+static gj_tensor *scale_hook(gj_tensor *g, void *u) {
+    (void)u;
+    return gj_mul_scalar(g, 0.5);
+}
+
+/* Properties a compiled run depends on, changed between steps: a hook on
+ * a parameter (the step then runs eagerly with it: hook_guard), a
+ * parameter that stops requiring grad (another variant: not updated, as
+ * eagerly), a training step under no_grad (eager's error), a parameter's
+ * storage swapped for one of the same meta (the program reads the new
+ * one). Each run equals eager's. */
+static void test_guards(void **st) {
+    (void)st;
+    gj_compiled_autograd_set_quiet(true);
+    double out[2][NSTEP + 2];
+    int rcs[2][NSTEP];
+    for (int mode = 0; mode < 2; mode++) {
+        model m;
+        model_init(&m, GJ_F32, 13);
+        gj_tensor *ps[NP] = {m.p[0], m.p[1], m.p[2], m.p[3]};
+        gj_optim *o = gj_adamw_new(NP, ps, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+        gj_step_opts so = {.eager = mode == 0};
+        gj_step *s = gj_step_new(mlp_loss, &m, o, &so);
+        gjt_rng r;
+        gjt_rng_seed(&r, 17);
+        gj_step_reset_stats();
+        int64_t hook = -1;
+        for (int i = 0; i < NSTEP; i++) {
+            if (i == 1) hook = gj_register_hook(m.p[1], scale_hook, NULL);
+            if (i == 2) assert_int_equal(gj_remove_hook(hook), 0);
+            if (i == 3) assert_int_equal(gj_set_requires_grad(m.p[3], false), 0);
+            if (i == 4) {
+                gj_tensor *c = gj_contiguous(gj_mul_scalar(m.p[0], 1.0));
+                gj_no_grad_push();
+                assert_int_equal(gj_tensor_set_(m.p[0], c), 0);
+                gj_no_grad_pop();
+                gj_release(c);
+            }
+            if (i == 5) gj_no_grad_push();
+            gj_scope_push();
+            int64_t b = 6;
+            gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){b, IN}, -1, 1);
+            gj_tensor *y = gjt_labels(&r, 1, &b, OUT);
+            gj_tensor *in[2] = {x, y}, *l = NULL;
+            rcs[mode][i] = gj_step_run(s, 2, in, &l);
+            out[mode][i] = rcs[mode][i] == 0 ? gj_tensor_item(l) : -1.0;
+            gj_scope_pop();
+            if (i == 5) gj_no_grad_pop();
+        }
+        out[mode][NSTEP] = gj_tensor_item_at(m.p[0], 3);
+        out[mode][NSTEP + 1] = gj_tensor_item_at(m.p[3], 1);
+        if (mode == 1) {
+            gj_ca_stats c;
+            gj_step_stats(&c);
+            assert_int_equal(c.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 1);
+            assert_int_equal(c.fallbacks_by_reason[GJ_CA_INCOMPATIBLE_MODE], 1);
+            assert_int_equal(c.backwards, NSTEP);
+        }
+        gj_step_free(s);
+        gj_optim_free(o);
+        model_free(&m);
+    }
+    assert_memory_equal(rcs[0], rcs[1], sizeof rcs[0]);
+    assert_int_equal(rcs[0][5], -1); /* no_grad: nothing to differentiate */
+    assert_memory_equal(out[0], out[1], sizeof out[0]);
+}
+
 /* ------------------------------------------------------------- guards */
 
 /* A parameter given another dtype by set_ between steps is another
@@ -606,6 +704,8 @@ int main(void) {
         cmocka_unit_test(test_untraceable),
         cmocka_unit_test(test_checkpoint_policies),
         cmocka_unit_test(test_anomaly_mode),
+        cmocka_unit_test(test_compiler_fallbacks),
+        cmocka_unit_test(test_guards),
         cmocka_unit_test(test_guard_set_dtype),
         cmocka_unit_test(test_constant_read_at_run_time),
         cmocka_unit_test(test_disk),
