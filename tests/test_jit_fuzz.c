@@ -52,6 +52,14 @@
  * read every size, offset and constant at run time, and a seed whose
  * kernels were compiled by an earlier seed's graph is bound to them with
  * no compile (the registry lives across seeds until the cache is cleared).
+ * Whole training steps (test_fuzz_steps): further seeds build their model
+ * inside a gj_step's step function (regions and dropout included) with a
+ * random SGD or AdamW, and three steps compiled must leave the losses and
+ * parameters of three eager steps; with hooks or custom ops in the step
+ * function every compiled step must run eagerly instead (untraceable).
+ * GJT_FUZZ_STEPS=n runs n such models per dtype (default 80 f64, 100 f32,
+ * 40 bf16; a fifth under ASan; GJT_FUZZ_GRAPHS runs a tenth of its graphs
+ * as steps).
  * In 15% of the seeds (F_GRAD) the backward is a gj_grad instead (with
  * any of the features above): with respect to one to four tensors drawn
  * from the model's pool, leaves or intermediates, possibly one twice or
@@ -1174,6 +1182,194 @@ static void test_fuzz_bf16(void **st) {
     run_fuzz(GJ_BF16, 1.0 / 128, 9000, 400 / FUZZ_SCALE, 20);
 }
 
+/* ---------------------------------------------------------- whole steps */
+
+/* The model of a seed as a training step (gj_step): the step function
+ * builds the seed's ops again at every call (its generator reseeded) from
+ * the leaves (the optimizer's parameters) and a step input of [R, C]; the
+ * optimizer is SGD (momentum 0 or not, weight decay 0 or not) or AdamW
+ * with hyperparameters drawn from the seed; three steps run compiled and
+ * eagerly from the same leaves and must leave the same losses and leaves
+ * (within rtol, as the gradients). Hooks, custom ops and record_stream in
+ * the step function make every compiled step run eagerly (untraceable);
+ * regions and dropout are compiled. */
+typedef struct step_ctx {
+    fuzz *f;
+    uint64_t seed;
+} step_ctx;
+
+static gj_tensor *fuzz_step_fn(void *ctx, int n_in, gj_tensor *const *in) {
+    step_ctx *sc = ctx;
+    fuzz *f = sc->f;
+    (void)n_in;
+    gjt_rng_seed(&f->rng, sc->seed * 0x2545f4914f6cdd1dull + 3);
+    f->n = 0;
+    f->n_hk = 0;
+    f->log[0] = '\0';
+    f->soft = true;
+    for (int i = 0; i < f->n_leaves; i++) f->pool[f->n++] = f->leaves[i];
+    push(f, gj_mul(in[0], f->leaves[0]), "input*leaf0"); /* (the pool requires grad) */
+    int ops = 4 + (int)gjt_rng_int(&f->rng, 8);
+    for (int k = 0; k < ops && !f->failed; k++) fuzz_step(f);
+    if ((f->feat & F_REGION) && !f->failed) fuzz_region(f);
+    return f->failed ? NULL : fuzz_loss(f);
+}
+
+typedef struct step_res {
+    double loss[3];
+    double *leaf[NLEAF];
+    int64_t numel[NLEAF];
+    int rc;
+    char log[LOGCAP];
+} step_res;
+
+static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compiled,
+                           step_res *res) {
+    fuzz *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    memset(res, 0, sizeof *res);
+    build_leaves(f, seed, dt);
+    f->feat = feat;
+    gjt_rng r;
+    gjt_rng_seed(&r, seed ^ 0xabcdef);
+    gj_optim *o;
+    if (gjt_rng_int(&r, 2))
+        o = gj_adamw_new(f->n_leaves, f->leaves, gjt_rng_uniform(&r, 1e-3, 5e-2),
+                         gjt_rng_uniform(&r, 0.5, 0.95), gjt_rng_uniform(&r, 0.9, 0.999),
+                         gjt_rng_uniform(&r, 1e-8, 1e-3),
+                         gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.0, 0.1));
+    else
+        o = gj_sgd_new(f->n_leaves, f->leaves, gjt_rng_uniform(&r, 1e-3, 1e-1),
+                       gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.1, 0.95),
+                       gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.0, 0.1));
+    assert_non_null(o);
+    step_ctx sc = {f, seed};
+    gj_step_opts so = {.eager = !compiled};
+    gj_step *st = gj_step_new(fuzz_step_fn, &sc, o, &so);
+    assert_non_null(st);
+    gj_manual_seed(seed); /* the same dropout masks in both modes */
+    int64_t rc2[2] = {f->R, f->C};
+    for (int i = 0; i < 3 && res->rc == 0; i++) {
+        gj_scope_push();
+        gj_tensor *x = gjt_uniform(&r, dt, 2, rc2, -1, 1), *loss = NULL;
+        res->rc = gj_step_run(st, 1, &x, &loss);
+        res->loss[i] = res->rc == 0 ? gj_tensor_item(loss) : NAN;
+        gj_scope_pop();
+        drain_jobs(f);
+    }
+    snprintf(res->log, sizeof res->log, "%s", f->log);
+    gj_step_free(st);
+    gj_optim_free(o);
+    for (int i = 0; i < f->n_leaves; i++) {
+        res->leaf[i] = gjt_values(f->leaves[i]);
+        res->numel[i] = gj_tensor_numel(f->leaves[i]);
+    }
+    free_leaves(f);
+    free(f);
+}
+
+static int g_step_compiled, g_step_eager; /* seeds whose steps ran compiled / eagerly */
+static char g_step_why[256];
+
+static bool check_step_seed(uint64_t seed, gj_dtype dt, double rtol) {
+    /* no faults, gj_grad or symbolic programs in a step; record_stream and
+     * stream jobs need the hooks */
+    unsigned feat = seed_features(seed) & (F_HOOKS | F_STREAM | F_RECORD | F_CUSTOM | F_REGION);
+    step_res e, c;
+    int64_t live0 = gjt_live_bytes();
+    run_step_model(seed, dt, feat, false, &e);
+    gj_step_reset_stats();
+    run_step_model(seed, dt, feat, true, &c);
+    gj_ca_stats s;
+    gj_step_stats(&s);
+    bool ok = e.rc == c.rc;
+    if (!ok)
+        print_error("step seed %llu %s: status %d eager, %d compiled (ops: %s)\n",
+                    (unsigned long long)seed, gj_rt_dtype_name(dt), e.rc, c.rc, c.log);
+    for (int i = 0; i < 3 && ok && e.rc == 0; i++) {
+        double tol = rtol * fmax(1.0, fabs(e.loss[i]));
+        if (!(fabs(e.loss[i] - c.loss[i]) <= tol)) {
+            print_error("step seed %llu %s: step %d loss %.17g eager, %.17g compiled (ops: %s)\n",
+                        (unsigned long long)seed, gj_rt_dtype_name(dt), i, e.loss[i], c.loss[i],
+                        c.log);
+            ok = false;
+        }
+    }
+    for (int i = 0; i < NLEAF && ok; i++) {
+        char what[96];
+        snprintf(what, sizeof what, "step seed %llu %s leaf %d", (unsigned long long)seed,
+                 gj_rt_dtype_name(dt), i);
+        ok = gjt_same_as_eager(what, c.leaf[i], e.leaf[i], e.numel[i], rtol);
+    }
+    /* what runs compiled: everything but hooks, custom ops (and what they do) */
+    bool falls = (feat & (F_HOOKS | F_CUSTOM)) != 0;
+    int64_t ran = s.compiles + s.mem_hits + s.disk_hits + s.instantiations;
+    if (e.rc == 0 && ok && (s.backwards != 3 || ran + s.fallbacks != 3 ||
+                            (!falls && s.fallbacks != 0))) {
+        print_error("step seed %llu %s: %lld steps, %lld compiled, %lld fallbacks (%s; ops: %s)\n",
+                    (unsigned long long)seed, gj_rt_dtype_name(dt), (long long)s.backwards,
+                    (long long)ran, (long long)s.fallbacks, gj_compiled_autograd_last_fallback(),
+                    c.log);
+        ok = false;
+    }
+    if (s.fallbacks == 0) g_step_compiled++;
+    else {
+        g_step_eager++;
+        if (!falls) snprintf(g_step_why, sizeof g_step_why, "%s", gj_compiled_autograd_last_fallback());
+    }
+    if (gjt_live_bytes() != live0) {
+        print_error("step seed %llu %s: %lld tensor bytes leaked\n", (unsigned long long)seed,
+                    gj_rt_dtype_name(dt), (long long)(gjt_live_bytes() - live0));
+        ok = false;
+    }
+    for (int i = 0; i < NLEAF; i++) {
+        free(e.leaf[i]);
+        free(c.leaf[i]);
+    }
+    return ok;
+}
+
+/* count step seeds per dtype (GJT_FUZZ_STEPS=n by hand; GJT_FUZZ_GRAPHS
+ * runs a tenth of its graphs as steps). */
+static void run_step_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, int share) {
+    if (!dtype_selected(dt)) return;
+    const char *n = getenv("GJT_FUZZ_STEPS"), *all = getenv("GJT_FUZZ_GRAPHS");
+    if (all && atol(all) > 0) count = (int)((atol(all) / 10 * share + 99) / 100);
+    if (n && atoi(n) >= 0) count = atoi(n);
+    const char *one = getenv("GJT_FUZZ_SEED");
+    int bad = 0, total = 0;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    g_step_compiled = g_step_eager = 0;
+    for (int k = 0; k < count; k++) {
+        uint64_t seed = one ? strtoull(one, NULL, 10) : base + (uint64_t)k;
+        if (!check_step_seed(seed, dt, rtol)) {
+            bad++;
+            print_error("reproduce: GJT_FUZZ_SEED=%llu GJT_FUZZ_DTYPE=%s GJT_FUZZ_COUNT=0 "
+                        "./test_jit_fuzz\n",
+                        (unsigned long long)seed, gj_rt_dtype_name(dt));
+        }
+        total++;
+        if (one) break;
+        if (k % 100 == 99) gj_jit_clear_cache();
+    }
+    gj_jit_clear_cache();
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    print_message("%s: %d models as whole steps (3 steps each: %d compiled, %d eager for hooks "
+                  "or custom ops), %d mismatches or bad fallbacks, %.1f s\n",
+                  gj_rt_dtype_name(dt), total, g_step_compiled, g_step_eager, bad,
+                  (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+    g_step_compiled = g_step_eager = 0;
+    assert_int_equal(bad, 0);
+}
+
+static void test_fuzz_steps(void **st) {
+    (void)st;
+    run_step_fuzz(GJ_F64, 1e-12, 20000, 80 / FUZZ_SCALE, 35);
+    run_step_fuzz(GJ_F32, 1e-6, 24000, 100 / FUZZ_SCALE, 45);
+    run_step_fuzz(GJ_BF16, 1.0 / 128, 28000, 40 / FUZZ_SCALE, 20);
+}
+
 /* ------------------------------------------------- minimised findings */
 
 /* Post hook of the test below: .grad *= 2 through an out-of-place op
@@ -1242,6 +1438,7 @@ int main(void) {
         cmocka_unit_test(test_fuzz_f64),
         cmocka_unit_test(test_fuzz_f32),
         cmocka_unit_test(test_fuzz_bf16),
+        cmocka_unit_test(test_fuzz_steps),
         cmocka_unit_test(test_post_hook_error_is_swallowed),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
