@@ -810,8 +810,11 @@ typedef struct gj_step_opts {
     bool keep_grads; /* leave each parameter's .grad of the step after it */
     bool eval;       /* forward only: the loss under no_grad, no backward, no
                         update (opt may then be NULL) */
+    double clip_norm; /* > 0: gj_clip_grad_norm(params, clip_norm) between the
+                        backward and the update (a non-finite norm fails the
+                        step, nothing updated, as the eager call does) */
 } gj_step_opts;
-/* opts NULL: all false. fn and ctx are borrowed for the step's life; so is
+/* opts NULL: all false (0). fn and ctx are borrowed for the step's life; so is
  * opt, whose parameters are the step's. NULL with an error. */
 GJ_API gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts *opts);
 /* One step on in[0..n_in) (borrowed). *loss_out (may be NULL) receives the

@@ -21,6 +21,7 @@
 #include "fe.h"
 #include "../jit/jit.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -52,6 +53,11 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
         gj_rt_set_error("%s: opt is NULL (only an eval step has no optimizer)", op);
         return NULL;
     }
+    if (!(o.clip_norm >= 0.0) || isinf(o.clip_norm)) {
+        gj_rt_set_error("%s: clip_norm must be finite and >= 0 (0: no clipping), got %g", op,
+                        o.clip_norm);
+        return NULL;
+    }
     gj_step *s = gj_rt_calloc(1, sizeof *s);
     if (!s) return NULL;
     s->fn = fn;
@@ -63,7 +69,7 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
     s->params = gj_rt_calloc(n1, sizeof *s->params);
     s->s1 = gj_rt_calloc(n1, sizeof *s->s1);
     s->s2 = gj_rt_calloc(n1, sizeof *s->s2);
-    s->hyper = gj_rt_calloc(n1 * GJ_JIT_HYPER, sizeof *s->hyper);
+    s->hyper = gj_rt_calloc(n1 * GJ_JIT_HYPER + 1, sizeof *s->hyper);
     s->updated = gj_rt_calloc(n1, sizeof *s->updated);
     s->grads = gj_rt_calloc(n1, sizeof *s->grads);
     s->jit = gj_jit_cstep_new();
@@ -99,6 +105,8 @@ static void describe(gj_step *s, gj_jit_opt *jo) {
     memset(jo, 0, sizeof *jo);
     if (s->opt) gj_fe_optim_describe(s->opt, jo, s->s1, s->s2, s->hyper);
     jo->n = s->n;
+    jo->clip = s->o.eval ? 0.0 : s->o.clip_norm;
+    s->hyper[(size_t)s->n * GJ_JIT_HYPER] = jo->clip; /* the run-time value */
     jo->params = s->params;
     jo->s1 = s->s1;
     jo->s2 = s->s2;
@@ -156,7 +164,10 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
         }
     }
     if (!s->o.eval) {
-        if (gj_backward(loss, NULL) != 0 || gj_optim_step(s->opt) != 0) goto done;
+        if (gj_backward(loss, NULL) != 0) goto done;
+        if (s->o.clip_norm > 0 && gj_clip_grad_norm(s->n, s->params, s->o.clip_norm, NULL) != 0)
+            goto done;
+        if (gj_optim_step(s->opt) != 0) goto done;
         if (!s->o.keep_grads) gj_optim_zero_grad(s->opt);
     }
     if (loss_out && !(keep = gj_rt_tensor_alias(loss))) goto done;

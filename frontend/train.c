@@ -25,6 +25,9 @@ int gj_clip_grad_norm(int n, gj_tensor *const *params, double max_norm, double *
         gj_rt_set_error("%s: max_norm must be finite and > 0 (got %g)", op, max_norm);
         return -1;
     }
+    /* the sum of squares per parameter in f64 by the SUM kernel (its
+     * order: what the compiled step's fused sum reproduces), then the
+     * parameters' sums in order */
     double ss = 0.0;
     for (int k = 0; k < n; k++) {
         if (!params[k]) {
@@ -40,10 +43,15 @@ int gj_clip_grad_norm(int n, gj_tensor *const *params, double max_norm, double *
                             gj_rt_dtype_name(g->dtype));
             return -1;
         }
-        for (int64_t i = 0; i < g->numel; i++) {
-            double v = gj_tensor_item_at(g, i);
-            ss += v * v;
-        }
+        gj_scope_push();
+        gj_no_grad_push();
+        gj_tensor *d = gj_cast(g, GJ_F64);
+        gj_tensor *s = d ? gj_sum(gj_mul(d, d), 0, NULL, false) : NULL;
+        double v = s ? gj_tensor_item(s) : NAN;
+        gj_no_grad_pop();
+        gj_scope_pop();
+        if (!s) return -1;
+        ss += v;
     }
     double norm = sqrt(ss);
     if (total_norm) *total_norm = norm;

@@ -149,7 +149,8 @@ typedef struct gj_jit_opt {
     gj_tensor *const *s1; /* per parameter or NULL: SGD momentum, AdamW exp_avg */
     gj_tensor *const *s2; /* AdamW exp_avg_sq */
     bool momentum, weight_decay;
-    const double *hyper; /* [n * GJ_JIT_HYPER] */
+    double clip;         /* > 0: the gradients' total norm is clipped to it first */
+    const double *hyper; /* [n * GJ_JIT_HYPER + 1]: the last one the clip norm */
 } gj_jit_opt;
 
 typedef struct gj_jit_cstep gj_jit_cstep; /* the compiled variants of one gj_step */
@@ -166,6 +167,8 @@ int gj_jit_cstep_prepare(gj_jit_cstep *s, const gj_ag_trace *tr, gj_tensor *loss
                         const gj_jit_opt *opt, bool keep_grads, bool eval, gj_ca_reason *code,
                         char *why, size_t why_cap);
 
+/* (A step that clips fails, as gj_clip_grad_norm does, when the norm is
+ * not finite: -1 with its error, nothing updated.) */
 /* Runs the variant of s whose guards hold for in[0..n_in) and opt (the
  * generator draws the step's dropout masks as eager would). Returns 0 (ran:
  * *loss_out a new 0-d tensor, parameters and state updated in place,

@@ -32,6 +32,7 @@
 #include "fallback.h"
 #include "run.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -42,7 +43,7 @@ typedef struct variant {
     int n_consts;
     int n_in, n_params;
     gj_jit_opt_kind kind;
-    bool momentum, weight_decay, keep_grads, eval;
+    bool momentum, weight_decay, clip, keep_grads, eval;
     uint64_t rng; /* numbers the step draws from the generator */
     bool *requires_grad; /* per parameter, when traced */
 } variant;
@@ -118,8 +119,8 @@ static void put_meta(text *t, const gj_rt_meta *m, bool sizes) {
 /* The key text of a step (sizes) or of its call site (!sizes). */
 static void step_text(text *t, const gj_ag_trace *tr, int loss_slot, const gj_jit_opt *o,
                       bool keep, bool eval, const gj_jit_walk *w, bool sizes) {
-    put(t, "gradjit step v1 opt %d mom %d wd %d keep %d eval %d in %d params %d rng %llu\n",
-        (int)o->kind, o->momentum, o->weight_decay, keep, eval, tr->n_inputs, o->n,
+    put(t, "gradjit step v1 opt %d mom %d wd %d clip %d keep %d eval %d in %d params %d rng %llu\n",
+        (int)o->kind, o->momentum, o->weight_decay, o->clip > 0, keep, eval, tr->n_inputs, o->n,
         sizes ? (unsigned long long)(tr->rng1 - tr->rng0) : 0ull);
     for (int p = 0; p < o->n; p++) {
         gj_ag_tensor_meta *m = o->params[p]->ag;
@@ -196,7 +197,7 @@ static gj_jit_graph *step_capture(void *ctx, char *why, size_t why_cap, gj_ca_re
 
 static int step_finish(void *ctx, gj_jit_program *prog) {
     step_src *s = ctx;
-    int n = 2 * s->spec.opt->n;
+    int n = 2 * s->spec.opt->n + 1;
     prog->ret = gj_rt_malloc(((size_t)n + 1) * sizeof *prog->ret);
     if (!prog->ret) return -1;
     memcpy(prog->ret, s->cap.ret, (size_t)n * sizeof *prog->ret);
@@ -276,6 +277,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     v->kind = opt->kind;
     v->momentum = opt->momentum;
     v->weight_decay = opt->weight_decay;
+    v->clip = opt->clip > 0;
     v->keep_grads = keep_grads;
     v->eval = eval;
     v->rng = tr->rng1 - tr->rng0;
@@ -338,7 +340,7 @@ static gj_tensor *bound_tensor(const variant *v, const gj_jit_input *x, int n_in
 static bool guards_hold(const variant *v, int n_in, gj_tensor *const *in, const gj_jit_opt *o,
                         gj_tensor *hyper, void **data) {
     if (v->n_in != n_in || v->n_params != o->n || v->kind != o->kind ||
-        v->momentum != o->momentum || v->weight_decay != o->weight_decay)
+        v->momentum != o->momentum || v->weight_decay != o->weight_decay || v->clip != (o->clip > 0))
         return false;
     for (int p = 0; p < o->n; p++) { /* the graph's structure: what needs a gradient, hooks */
         gj_ag_tensor_meta *m = o->params[p]->ag;
@@ -381,7 +383,7 @@ int gj_jit_cstep_run(gj_jit_cstep *st, int n_in, gj_tensor *const *in, const gj_
     }
     if (st->n_v == 0) return 1;
     double t0 = gj_jit_now_ms();
-    int64_t nh = (int64_t)opt->n * GJ_JIT_HYPER;
+    int64_t nh = (int64_t)opt->n * GJ_JIT_HYPER + 1;
     gj_tensor *hyper = gj_rt_tensor_empty(GJ_F64, 1, &nh);
     if (!hyper) return -1;
     memcpy(gj_rt_data_ptr(hyper), opt->hyper, (size_t)nh * sizeof(double));
@@ -422,7 +424,18 @@ int gj_jit_cstep_run(gj_jit_cstep *st, int n_in, gj_tensor *const *in, const gj_
         (void)gj_rt_rng_reserve(v->rng); /* (draws no program step reads: keep eager's stream) */
     }
     alloc_ctx ac = {p, news};
-    if (gj_jit_plan_exec(p, data, params, out, alloc_new, &ac) != 0) goto done;
+    int er = gj_jit_plan_exec(p, data, params, out, alloc_new, &ac);
+    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
+    if (er != 0) goto done;
+    int no = pr->ret[2 * opt->n];
+    if (no >= 0 && news[no]) { /* a clipping step: its norm must be finite, as eager's */
+        double norm = *(const double *)gj_rt_data_ptr(news[no]);
+        if (!isfinite(norm)) { /* (the program left every parameter and state as they were) */
+            gj_rt_set_error("gj_clip_grad_norm: the total gradient norm is %g: gradients left "
+                            "as they are", norm);
+            goto done;
+        }
+    }
     for (int i = 0; i < pr->n_inputs; i++) { /* what the update wrote in place */
         bool written = false;
         for (int o = 0; o < pr->n_outputs && !written; o++) written = pr->outputs[o].grad_input == i;
@@ -438,7 +451,6 @@ int gj_jit_cstep_run(gj_jit_cstep *st, int n_in, gj_tensor *const *in, const gj_
             news[o] = NULL;
         }
     }
-    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0);
     rc = 0;
 done:
     for (int o = 0; news && v && o < v->prog->n_outputs; o++)

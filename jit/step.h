@@ -44,9 +44,11 @@ typedef struct gj_jit_step_spec {
 /* Builds the step's graph into cap (initialised here): the trace's forward
  * replayed, the loss, the gradients of the parameters (w: the gj_grad walk
  * of the loss with respect to the parameters that require grad; NULL for
- * an eval step) and their update. cap->ret receives 2 * n ints: per
+ * an eval step) and their update. cap->ret receives 2 * n + 1 ints: per
  * parameter the output holding its kept gradient (or -1), then 1 if the
- * program updates it. 0, or -1 with cap->reason (and cap->permanent) set. */
+ * program updates it, then the output holding the gradients' norm of a
+ * clipping step (or -1). 0, or -1 with cap->reason (and cap->permanent)
+ * set. */
 int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_step_spec *s);
 
 #endif /* GJ_JIT_STEP_H */

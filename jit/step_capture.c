@@ -254,7 +254,7 @@ static gj_val *cast_to(gj_ag_builder *b, gj_val *x, gj_dtype dt) {
 static gj_val *hyper(scap *c, int p, int j, gj_dtype dt) {
     gj_ag_builder *b = &c->r.b;
     if (c->hyper < 0) {
-        int64_t n = (int64_t)c->s->opt->n * GJ_JIT_HYPER;
+        int64_t n = (int64_t)c->s->opt->n * GJ_JIT_HYPER + 1;
         c->hyper_t = gj_rt_tensor_new(GJ_F64, 1, &n);
         if (!c->hyper_t) return NULL;
         memcpy(gj_rt_data_ptr(c->hyper_t), c->s->opt->hyper, (size_t)n * sizeof(double));
@@ -286,8 +286,10 @@ static int state_input(scap *c, gj_tensor *t, int kind, int p, int *input) {
 #define BIN(p, x, y) gj_ag_binary(b, GJ_P_##p, (x), (y))
 
 /* Emits parameter p's update from its gradient g and writes its outputs:
- * the parameter and its state, in place. 0 or -1. */
-static int emit_update(scap *c, int p, gj_val *g) {
+ * the parameter and its state, in place; when ok (a 0-d f64 value) is
+ * given, only where it is nonzero (a clipping step's finite norm: else
+ * every output is its old value). 0 or -1. */
+static int emit_update(scap *c, int p, gj_val *g, gj_val *ok) {
     const gj_jit_opt *o = c->s->opt;
     gj_ag_builder *b = &c->r.b;
     gj_jit_graph *gr = &c->r.cap->g;
@@ -334,6 +336,12 @@ static int emit_update(scap *c, int p, gj_val *g) {
                    : NULL;
     }
     newp = newp ? cast_to(b, newp, pd) : NULL;
+    if (ok) { /* keep the old values unless the norm was finite */
+        gj_val *pold = gj_jit_rec_val(pv);
+        newp = newp ? gj_ag_where(b, ok, newp, pold) : NULL;
+        if (s1) s1 = gj_ag_where(b, ok, s1, gj_jit_rec_val(gr->inputs[m_in].value));
+        if (s2) s2 = gj_ag_where(b, ok, s2, gj_jit_rec_val(gr->inputs[v_in].value));
+    }
     if (!newp || (m_in >= 0 && !s1) || (v_in >= 0 && !s2)) goto oom;
     if (gj_jit_graph_add_output(gr, gj_jit_rec_id(newp), -1, pin) != 0 ||
         (m_in >= 0 && gj_jit_graph_add_output(gr, gj_jit_rec_id(s1), -1, m_in) != 0) ||
@@ -349,6 +357,52 @@ oom:
 
 /* ----------------------------------------------------------- capture */
 
+/* gj_clip_grad_norm on the gradients g[0..n) (NULL: none) in the graph,
+ * as frontend/train.c computes it: per parameter the sum of squares in f64
+ * (one SUM: the eager SUM kernel's order), added in parameter order; the
+ * norm's square root; every gradient scaled by max / (norm + 1e-6) when
+ * that is below 1 (in the gradient's dtype, as gj_mul_scalar_: bf16 in
+ * f32). *ok receives 1 where the norm is finite, 0 otherwise (a NaN or
+ * infinite norm: eager then fails, nothing updated); *norm the norm. 0 or
+ * -1. */
+static int emit_clip(scap *c, gj_val **g, int n, gj_val **ok, gj_val **norm) {
+    gj_ag_builder *b = &c->r.b;
+    gj_val *ss = gj_ag_fill(b, GJ_F64, 0, NULL, 0.0);
+    for (int p = 0; p < n && ss; p++) {
+        if (!g[p]) continue;
+        gj_val *d = cast_to(b, g[p], GJ_F64);
+        gj_rt_meta m;
+        gj_ag_meta(b, d, &m);
+        uint32_t all = m.ndim ? (uint32_t)((1u << m.ndim) - 1) : 0u;
+        gj_val *sq = d ? gj_ag_binary(b, GJ_P_MUL, d, d) : NULL;
+        gj_val *sp = sq ? (all ? gj_ag_sum(b, sq, all, false) : sq) : NULL;
+        ss = sp ? gj_ag_binary(b, GJ_P_ADD, ss, sp) : NULL;
+    }
+    *norm = ss ? gj_ag_unary(b, GJ_P_SQRT, ss) : NULL;
+    if (!*norm) return -1;
+    gj_val *maxn = hyper(c, c->s->opt->n, 0, GJ_F64); /* the last scalar: the clip norm */
+    gj_val *den = gj_ag_scalar_op(b, GJ_P_ADD_SCALAR, *norm, 1e-6);
+    gj_val *coef = maxn && den ? gj_ag_binary(b, GJ_P_DIV, maxn, den) : NULL;
+    gj_val *one = gj_ag_fill(b, GJ_F64, 0, NULL, 1.0);
+    gj_val *below = coef && one ? gj_ag_unary(b, GJ_P_STEP, gj_ag_binary(b, GJ_P_SUB, one, coef))
+                                : NULL; /* coef < 1 */
+    gj_val *k = below ? gj_ag_where(b, below, coef, one) : NULL; /* x * 1 = x: no scaling */
+    gj_val *zero = gj_ag_fill(b, GJ_F64, 0, NULL, 0.0);
+    gj_val *diff = gj_ag_binary(b, GJ_P_SUB, *norm, *norm); /* 0 if finite, NaN if not */
+    *ok = diff && zero ? gj_ag_binary(b, GJ_P_EQ, diff, zero) : NULL;
+    if (!k || !*ok) return -1;
+    for (int p = 0; p < n; p++) {
+        if (!g[p]) continue;
+        gj_rt_meta m;
+        gj_ag_meta(b, g[p], &m);
+        gj_dtype cdt = m.dtype == GJ_BF16 ? GJ_F32 : m.dtype;
+        gj_val *x = gj_ag_binary(b, GJ_P_MUL, cast_to(b, g[p], cdt), cast_to(b, k, cdt));
+        g[p] = x ? cast_to(b, x, m.dtype) : NULL;
+        if (!g[p]) return -1;
+    }
+    return 0;
+}
+
 /* The backward and the updates (a training step that is not eval). */
 static int capture_train(scap *c, const gj_jit_walk *w) {
     const gj_jit_step_spec *s = c->s;
@@ -357,7 +411,9 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
     gj_ag_builder *b = &c->r.b;
     int rc = -1;
     gj_val **gv = gj_rt_calloc((size_t)w->n_req + 1, sizeof *gv);
-    if (!gv) goto oom;
+    gj_val **g = gj_rt_calloc((size_t)o->n + 1, sizeof *g);
+    gj_val *ok = NULL, *norm = NULL;
+    if (!gv || !g) goto oom;
     const gj_rt_meta *lm = &s->tr->slots[s->loss_slot].meta;
     gj_val *seed = gj_ag_fill(b, lm->dtype, lm->ndim, lm->shape, 1.0);
     if (!seed) goto oom;
@@ -370,14 +426,22 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
         int p = 0;
         while (p < o->n && o->params[p] != w->req_inputs[q]) p++;
         if (p == o->n || !gv[q]) continue; /* no gradient reaches it: not updated */
-        gj_val *g = cast_to(b, gv[q], o->params[p]->dtype); /* what a fresh .grad holds */
-        if (!g) goto oom;
+        g[p] = cast_to(b, gv[q], o->params[p]->dtype); /* what a fresh .grad holds */
+        if (!g[p]) goto oom;
+    }
+    if (o->clip > 0 && emit_clip(c, g, o->n, &ok, &norm) != 0) goto oom;
+    for (int p = 0; p < o->n; p++) {
+        if (!g[p]) continue;
         if (s->keep_grads) {
             cap->ret[p] = cap->g.n_outputs;
-            if (gj_jit_graph_add_output(&cap->g, gj_jit_rec_id(g), -1, -1) != 0) goto oom;
+            if (gj_jit_graph_add_output(&cap->g, gj_jit_rec_id(g[p]), -1, -1) != 0) goto oom;
         }
-        if (emit_update(c, p, g) != 0) goto done;
+        if (emit_update(c, p, g[p], ok) != 0) goto done;
         cap->ret[o->n + p] = 1;
+    }
+    if (norm) { /* the run reads it: a non-finite norm fails the step */
+        cap->ret[2 * o->n] = cap->g.n_outputs;
+        if (gj_jit_graph_add_output(&cap->g, gj_jit_rec_id(norm), -1, -1) != 0) goto oom;
     }
     rc = 0;
     goto done;
@@ -385,6 +449,7 @@ oom:
     fail(c, false, "out of memory");
 done:
     gj_rt_free(gv);
+    gj_rt_free(g);
     return rc;
 }
 
@@ -402,7 +467,7 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
     c.hyper = -1;
     int rc = -1, n = s->opt->n;
     c.slot_val = gj_rt_malloc(((size_t)s->tr->n_slots + 1) * sizeof *c.slot_val);
-    cap->ret = gj_rt_malloc(((size_t)2 * n + 1) * sizeof *cap->ret);
+    cap->ret = gj_rt_malloc(((size_t)2 * n + 2) * sizeof *cap->ret);
     c.made = gj_rt_calloc((size_t)2 * n + 1, sizeof *c.made);
     c.esaved = gj_rt_calloc((size_t)s->tr->n_entries + 1, sizeof *c.esaved);
     if (!c.slot_val || !cap->ret || !c.made || !c.esaved) {
@@ -414,6 +479,7 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
         cap->ret[p] = -1;
         cap->ret[n + p] = 0;
     }
+    cap->ret[2 * n] = -1;
     if (w && w->n_hooks > 0) { /* (the program calls no user code) */
         fail(&c, true, "the step's graph has %d hook%s (on a parameter, or registered before the "
              "step): a step with hooks runs eagerly", w->n_hooks, w->n_hooks == 1 ? "" : "s");

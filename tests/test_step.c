@@ -131,6 +131,8 @@ typedef struct run_cfg {
     double drop;
     misuse mis;
     bool mask;
+    double clip; /* > 0: the step clips the gradients' norm to it */
+    bool nan_at3; /* step 3's input holds a NaN */
     int batch2;  /* > 0: steps from NSTEP/2 on use this batch */
     double lr2;  /* > 0: the learning rate from NSTEP/2 on */
 } run_cfg;
@@ -165,7 +167,8 @@ static result run(const run_cfg *cfg, bool eager) {
     gj_optim *o = cfg->adamw ? gj_adamw_new(NP + 1, ps, 1e-2, 0.9, 0.999, 1e-8, 0.05)
                              : gj_sgd_new(NP + 1, ps, 0.05, 0.9, 0.01);
     assert_non_null(o);
-    gj_step_opts so = {.eager = eager, .keep_grads = cfg->keep_grads, .eval = cfg->eval};
+    gj_step_opts so = {.eager = eager, .keep_grads = cfg->keep_grads, .eval = cfg->eval,
+                       .clip_norm = cfg->clip};
     gj_step *st = gj_step_new(mlp_loss, &m, o, &so);
     assert_non_null(st);
     gj_manual_seed(42);
@@ -179,8 +182,22 @@ static result run(const run_cfg *cfg, bool eager) {
         gj_scope_push();
         gj_tensor *x = gjt_uniform(&r, cfg->dt, 2, (int64_t[]){b, IN}, -1, 1);
         gj_tensor *y = gjt_labels(&r, 1, &b, OUT);
+        if (cfg->nan_at3 && i == 3) {
+            gj_tensor *z = gj_mul_scalar(gj_sum(x, 0, NULL, true), NAN); /* NaN, [1, 1] */
+            x = gj_add(x, z);
+        }
         gj_tensor *in[2] = {x, y}, *loss = NULL;
-        if (gj_step_run(st, 2, in, &loss) != 0) fail_msg("step %d: %s", i, gj_last_error());
+        int rc = gj_step_run(st, 2, in, &loss);
+        if (cfg->nan_at3 && i == 3) { /* a non-finite norm: the step fails, nothing moves */
+            assert_int_equal(rc, -1);
+            if (!gjt_error_has("gradient norm is")) fail_msg("step 3: %s", gj_last_error());
+            res.loss[i] = -1;
+            if (!cfg->keep_grads) /* (the failed step leaves the .grads eagerly) */
+                for (int k = 0; k < NP + 1; k++) assert_int_equal(gj_tensor_set_grad(ps[k], NULL), 0);
+            gj_scope_pop();
+            continue;
+        }
+        if (rc != 0) fail_msg("step %d: %s", i, gj_last_error());
         assert_non_null(loss);
         assert_true(gj_is_grad_enabled());
         res.loss[i] = gj_tensor_item(loss);
@@ -276,6 +293,28 @@ static void test_dropout_constant_keep(void **st) {
     (void)st;
     run_cfg c = {.dt = GJ_F32, .adamw = true, .drop = 0.3, .mask = true, .keep_grads = true};
     check("dropout, a constant, kept .grads", &c, 0);
+}
+
+/* gj_clip_grad_norm in the step (a small norm: every step scales), bit for
+ * bit in f32 and f64 and bf16; a NaN norm fails the step in both modes
+ * and leaves everything as it was. */
+static void test_clip(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32, .adamw = true, .clip = 0.05};
+    check("clip f32", &c, 0);
+    c.dt = GJ_F64;
+    check("clip f64", &c, 0);
+    c.dt = GJ_BF16;
+    c.adamw = false;
+    check("clip bf16 SGD", &c, 0);
+    c.dt = GJ_F32;
+    c.clip = 1e6; /* (no scaling) */
+    c.keep_grads = true;
+    check("clip above the norm, kept .grads", &c, 0);
+    c.clip = 0.1;
+    c.keep_grads = false;
+    c.nan_at3 = true;
+    check("clip, a NaN norm at step 3", &c, 0);
 }
 
 static void test_eval(void **st) {
@@ -700,6 +739,7 @@ int main(void) {
         cmocka_unit_test(test_f32_sgd),
         cmocka_unit_test(test_dropout_constant_keep),
         cmocka_unit_test(test_eval),
+        cmocka_unit_test(test_clip),
         cmocka_unit_test(test_variants),
         cmocka_unit_test(test_untraceable),
         cmocka_unit_test(test_checkpoint_policies),
