@@ -21,10 +21,15 @@
  * The work is a ReLU backward, out = x > 0 ? C : 0, the cheapest per
  * element, so the one where memory traffic weighs most: its ratio bounds
  * what any epilogue could save. Both ways run the rule's blocks.
+ * --epilogue-fwd does the same with a forward layer's epilogue, out =
+ * gelu(C + bias) per column (a Linear's bias and tanh-GELU: what the
+ * compiled step's forward fuses into one pass after its GEMM).
  *
- *   gradjit-gemm-split [--pairs N] [--threads T] [--f64] [--epilogue] [M N K TA TB ...]
+ *   gradjit-gemm-split [--pairs N] [--threads T] [--f64] [--epilogue | --epilogue-fwd]
+ *                      [M N K TA TB ...]
  */
 #include "bench/clock.h"
+#include "runtime/gj_math.h"
 #include "runtime/rt.h"
 
 #include <stdio.h>
@@ -43,9 +48,10 @@ static double timed(const gj_rt_gemm_call *c, bool by_rows, int parts) {
 typedef struct epi_job {
     const gj_rt_gemm_call *c;
     const gj_rt_gemm_split *sp;
-    const char *x; /* [M, N], the ReLU's input */
+    const char *x; /* [M, N], the ReLU's input; or [N], the bias (fwd) */
     char *out;     /* [M, N] */
     bool gemm;     /* run the block's GEMM first */
+    bool fwd;      /* gelu(C + bias) instead of the ReLU backward */
 } epi_job;
 
 static void relu_backward_block(const epi_job *j, int i) {
@@ -56,7 +62,17 @@ static void relu_backward_block(const epi_job *j, int i) {
     int64_t c0 = sp->by_rows ? 0 : lo, c1 = sp->by_rows ? c->N : hi;
     for (int64_t r = r0; r < r1; r++) {
         int64_t o = r * c->N;
-        if (c->f64) {
+        if (j->fwd && c->f64) {
+            const double *restrict g = (const double *)c->C + o;
+            const double *restrict bias = (const double *)(const void *)j->x;
+            double *restrict y = (double *)(void *)j->out + o;
+            for (int64_t q = c0; q < c1; q++) y[q] = gj_m_gelu_d(g[q] + bias[q]);
+        } else if (j->fwd) {
+            const float *restrict g = (const float *)c->C + o;
+            const float *restrict bias = (const float *)(const void *)j->x;
+            float *restrict y = (float *)(void *)j->out + o;
+            for (int64_t q = c0; q < c1; q++) y[q] = gj_m_gelu_f(g[q] + bias[q]);
+        } else if (c->f64) {
             const double *restrict g = (const double *)c->C + o;
             const double *restrict x = (const double *)(const void *)j->x + o;
             double *restrict y = (double *)(void *)j->out + o;
@@ -81,8 +97,8 @@ static void epi_range(void *vctx, int64_t b, int64_t e) {
 /* The GEMM c and the ReLU backward on the rule's blocks, fused (each block
  * then its epilogue) or as two passes; ms. */
 static double timed_epilogue(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, const char *x,
-                             char *out, bool fused) {
-    epi_job j = {c, sp, x, out, fused};
+                             char *out, bool fused, bool fwd) {
+    epi_job j = {c, sp, x, out, fused, fwd};
     double t0 = bench_now_ms();
     if (!fused) gj_rt_gemm_run(c, sp);
     gj_rt_parallel_for(sp->parts, 1, epi_range, &j);
@@ -91,7 +107,7 @@ static double timed_epilogue(const gj_rt_gemm_call *c, const gj_rt_gemm_split *s
 
 /* One shape: prints its row. 0, or -1 (out of memory). */
 static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, int threads,
-                   int pairs, bool epilogue) {
+                   int pairs, bool epilogue, bool fwd) {
     size_t el = f64 ? 8 : 4;
     char *A = malloc((size_t)(M * K) * el), *B = malloc((size_t)(K * N) * el);
     char *C = malloc((size_t)(M * N) * el), *X = malloc((size_t)(M * N) * el);
@@ -118,13 +134,13 @@ static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, 
     double gf = 2.0 * (double)M * (double)N * (double)K * 1e-6;
     if (epilogue) {
         for (int w = 0; w < 5; w++) {
-            timed_epilogue(&c, &rule, X, Y, true);
-            timed_epilogue(&c, &rule, X, Y, false);
+            timed_epilogue(&c, &rule, X, Y, true, fwd);
+            timed_epilogue(&c, &rule, X, Y, false, fwd);
         }
         for (int p = 0; p < pairs; p++) {
             bool fused_first = (p & 1) == 0;
-            double a = timed_epilogue(&c, &rule, X, Y, fused_first);
-            double b = timed_epilogue(&c, &rule, X, Y, !fused_first);
+            double a = timed_epilogue(&c, &rule, X, Y, fused_first, fwd);
+            double b = timed_epilogue(&c, &rule, X, Y, !fused_first, fwd);
             tr[p] = fused_first ? a : b; /* fused */
             tc[p] = fused_first ? b : a; /* two passes */
             r[p] = tr[p] / tc[p];
@@ -175,7 +191,7 @@ int main(int argc, char **argv) {
         {1024, 768, 256, 0, 1},
     };
     int pairs = 100, threads = gj_rt_num_threads();
-    bool f64 = false, epilogue = false;
+    bool f64 = false, epilogue = false, fwd = false;
     long long (*shapes)[5] = NULL;
     int n = 0;
     for (int i = 1; i < argc; i++) {
@@ -187,9 +203,11 @@ int main(int argc, char **argv) {
             f64 = true;
         } else if (!strcmp(argv[i], "--epilogue")) {
             epilogue = true;
+        } else if (!strcmp(argv[i], "--epilogue-fwd")) {
+            epilogue = fwd = true;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: gradjit-gemm-split [--pairs N] [--threads T] [--f64] [--epilogue] "
-                   "[M N K TA TB ...]\n");
+            printf("usage: gradjit-gemm-split [--pairs N] [--threads T] [--f64] [--epilogue | "
+                   "--epilogue-fwd] [M N K TA TB ...]\n");
             return 0;
         } else if (i + 4 < argc) {
             long long (*s)[5] = realloc(shapes, (size_t)(n + 1) * sizeof *shapes);
@@ -227,8 +245,9 @@ int main(int argc, char **argv) {
     printf("gradjit-gemm-split | BLAS core %s | %d threads, %d blocks per GEMM | %d pairs (ABBA)\n",
            gj_rt_blas_corename(), threads, threads, pairs);
     if (epilogue) {
-        printf("ratio = GEMM with a ReLU backward on each block right after it / GEMM, then the "
-               "ReLU backward as its own pass, per pair, median [IQR] (< 1: the epilogue saves)\n");
+        printf("ratio = GEMM with %s on each block right after it / GEMM, then the same as "
+               "its own pass, per pair, median [IQR] (< 1: the epilogue saves)\n",
+               fwd ? "gelu(C + bias)" : "a ReLU backward");
         printf("%-5s %-2s %6s %6s %6s %9s %9s   %-20s  %s\n", "", "op", "M", "N", "K",
                "fused ms", "2 pass ms", "ratio [IQR]", "blocks (the rule's)");
     } else {
@@ -240,7 +259,8 @@ int main(int argc, char **argv) {
     int rc = 0;
     for (int s = 0; s < (n ? n : (int)(sizeof defaults / sizeof defaults[0])); s++) {
         const long long *d = n ? shapes[s] : defaults[s];
-        if (measure(d[0], d[1], d[2], d[3] != 0, d[4] != 0, f64, threads, pairs, epilogue) != 0) {
+        if (measure(d[0], d[1], d[2], d[3] != 0, d[4] != 0, f64, threads, pairs, epilogue, fwd) !=
+            0) {
             fprintf(stderr, "gradjit-gemm-split: out of memory\n");
             rc = 1;
             break;
