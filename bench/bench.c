@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * bench.c - gradjit-bench: runs the reference workloads of BENCHMARKS.md
+ * bench.c - gradjit-bench: runs the reference workloads of docs/benchmarks.md
  * (bench/workloads.c) eagerly and with compiled autograd and reports forward
  * and backward time, peak tensor bytes and compiled-autograd statistics.
  *

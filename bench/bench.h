@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * bench.h - the reference workloads of BENCHMARKS.md (W1..W5) as seen by the
+ * bench.h - the reference workloads of docs/benchmarks.md (W1..W5) as seen by the
  * benchmark driver (bench.c). Written against the public API only.
  *
  * Invariants: a workload owns every tensor it creates in setup (parameters,

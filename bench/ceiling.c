@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * ceiling.c - the machine's own ceiling, measured at start of a --paired
- * run, and each workload's lower bound (BENCHMARKS.md: "the ceiling is
+ * run, and each workload's lower bound (docs/benchmarks.md: "the ceiling is
  * measured, not assumed").
  *
  * bound = sum over the compiled program's GEMM steps of the best time this

@@ -31,7 +31,7 @@
  * the random "gjs<32 hex>" its code was compiled with.
  * (str and blob: u64 length, then the bytes.)
  *
- * Invariants (DESIGN.md, "The cache trusts nothing it reads"):
+ * Invariants (docs/architecture.md, "The cache trusts nothing it reads"):
  *   - The plan in a file is never parsed. A load gets the program the
  *     caller planned from this run's captured graph and accepts the file
  *     only if its plan blob is byte for byte the serialisation of that

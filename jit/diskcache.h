@@ -11,7 +11,7 @@
  * check, whose plan is not the plan this process made for the key, that is
  * not a regular file of bounded size, or that (or whose directory) is not
  * the user's own and private, is reported as stale, damaged or refused and
- * recompiled, never trusted (DESIGN.md, "The cache trusts nothing it
+ * recompiled, never trusted (docs/architecture.md, "The cache trusts nothing it
  * reads").
  */
 #ifndef GJ_JIT_DISKCACHE_H

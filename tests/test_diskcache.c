@@ -3,7 +3,7 @@
  * test_diskcache.c - the disk cache trusts nothing it reads, and the
  * environment variables are parsed strictly (docs/guide.md, section 5).
  *
- * Disk cache (DESIGN.md, "The cache trusts nothing it reads"): a cache file
+ * Disk cache (docs/architecture.md, "The cache trusts nothing it reads"): a cache file
  * whose bytes are altered and re-checksummed is rejected, never run; the
  * directory is created 0700, and a directory or entry writable by group or
  * others (or another user's) is refused with one message; an entry that is
