@@ -211,7 +211,7 @@ gj_val *gj_ag_where(gj_ag_builder *b, gj_val *c, gj_val *x, gj_val *y) {
 
 gj_val *gj_ag_fill(gj_ag_builder *b, gj_dtype dt, int ndim, const int64_t *shape, double v) {
     gj_rt_inst inst = {.prim = GJ_P_FILL, .n_in = 0, .scalar = v, .dtype = dt, .ndim = ndim};
-    memcpy(inst.shape, shape, (size_t)ndim * sizeof *shape);
+    if (ndim > 0) memcpy(inst.shape, shape, (size_t)ndim * sizeof *shape);
     return gj_ag_emit1(b, &inst, NULL);
 }
 
@@ -222,13 +222,13 @@ gj_val *gj_ag_sum(gj_ag_builder *b, gj_val *x, uint32_t axes, bool keepdim) {
 
 gj_val *gj_ag_reshape(gj_ag_builder *b, gj_val *x, int ndim, const int64_t *shape) {
     gj_rt_inst inst = {.prim = GJ_P_RESHAPE, .n_in = 1, .ndim = ndim};
-    memcpy(inst.shape, shape, (size_t)ndim * sizeof *shape);
+    if (ndim > 0) memcpy(inst.shape, shape, (size_t)ndim * sizeof *shape);
     return gj_ag_emit1(b, &inst, &x);
 }
 
 gj_val *gj_ag_expand(gj_ag_builder *b, gj_val *x, int ndim, const int64_t *shape) {
     gj_rt_inst inst = {.prim = GJ_P_EXPAND, .n_in = 1, .ndim = ndim};
-    memcpy(inst.shape, shape, (size_t)ndim * sizeof *shape);
+    if (ndim > 0) memcpy(inst.shape, shape, (size_t)ndim * sizeof *shape);
     return gj_ag_emit1(b, &inst, &x);
 }
 

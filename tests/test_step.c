@@ -134,6 +134,7 @@ typedef struct run_cfg {
     double clip; /* > 0: the step clips the gradients' norm to it */
     bool nan_at3; /* step 3's input holds a NaN */
     int batch2;  /* > 0: steps from NSTEP/2 on use this batch */
+    const int *batches; /* non-NULL: step i's batch (overrides batch2) */
     double lr2;  /* > 0: the learning rate from NSTEP/2 on */
 } run_cfg;
 
@@ -178,6 +179,7 @@ static result run(const run_cfg *cfg, bool eager) {
     memset(&res, 0, sizeof res);
     for (int i = 0; i < NSTEP; i++) {
         int64_t b = cfg->batch2 > 0 && i >= NSTEP / 2 ? cfg->batch2 : 8;
+        if (cfg->batches) b = cfg->batches[i];
         if (cfg->lr2 > 0 && i == NSTEP / 2) gj_optim_set_lr(o, cfg->lr2);
         gj_scope_push();
         gj_tensor *x = gjt_uniform(&r, cfg->dt, 2, (int64_t[]){b, IN}, -1, 1);
@@ -334,6 +336,20 @@ static void test_variants(void **st) {
     assert_int_equal(s.mem_hits, NSTEP - 2);
 }
 
+/* Dynamic shapes: a new batch size after the first is a symbolic program,
+ * later sizes bind to its kernels without a compile, a batch of 1 changes
+ * the code (one more symbolic program), an earlier size is a memory hit. */
+static void test_dynamic_batches(void **st) {
+    (void)st;
+    gj_jit_clear_cache();
+    static const int b[NSTEP] = {8, 9, 13, 14, 1, 8};
+    run_cfg c = {.dt = GJ_F32, .adamw = true, .batches = b};
+    gj_ca_stats s = check("six steps at five batch sizes", &c, 0);
+    assert_int_equal(s.compiles + s.disk_hits, 3);
+    assert_int_equal(s.instantiations, 2);
+    assert_int_equal(s.mem_hits, 1);
+}
+
 /* ------------------------------------------------------------ reasons */
 
 /* Each thing a replay cannot redo: the step runs eagerly from its first
@@ -423,11 +439,12 @@ static void test_guards(void **st) {
             if (i == 2) assert_int_equal(gj_remove_hook(hook), 0);
             if (i == 3) assert_int_equal(gj_set_requires_grad(m.p[3], false), 0);
             if (i == 4) {
-                gj_tensor *c = gj_contiguous(gj_mul_scalar(m.p[0], 1.0));
+                gj_scope_push(); /* owns the product and its copy */
                 gj_no_grad_push();
+                gj_tensor *c = gj_contiguous(gj_mul_scalar(m.p[0], 1.0));
                 assert_int_equal(gj_tensor_set_(m.p[0], c), 0);
                 gj_no_grad_pop();
-                gj_release(c);
+                gj_scope_pop();
             }
             if (i == 5) gj_no_grad_push();
             gj_scope_push();
@@ -741,6 +758,7 @@ int main(void) {
         cmocka_unit_test(test_eval),
         cmocka_unit_test(test_clip),
         cmocka_unit_test(test_variants),
+        cmocka_unit_test(test_dynamic_batches),
         cmocka_unit_test(test_untraceable),
         cmocka_unit_test(test_checkpoint_policies),
         cmocka_unit_test(test_anomaly_mode),
