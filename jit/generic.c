@@ -25,7 +25,7 @@
  *
  * Invariants:
  *   - A description is compared byte for byte (its 128-bit hash first).
- *   - The registry lock is taken after compiled.c's cache lock, never
+ *   - The registry lock is taken after cache.c's cache lock, never
  *     before it, and no LLVM lock is taken under it except by
  *     gj_jit_code_free in the sweep (llvmjit.c's lock is a leaf).
  */

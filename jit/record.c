@@ -22,7 +22,7 @@
  *     .grad is read as a contiguous copy and the sum copied back).
  *   - Hooks are not run here (there are no values): a tensor hook becomes an
  *     opaque COPY node carrying a hook index, a post-accumulate hook an entry
- *     of the hook table; the compiled run calls them (compiled.c).
+ *     of the hook table; the compiled run calls them (guards.c).
  *   - A custom op's backward (a C function) becomes one opaque call node
  *     (rec_call_custom) naming the op's node by canonical index; the
  *     compiled run calls the function on copies of the node's inputs. A
