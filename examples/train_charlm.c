@@ -47,11 +47,12 @@
  * gives the same bits.
  *
  * Output: a progress bar (on a terminal) with loss, examples/s (windows/s)
- * and backward ms (whole step ms in gj_step's modes); validation loss every 50 steps and at the end; the
- * unigram entropy of the training text (the loss of the best model that
- * ignores context) next to the loss reached; a sample of --sample generated
- * characters (temperature --temperature, from the prompt "The "); the loss
- * curve as CSV and PNG (defaults charlm_loss.csv/.png, "-" for none).
+ * and backward ms (whole step ms in gj_step's modes); validation loss
+ * every 50 steps and at the end; the unigram entropy of the training text
+ * (the loss of the best model that ignores context) next to the loss
+ * reached; a sample of --sample generated characters (temperature
+ * --temperature, from the prompt "The "); the loss curve as CSV and PNG
+ * (defaults charlm_loss.csv/.png, "-" for none).
  *
  * Checkpoints (not with --both): --save FILE writes a safetensors file at
  * the end, and when the run stops early: on SIGINT (Ctrl-C) the step under
