@@ -5,7 +5,7 @@
  * the CPU runs (AVX-512, else AVX2+FMA), and the rate is the best of 5
  * runs of the whole group. It is the ceiling no GEMM can pass: with it the
  * bench prints how much of a backward's time any GEMM could still save
- * (BENCHMARKS.md: "the ceiling is measured, not assumed").
+ * (docs/benchmarks.md: the ceiling is measured, not assumed).
  *
  * The loops are compiled for their instruction set with target
  * attributes and chosen at run time, so the bench itself stays built for

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * paired.c - gradjit-bench --paired: eager and compiled backward steps of one
- * workload interleaved in one process (BENCHMARKS.md, "How to measure").
+ * workload interleaved in one process (docs/benchmarks.md, "How to measure").
  *
  * Invariants: both modes run on the same parameters and inputs (one setup);
  * pairs alternate their order ABBA (eager first in even pairs, compiled

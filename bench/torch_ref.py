@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 """torch_ref.py - the PyTorch side of `gradjit-bench --compare torch`.
 
-Runs the reference workloads W1-W5 of BENCHMARKS.md in PyTorch eager mode with
+Runs the reference workloads W1-W5 of docs/benchmarks.md in PyTorch eager mode with
 exactly the shapes of bench/workloads.c and prints one JSON document on
 stdout (progress and warnings go to stderr). gradjit-bench starts it with the
 system interpreter (/usr/bin/python3, where Debian's python3-torch lives),

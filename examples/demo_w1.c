@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * demo_w1.c - trains the W1 MLP of BENCHMARKS.md (784-1024-1024-10, GELU,
+ * demo_w1.c - trains the W1 MLP of docs/benchmarks.md (784-1024-1024-10, GELU,
  * cross-entropy) for 20 AdamW steps on synthetic data, once with the eager
  * engine and once with compiled autograd, and prints both side by side.
  *

@@ -29,7 +29,7 @@
  *
  * Model (legend: B batch, T context, C = 128 channels, H = 4 heads, V vocab):
  * token embedding [V, C] + learned position embedding [T, C]; two pre-norm
- * causal transformer blocks exactly like W3 of BENCHMARKS.md (h = x +
+ * causal transformer blocks exactly like W3 of docs/benchmarks.md (h = x +
  * Attn(LN(x)), y = h + MLP(LN(h)), fused qkv Linear(C, 3C), softmax(q k^T /
  * sqrt(C/H)) with a causal mask, out Linear(C, C), MLP Linear(C, 4C) ->
  * GELU(tanh) -> Linear(4C, C)); final LayerNorm; LM head Linear(C, V);

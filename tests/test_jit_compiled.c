@@ -2,7 +2,7 @@
 /*
  * test_jit_compiled.c - compiled autograd end to end through the public
  * API: gradients of small models (an MLP with GELU and cross-entropy, the
- * W2 pointwise loss of BENCHMARKS.md at a small size) computed compiled
+ * W2 pointwise loss of docs/benchmarks.md at a small size) computed compiled
  * must equal the eager engine's (1e-6 relative in f32), the second backward
  * must hit the cache, existing .grad buffers are accumulated into, and
  * every fallback (a primitive without lowering -- forced by a test switch,
