@@ -4,9 +4,15 @@
  * (bench/workloads.c) eagerly and with compiled autograd and reports forward
  * and backward time, peak tensor bytes and compiled-autograd statistics.
  *
- *   gradjit-bench [--workload W1|W2|W3|W4|W5|all[,..]] [--mode eager|compiled|both]
+ *   gradjit-bench [--workload W1|W2|W3|W4|W5|F1|G1|G2|all[,..]]
+ *                 [--mode eager|compiled|both]
  *                 [--steps N] [--warmup N] [--threads N] [--json FILE] [--png FILE]
  *                 [--compare torch [--python PATH] [--torch-script PATH]]
+ *   gradjit-bench --paired N [--symbolic | --step] [--workload ...] [--json FILE]
+ *
+ * --paired N interleaves eager and compiled backwards (paired.c); with
+ * --step, whole training steps through gj_step, eager and compiled
+ * (step.c). "all" is every workload but G2 (GPT-2 124M: name it).
  *
  * --compare torch also runs the same workloads in PyTorch eager mode
  * (bench/torch_ref.py under the system Python, /usr/bin/python3, with the
@@ -59,6 +65,7 @@ typedef struct bench_opts {
     bool workloads_set;
     int pairs;  /* --paired N: interleaved eager/compiled pairs (0: off) */
     bool symbolic; /* --symbolic: the pairs are specialised / symbolic compiled */
+    bool step;     /* --step: the pairs are whole steps (gj_step), eager / compiled */
     int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
 
@@ -636,7 +643,7 @@ static int write_png_chart(const char *path, const bench_opts *o, const bench_re
 /* ----------------------------------------------------------- options */
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: gradjit-bench [--workload W1|W2|W3|W4|W5|all[,W..]] "
+    fprintf(f, "usage: gradjit-bench [--workload W1|W2|W3|W4|W5|F1|G1|G2|all[,W..]] "
                "[--mode eager|compiled|both]\n"
                "                     [--steps N] [--warmup N] [--threads N] [--json FILE] "
                "[--png FILE]\n"
@@ -644,13 +651,16 @@ static void usage(FILE *f) {
                "[--compare torch [--rounds R] [--python PATH] [--torch-script PATH]]\n"
                "                     [--ddp [--bucket-mb X]]   under mpirun: allreduce/backward "
                "overlap of gj_ddp, eager and compiled (W1, W4n by default; --paired N rounds)\n"
-               "                     [--paired N [--symbolic]]   N >= 30 interleaved eager/compiled "
-               "pairs (ABBA), median ratio and IQR;\n"
+               "                     [--paired N [--symbolic | --step]]   N >= 30 interleaved "
+               "eager/compiled pairs (ABBA), median ratio and IQR;\n"
                "                     with --symbolic: specialised / symbolic compiled program "
-               "(dynamic shapes) of the same size\n"
+               "(dynamic shapes) of the same size;\n"
+               "                     with --step: whole training steps (forward, backward, "
+               "AdamW update; gj_step) eager / compiled, and the step's bound\n"
                "  --compare torch: one side-by-side table, then R (default 5) rounds "
                "alternating gradjit and PyTorch, median ratio\n"
-               "  workloads: W1 W2 W3 W4 W4n W5 F1 (all); FILE \"-\": no file\n");
+               "  workloads: W1 W2 W3 W4 W4n W5 F1 G1 (all), G2 (GPT-2 124M, only when named); "
+               "FILE \"-\": no file\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -671,7 +681,7 @@ static int parse_workloads(const char *arg, unsigned *out) {
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
         if (!strcasecmp(tok, "all")) {
-            *out |= (1u << bench_n_workloads) - 1;
+            *out |= bench_all_workloads();
             continue;
         }
         int found = 0;
@@ -688,7 +698,7 @@ static int parse_workloads(const char *arg, unsigned *out) {
 }
 
 static int parse_opts(int argc, char **argv, bench_opts *o) {
-    *o = (bench_opts){.workloads = (1u << bench_n_workloads) - 1,
+    *o = (bench_opts){.workloads = bench_all_workloads(),
                       .mode = MODE_BOTH,
                       .steps = 10,
                       .warmup = 3,
@@ -708,6 +718,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         }
         if (!strcmp(a, "--symbolic")) { /* takes no value */
             o->symbolic = true;
+            continue;
+        }
+        if (!strcmp(a, "--step")) { /* takes no value */
+            o->step = true;
             continue;
         }
         if (!v) {
@@ -788,6 +802,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
             fprintf(stderr, "gradjit-bench: unknown option %s\n", a);
             return -1;
         }
+    }
+    if (o->step && (!o->pairs || o->symbolic)) {
+        fprintf(stderr, "gradjit-bench: --step goes with --paired N (and not --symbolic)\n");
+        return -1;
     }
     if (o->compare_torch && !o->json_path)
         o->json_path = "gradjit-bench-compare.json";
@@ -940,11 +958,13 @@ int main(int argc, char **argv) {
     if (o.ddp) /* W1 and W4n unless --workload says otherwise */
         return bench_ddp_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
                               o.pairs ? o.pairs : 30, o.bucket_mb > 0 ? o.bucket_mb : 25.0, cpu);
+    if (o.pairs > 0 && o.step)
+        return bench_step_main(o.workloads, o.pairs, o.warmup, o.json_path, cpu);
     if (o.pairs > 0)
         return paired_main(&o, cpu, &info);
     print_header(cpu, &info, &o);
 
-    bench_result res[2 * 8];
+    bench_result res[2 * 16];
     int n = 0, failed = 0;
     for (int w = 0; w < bench_n_workloads; w++) {
         if (!(o.workloads & (1u << w)))

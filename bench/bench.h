@@ -1,14 +1,17 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * bench.h - the reference workloads of docs/benchmarks.md (W1..W5) as seen by the
- * benchmark driver (bench.c). Written against the public API only.
+ * bench.h - the reference workloads of docs/benchmarks.md (W1..W5, F1, G1, G2) as
+ * seen by the benchmark driver (bench.c). Written against the public API
+ * only (and examples/gpt2_model.h for G1, G2).
  *
  * Invariants: a workload owns every tensor it creates in setup (parameters,
- * inputs, master copies) and releases them all in teardown; forward runs
- * inside the driver's open scope, so every temporary it makes belongs to
- * that scope. params[0..n_params) are exactly the leaves that require grad:
- * the driver clears their .grad between steps and checks that backward wrote
- * one for each.
+ * inputs, master copies, a model object and an optimizer) and releases them
+ * all in teardown; forward runs inside the driver's open scope, so every
+ * temporary it makes belongs to that scope. params[0..n_params) are exactly
+ * the leaves that require grad: the driver clears their .grad between steps
+ * and checks that backward wrote one for each. forward reads its inputs
+ * only from in[0..n_in), so a step function handed those tensors as its
+ * inputs (step.c) computes from its inputs.
  */
 #ifndef GJ_BENCH_H
 #define GJ_BENCH_H
@@ -17,7 +20,7 @@
 
 #include <stdio.h>
 
-#define BENCH_MAX_PARAMS 64
+#define BENCH_MAX_PARAMS 160 /* G2: 2 + 12 x 12 + 2 GPT-2 leaves */
 #define BENCH_MAX_OWNED 96
 
 typedef struct bench_state {
@@ -27,7 +30,11 @@ typedef struct bench_state {
     int n_owned;
     gj_tensor *masters[BENCH_MAX_PARAMS]; /* W5: f32 master copy of params[i] (borrowed) */
     gj_tensor *in[4];                     /* inputs: x, labels, mask (borrowed) */
+    int n_in;                             /* of in[] */
     int64_t param_elems;                  /* total elements in params */
+    void *model;                          /* G1, G2: the gpt2 (owned), or NULL */
+    void (*model_free)(void *model);
+    gj_optim *opt;                        /* G1, G2: AdamW of after_backward (owned) */
 } bench_state;
 
 typedef struct bench_workload {
@@ -45,11 +52,25 @@ typedef struct bench_workload {
     /* Runs its layers in activation-checkpoint regions (the PyTorch side of
      * --compare torch then uses torch.utils.checkpoint too). */
     bool checkpointed;
+    /* GEMM FLOPs of one forward (2 M N K per product), counted from the
+     * shapes (step.c's bound). */
+    double (*fwd_flops)(const bench_state *s);
+    /* The step of --paired --step: AdamW with this learning rate and weight
+     * decay (betas 0.9/0.999, eps 1e-8). */
+    double step_lr, step_wd;
+    /* Why the workload has no --step row (its update is no optimizer's), or
+     * NULL. */
+    const char *no_step;
+    /* Not in "all" (nor the default selection): run only when named. */
+    bool opt_in;
 } bench_workload;
 
-/* Registry of the five workloads, in order W1..W5. */
+/* Registry of the workloads: W1, W2, W3, W4, W4n, W5, F1, G1, G2 (bit i of a
+ * selection is bench_workloads[i]; the order only grows at the end). */
 extern const bench_workload bench_workloads[];
 extern const int bench_n_workloads;
+/* The selection "all": every workload that is not opt_in. */
+unsigned bench_all_workloads(void);
 
 #define BENCH_SEED 20240611u /* every workload's weights and data */
 
@@ -124,7 +145,20 @@ void bench_ceiling_free(bench_ceiling *c);
  * alone and the two together per workload, eager and compiled. 0 or 1. */
 int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char *cpu);
 
-/* Releases every owned tensor and resets s. */
+/* gradjit-bench --paired N --step (step.c): eager and compiled training
+ * steps (gj_step: forward, backward, AdamW update) of each workload
+ * interleaved ABBA, with the step's bound; JSON to json_path (NULL: none).
+ * 0, or 1 if a workload failed. */
+int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
+                    const char *cpu);
+
+/* The bandwidth of `threads` threads over a working set of `bytes`
+ * (ceiling.c): what bytes that fit a cache level move at. GB/s: *read_gbs
+ * of a read pass, *rw_gbs of bytes read and written (the faster of an
+ * in-place update and a memcpy; read plus written bytes counted). */
+void bench_bandwidth_at(size_t bytes, int threads, double *read_gbs, double *rw_gbs);
+
+/* Releases every owned tensor, the optimizer and the model, and resets s. */
 void bench_state_free(bench_state *s);
 
 #endif /* GJ_BENCH_H */

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * ceiling.c - the machine's own ceiling, measured at start of a --paired
- * run, and each workload's lower bound (docs/benchmarks.md: "the ceiling is
- * measured, not assumed").
+ * run, and each workload's lower bound (docs/benchmarks.md: the ceiling is
+ * measured, not assumed).
  *
  * bound = sum over the compiled program's GEMM steps of the best time this
  *         machine does that GEMM in: on all threads, or single-threaded
@@ -17,12 +17,23 @@
  * last_program), so the bound follows whatever the compiler emits. GEMMs
  * run through gj_matmul (eager, no grad), with the same transposes; a shape
  * met again in the same workload is timed once.
+ *
+ * bench_bandwidth_at: the rates at which bytes of a working set of a given
+ * size move (step.c's bound): a read pass, an in-place read-modify-write
+ * pass (an optimizer's update of its tensors) and a memcpy, all threads at
+ * once over their slices of one buffer of that size, each kind repeated
+ * untimed for WS_WARM_MS (the buffer into whatever cache holds it, the
+ * cores to their full clock: fma_peak.c), then timed in runs of at least
+ * WS_RUN_MS, best of 5. The passes use the widest vectors the CPU runs
+ * (target attributes, chosen at run time, as fma_peak.c), so a working
+ * set that fits a cache is timed at that cache's rate.
  */
 #include "bench.h"
 #include "clock.h"
 
 #include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -249,3 +260,146 @@ void bench_ceiling_json(FILE *f, const bench_ceiling *c) {
 }
 
 void bench_ceiling_free(bench_ceiling *c) { memset(c, 0, sizeof *c); }
+
+/* ------------------------------------------ bandwidth at a working set */
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define WS_X86 1
+
+/* Sums the floats of p[0..n) (n a multiple of 256 bytes, p 64-byte aligned). */
+__attribute__((target("avx512f"))) static float ws_read_avx512(const char *p, size_t n) {
+    __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+    for (size_t i = 0; i < n; i += 256) {
+        a = _mm512_add_ps(a, _mm512_load_ps((const float *)(const void *)(p + i)));
+        b = _mm512_add_ps(b, _mm512_load_ps((const float *)(const void *)(p + i + 64)));
+        c = _mm512_add_ps(c, _mm512_load_ps((const float *)(const void *)(p + i + 128)));
+        d = _mm512_add_ps(d, _mm512_load_ps((const float *)(const void *)(p + i + 192)));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
+/* Adds a tiny constant to every float of p[0..n) in place. */
+__attribute__((target("avx512f"))) static void ws_rmw_avx512(char *p, size_t n) {
+    __m512 k = _mm512_set1_ps(1e-30f);
+    for (size_t i = 0; i < n; i += 64) {
+        float *q = (float *)(void *)(p + i);
+        _mm512_store_ps(q, _mm512_add_ps(_mm512_load_ps(q), k));
+    }
+}
+
+__attribute__((target("avx2"))) static float ws_read_avx2(const char *p, size_t n) {
+    __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
+    for (size_t i = 0; i < n; i += 128) {
+        a = _mm256_add_ps(a, _mm256_load_ps((const float *)(const void *)(p + i)));
+        b = _mm256_add_ps(b, _mm256_load_ps((const float *)(const void *)(p + i + 32)));
+        c = _mm256_add_ps(c, _mm256_load_ps((const float *)(const void *)(p + i + 64)));
+        d = _mm256_add_ps(d, _mm256_load_ps((const float *)(const void *)(p + i + 96)));
+    }
+    float s[8];
+    _mm256_storeu_ps(s, _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
+    return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+}
+
+__attribute__((target("avx2"))) static void ws_rmw_avx2(char *p, size_t n) {
+    __m256 k = _mm256_set1_ps(1e-30f);
+    for (size_t i = 0; i < n; i += 32) {
+        float *q = (float *)(void *)(p + i);
+        _mm256_store_ps(q, _mm256_add_ps(_mm256_load_ps(q), k));
+    }
+}
+#endif
+
+static float ws_read_plain(const char *p, size_t n) {
+    const float *v = (const float *)(const void *)p;
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i < n / 4; i += 4) {
+        s0 += v[i];
+        s1 += v[i + 1];
+        s2 += v[i + 2];
+        s3 += v[i + 3];
+    }
+    return s0 + s1 + s2 + s3;
+}
+
+static void ws_rmw_plain(char *p, size_t n) {
+    float *v = (float *)(void *)p;
+    for (size_t i = 0; i < n / 4; i++)
+        v[i] += 1e-30f;
+}
+
+typedef struct ws_part {
+    char *p;
+    size_t n;   /* bytes of this thread's slice (a multiple of 256) */
+    int kind;   /* 0 read, 1 read-modify-write, 2 memcpy of the first half onto the second */
+    int reps, width; /* passes per run; vector width: 16 AVX-512, 8 AVX2, 0 plain */
+    float sink;
+} ws_part;
+
+static void *ws_thread(void *arg) {
+    ws_part *w = arg;
+    for (int r = 0; r < w->reps; r++) {
+        if (w->kind == 2) {
+            memcpy(w->p + w->n / 2, w->p, w->n / 2);
+            continue;
+        }
+#ifdef WS_X86
+        if (w->width == 16) {
+            if (w->kind == 0) w->sink += ws_read_avx512(w->p, w->n);
+            else ws_rmw_avx512(w->p, w->n);
+            continue;
+        }
+        if (w->width == 8) {
+            if (w->kind == 0) w->sink += ws_read_avx2(w->p, w->n);
+            else ws_rmw_avx2(w->p, w->n);
+            continue;
+        }
+#endif
+        if (w->kind == 0) w->sink += ws_read_plain(w->p, w->n);
+        else ws_rmw_plain(w->p, w->n);
+    }
+    return NULL;
+}
+
+#define WS_WARM_MS 100.0
+#define WS_RUN_MS 30.0
+
+void bench_bandwidth_at(size_t bytes, int threads, double *read_gbs, double *rw_gbs) {
+    *read_gbs = *rw_gbs = 0;
+    int nt = threads < 1 ? 1 : threads > 64 ? 64 : threads;
+    size_t slice = (bytes / (size_t)nt + 255) / 256 * 256;
+    if (slice < 256)
+        slice = 256;
+    char *buf = aligned_alloc(64, slice * (size_t)nt);
+    if (!buf)
+        return;
+    memset(buf, 0, slice * (size_t)nt); /* floats of value 0 */
+    int width = 0;
+#ifdef WS_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        width = 16;
+    else if (__builtin_cpu_supports("avx2"))
+        width = 8;
+#endif
+    size_t total = slice * (size_t)nt;
+    double gbs[3];
+    for (int kind = 0; kind < 3; kind++) {
+        ws_part parts[64];
+        for (int i = 0; i < nt; i++)
+            parts[i] = (ws_part){buf + (size_t)i * slice, slice, kind, 1, width, 0};
+        double one = 1e30; /* ms of one pass */
+        for (double t0 = bench_now_ms(); bench_now_ms() - t0 < WS_WARM_MS;)
+            one = bench_threads_best_ms(nt, 1, ws_thread, parts, sizeof *parts);
+        int reps = one >= WS_RUN_MS ? 1 : (int)(WS_RUN_MS / (one > 1e-3 ? one : 1e-3)) + 1;
+        for (int i = 0; i < nt; i++)
+            parts[i].reps = reps;
+        double best = bench_threads_best_ms(nt, 5, ws_thread, parts, sizeof *parts);
+        /* bytes moved per run: read; read + written; half read + half written */
+        double moved = (double)total * reps * (kind == 1 ? 2.0 : 1.0);
+        gbs[kind] = moved / (best * 1e6);
+    }
+    free(buf);
+    *read_gbs = gbs[0];
+    *rw_gbs = gbs[1] > gbs[2] ? gbs[1] : gbs[2]; /* the faster way to read and write */
+}

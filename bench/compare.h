@@ -16,7 +16,7 @@
 
 #include <stdbool.h>
 
-#define BENCH_TORCH_MAX_ROWS 8
+#define BENCH_TORCH_MAX_ROWS 16
 
 typedef struct torch_row {
     char id[8];        /* "W1" */

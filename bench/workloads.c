@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * workloads.c - W1..W5 of /work/shared/BENCHMARKS.md with exactly those
- * shapes, against the public API (gradjit.h) only.
+ * workloads.c - W1..W5, F1, G1 and G2 of docs/benchmarks.md with
+ * exactly those shapes, against the public API (gradjit.h) only; G1 and G2
+ * are examples/gpt2_model.h's GPT-2 (llm.c's), with GPT-2's random
+ * initialisation and tokens from a local text.
  *
  * Invariants: setup draws every weight and input from the generator that the
  * driver seeded (gj_manual_seed) just before, so eager and compiled runs of a
@@ -11,6 +13,7 @@
  * scope. Shape legend: B batch, T time, C channels, H heads, hd = C / H.
  */
 #include "bench.h"
+#include "../examples/gpt2_model.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -96,9 +99,17 @@ fail:
 }
 
 void bench_state_free(bench_state *s) {
+    gj_optim_free(s->opt); /* borrows the parameters: first */
     for (int i = 0; i < s->n_owned; i++)
         gj_release(s->owned[i]);
+    if (s->model_free)
+        s->model_free(s->model);
     *s = (bench_state){0};
+}
+
+/* GEMM FLOPs of an n-row MLP in -> h1 -> h2 -> k (three Linear layers). */
+static double mlp3_flops(double n, double in, double h1, double h2, double k) {
+    return 2.0 * n * (in * h1 + h1 * h2 + h2 * k);
 }
 
 /* ------------------------------------------------------------ W1 mlp */
@@ -124,12 +135,18 @@ static int mlp3_setup(bench_state *s, int64_t n, int64_t in, int64_t h1, int64_t
         return -1;
     s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
     s->in[1] = own(s, random_labels(n, k));
+    s->n_in = 2;
     return s->in[0] && s->in[1] ? 0 : -1;
 }
 
 static int w1_setup(bench_state *s) { return mlp3_setup(s, W1_N, W1_IN, W1_H, W1_H, W1_K); }
 
 static gj_tensor *w1_forward(bench_state *s) { return mlp3_loss(s->params, s->in[0], s->in[1]); }
+
+static double w1_flops(const bench_state *s) {
+    (void)s;
+    return mlp3_flops(W1_N, W1_IN, W1_H, W1_H, W1_K);
+}
 
 /* ---------------------------------------------------- F1 fashion-mlp */
 
@@ -139,6 +156,11 @@ enum { F1_N = 128, F1_IN = 784, F1_H1 = 512, F1_H2 = 256, F1_K = 10 };
  * Linear(784,512) -> GELU -> Linear(512,256) -> GELU -> Linear(256,10) ->
  * cross_entropy, on random data of the dataset's shape. */
 static int f1_setup(bench_state *s) { return mlp3_setup(s, F1_N, F1_IN, F1_H1, F1_H2, F1_K); }
+
+static double f1_flops(const bench_state *s) {
+    (void)s;
+    return mlp3_flops(F1_N, F1_IN, F1_H1, F1_H2, F1_K);
+}
 
 /* -------------------------------------------------------- W2 pointwise */
 
@@ -183,7 +205,17 @@ static int w3_setup(bench_state *s) {
             mask[i * W3_T + j] = j > i ? 1.0f : 0.0f;
     int64_t ms[2] = {W3_T, W3_T};
     s->in[1] = own(s, gj_from_data(GJ_F32, 2, ms, mask));
+    s->n_in = 2;
     return s->in[0] && s->in[1] ? 0 : -1;
+}
+
+/* The block's GEMMs: qkv, proj, fc, fc2 over B*T rows, and per head
+ * q k^T and att v. */
+static double w3_flops(const bench_state *s) {
+    (void)s;
+    double bt = (double)W3_B * W3_T, c = W3_C;
+    return 2.0 * bt * (c * 3 * c + c * c + c * 4 * c + 4 * c * c) +
+           2.0 * 2.0 * W3_B * W3_H * (double)W3_T * W3_T * W3_HD;
 }
 
 /* One head group of qkv [B,T,3C]: columns [idx*C, (idx+1)*C) as [B,H,T,hd]. */
@@ -237,7 +269,13 @@ static int w4_setup(bench_state *s) {
         if (add_linear(s, W4_C, W4_H, GJ_F32) || add_linear(s, W4_H, W4_C, GJ_F32))
             return -1;
     s->in[0] = own(s, gj_randn(GJ_F32, 2, xs, 1.0));
+    s->n_in = 1;
     return s->in[0] ? 0 : -1;
+}
+
+static double w4_flops(const bench_state *s) {
+    (void)s;
+    return W4_L * 2.0 * W4_N * (2.0 * W4_C * W4_H);
 }
 
 /* One W4 layer as a checkpoint region body: out[0] = y + Linear(2048,512)(
@@ -331,22 +369,111 @@ static int w5_after_backward(bench_state *s) {
     return rc;
 }
 
+/* ----------------------------------------------------------- G1, G2 */
+
+/* GPT-2 as llm.c defines it (examples/gpt2_model.h), B 4, T 64, GPT-2's
+ * random initialisation (seed BENCH_SEED), vocabulary 50257 padded to
+ * 50304. The tokens are the bytes of a local text (Debian's base-files
+ * installs it everywhere; torch_ref.py reads the same bytes): tokens[i] =
+ * byte i, targets[i] = byte i + 1. */
+enum { G_B = 4, G_T = 64, G_V = 50257, G_VP = 50304, G_MAXT = 1024 };
+#define G_TEXT "/usr/share/common-licenses/GPL-3"
+#define G_LR 1e-4 /* llm.c's AdamW: lr 1e-4, betas 0.9/0.999, eps 1e-8, no decay */
+
+static void g_model_free(void *m) {
+    if (!m)
+        return;
+    gpt2_free(m);
+    free(m);
+}
+
+static int g_setup(bench_state *s, int layers, int channels, int heads) {
+    gj_llmc_config cfg = {.max_seq_len = G_MAXT, .vocab_size = G_V, .num_layers = layers,
+                          .num_heads = heads, .channels = channels, .padded_vocab_size = G_VP};
+    gpt2 *m = calloc(1, sizeof *m);
+    gj_tensor *file[GJ_LLMC_N_PARAMS];
+    if (!m)
+        return -1;
+    s->model = m;
+    s->model_free = g_model_free;
+    if (gpt2_init_params(&cfg, BENCH_SEED, file) != 0 || gpt2_init_from(m, &cfg, file) != 0 ||
+        gpt2_set_seq_len(m, G_T) != 0)
+        return -1;
+    for (int k = 0; k < m->n_leaves; k++)
+        if (add_param(s, m->leaf[k]) != 0)
+            return -1;
+    unsigned char text[G_B * G_T + 1];
+    FILE *f = fopen(G_TEXT, "rb");
+    size_t got = f ? fread(text, 1, sizeof text, f) : 0;
+    if (f)
+        fclose(f);
+    if (got != sizeof text) {
+        fprintf(stderr, "bench: G1/G2 read their tokens from " G_TEXT " (Debian's base-files), "
+                        "which holds fewer than %zu bytes or cannot be read\n", sizeof text);
+        return -1;
+    }
+    int64_t x[G_B * G_T], y[G_B * G_T], shape[2] = {G_B, G_T};
+    for (int i = 0; i < G_B * G_T; i++) {
+        x[i] = text[i];
+        y[i] = text[i + 1];
+    }
+    s->in[0] = own(s, gj_from_data(GJ_I64, 2, shape, x)); /* tokens (B, T) */
+    s->in[1] = own(s, gj_from_data(GJ_I64, 2, shape, y)); /* targets (B, T) */
+    s->n_in = 2;
+    s->opt = gj_adamw_new(s->n_params, s->params, G_LR, 0.9, 0.999, 1e-8, 0.0);
+    return s->in[0] && s->in[1] && s->opt ? 0 : -1;
+}
+
+static int g1_setup(bench_state *s) { return g_setup(s, 6, 384, 6); }
+static int g2_setup(bench_state *s) { return g_setup(s, 12, 768, 12); }
+
+static gj_tensor *g_forward(bench_state *s) { return gpt2_loss(s->model, s->n_in, s->in); }
+
+/* Untimed, as W5's SGD: the model trains as llm.c's (the PyTorch side too). */
+static int g_after_backward(bench_state *s) { return gj_optim_step(s->opt); }
+
+/* Per layer: qkv, attention projection, fc, fc projection over B*T rows
+ * (12 C^2 per row), and q k^T and att v (2 T C per row); then the tied head
+ * (C x Vp per row). */
+static double g_flops(const bench_state *s) {
+    const gpt2 *m = s->model;
+    double bt = (double)G_B * G_T, c = m->cfg.channels;
+    return m->cfg.num_layers * (2.0 * bt * 12.0 * c * c + 2.0 * 2.0 * bt * G_T * c) +
+           2.0 * bt * c * m->cfg.padded_vocab_size;
+}
+
 /* ----------------------------------------------------------- registry */
+
+#define STEP_LR 1e-3 /* a step's AdamW (docs/benchmarks.md) unless a row says otherwise */
+#define STEP_WD 0.01 /* torch.optim.AdamW's default */
 
 const bench_workload bench_workloads[] = {
     {"W1", "mlp", "x[256,784] 784-1024-1024-10 GELU, CE(i64)", NULL, w1_setup, w1_forward, NULL,
-     false},
+     false, w1_flops, STEP_LR, STEP_WD, NULL, false},
     {"W2", "pointwise", "x,w,b[4194304] sum(tanh(xw+b)sig(x)+exp(-x^2))", NULL, w2_setup,
-     w2_forward, NULL, false},
+     w2_forward, NULL, false, NULL, STEP_LR, STEP_WD, NULL, false},
     {"W3", "block", "B8 T128 C256 H4 causal pre-norm block", NULL, w3_setup, w3_forward, NULL,
-     false},
+     false, w3_flops, STEP_LR, STEP_WD, NULL, false},
     {"W4", "deep-mlp-ckpt", "x[128,512] 8x(512-2048-512 GELU)+res, ckpt", "8 ckpt regions",
-     w4_setup, w4_forward, NULL, true},
+     w4_setup, w4_forward, NULL, true, w4_flops, STEP_LR, STEP_WD, NULL, false},
     {"W4n", "deep-mlp", "W4 without checkpointing (memory reference)", "no ckpt", w4_setup,
-     w4_plain_forward, NULL, false},
+     w4_plain_forward, NULL, false, w4_flops, STEP_LR, STEP_WD, NULL, false},
     {"W5", "bf16-mlp", "W1, bf16 params, f32 masters+math", "SGD step untimed", w5_setup,
-     w5_forward, w5_after_backward, false},
+     w5_forward, w5_after_backward, false, w1_flops, STEP_LR, STEP_WD,
+     "its update is SGD on f32 master copies, not an optimizer's step", false},
     {"F1", "fashion-mlp", "x[128,784] 784-512-256-10 GELU, CE(i64)", NULL, f1_setup, w1_forward,
-     NULL, false},
+     NULL, false, f1_flops, STEP_LR, STEP_WD, NULL, false},
+    {"G1", "gpt2-d6", "GPT-2 L6 C384 H6 V50257 B4 T64 (llm.c)", "AdamW untimed", g1_setup,
+     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, false},
+    {"G2", "gpt2-124M", "GPT-2 L12 C768 H12 V50257 B4 T64 (llm.c)", "AdamW untimed", g2_setup,
+     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true},
 };
 const int bench_n_workloads = (int)(sizeof bench_workloads / sizeof bench_workloads[0]);
+
+unsigned bench_all_workloads(void) {
+    unsigned all = 0;
+    for (int i = 0; i < bench_n_workloads; i++)
+        if (!bench_workloads[i].opt_in)
+            all |= 1u << i;
+    return all;
+}

@@ -3,8 +3,10 @@
  * common.h - small helpers the example trainers share (header-only, all
  * static inline: a trainer that does not use one pays nothing): a
  * monotonic clock, a qsort comparator and quartiles, the seeded shuffle's
- * generator, checkpoint metadata as exact decimals, the progress bar, and
- * the Ctrl-C flag. Not part of the library.
+ * generator, checkpoint metadata as exact decimals, the progress bar, the
+ * Ctrl-C flag, and the training step in its four modes (stepper: eager,
+ * compiled step, and forward / backward / update apart, with or without
+ * compiled autograd) with their counters. Not part of the library.
  */
 #ifndef GJ_EXAMPLES_COMMON_H
 #define GJ_EXAMPLES_COMMON_H
@@ -12,6 +14,7 @@
 #include "gradjit.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <signal.h>
@@ -112,6 +115,140 @@ static inline void print_ca(const char *tag, const gj_ca_stats *c) {
     if (c->fallbacks > 0)
         printf("[%s] WARNING: %lld backwards fell back to the eager engine (%s)\n", tag,
                (long long)c->fallbacks, gj_compiled_autograd_last_fallback());
+}
+
+/* The compiled step's counters of a run (gj_step_stats), and a warning
+ * when no step ran compiled or some ran eagerly (with how many for each
+ * reason, and the last reason's message). */
+static inline void print_step(const char *tag, const gj_ca_stats *c) {
+    printf("[%s] compiled step: %lld steps, %lld compiles (%.1f ms), %lld memory hits, "
+           "%lld disk hits, %lld bound to symbolic kernels, %lld fallbacks\n",
+           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
+           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->instantiations,
+           (long long)c->fallbacks);
+    if (c->backwards == 0) printf("[%s] WARNING: no step went through the compiled path\n", tag);
+    if (c->fallbacks > 0) {
+        printf("[%s] WARNING: %lld steps ran eagerly (", tag, (long long)c->fallbacks);
+        const char *sep = "";
+        for (int r = 0; r < GJ_CA_N_REASONS; r++)
+            if (c->fallbacks_by_reason[r]) {
+                printf("%s%s: %lld", sep, gj_ca_reason_name((gj_ca_reason)r),
+                       (long long)c->fallbacks_by_reason[r]);
+                sep = ", ";
+            }
+        printf("): %s\n", gj_compiled_autograd_last_fallback());
+    }
+}
+
+/* Compares two runs' loss curves a[0..n), b[0..n) step by step and prints
+ * one line: "identical" when every loss is the same double, else the
+ * first step that differs and the largest relative difference. what names
+ * the pair ("eager vs compiled step"). Returns whether they are identical. */
+static inline bool print_curves(const char *what, const double *a, const double *b, int64_t n) {
+    int64_t first = -1;
+    double maxrel = 0.0;
+    for (int64_t s = 0; s < n; s++) {
+        if (a[s] == b[s] || (isnan(a[s]) && isnan(b[s])))
+            continue;
+        if (first < 0) first = s;
+        double rel = fabs(b[s] - a[s]) / fmax(fabs(a[s]), 1e-30);
+        if (!(rel <= maxrel)) maxrel = rel;
+    }
+    if (first < 0) {
+        printf("loss curves (%s, %lld steps): identical\n", what, (long long)n);
+        return true;
+    }
+    printf("loss curves (%s, %lld steps): DIFFER from step %lld on (%.9g, %.9g); max relative "
+           "difference %.3e\n",
+           what, (long long)n, (long long)first, a[first], b[first], maxrel);
+    return false;
+}
+
+/* ------------------------------------------------------ the training step */
+
+/* How a trainer runs a training step. Its forward is one step function
+ * (gj_step_fn: the model in ctx, the batch's tensors as the inputs), run
+ * in one of four ways that give the same bits:
+ *   STEP_EAGER     gj_step with opts.eager: zero_grad, fn, gj_backward,
+ *                  gj_optim_step, zero_grad (the trainers' default)
+ *   STEP_COMPILED  gj_step (--compiled-step): after its first (traced) run,
+ *                  forward, backward and update run as one compiled program
+ *   STEP_SPLIT     fn, gj_backward, gj_optim_step, zero_grad as separate
+ *                  calls with compiled autograd off, so forward and backward
+ *                  are timed apart (the eager side of --both with compiled
+ *                  autograd) and a hook can run between backward and update
+ *                  (--ddp's gj_ddp_wait)
+ *   STEP_SPLIT_CA  the same with compiled autograd on (--compiled-autograd;
+ *                  gj_step cannot serve it: it replaces the backward)
+ * gj_step's modes time the whole step only. */
+typedef enum step_mode { STEP_EAGER, STEP_COMPILED, STEP_SPLIT, STEP_SPLIT_CA } step_mode;
+
+static inline bool step_mode_split(step_mode m) { return m == STEP_SPLIT || m == STEP_SPLIT_CA; }
+
+typedef struct stepper {
+    step_mode mode;
+    gj_step_fn fn;
+    void *ctx;                  /* fn's, borrowed */
+    gj_optim *opt;              /* borrowed */
+    gj_step *step;              /* STEP_EAGER, STEP_COMPILED: owned */
+    int (*between)(void *user); /* split modes: after backward, before the update; 0 or -1
+                                   with gj_last_error() set (NULL: none) */
+    void *between_user;
+} stepper;
+
+/* What one step took, ms: the whole step (fn, backward, update, zero_grad);
+ * in the split modes also fn alone and the backward (with `between`);
+ * NaN where not measured. */
+typedef struct step_times {
+    double fwd_ms, bwd_ms, step_ms;
+} step_times;
+
+/* A stepper running fn(ctx, ...) with opt in the given mode (fn, ctx and
+ * opt borrowed for its life). 0, or -1 with gj_last_error() set. */
+static inline int stepper_init(stepper *s, step_mode mode, gj_step_fn fn, void *ctx,
+                               gj_optim *opt) {
+    *s = (stepper){.mode = mode, .fn = fn, .ctx = ctx, .opt = opt};
+    if (step_mode_split(mode)) return 0;
+    gj_step_opts so = {.eager = mode == STEP_EAGER};
+    return (s->step = gj_step_new(fn, ctx, opt, &so)) ? 0 : -1;
+}
+
+static inline void stepper_free(stepper *s) {
+    gj_step_free(s->step);
+    s->step = NULL;
+}
+
+/* One training step on in[0..n_in) (borrowed): *loss receives the loss, a
+ * new reference owned by the innermost open scope (open one around the
+ * call: the split modes leave fn's temporaries in it too). Compiled
+ * autograd is on during a STEP_SPLIT_CA step only. 0, or -1 with
+ * gj_last_error() set (*loss may then be NULL). */
+static inline int stepper_run(stepper *s, int n_in, gj_tensor *const *in, gj_tensor **loss,
+                              step_times *t) {
+    *loss = NULL;
+    t->fwd_ms = t->bwd_ms = NAN;
+    if (s->step) {
+        gj_set_compiled_autograd(false);
+        double t0 = now_s();
+        int rc = gj_step_run(s->step, n_in, in, loss);
+        t->step_ms = (now_s() - t0) * 1e3;
+        return rc;
+    }
+    gj_set_compiled_autograd(s->mode == STEP_SPLIT_CA);
+    double t0 = now_s();
+    *loss = s->fn(s->ctx, n_in, in);
+    double t1 = now_s();
+    int rc = *loss ? gj_backward(*loss, NULL) : -1;
+    if (rc == 0 && s->between) rc = s->between(s->between_user);
+    double t2 = now_s();
+    if (rc == 0) rc = gj_optim_step(s->opt);
+    gj_optim_zero_grad(s->opt);
+    double t3 = now_s();
+    gj_set_compiled_autograd(false);
+    t->fwd_ms = (t1 - t0) * 1e3;
+    t->bwd_ms = (t2 - t1) * 1e3;
+    t->step_ms = (t3 - t0) * 1e3;
+    return rc == 0 ? 0 : -1;
 }
 
 #endif /* GJ_EXAMPLES_COMMON_H */

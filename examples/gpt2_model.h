@@ -2,8 +2,9 @@
 /*
  * gpt2_model.h - GPT-2 as karpathy/llm.c's train_gpt2.c computes it, written
  * with ordinary gradjit ops, over the parameters of an llm.c checkpoint
- * (gj_llmc_load_model). Header-only (static functions), shared by
- * examples/train_gpt2.c and tests/test_gpt2.c; not part of the library.
+ * (gj_llmc_load_model). Header-only (static inline functions), shared by
+ * examples/train_gpt2.c, tests/test_gpt2.c and bench/workloads.c (G1, G2);
+ * not part of the library.
  *
  * Legend: B batch, T sequence length (<= maxT), C channels, NH heads, hs =
  * C / NH head size, L layers, V vocabulary, Vp padded vocabulary (>= V).
@@ -64,7 +65,7 @@ typedef struct gpt2 {
 /* Index into leaf[] of llm.c tensor i (0..15) at layer l (ignored for wte,
  * wpe, lnfw, lnfb). Leaves are ordered wte, wpe, then layer by layer ln1w
  * ... fcprojb, then lnfw, lnfb. */
-static int gpt2_leaf_index(const gpt2 *m, int i, int l) {
+static inline int gpt2_leaf_index(const gpt2 *m, int i, int l) {
     if (i < 2)
         return i;
     if (i >= 14)
@@ -72,7 +73,7 @@ static int gpt2_leaf_index(const gpt2 *m, int i, int l) {
     return 2 + GPT2_PER_LAYER * l + (i - 2);
 }
 
-static void gpt2_free(gpt2 *m) {
+static inline void gpt2_free(gpt2 *m) {
     for (int i = 0; i < GJ_LLMC_N_PARAMS; i++) {
         gj_release(m->file[i]);
         m->file[i] = NULL;
@@ -87,7 +88,7 @@ static void gpt2_free(gpt2 *m) {
 /* A trainable leaf sharing the storage of file tensor t: t itself (l < 0)
  * or its slice l along the first dimension. New reference (the caller's,
  * not a scope's), requiring grad, named "<name>" or "<name>.<l>". */
-static gj_tensor *gpt2_make_leaf(gj_tensor *t, const char *name, int l) {
+static inline gj_tensor *gpt2_make_leaf(gj_tensor *t, const char *name, int l) {
     gj_tensor *v = t, *s = NULL, *leaf = NULL;
     if (l >= 0) {
         int nd = gj_tensor_ndim(t) - 1;
@@ -117,7 +118,7 @@ static gj_tensor *gpt2_make_leaf(gj_tensor *t, const char *name, int l) {
 /* Takes the 16 tensors of file (stolen: the model owns them from here on,
  * and frees them on failure too) with configuration cfg, and makes the
  * leaves. 0 or -1. */
-static int gpt2_init_from(gpt2 *m, const gj_llmc_config *cfg, gj_tensor **file) {
+static inline int gpt2_init_from(gpt2 *m, const gj_llmc_config *cfg, gj_tensor **file) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
     m->dtype = gj_tensor_dtype(file[0]);
@@ -146,7 +147,7 @@ static int gpt2_init_from(gpt2 *m, const gj_llmc_config *cfg, gj_tensor **file) 
 
 /* Loads an llm.c checkpoint in dtype (f32, or f64 for gradient checks).
  * 0 or -1. */
-static int gpt2_load(gpt2 *m, const char *path, gj_dtype dtype) {
+static inline int gpt2_load(gpt2 *m, const char *path, gj_dtype dtype) {
     gj_llmc_config cfg;
     gj_tensor *file[GJ_LLMC_N_PARAMS];
     memset(m, 0, sizeof *m);
@@ -162,7 +163,7 @@ static int gpt2_load(gpt2 *m, const char *path, gj_dtype dtype) {
  * projections attprojw and fcprojw normal(0, 0.02 / sqrt(2 L)), wte's
  * padded rows [V, Vp) zero, LayerNorm weights 1, biases 0; drawn with
  * gradjit's generator from seed, in llm.c's tensor order. 0 or -1. */
-static int gpt2_init_params(const gj_llmc_config *cfg, uint64_t seed, gj_tensor **file) {
+static inline int gpt2_init_params(const gj_llmc_config *cfg, uint64_t seed, gj_tensor **file) {
     for (int i = 0; i < GJ_LLMC_N_PARAMS; i++)
         file[i] = NULL;
     if (gj_llmc_config_check(cfg) != 0)
@@ -210,7 +211,7 @@ fail:
 }
 
 /* Makes the causal mask for sequences of T tokens (T <= maxT). 0 or -1. */
-static int gpt2_set_seq_len(gpt2 *m, int64_t T) {
+static inline int gpt2_set_seq_len(gpt2 *m, int64_t T) {
     if (T < 1 || T > m->cfg.max_seq_len) {
         fprintf(stderr, "gpt2: sequence length %lld is not in [1, max_seq_len %d]\n",
                 (long long)T, m->cfg.max_seq_len);
@@ -236,7 +237,7 @@ static int gpt2_set_seq_len(gpt2 *m, int64_t T) {
 }
 
 /* Head idx (0 q, 1 k, 2 v) of qkv (B, T, 3C) as (B, NH, T, hs): a view. */
-static gj_tensor *gpt2_heads(const gpt2 *m, gj_tensor *qkv, int idx, int64_t B, int64_t T) {
+static inline gj_tensor *gpt2_heads(const gpt2 *m, gj_tensor *qkv, int idx, int64_t B, int64_t T) {
     static const int perm[4] = {0, 2, 1, 3};
     int64_t C = m->cfg.channels, NH = m->cfg.num_heads;
     int64_t hs[4] = {B, T, NH, C / NH};
@@ -247,7 +248,7 @@ static gj_tensor *gpt2_heads(const gpt2 *m, gj_tensor *qkv, int idx, int64_t B, 
 
 /* Logits (B, T, Vp) of tokens (B, T) i64 (borrowed), T == the mask's
  * length. Scope-owned new reference, or NULL. */
-static gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
+static inline gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
     static const int perm[4] = {0, 2, 1, 3};
     const int64_t *ts = gj_tensor_shape(tokens);
     if (gj_tensor_ndim(tokens) != 2 || !m->mask || ts[1] != m->mask_T) {
@@ -292,7 +293,7 @@ static gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
  * in[1] targets, both (B, T) i64 (borrowed); ctx is the gpt2. Returns the
  * mean cross-entropy over the B T positions and the real vocabulary (a 0-d
  * tensor of the model's dtype; scope-owned new reference), or NULL. */
-static gj_tensor *gpt2_loss(void *ctx, int n_in, gj_tensor *const *in) {
+static inline gj_tensor *gpt2_loss(void *ctx, int n_in, gj_tensor *const *in) {
     gpt2 *m = ctx;
     if (n_in != 2 || gj_tensor_ndim(in[0]) != 2) {
         fprintf(stderr, "gpt2_loss: takes tokens and targets, (B, T) each\n");

@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * train_charlm.c - trains a small character-level transformer language model
- * with gradjit, eagerly or with compiled autograd (--compiled-autograd), or
- * both from the same seed for a side-by-side comparison (--both), then
- * prints the loss it reached and a sample of generated text.
+ * with gradjit, eagerly, with compiled autograd (--compiled-autograd) or
+ * with the compiled training step (--compiled-step), or eager and compiled
+ * from the same seed for a side-by-side comparison (--both; --both
+ * --compiled-step), then prints the loss it reached and a sample of
+ * generated text.
  *
- *   train_charlm [--compiled-autograd | --both] [--steps N | --epochs N]
+ *   train_charlm [--compiled-autograd | --compiled-step] [--both] [--steps N | --epochs N]
  *                [--batch N] [--ctx T] [--vary-ctx] [--lr X] [--seed N] [--threads N]
  *                [--quiet] [--text PATH]... [--sample N] [--temperature X]
  *                [--csv FILE] [--png FILE]
@@ -21,8 +23,9 @@
  * the training text holds windows (training chars / (batch * ctx)). With
  * --vary-ctx each training step's context length is drawn from
  * [max(2, ctx/4), ctx] (the same sequence in both modes of --both): with
- * compiled autograd, dynamic shapes bind the new lengths to symbolic
- * kernels instead of compiling each (validation keeps --ctx).
+ * compiled autograd or the compiled step, dynamic shapes bind the new
+ * lengths to symbolic kernels instead of compiling each (validation keeps
+ * --ctx).
  *
  * Model (legend: B batch, T context, C = 128 channels, H = 4 heads, V vocab):
  * token embedding [V, C] + learned position embedding [T, C]; two pre-norm
@@ -34,12 +37,22 @@
  * decay 0.01), learning rate warmed up linearly over the first 5% of the
  * steps, then cosine-decayed to 10% of --lr.
  *
+ * The step: its forward is one step function (lm_loss: the model, with its
+ * position ids and causal mask made once, then the batch's inputs and
+ * targets to the loss), run by examples/common.h's stepper: eagerly through
+ * gj_step (the default), through gj_step compiled (--compiled-step:
+ * forward, backward and the AdamW update as one program; the learning rate
+ * of the schedule is read at every run), or as forward, gj_backward with
+ * compiled autograd and gj_optim_step (--compiled-autograd). Every mode
+ * gives the same bits.
+ *
  * Output: a progress bar (on a terminal) with loss, examples/s (windows/s)
- * and backward ms; validation loss every 50 steps and at the end; the
- * unigram entropy of the training text (the loss of the best model that
- * ignores context) next to the loss reached; a sample of --sample generated
- * characters (temperature --temperature, from the prompt "The "); the loss
- * curve as CSV and PNG (defaults charlm_loss.csv/.png, "-" for none).
+ * and backward ms (whole step ms in gj_step's modes); validation loss
+ * every 50 steps and at the end; the unigram entropy of the training text
+ * (the loss of the best model that ignores context) next to the loss
+ * reached; a sample of --sample generated characters (temperature
+ * --temperature, from the prompt "The "); the loss curve as CSV and PNG
+ * (defaults charlm_loss.csv/.png, "-" for none).
  *
  * Checkpoints (not with --both): --save FILE writes a safetensors file at
  * the end, and when the run stops early: on SIGINT (Ctrl-C) the step under
@@ -56,8 +69,9 @@
  * before exit. With --both the two runs start from the same seed (model,
  * batch and sampling generators) and advance one step each in turn, in ABBA
  * order, so their timings share the machine's state; their loss curves
- * agree up to rounding (the largest relative difference is printed) and
- * the median per-step forward and backward ratios are printed. Without a
+ * must be identical (printed: "identical", or the first step that differs)
+ * and the median per-step ratios are printed: forward and backward with
+ * compiled autograd, the whole step with --compiled-step. Without a
  * terminal, progress is printed at every tenth of the run.
  */
 #include "gradjit.h"
@@ -270,14 +284,46 @@ typedef struct model {
     gj_layer_norm_layer lnf;
     gj_linear_layer head; /* C -> V */
     int64_t V, T;
+    gj_tensor *pos_ids;   /* [T] i64: 0 .. T-1 (made once: a step function's constant) */
+    gj_tensor *mask;      /* [T, T] causal mask, 1 where key j > query i (made once) */
 } model;
 
 #define N_PARAMS (2 + 12 * N_LAYER + 4)
+
+/* Causal mask [t, t]: 1 where key j > query i (masked out). New reference. */
+static gj_tensor *causal_mask(int64_t t) {
+    float *v = malloc((size_t)(t * t) * sizeof *v);
+    if (!v)
+        return NULL;
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t j = 0; j < t; j++)
+            v[i * t + j] = j > i ? 1.0f : 0.0f;
+    int64_t s[2] = {t, t};
+    gj_tensor *m = gj_from_data(GJ_F32, 2, s, v);
+    free(v);
+    return m;
+}
+
+/* Position ids 0 .. t-1 as [t] i64. New reference. */
+static gj_tensor *position_ids(int64_t t) {
+    int64_t *pos = malloc((size_t)t * sizeof *pos);
+    if (!pos)
+        return NULL;
+    for (int64_t i = 0; i < t; i++)
+        pos[i] = i;
+    gj_tensor *p = gj_from_data(GJ_I64, 1, &t, pos);
+    free(pos);
+    return p;
+}
 
 static int model_init(model *m, int64_t V, int64_t T) {
     memset(m, 0, sizeof *m);
     m->V = V;
     m->T = T;
+    if (!(m->pos_ids = position_ids(T)) || !(m->mask = causal_mask(T)))
+        return -1;
+    gj_scope_keep(m->pos_ids);
+    gj_scope_keep(m->mask);
     if (gj_embedding_init(&m->tok, V, N_EMBD, GJ_F32) || gj_embedding_init(&m->pos, T, N_EMBD, GJ_F32))
         return -1;
     for (int l = 0; l < N_LAYER; l++) {
@@ -316,6 +362,9 @@ static void model_params(model *m, gj_tensor **p) {
 }
 
 static void model_free(model *m) {
+    gj_release(m->pos_ids);
+    gj_release(m->mask);
+    m->pos_ids = m->mask = NULL;
     gj_embedding_free(&m->tok);
     gj_embedding_free(&m->pos);
     for (int l = 0; l < N_LAYER; l++) {
@@ -329,20 +378,6 @@ static void model_free(model *m) {
     }
     gj_layer_norm_free(&m->lnf);
     gj_linear_free(&m->head);
-}
-
-/* Causal mask [t, t]: 1 where key j > query i (masked out). New reference. */
-static gj_tensor *causal_mask(int64_t t) {
-    float *v = malloc((size_t)(t * t) * sizeof *v);
-    if (!v)
-        return NULL;
-    for (int64_t i = 0; i < t; i++)
-        for (int64_t j = 0; j < t; j++)
-            v[i * t + j] = j > i ? 1.0f : 0.0f;
-    int64_t s[2] = {t, t};
-    gj_tensor *m = gj_from_data(GJ_F32, 2, s, v);
-    free(v);
-    return m;
 }
 
 /* Heads idx (0 q, 1 k, 2 v) of qkv [B, t, 3C] as [B, H, t, C/H]. */
@@ -381,42 +416,48 @@ static gj_tensor *block_forward(block *b, gj_tensor *x, gj_tensor *mask, int64_t
     return f ? gj_add(h, f) : NULL;
 }
 
-/* Logits [B, t, V] of token ids idx (B*t values, i64), t <= T; mask [t, t].
- * Scope-owned new reference, or NULL with gj_last_error() set. */
-static gj_tensor *model_logits(model *m, const int64_t *idx, int64_t B, int64_t t,
-                               gj_tensor *mask) {
-    int64_t is[2] = {B, t}, ps = t;
-    int64_t *pos = malloc((size_t)t * sizeof *pos);
-    if (!pos)
-        return NULL;
-    for (int64_t i = 0; i < t; i++)
-        pos[i] = i;
-    gj_tensor *it = gj_from_data(GJ_I64, 2, is, idx);
-    gj_tensor *pt = gj_from_data(GJ_I64, 1, &ps, pos);
-    free(pos);
-    gj_tensor *x = it && pt ? gj_add(gj_embedding_forward(&m->tok, it),  /* [B, t, C] */
-                                     gj_embedding_forward(&m->pos, pt))  /* [t, C] */
-                            : NULL;
+/* Logits [B, t, V] of token ids idx [B, t] i64 (borrowed), t <= T: the
+ * model's position ids and causal mask cut to t. Scope-owned new
+ * reference, or NULL with gj_last_error() set. */
+static gj_tensor *model_logits(model *m, gj_tensor *idx) {
+    int64_t B = gj_tensor_shape(idx)[0], t = gj_tensor_shape(idx)[1];
+    gj_tensor *pt = t == m->T ? m->pos_ids : gj_narrow(m->pos_ids, 0, 0, t); /* [t] */
+    gj_tensor *mask = t == m->T ? m->mask : gj_narrow(gj_narrow(m->mask, 0, 0, t), 1, 0, t);
+    gj_tensor *x = pt && mask ? gj_add(gj_embedding_forward(&m->tok, idx), /* [B, t, C] */
+                                       gj_embedding_forward(&m->pos, pt))  /* [t, C] */
+                              : NULL;
     for (int l = 0; l < N_LAYER && x; l++)
         x = block_forward(&m->blk[l], x, mask, B, t);
     x = x ? gj_layer_norm_forward(&m->lnf, x) : NULL;
     return x ? gj_linear_forward(&m->head, x) : NULL; /* [B, t, V] */
 }
 
-/* Mean cross-entropy of the next character over B*T positions; scope-owned. */
-static gj_tensor *model_loss(model *m, const int64_t *x, const int64_t *y, int64_t B, int64_t T,
-                             gj_tensor *mask) {
-    int64_t ls[2] = {B * T, m->V}, ys = B * T;
-    gj_tensor *logits = model_logits(m, x, B, T, mask);
+/* The training step's forward (a gj_step_fn): ctx the model, in[0] inputs
+ * [B, T] and in[1] targets [B*T], i64 (borrowed). The mean cross-entropy of
+ * the next character over the B*T positions, a 0-d scope-owned new
+ * reference, or NULL. */
+static gj_tensor *lm_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    model *m = ctx;
+    (void)n_in;
+    const int64_t *xs = gj_tensor_shape(in[0]);
+    int64_t ls[2] = {xs[0] * xs[1], m->V};
+    gj_tensor *logits = model_logits(m, in[0]);
     logits = logits ? gj_reshape(logits, 2, ls) : NULL; /* [B*T, V] */
-    gj_tensor *yt = gj_from_data(GJ_I64, 1, &ys, y);
-    return logits && yt ? gj_cross_entropy(logits, yt) : NULL;
+    return logits ? gj_cross_entropy(logits, in[1]) : NULL;
+}
+
+/* lm_loss of x and y (B*T values each, i64). Scope-owned, or NULL. */
+static gj_tensor *model_loss(model *m, const int64_t *x, const int64_t *y, int64_t B,
+                             int64_t T) {
+    int64_t is[2] = {B, T}, ys = B * T;
+    gj_tensor *in[2] = {gj_from_data(GJ_I64, 2, is, x), gj_from_data(GJ_I64, 1, &ys, y)};
+    return in[0] && in[1] ? lm_loss(m, 2, in) : NULL;
 }
 
 /* ------------------------------------------------------------ training */
 
 typedef struct opts {
-    bool compiled, both, quiet, tty, vary_ctx;
+    bool compiled, compiled_step, both, quiet, tty, vary_ctx;
     int64_t steps;
     int epochs, batch, ctx, threads, sample;
     double lr, temperature;
@@ -433,13 +474,15 @@ typedef struct opts {
 typedef struct run_out {
     double *loss;     /* [steps] training loss per step */
     double *val;      /* [steps] validation loss where evaluated, else NaN */
-    double bwd_ms;    /* mean backward ms */
-    double fwd_ms;    /* mean forward ms */
+    double bwd_ms;    /* mean backward ms (split modes; else NaN) */
+    double fwd_ms;    /* mean forward ms (split modes; else NaN) */
+    double step_ms;   /* mean ms of the whole step */
     double train_s;   /* wall time of all steps */
     double final_val; /* validation loss at the end */
     double final_train; /* mean training loss of the last 20 steps */
     char *sample;     /* generated text (malloc'd, NUL-terminated) */
-    gj_ca_stats ca;
+    gj_ca_stats ca;   /* compiled autograd's counters (--compiled-autograd) */
+    gj_ca_stats cs;   /* the compiled step's (--compiled-step) */
 } run_out;
 
 static void run_out_free(run_out *r) {
@@ -451,15 +494,14 @@ static void run_out_free(run_out *r) {
 
 /* Validation loss: mean over EVAL_BATCHES fixed batches (the same in every
  * run) from the held-out text. NaN on error. */
-static double evaluate(model *m, const corpus *c, const opts *o, gj_tensor *mask, int64_t *x,
-                       int64_t *y) {
+static double evaluate(model *m, const corpus *c, const opts *o, int64_t *x, int64_t *y) {
     uint64_t rng = EVAL_SEED;
     double total = 0.0;
     gj_no_grad_push();
     for (int i = 0; i < EVAL_BATCHES; i++) {
         get_batch(c, c->n_train, c->n, o->batch, o->ctx, &rng, x, y);
         gj_scope_push();
-        gj_tensor *loss = model_loss(m, x, y, o->batch, o->ctx, mask);
+        gj_tensor *loss = model_loss(m, x, y, o->batch, o->ctx);
         double v = loss ? gj_tensor_item(loss) : NAN;
         gj_scope_pop();
         total += v;
@@ -488,9 +530,10 @@ static char *generate(model *m, const corpus *c, const opts *o, uint64_t seed) {
     while (ok && len < total) {
         int64_t t = len < m->T ? len : m->T;
         gj_scope_push();
-        gj_tensor *mask = causal_mask(t);
-        gj_tensor *lg = mask ? model_logits(m, ids + len - t, 1, t, mask) : NULL; /* [1, t, V] */
-        lg = lg ? gj_narrow(lg, 1, t - 1, 1) : NULL;                              /* [1, 1, V] */
+        int64_t is[2] = {1, t};
+        gj_tensor *it = gj_from_data(GJ_I64, 2, is, ids + len - t);
+        gj_tensor *lg = it ? model_logits(m, it) : NULL;      /* [1, t, V] */
+        lg = lg ? gj_narrow(lg, 1, t - 1, 1) : NULL;          /* [1, 1, V] */
         ok = lg && gj_tensor_to_f32(lg, logits) == 0;
         gj_scope_pop();
         if (!ok)
@@ -539,37 +582,41 @@ static double lr_at(const opts *o, int64_t s) {
 typedef struct trainer {
     const opts *o;
     const corpus *c;
-    bool compiled;
+    step_mode mode;
     const char *tag;
     model m;
     gj_optim *opt;
-    gj_tensor *mask;
+    stepper st;     /* runs lm_loss, backward and update in `mode` */
     int64_t *x, *y; /* [B*T] */
     uint64_t rng;
-    double t_train, bwd_total, fwd_total;
+    double t_train, bwd_total, fwd_total, step_total;
     run_out *r;
 } trainer;
 
 static void trainer_free(trainer *t) {
-    gj_release(t->mask);
+    stepper_free(&t->st);
     gj_optim_free(t->opt);
     model_free(&t->m);
     free(t->x);
     free(t->y);
-    t->mask = NULL;
     t->opt = NULL;
     t->x = t->y = NULL;
 }
 
-/* A fresh model from o->seed (two trainers start bit-identical) and its
- * AdamW. 0, or 1 with a message on stderr. */
-static int trainer_init(trainer *t, const opts *o, bool compiled, const corpus *c, run_out *r) {
+/* The name of a mode in the trainers' output. */
+static const char *mode_tag(step_mode m) {
+    return m == STEP_COMPILED ? "compiled step" : m == STEP_SPLIT_CA ? "compiled" : "eager";
+}
+
+/* A fresh model from o->seed (two trainers start bit-identical), its AdamW
+ * and its stepper in `mode`. 0, or 1 with a message on stderr. */
+static int trainer_init(trainer *t, const opts *o, step_mode mode, const corpus *c, run_out *r) {
     int64_t BT = (int64_t)o->batch * o->ctx;
     memset(t, 0, sizeof *t);
     t->o = o;
     t->c = c;
-    t->compiled = compiled;
-    t->tag = compiled ? "compiled" : "eager";
+    t->mode = mode;
+    t->tag = mode_tag(mode);
     t->r = r;
     t->rng = o->seed;
     t->x = malloc((size_t)BT * sizeof *t->x);
@@ -585,10 +632,12 @@ static int trainer_init(trainer *t, const opts *o, bool compiled, const corpus *
         r->val[s] = NAN;
     gj_manual_seed(o->seed);
     gj_tensor *params[N_PARAMS];
-    if (model_init(&t->m, c->vocab, o->ctx) != 0 || !(t->mask = causal_mask(o->ctx)))
+    if (model_init(&t->m, c->vocab, o->ctx) != 0)
         goto gj_fail;
     model_params(&t->m, params);
     if (!(t->opt = gj_adamw_new(N_PARAMS, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
+        goto gj_fail;
+    if (stepper_init(&t->st, mode, lm_loss, &t->m, t->opt) != 0)
         goto gj_fail;
     return 0;
 gj_fail:
@@ -606,39 +655,33 @@ static int64_t ctx_at(const opts *o, int64_t s) {
     return lo + (int64_t)(splitmix64(&st) % (uint64_t)(o->ctx - lo + 1));
 }
 
-/* Training step s in this trainer's mode (forward and backward timed:
- * *fwd_ms, *bwd_ms), then the validation loss when s is an evaluation step
- * (not timed). 0, or 1 with a message on stderr. */
-static int trainer_step(trainer *t, int64_t s, double *fwd_ms, double *bwd_ms) {
+/* Training step s in this trainer's mode, timed (*tm), then the
+ * validation loss when s is an evaluation step (not timed). 0, or 1 with a
+ * message on stderr. */
+static int trainer_step(trainer *t, int64_t s, step_times *tm) {
     const opts *o = t->o;
     run_out *r = t->r;
-    gj_set_compiled_autograd(t->compiled);
     double ts = now_s();
-    int64_t T = ctx_at(o, s);
+    int64_t T = ctx_at(o, s), B = o->batch, BT = B * T, xs[2] = {B, T};
     get_batch(t->c, 0, t->c->n_train, o->batch, (int)T, &t->rng, t->x, t->y);
     gj_optim_set_lr(t->opt, lr_at(o, s));
     gj_scope_push();
-    gj_tensor *mask = T == o->ctx ? t->mask : gj_narrow(gj_narrow(t->mask, 0, 0, T), 1, 0, T);
-    double t0 = now_s();
-    gj_tensor *loss = mask ? model_loss(&t->m, t->x, t->y, o->batch, T, mask) : NULL;
-    double t1 = now_s();
-    int ok = loss && gj_backward(loss, NULL) == 0;
-    double t2 = now_s();
-    ok = ok && gj_optim_step(t->opt) == 0;
+    gj_tensor *in[2] = {gj_from_data(GJ_I64, 2, xs, t->x), gj_from_data(GJ_I64, 1, &BT, t->y)};
+    gj_tensor *loss = NULL;
+    int ok = in[0] && in[1] && stepper_run(&t->st, 2, in, &loss, tm) == 0;
     double lv = ok ? gj_tensor_item(loss) : NAN;
-    gj_optim_zero_grad(t->opt);
     gj_scope_pop();
-    gj_set_compiled_autograd(false);
     if (!ok)
         goto gj_fail;
     r->loss[s] = lv;
-    *fwd_ms = (t1 - t0) * 1e3;
-    *bwd_ms = (t2 - t1) * 1e3;
-    t->fwd_total += *fwd_ms;
-    t->bwd_total += *bwd_ms;
+    if (step_mode_split(t->mode)) {
+        t->fwd_total += tm->fwd_ms;
+        t->bwd_total += tm->bwd_ms;
+    }
+    t->step_total += tm->step_ms;
     t->t_train += now_s() - ts;
     if ((s + 1) % EVAL_EVERY == 0 || s + 1 == o->steps) {
-        r->val[s] = evaluate(&t->m, t->c, o, t->mask, t->x, t->y);
+        r->val[s] = evaluate(&t->m, t->c, o, t->x, t->y);
         if (!isfinite(r->val[s]))
             goto gj_fail;
     }
@@ -652,9 +695,11 @@ gj_fail:
 static int trainer_finish(trainer *t) {
     const opts *o = t->o;
     run_out *r = t->r;
+    bool split = step_mode_split(t->mode);
     r->train_s = t->t_train;
-    r->bwd_ms = t->bwd_total / (double)o->steps;
-    r->fwd_ms = t->fwd_total / (double)o->steps;
+    r->bwd_ms = split ? t->bwd_total / (double)o->steps : NAN;
+    r->fwd_ms = split ? t->fwd_total / (double)o->steps : NAN;
+    r->step_ms = t->step_total / (double)o->steps;
     r->final_val = r->val[o->steps - 1];
     int64_t tail = o->steps < 20 ? o->steps : 20;
     for (int64_t s = o->steps - tail; s < o->steps; s++)
@@ -722,6 +767,7 @@ static int trainer_save(trainer *t, const char *path, int64_t s) {
     rc = rc || meta_f64(sd, "train.t_train", t->t_train);
     rc = rc || meta_f64(sd, "train.bwd_total", t->bwd_total);
     rc = rc || meta_f64(sd, "train.fwd_total", t->fwd_total);
+    rc = rc || meta_f64(sd, "train.step_total", t->step_total);
     rc = rc || add_f64s(sd, "train.loss", s, t->r->loss);
     rc = rc || add_f64s(sd, "train.val", s, t->r->val);
     rc = rc || gj_save_safetensors(sd, path);
@@ -808,6 +854,9 @@ static int trainer_resume(trainer *t, const char *path, int64_t *start) {
     if (get_f64(f, path, "train.t_train", &t->t_train) ||
         get_f64(f, path, "train.bwd_total", &t->bwd_total) ||
         get_f64(f, path, "train.fwd_total", &t->fwd_total) ||
+        /* absent from checkpoints of older versions */
+        (gj_state_dict_get_metadata(f, "train.step_total") &&
+         get_f64(f, path, "train.step_total", &t->step_total)) ||
         get_f64s(f, path, "train.loss", s, t->r->loss) || get_f64s(f, path, "train.val", s, t->r->val))
         goto done;
     if (gj_state_dict_copy_into(m, f, false) != 0 ||
@@ -835,6 +884,14 @@ static int trainer_stop(trainer *t, int64_t s) {
     if (o->tty && !o->quiet)
         printf("\n");
     const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
+    gj_ca_stats c; /* what the run compiled or found in the caches so far */
+    if (t->mode == STEP_SPLIT_CA) {
+        gj_compiled_autograd_stats(&c);
+        print_ca(t->tag, &c);
+    } else if (t->mode == STEP_COMPILED) {
+        gj_step_stats(&c);
+        print_step(t->tag, &c);
+    }
     if (!o->save) {
         printf("[%s] %s at step %lld; no --save FILE given, nothing saved\n", t->tag, why,
                (long long)s);
@@ -850,44 +907,49 @@ static int trainer_stop(trainer *t, int64_t s) {
 /* One training run in the given mode (resumed from o->resume if given);
  * fills r. 0, 130 if it stopped early (SIGINT, --stop-after; saved to
  * o->save if given), or 1 with a message. */
-static int train(const opts *o, bool compiled, const corpus *c, run_out *r) {
+static int train(const opts *o, step_mode mode, const corpus *c, run_out *r) {
     trainer t;
     int rc = 1;
     int64_t start = 0;
+    bool split = step_mode_split(mode);
     gj_compiled_autograd_reset_stats();
-    if (trainer_init(&t, o, compiled, c, r) != 0)
+    gj_step_reset_stats();
+    if (trainer_init(&t, o, mode, c, r) != 0)
         goto done;
     if (o->resume && trainer_resume(&t, o->resume, &start) != 0)
         goto done;
     for (int64_t s = start; s < o->steps; s++) {
-        double f, b;
+        step_times tm;
         /* A step boundary: the place to stop and save. */
         if (g_interrupted || (o->stop_after > 0 && s - start == o->stop_after)) {
             rc = trainer_stop(&t, s);
             goto done;
         }
-        if (trainer_step(&t, s, &f, &b) != 0)
+        if (trainer_step(&t, s, &tm) != 0)
             goto done;
+        /* the backward (split modes) or the whole step, mean ms so far */
+        double ms = (split ? t.bwd_total : t.step_total) / (double)(s + 1);
         if (progress_due(o->quiet, o->tty, 5, s, o->steps)) {
             char bar[BAR_W + 1];
             progress_bar(bar, s, o->steps);
-            printf("%s[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  backward %.2f ms%s",
+            printf("%s[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  %s %.2f ms%s",
                    o->tty ? "\r" : "", t.tag, bar, (long long)(s + 1), (long long)o->steps,
                    r->loss[s], (double)((s + 1) * o->batch) / t.t_train,
-                   t.bwd_total / (double)(s + 1), o->tty ? " " : "\n");
+                   split ? "backward" : "step", ms, o->tty ? " " : "\n");
             fflush(stdout);
         }
         if (!isnan(r->val[s]) && !o->quiet) {
             if (o->tty)
                 printf("\r%*s\r", 110, "");
-            printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, backward %.2f "
+            printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, %s %.2f "
                    "ms/step\n",
                    t.tag, (long long)(s + 1), (long long)o->steps, r->loss[s], r->val[s],
-                   t.bwd_total / (double)(s + 1));
+                   split ? "backward" : "step", ms);
             fflush(stdout);
         }
     }
     gj_compiled_autograd_stats(&r->ca);
+    gj_step_stats(&r->cs);
     if (o->save) {
         if (trainer_save(&t, o->save, o->steps) != 0)
             goto done;
@@ -902,41 +964,46 @@ done:
 
 /* --both: eager and compiled runs from the same seed, one step each in turn
  * (ABBA: eager first on even steps), so both meet the same machine state.
- * q[0..2] / fq[0..2]: quartiles of the per-step backward / forward ratios
- * eager / compiled. 0, or 1 with a message. */
+ * With compiled autograd both runs are split (STEP_SPLIT, STEP_SPLIT_CA):
+ * q[0..2] / fq[0..2] receive the quartiles of the per-step backward /
+ * forward ratios eager / compiled; with --compiled-step they are gj_step's
+ * (STEP_EAGER, STEP_COMPILED) and q receives the whole step's (fq NaN). 0,
+ * or 1 with a message. */
 static int train_both(const opts *o, const corpus *c, run_out *a, run_out *b, double *q,
                       double *fq) {
     trainer te, tc;
     int rc = 1;
-    bool ia = false, ic = false;
+    bool ia = false, ic = false, cs = o->compiled_step;
     double *br = malloc((size_t)o->steps * sizeof *br), *fr = malloc((size_t)o->steps * sizeof *fr);
     gj_compiled_autograd_reset_stats();
+    gj_step_reset_stats();
     if (!br || !fr) {
         fprintf(stderr, "train_charlm: out of memory\n");
         goto done;
     }
-    if (trainer_init(&te, o, false, c, a) != 0)
+    if (trainer_init(&te, o, cs ? STEP_EAGER : STEP_SPLIT, c, a) != 0)
         goto done;
     ia = true;
-    if (trainer_init(&tc, o, true, c, b) != 0)
+    if (trainer_init(&tc, o, cs ? STEP_COMPILED : STEP_SPLIT_CA, c, b) != 0)
         goto done;
     ic = true;
     for (int64_t s = 0; s < o->steps; s++) {
-        double fe, be, fc, bc;
-        int err = s % 2 ? trainer_step(&tc, s, &fc, &bc) || trainer_step(&te, s, &fe, &be)
-                        : trainer_step(&te, s, &fe, &be) || trainer_step(&tc, s, &fc, &bc);
+        step_times me, mc;
+        int err = s % 2 ? trainer_step(&tc, s, &mc) || trainer_step(&te, s, &me)
+                        : trainer_step(&te, s, &me) || trainer_step(&tc, s, &mc);
         if (err)
             goto done;
-        br[s] = be / bc;
-        fr[s] = fe / fc;
+        br[s] = cs ? me.step_ms / mc.step_ms : me.bwd_ms / mc.bwd_ms;
+        fr[s] = me.fwd_ms / mc.fwd_ms;
         if (progress_due(o->quiet, o->tty, 5, s, o->steps)) {
             char bar[BAR_W + 1];
             progress_bar(bar, s, o->steps);
-            printf("%s[both] [%s] step %lld/%lld loss %.4f / %.4f  backward %.2f / %.2f ms "
+            printf("%s[both] [%s] step %lld/%lld loss %.4f / %.4f  %s %.2f / %.2f ms "
                    "(eager / compiled)%s",
                    o->tty ? "\r" : "", bar, (long long)(s + 1), (long long)o->steps, a->loss[s],
-                   b->loss[s], te.bwd_total / (double)(s + 1), tc.bwd_total / (double)(s + 1),
-                   o->tty ? " " : "\n");
+                   b->loss[s], cs ? "step" : "backward",
+                   (cs ? te.step_total : te.bwd_total) / (double)(s + 1),
+                   (cs ? tc.step_total : tc.bwd_total) / (double)(s + 1), o->tty ? " " : "\n");
             fflush(stdout);
         }
         if (!isnan(a->val[s]) && !o->quiet) {
@@ -948,6 +1015,7 @@ static int train_both(const opts *o, const corpus *c, run_out *a, run_out *b, do
         }
     }
     gj_compiled_autograd_stats(&b->ca);
+    gj_step_stats(&b->cs);
     int64_t n = o->steps;
     quartiles(br, n, q);
     quartiles(fr, n, fq);
@@ -978,8 +1046,12 @@ static int parse_opts(int argc, char **argv, opts *o) {
     bool steps_given = false;
     arg_spec specs[] = {
         ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("compiled-step", ARG_FLAG, &o->compiled_step, 0, 0,
+                "run the whole step (forward, backward, AdamW update) as one compiled program"),
         ARG_OPT("both", ARG_FLAG, &o->both, 0, 0,
-                "train eager and compiled side by side (steps in turn, ABBA), paired ratios"),
+                "train eager and compiled side by side (steps in turn, ABBA), paired ratios: "
+                "compiled autograd's forward and backward, or with --compiled-step the whole "
+                "step"),
         ARG_OPT("steps", ARG_I64, &o->steps, 1, 10000000, "training steps"),
         ARG_OPT("epochs", ARG_INT, &o->epochs, 1, 10000,
                 "epochs over the text instead of --steps (0: use --steps)"),
@@ -1004,14 +1076,20 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 "continue a saved run bit-identically (same settings and --threads)"),
         ARG_OPT("stop-after", ARG_I64, &o->stop_after, 1, 9e18, "stop (and save) after N steps"),
     };
-    specs[2].given = &steps_given;
+    specs[3].given = &steps_given;
     int rc = args_parse("train_charlm",
-                        "Trains a character-level transformer on text files, eager or with "
-                        "compiled autograd, and samples from it.",
+                        "Trains a character-level transformer on text files, eager, with "
+                        "compiled autograd or with the compiled step, and samples from it.",
                         argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
     if (rc != 0) return rc;
+    if (o->compiled && o->compiled_step) {
+        fprintf(stderr, "train_charlm: --compiled-autograd and --compiled-step are two compiled "
+                        "modes; give one\n");
+        return -1;
+    }
     if (o->both && o->compiled) {
-        fprintf(stderr, "train_charlm: --both already runs the compiled mode\n");
+        fprintf(stderr, "train_charlm: --both already runs compiled autograd (--both "
+                        "--compiled-step: the compiled step)\n");
         return -1;
     }
     if (o->both && (o->save || o->resume || o->stop_after)) {
@@ -1055,9 +1133,10 @@ static int write_csv(const char *path, const opts *o, const run_out *a, const ru
 }
 
 /* Training loss (moving average, raw faint), validation points and the
- * unigram entropy as a reference line, as a PNG. */
+ * unigram entropy as a reference line, as a PNG; the runs named na and nb
+ * (b may be NULL: one run). */
 static int write_png(const char *path, const opts *o, const run_out *a, const run_out *b,
-                     bool a_compiled, double h_uni) {
+                     const char *na, const char *nb, double h_uni) {
     int64_t n = o->steps;
     double *sm[2] = {malloc((size_t)n * sizeof(double)), malloc((size_t)n * sizeof(double))};
     double *vx = malloc((size_t)n * sizeof(double)), *vy[2] = {malloc((size_t)n * sizeof(double)),
@@ -1085,14 +1164,18 @@ static int write_png(const char *path, const opts *o, const run_out *a, const ru
         }
     if (plot_img_init(&im, 1000, 600) != 0)
         goto done;
-    const char *na = b ? "train, eager" : a_compiled ? "train (compiled)" : "train (eager)";
+    char ta[64], tb[64], va[64], vb[64];
+    snprintf(ta, sizeof ta, b ? "train, %s" : "train (%s)", na);
+    snprintf(tb, sizeof tb, "train, %s", nb ? nb : "");
+    snprintf(va, sizeof va, b ? "validation, %s" : "validation", na);
+    snprintf(vb, sizeof vb, "validation, %s", nb ? nb : "");
     plot_series s[6] = {
         {NULL, NULL, a->loss, (int)n, 0xd9d9d9u, 1, 0},
         {"unigram entropy", hx, hy, 2, 0x31a354u, 2, 0},
-        {na, NULL, sm[0], (int)n, b ? 0x9ecae1u : 0x08519cu, b ? 5 : 2, 0},
-        {"train, compiled", NULL, sm[1], (int)n, 0x08519cu, 1, 0},
-        {b ? "validation, eager" : "validation", vx, vy[0], nv, 0xfd8d3cu, b ? 5 : 2, b ? 13 : 9},
-        {"validation, compiled", vx, vy[1], nv, 0xa63603u, 1, 7},
+        {ta, NULL, sm[0], (int)n, b ? 0x9ecae1u : 0x08519cu, b ? 5 : 2, 0},
+        {tb, NULL, sm[1], (int)n, 0x08519cu, 1, 0},
+        {va, vx, vy[0], nv, 0xfd8d3cu, b ? 5 : 2, b ? 13 : 9},
+        {vb, vx, vy[1], nv, 0xa63603u, 1, 7},
     };
     plot_series list[6];
     int ns = 0;
@@ -1116,10 +1199,13 @@ done:
 
 static void print_result(const char *tag, const run_out *r, double h_uni, const opts *o) {
     printf("[%s] loss reached: train %.4f (mean of the last 20 steps), validation %.4f "
-           "nats/char (%.3f bits); unigram entropy %.4f nats; %.1f s for %lld steps, "
-           "forward %.2f ms, backward %.2f ms per step\n",
+           "nats/char (%.3f bits); unigram entropy %.4f nats; %.1f s for %lld steps, ",
            tag, r->final_train, r->final_val, r->final_val / log(2.0), h_uni, r->train_s,
-           (long long)o->steps, r->fwd_ms, r->bwd_ms);
+           (long long)o->steps);
+    if (isnan(r->bwd_ms)) /* gj_step's modes time the whole step */
+        printf("step %.2f ms\n", r->step_ms);
+    else
+        printf("forward %.2f ms, backward %.2f ms per step\n", r->fwd_ms, r->bwd_ms);
     if (r->sample)
         printf("[%s] sample (temperature %.2f):\n----\n%s\n----\n", tag, o->temperature,
                r->sample);
@@ -1132,8 +1218,9 @@ int main(int argc, char **argv) {
     o.tty = isatty(STDOUT_FILENO) != 0;
     /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
      * (read here, before this program sets the flag itself). */
-    if (!o.both && !o.compiled && gj_compiled_autograd_enabled())
+    if (!o.both && !o.compiled && !o.compiled_step && gj_compiled_autograd_enabled())
         o.compiled = true;
+    step_mode mode = o.compiled ? STEP_SPLIT_CA : o.compiled_step ? STEP_COMPILED : STEP_EAGER;
     corpus c;
     int rc = corpus_load(o.texts, o.n_texts, &c);
     if (rc != 0)
@@ -1173,47 +1260,60 @@ int main(int argc, char **argv) {
         sa.sa_flags = SA_RESETHAND;
         sigemptyset(&sa.sa_mask);
         sigaction(SIGINT, &sa, NULL);
-        rc = train(&o, o.compiled, &c, &a);
+        rc = train(&o, mode, &c, &a);
         if (rc != 0)
             goto out;
         rc = 1;
-        if (o.compiled)
+        if (mode == STEP_SPLIT_CA)
             print_ca("compiled", &a.ca);
-        print_result(o.compiled ? "compiled" : "eager", &a, h_uni, &o);
+        if (mode == STEP_COMPILED)
+            print_step("compiled step", &a.cs);
+        print_result(mode_tag(mode), &a, h_uni, &o);
         if (o.csv && write_csv(o.csv, &o, &a, NULL) != 0)
             goto out;
-        if (o.png && write_png(o.png, &o, &a, NULL, o.compiled, h_uni) != 0)
+        if (o.png && write_png(o.png, &o, &a, NULL, mode_tag(mode), NULL, h_uni) != 0)
             goto out;
     } else {
         double q[3], fq[3];
         if (train_both(&o, &c, &a, &b, q, fq) != 0)
             goto out;
-        double maxrel = 0.0;
-        for (int64_t s = 0; s < o.steps; s++) {
-            double rel = fabs(b.loss[s] - a.loss[s]) / fmax(fabs(a.loss[s]), 1e-30);
-            if (!(rel <= maxrel))
-                maxrel = rel;
+        bool cs = o.compiled_step;
+        const char *cname = cs ? "compiled step" : "compiled";
+        if (cs) {
+            printf("\n%-13s %11s %11s %13s %9s\n", "mode", "train loss", "val loss", "step ms",
+                   "seconds");
+            printf("%-13s %11.4f %11.4f %13.2f %9.1f\n", "eager", a.final_train, a.final_val,
+                   a.step_ms, a.train_s);
+            printf("%-13s %11.4f %11.4f %13.2f %9.1f\n", cname, b.final_train, b.final_val,
+                   b.step_ms, b.train_s);
+            printf("steps interleaved ABBA; per-step ratio eager / compiled step, median "
+                   "[interquartile range]: whole step (forward, backward, AdamW update) "
+                   "%.3fx [%.2f-%.2f]\n",
+                   q[1], q[0], q[2]);
+            print_step(cname, &b.cs);
+        } else {
+            printf("\n%-9s %11s %11s %13s %13s %9s\n", "mode", "train loss", "val loss",
+                   "forward ms", "backward ms", "seconds");
+            printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "eager", a.final_train,
+                   a.final_val, a.fwd_ms, a.bwd_ms, a.train_s);
+            printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", cname, b.final_train,
+                   b.final_val, b.fwd_ms, b.bwd_ms, b.train_s);
+            printf("steps interleaved ABBA; per-step ratio eager / compiled, median "
+                   "[interquartile range]: backward %.3fx [%.2f-%.2f], forward %.3fx "
+                   "[%.2f-%.2f]\n",
+                   q[1], q[0], q[2], fq[1], fq[0], fq[2]);
+            print_ca(cname, &b.ca);
         }
-        printf("\n%-9s %11s %11s %13s %13s %9s\n", "mode", "train loss", "val loss",
-               "forward ms", "backward ms", "seconds");
-        printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "eager", a.final_train, a.final_val,
-               a.fwd_ms, a.bwd_ms, a.train_s);
-        printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "compiled", b.final_train,
-               b.final_val, b.fwd_ms, b.bwd_ms, b.train_s);
-        printf("steps interleaved ABBA; per-step ratio eager / compiled, median [interquartile "
-               "range]: backward %.3fx [%.2f-%.2f], forward %.3fx [%.2f-%.2f]\n",
-               q[1], q[0], q[2], fq[1], fq[0], fq[2]);
-        print_ca("compiled", &b.ca);
-        printf("max relative loss-curve difference (compiled vs eager, %lld steps): %.3e\n",
-               (long long)o.steps, maxrel);
+        print_curves(cs ? "eager vs compiled step" : "eager vs compiled autograd", a.loss,
+                     b.loss, o.steps);
         print_result("eager", &a, h_uni, &o);
         if (b.sample && a.sample && !strcmp(a.sample, b.sample))
-            printf("[compiled] sample: identical to the eager sample\n");
+            printf("[%s] sample: identical to the eager sample\n", cname);
         else
-            print_result("compiled", &b, h_uni, &o);
+            print_result(cname, &b, h_uni, &o);
         if (o.csv && write_csv(o.csv, &o, &a, &b) != 0)
             goto out;
-        if (o.png && write_png(o.png, &o, &a, &b, false, h_uni) != 0)
+        if (o.png && write_png(o.png, &o, &a, &b, "eager", cname, h_uni) != 0)
             goto out;
     }
     if (!o.quiet && (o.csv || o.png))

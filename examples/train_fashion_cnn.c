@@ -1,17 +1,22 @@
 // SPDX-License-Identifier: MIT
 /*
  * train_fashion_cnn.c - trains a small CNN classifier on Fashion-MNIST with
- * gradjit (gj_conv2d, gj_max_pool2d), eagerly or with compiled autograd
- * (--compiled-autograd), or both from the same seed for a side-by-side
- * comparison (--both). Data loading, flags, output and the --both pairing
- * are those of train_fashion_mnist.c (the MLP example).
+ * gradjit (gj_conv2d, gj_max_pool2d), eagerly, with compiled autograd
+ * (--compiled-autograd) or with the compiled training step
+ * (--compiled-step), or eager and compiled from the same seed for a
+ * side-by-side comparison (--both; --both --compiled-step). Data loading,
+ * flags, the step (one step function, cnn_loss, run by examples/common.h's
+ * stepper), output and the --both pairing are those of
+ * train_fashion_mnist.c (the MLP example).
  *
- *   train_fashion_cnn [--compiled-autograd | --both] [--epochs N] [--batch N]
+ *   train_fashion_cnn [--compiled-autograd | --compiled-step] [--both]
+ *                     [--epochs N] [--batch N]
  *                     [--lr X] [--seed N] [--threads N] [--channels C1,C2]
  *                     [--limit N] [--cosine] [--quiet] [--csv FILE] [--png FILE]
  *
  * Output: a progress bar (on a terminal) with loss, examples/s and backward
- * ms; a line per epoch with test accuracy; the loss curve of every step as
+ * ms (whole step ms in gj_step's modes); a line per epoch with test
+ * accuracy; the loss curve of every step as
  * CSV (--csv, default fashion_cnn_loss.csv; "-" for none) and as a PNG
  * plot (--png, default fashion_cnn_loss.png; "-" for none) with the loss
  * curve(s) and the test accuracy per epoch (examples/plot.h).
@@ -32,7 +37,8 @@
  * 0.9/0.999, eps 1e-8, weight decay 0.01). Target: test accuracy >= 0.91
  * within 5 epochs. --limit N trains on the first N examples of each epoch's
  * order only (a quick look; the full set by default); --cosine decays the
- * learning rate from --lr to 0 along a cosine over the run (gj_lr_cosine). Every epoch visits the
+ * learning rate from --lr to 0 along a cosine over the run (gj_lr_cosine;
+ * the compiled step reads the learning rate at every run). Every epoch visits the
  * training set in a fresh shuffled order (splitmix64 from --seed) in full
  * batches only (the remainder of 60000 / batch is skipped that epoch, so every
  * step has one shape), and ends with test accuracy (no-grad forward, argmax).
@@ -42,8 +48,9 @@
  * before exit. With --both the two runs start from the same seed (model and
  * shuffle generator) and advance in turn, one step each, in ABBA order, so
  * that their timings share the machine's state and its drift; their loss
- * curves agree up to rounding (the largest relative difference is
- * printed) and each epoch prints the median paired backward ratio. Without
+ * curves must be identical (printed: "identical", or the first step that
+ * differs) and each epoch prints the median paired ratio of the backward
+ * (with compiled autograd) or of the whole step (--compiled-step). Without
  * a terminal, progress is printed at every tenth of an epoch.
  */
 #include "gradjit.h"
@@ -134,6 +141,15 @@ static gj_tensor *model_forward(model *m, gj_tensor *x) {
     return h ? gj_linear_forward(&m->fc, h) : NULL;        /* [n, 10] */
 }
 
+/* The training step's forward (a gj_step_fn): ctx the model, in[0] images
+ * [n, 784] f32, in[1] labels [n] i64 (borrowed). The mean cross-entropy, a
+ * 0-d scope-owned new reference, or NULL. */
+static gj_tensor *cnn_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    (void)n_in;
+    gj_tensor *logits = model_forward(ctx, in[0]);
+    return logits ? gj_cross_entropy(logits, in[1]) : NULL;
+}
+
 /* Test accuracy in [0,1], or -1 on error. No-grad forward in chunks. */
 static double evaluate(model *m, const dataset *test) {
     float *x = malloc((size_t)EVAL_CHUNK * IN * sizeof *x);
@@ -176,7 +192,7 @@ fail:
 /* ------------------------------------------------------------ training */
 
 typedef struct opts {
-    bool compiled, both, quiet, tty, cosine;
+    bool compiled, compiled_step, both, quiet, tty, cosine;
     int epochs, batch, threads;
     int64_t c1, c2, limit;
     double lr;
@@ -190,9 +206,11 @@ typedef struct run_out {
     int64_t n_steps;
     double *acc;         /* [epochs] test accuracy */
     double *epoch_s;     /* [epochs] wall time of the training part of the epoch */
-    double *bwd_ms;      /* [epochs] mean backward ms */
+    double *bwd_ms;      /* [epochs] mean backward ms (split modes; else NaN) */
+    double *step_ms;     /* [epochs] mean ms of the whole step */
     double *train_loss;  /* [epochs] mean training loss */
-    gj_ca_stats ca;
+    gj_ca_stats ca;      /* compiled autograd's counters (--compiled-autograd) */
+    gj_ca_stats cs;      /* the compiled step's (--compiled-step) */
 } run_out;
 
 static void run_out_free(run_out *r) {
@@ -200,6 +218,7 @@ static void run_out_free(run_out *r) {
     free(r->acc);
     free(r->epoch_s);
     free(r->bwd_ms);
+    free(r->step_ms);
     free(r->train_loss);
     *r = (run_out){0};
 }
@@ -208,20 +227,22 @@ static void run_out_free(run_out *r) {
  * it measured so far. --both keeps two and steps them in turn. */
 typedef struct trainer {
     const opts *o;
-    bool compiled;
+    step_mode mode;
     const char *tag;
     model m;
     gj_optim *opt;
+    stepper st;     /* runs cnn_loss, backward and update in `mode` */
     int64_t *order; /* [n] shuffled example indices */
     float *xb;      /* [batch, IN] */
     int64_t *yb;    /* [batch] */
     uint64_t rng;
     int64_t per_epoch, step;
-    double train_s, bwd_total, loss_total; /* this epoch */
+    double train_s, bwd_total, step_total, loss_total; /* this epoch */
     run_out *r;
 } trainer;
 
 static void trainer_free(trainer *t) {
+    stepper_free(&t->st);
     gj_optim_free(t->opt);
     model_free(&t->m);
     free(t->order);
@@ -233,13 +254,19 @@ static void trainer_free(trainer *t) {
     t->yb = NULL;
 }
 
+/* The name of a mode in the trainers' output. */
+static const char *mode_tag(step_mode m) {
+    return m == STEP_COMPILED ? "compiled step" : m == STEP_SPLIT_CA ? "compiled" : "eager";
+}
+
 /* A fresh model from o->seed (so two trainers start bit-identical), its
- * AdamW and the run's buffers. 0, or 1 with a message on stderr. */
-static int trainer_init(trainer *t, const opts *o, bool compiled, const dataset *tr, run_out *r) {
+ * AdamW, its stepper in `mode` and the run's buffers. 0, or 1 with a
+ * message on stderr. */
+static int trainer_init(trainer *t, const opts *o, step_mode mode, const dataset *tr, run_out *r) {
     memset(t, 0, sizeof *t);
     t->o = o;
-    t->compiled = compiled;
-    t->tag = compiled ? "compiled" : "eager";
+    t->mode = mode;
+    t->tag = mode_tag(mode);
     t->r = r;
     t->per_epoch = (o->limit > 0 && o->limit < tr->n ? o->limit : tr->n) / o->batch;
     t->rng = o->seed;
@@ -252,9 +279,10 @@ static int trainer_init(trainer *t, const opts *o, bool compiled, const dataset 
     r->acc = calloc((size_t)o->epochs, sizeof *r->acc);
     r->epoch_s = calloc((size_t)o->epochs, sizeof *r->epoch_s);
     r->bwd_ms = calloc((size_t)o->epochs, sizeof *r->bwd_ms);
+    r->step_ms = calloc((size_t)o->epochs, sizeof *r->step_ms);
     r->train_loss = calloc((size_t)o->epochs, sizeof *r->train_loss);
     if (!t->order || !t->xb || !t->yb || !r->loss || !r->acc || !r->epoch_s || !r->bwd_ms ||
-        !r->train_loss) {
+        !r->step_ms || !r->train_loss) {
         fprintf(stderr, "train_fashion_cnn: out of memory\n");
         return 1;
     }
@@ -264,6 +292,8 @@ static int trainer_init(trainer *t, const opts *o, bool compiled, const dataset 
         goto gj_fail;
     int np = model_params(&t->m, params);
     if (!(t->opt = gj_adamw_new(np, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
+        goto gj_fail;
+    if (stepper_init(&t->st, mode, cnn_loss, &t->m, t->opt) != 0)
         goto gj_fail;
     for (int64_t i = 0; i < tr->n; i++)
         t->order[i] = i;
@@ -278,14 +308,13 @@ gj_fail:
 
 static void trainer_epoch_begin(trainer *t, const dataset *tr) {
     shuffle(t->order, tr->n, &t->rng);
-    t->train_s = t->bwd_total = t->loss_total = 0.0;
+    t->train_s = t->bwd_total = t->step_total = t->loss_total = 0.0;
 }
 
-/* Batch b of the epoch: forward, backward (timed: *bwd_ms), AdamW step, in
- * this trainer's mode. 0, or 1 with a message on stderr. */
-static int trainer_step(trainer *t, const dataset *tr, int64_t b, double *bwd_ms) {
+/* Batch b of the epoch: forward, backward and AdamW update in this
+ * trainer's mode, timed (*tm). 0, or 1 with a message on stderr. */
+static int trainer_step(trainer *t, const dataset *tr, int64_t b, step_times *tm) {
     const opts *o = t->o;
-    gj_set_compiled_autograd(t->compiled);
     if (o->cosine) /* cosine from lr to 0 over the whole run, no warm-up */
         gj_optim_set_lr(t->opt, gj_lr_cosine(o->lr, t->step, 0,
                                               t->per_epoch * (int64_t)o->epochs, 0.0));
@@ -293,35 +322,37 @@ static int trainer_step(trainer *t, const dataset *tr, int64_t b, double *bwd_ms
     gather(tr, t->order, b * o->batch, o->batch, t->xb, t->yb);
     gj_scope_push();
     int64_t xs[2] = {o->batch, IN}, ys = o->batch;
-    gj_tensor *x = gj_from_data(GJ_F32, 2, xs, t->xb);
-    gj_tensor *y = gj_from_data(GJ_I64, 1, &ys, t->yb);
-    gj_tensor *logits = x && y ? model_forward(&t->m, x) : NULL;
-    gj_tensor *loss = logits ? gj_cross_entropy(logits, y) : NULL;
-    int ok = loss != NULL;
-    double t0 = now_s();
-    ok = ok && gj_backward(loss, NULL) == 0;
-    *bwd_ms = (now_s() - t0) * 1e3;
-    ok = ok && gj_optim_step(t->opt) == 0;
+    gj_tensor *in[2] = {gj_from_data(GJ_F32, 2, xs, t->xb), gj_from_data(GJ_I64, 1, &ys, t->yb)};
+    gj_tensor *loss = NULL;
+    int ok = in[0] && in[1] && stepper_run(&t->st, 2, in, &loss, tm) == 0;
     double lv = ok ? gj_tensor_item(loss) : NAN;
-    gj_optim_zero_grad(t->opt);
     gj_scope_pop();
-    gj_set_compiled_autograd(false);
     if (!ok) {
         fprintf(stderr, "train_fashion_cnn (%s): %s\n", t->tag, gj_last_error());
         return 1;
     }
     t->r->loss[t->step++] = lv;
-    t->bwd_total += *bwd_ms;
+    t->bwd_total += step_mode_split(t->mode) ? tm->bwd_ms : 0.0;
+    t->step_total += tm->step_ms;
     t->loss_total += lv;
     t->train_s += now_s() - ts;
     return 0;
+}
+
+/* The mean ms of a step's timed part over the epoch's first b steps: the
+ * backward in the split modes, the whole step in gj_step's; *what names it. */
+static double trainer_ms(const trainer *t, int64_t b, const char **what) {
+    bool split = step_mode_split(t->mode);
+    *what = split ? "backward" : "step";
+    return (split ? t->bwd_total : t->step_total) / (double)b;
 }
 
 /* Closes epoch e: its figures and the test accuracy. 0, or 1. */
 static int trainer_epoch_end(trainer *t, int e, const dataset *te) {
     run_out *r = t->r;
     r->epoch_s[e] = t->train_s;
-    r->bwd_ms[e] = t->bwd_total / (double)t->per_epoch;
+    r->bwd_ms[e] = step_mode_split(t->mode) ? t->bwd_total / (double)t->per_epoch : NAN;
+    r->step_ms[e] = t->step_total / (double)t->per_epoch;
     r->train_loss[e] = t->loss_total / (double)t->per_epoch;
     r->acc[e] = evaluate(&t->m, te);
     if (r->acc[e] < 0) {
@@ -332,27 +363,30 @@ static int trainer_epoch_end(trainer *t, int e, const dataset *te) {
 }
 
 /* One training run in the given mode; fills r. 0, or 1 with a message. */
-static int train(const opts *o, bool compiled, const dataset *tr, const dataset *te,
+static int train(const opts *o, step_mode mode, const dataset *tr, const dataset *te,
                  run_out *r) {
     trainer t;
     int rc = 1;
     gj_compiled_autograd_reset_stats();
-    if (trainer_init(&t, o, compiled, tr, r) != 0)
+    gj_step_reset_stats();
+    if (trainer_init(&t, o, mode, tr, r) != 0)
         goto done;
     for (int e = 0; e < o->epochs; e++) {
         trainer_epoch_begin(&t, tr);
         for (int64_t b = 0; b < t.per_epoch; b++) {
-            double bwd;
-            if (trainer_step(&t, tr, b, &bwd) != 0)
+            step_times tm;
+            if (trainer_step(&t, tr, b, &tm) != 0)
                 goto done;
             if (progress_due(o->quiet, o->tty, 10, b, t.per_epoch)) {
                 char bar[BAR_W + 1];
+                const char *what;
+                double ms = trainer_ms(&t, b + 1, &what);
                 progress_bar(bar, b, t.per_epoch);
                 printf("%s[%s] epoch %d/%d [%s] %lld/%lld loss %.4f  %.0f examples/s  "
-                       "backward %.2f ms%s",
+                       "%s %.2f ms%s",
                        o->tty ? "\r" : "", t.tag, e + 1, o->epochs, bar, (long long)(b + 1),
                        (long long)t.per_epoch, r->loss[t.step - 1],
-                       (double)((b + 1) * o->batch) / t.train_s, t.bwd_total / (double)(b + 1),
+                       (double)((b + 1) * o->batch) / t.train_s, what, ms,
                        o->tty ? " " : "\n");
                 fflush(stdout);
             }
@@ -361,14 +395,18 @@ static int train(const opts *o, bool compiled, const dataset *tr, const dataset 
             goto done;
         if (o->tty && !o->quiet)
             printf("\r%*s\r", 120, "");
-        if (!o->quiet)
+        if (!o->quiet) {
+            bool split = step_mode_split(t.mode);
             printf("[%s] epoch %d/%d: train loss %.4f, test accuracy %.4f, %.1f s "
-                   "(%.0f examples/s), backward %.2f ms/step\n",
+                   "(%.0f examples/s), %s %.2f ms/step\n",
                    t.tag, e + 1, o->epochs, r->train_loss[e], r->acc[e], r->epoch_s[e],
-                   (double)(t.per_epoch * o->batch) / r->epoch_s[e], r->bwd_ms[e]);
+                   (double)(t.per_epoch * o->batch) / r->epoch_s[e],
+                   split ? "backward" : "step", split ? r->bwd_ms[e] : r->step_ms[e]);
+        }
         fflush(stdout);
     }
     gj_compiled_autograd_stats(&r->ca);
+    gj_step_stats(&r->cs);
     rc = 0;
 done:
     trainer_free(&t);
@@ -377,20 +415,25 @@ done:
 
 /* --both: the eager and the compiled run side by side, one step of each in
  * turn (ABBA: eager first on even steps, compiled first on odd ones), so a
- * change of the machine's speed weighs on both alike. ratio[e] receives the
- * median of epoch e's per-step backward ratios eager / compiled, q1/q3
- * its quartiles. 0, or 1 with a message. */
+ * change of the machine's speed weighs on both alike. With compiled
+ * autograd both runs are split (STEP_SPLIT, STEP_SPLIT_CA) and the backward
+ * is compared; with --compiled-step they are gj_step's (STEP_EAGER,
+ * STEP_COMPILED) and the whole step is. ratio[e] receives the median of
+ * epoch e's per-step ratios eager / compiled, q1/q3 its quartiles. 0, or 1
+ * with a message. */
 static int train_both(const opts *o, const dataset *tr, const dataset *te, run_out *a,
                       run_out *c, double *ratio, double *q1, double *q3) {
     trainer te_, tc;
     int rc = 1;
-    bool ia = false, ic = false;
+    bool ia = false, ic = false, cs = o->compiled_step;
+    const char *what = cs ? "step" : "backward";
     double *pr = NULL;
     gj_compiled_autograd_reset_stats();
-    if (trainer_init(&te_, o, false, tr, a) != 0)
+    gj_step_reset_stats();
+    if (trainer_init(&te_, o, cs ? STEP_EAGER : STEP_SPLIT, tr, a) != 0)
         goto done;
     ia = true;
-    if (trainer_init(&tc, o, true, tr, c) != 0)
+    if (trainer_init(&tc, o, cs ? STEP_COMPILED : STEP_SPLIT_CA, tr, c) != 0)
         goto done;
     ic = true;
     pr = malloc((size_t)(te_.per_epoch + 1) * sizeof *pr);
@@ -402,20 +445,21 @@ static int train_both(const opts *o, const dataset *tr, const dataset *te, run_o
         trainer_epoch_begin(&te_, tr);
         trainer_epoch_begin(&tc, tr);
         for (int64_t b = 0; b < te_.per_epoch; b++) {
-            double be, bc;
+            step_times me, mc;
             trainer *first = b % 2 ? &tc : &te_, *second = b % 2 ? &te_ : &tc;
-            double *bf = b % 2 ? &bc : &be, *bs = b % 2 ? &be : &bc;
-            if (trainer_step(first, tr, b, bf) != 0 || trainer_step(second, tr, b, bs) != 0)
+            step_times *mf = b % 2 ? &mc : &me, *ms = b % 2 ? &me : &mc;
+            if (trainer_step(first, tr, b, mf) != 0 || trainer_step(second, tr, b, ms) != 0)
                 goto done;
-            pr[b] = be / bc;
+            pr[b] = cs ? me.step_ms / mc.step_ms : me.bwd_ms / mc.bwd_ms;
             if (progress_due(o->quiet, o->tty, 10, b, te_.per_epoch)) {
                 char bar[BAR_W + 1];
+                const char *w;
                 progress_bar(bar, b, te_.per_epoch);
-                printf("%s[both] epoch %d/%d [%s] %lld/%lld loss %.4f / %.4f  backward %.2f / "
+                printf("%s[both] epoch %d/%d [%s] %lld/%lld loss %.4f / %.4f  %s %.2f / "
                        "%.2f ms (eager / compiled)%s",
                        o->tty ? "\r" : "", e + 1, o->epochs, bar, (long long)(b + 1),
                        (long long)te_.per_epoch, a->loss[te_.step - 1], c->loss[tc.step - 1],
-                       te_.bwd_total / (double)(b + 1), tc.bwd_total / (double)(b + 1),
+                       what, trainer_ms(&te_, b + 1, &w), trainer_ms(&tc, b + 1, &w),
                        o->tty ? " " : "\n");
                 fflush(stdout);
             }
@@ -428,13 +472,15 @@ static int train_both(const opts *o, const dataset *tr, const dataset *te, run_o
         if (o->tty && !o->quiet)
             printf("\r%*s\r", 120, "");
         if (!o->quiet)
-            printf("[both] epoch %d/%d: test accuracy %.4f / %.4f, backward %.2f / %.2f "
+            printf("[both] epoch %d/%d: test accuracy %.4f / %.4f, %s %.2f / %.2f "
                    "ms/step (eager / compiled), paired ratio %.3fx [%.2f-%.2f]\n",
-                   e + 1, o->epochs, a->acc[e], c->acc[e], a->bwd_ms[e], c->bwd_ms[e], ratio[e],
-                   q1[e], q3[e]);
+                   e + 1, o->epochs, a->acc[e], c->acc[e], what,
+                   cs ? a->step_ms[e] : a->bwd_ms[e], cs ? c->step_ms[e] : c->bwd_ms[e],
+                   ratio[e], q1[e], q3[e]);
         fflush(stdout);
     }
     gj_compiled_autograd_stats(&c->ca);
+    gj_step_stats(&c->cs);
     rc = 0;
 done:
     free(pr);
@@ -460,8 +506,11 @@ static int parse_opts(int argc, char **argv, opts *o) {
     const char *channels = "32,64";
     const arg_spec specs[] = {
         ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("compiled-step", ARG_FLAG, &o->compiled_step, 0, 0,
+                "run the whole step (forward, backward, AdamW update) as one compiled program"),
         ARG_OPT("both", ARG_FLAG, &o->both, 0, 0,
-                "train eager and compiled side by side (steps in turn, ABBA), paired ratios"),
+                "train eager and compiled side by side (steps in turn, ABBA), paired ratios: "
+                "compiled autograd's backward, or with --compiled-step the whole step"),
         ARG_OPT("epochs", ARG_INT, &o->epochs, 1, 1000, "epochs"),
         ARG_OPT("batch", ARG_INT, &o->batch, 1, 60000, "examples per batch"),
         ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
@@ -478,7 +527,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
     };
     int rc = args_parse("train_fashion_cnn",
                         "Trains a two-conv CNN on Fashion-MNIST (Debian's dataset-fashion-mnist), "
-                        "eager or with compiled autograd.",
+                        "eager, with compiled autograd or with the compiled step.",
                         argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
     if (rc != 0) return rc;
     long long c1, c2;
@@ -491,8 +540,14 @@ static int parse_opts(int argc, char **argv, opts *o) {
     }
     o->c1 = c1;
     o->c2 = c2;
+    if (o->compiled && o->compiled_step) {
+        fprintf(stderr, "train_fashion_cnn: --compiled-autograd and --compiled-step are two "
+                        "compiled modes; give one\n");
+        return -1;
+    }
     if (o->both && o->compiled) {
-        fprintf(stderr, "train_fashion_cnn: --both already runs the compiled mode\n");
+        fprintf(stderr, "train_fashion_cnn: --both already runs compiled autograd (--both "
+                        "--compiled-step: the compiled step)\n");
         return -1;
     }
     return 0;
@@ -520,9 +575,10 @@ static int write_csv(const char *path, const run_out *a, const run_out *b) {
 }
 
 /* The loss curve(s) (moving average; the raw eager loss faint behind) and
- * the test accuracy per epoch, as a PNG. b may be NULL (one run). */
+ * the test accuracy per epoch, as a PNG, the runs named na and nb. b may be
+ * NULL (one run). */
 static int write_png(const char *path, const opts *o, const run_out *a, const run_out *b,
-                     bool a_compiled) {
+                     const char *na, const char *nb) {
     int64_t n = a->n_steps;
     double *sa = malloc((size_t)n * sizeof *sa), *sb = b ? malloc((size_t)n * sizeof *sb) : NULL;
     double ep[1000], acc_a[1000], acc_b[1000];
@@ -542,11 +598,10 @@ static int write_png(const char *path, const opts *o, const run_out *a, const ru
     }
     if (plot_img_init(&im, 1000, 900) != 0)
         goto done;
-    const char *na = b ? "eager" : a_compiled ? "compiled" : "eager";
     plot_series loss[3] = {
         {NULL, NULL, a->loss, (int)n, 0xd9d9d9u, 1, 0},
         {na, NULL, sa, (int)n, b ? 0x9ecae1u : 0x08519cu, b ? 5 : 2, 0},
-        {"compiled", NULL, sb, (int)n, 0x08519cu, 1, 0},
+        {nb, NULL, sb, (int)n, 0x08519cu, 1, 0},
     };
     char title[160];
     snprintf(title, sizeof title, "Fashion-MNIST CNN: training loss (%d-step moving average; "
@@ -554,7 +609,7 @@ static int write_png(const char *path, const opts *o, const run_out *a, const ru
     plot_line_panel(&im, 0, 10, 1000, 520, title, "step", "cross-entropy", loss, b ? 3 : 2, 0, 0);
     plot_series acc[2] = {
         {na, ep, acc_a, o->epochs, b ? 0x9ecae1u : 0x08519cu, b ? 7 : 3, 13},
-        {"compiled", ep, acc_b, o->epochs, 0x08519cu, 2, 7},
+        {nb, ep, acc_b, o->epochs, 0x08519cu, 2, 7},
     };
     snprintf(title, sizeof title, "test accuracy per epoch (batch %d, lr %g, seed %llu)",
              o->batch, o->lr, (unsigned long long)o->seed);
@@ -582,8 +637,9 @@ int main(int argc, char **argv) {
     o.tty = isatty(STDOUT_FILENO) != 0;
     /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
      * (read here, before this program sets the flag itself). */
-    if (!o.both && !o.compiled && gj_compiled_autograd_enabled())
+    if (!o.both && !o.compiled && !o.compiled_step && gj_compiled_autograd_enabled())
         o.compiled = true;
+    step_mode mode = o.compiled ? STEP_SPLIT_CA : o.compiled_step ? STEP_COMPILED : STEP_EAGER;
     dataset tr = {0}, te = {0};
     int rc = load_split("train_fashion_cnn", "train", 60000, &tr);
     if (rc == 0)
@@ -617,16 +673,18 @@ int main(int argc, char **argv) {
     run_out a = {0}, b = {0};
     rc = 1;
     if (!o.both) {
-        if (train(&o, o.compiled, &tr, &te, &a) != 0)
+        if (train(&o, mode, &tr, &te, &a) != 0)
             goto out;
-        if (o.compiled)
+        if (mode == STEP_SPLIT_CA)
             print_ca("compiled", &a.ca);
+        if (mode == STEP_COMPILED)
+            print_step("compiled step", &a.cs);
         printf("final test accuracy %.4f after %d epoch(s) (target %.2f within %d epochs: %s)\n",
                a.acc[o.epochs - 1], o.epochs, TARGET_ACC, TARGET_EPOCHS,
                target_met(&o, &a));
         if (o.csv && write_csv(o.csv, &a, NULL) != 0)
             goto out;
-        if (o.png && write_png(o.png, &o, &a, NULL, o.compiled) != 0)
+        if (o.png && write_png(o.png, &o, &a, NULL, mode_tag(mode), NULL) != 0)
             goto out;
         if (!o.quiet && (o.csv || o.png))
             printf("wrote%s%s%s%s\n", o.csv ? " " : "", o.csv ? o.csv : "", o.png ? " " : "",
@@ -638,30 +696,36 @@ int main(int argc, char **argv) {
     double ratio[1000], q1[1000], q3[1000];
     if (train_both(&o, &tr, &te, &a, &b, ratio, q1, q3) != 0)
         goto out;
-    printf("\nsteps interleaved ABBA (eager, compiled, compiled, eager, ...); ratio = eager / "
-           "compiled backward per step pair, median [interquartile range]\n");
+    bool cs = o.compiled_step;
+    const char *cname = cs ? "compiled step" : "compiled";
+    if (cs)
+        printf("\nsteps interleaved ABBA (eager, compiled, compiled, eager, ...); ratio = eager / "
+               "compiled step time (forward, backward and AdamW update) per step pair, median "
+               "[interquartile range]\n");
+    else
+        printf("\nsteps interleaved ABBA (eager, compiled, compiled, eager, ...); ratio = eager / "
+               "compiled backward per step pair, median [interquartile range]\n");
     printf("%5s  %10s  %10s  %12s  %12s  %9s  %9s  %18s\n", "epoch", "acc eager", "acc compl",
-           "bwd ms eager", "bwd ms compl", "s eager", "s compl", "bwd ratio [IQR]");
+           cs ? "step ms eagr" : "bwd ms eager", cs ? "step ms comp" : "bwd ms compl", "s eager",
+           "s compl", cs ? "step ratio [IQR]" : "bwd ratio [IQR]");
     for (int e = 0; e < o.epochs; e++)
         printf("%5d  %10.4f  %10.4f  %12.3f  %12.3f  %9.1f  %9.1f  %7.3fx [%.2f-%.2f]\n", e + 1,
-               a.acc[e], b.acc[e], a.bwd_ms[e], b.bwd_ms[e], a.epoch_s[e], b.epoch_s[e], ratio[e],
-               q1[e], q3[e]);
-    double maxrel = 0.0;
-    for (int64_t s = 0; s < a.n_steps; s++) {
-        double rel = fabs(b.loss[s] - a.loss[s]) / fmax(fabs(a.loss[s]), 1e-30);
-        if (!(rel <= maxrel))
-            maxrel = rel;
-    }
-    print_ca("compiled", &b.ca);
-    printf("max relative loss-curve difference (compiled vs eager, %lld steps): %.3e\n",
-           (long long)a.n_steps, maxrel);
-    printf("final test accuracy after %d epoch(s): eager %.4f, compiled %.4f (target %.2f "
-           "within %d epochs: eager %s, compiled %s)\n",
-           o.epochs, a.acc[o.epochs - 1], b.acc[o.epochs - 1], TARGET_ACC, TARGET_EPOCHS,
-           target_met(&o, &a), target_met(&o, &b));
+               a.acc[e], b.acc[e], cs ? a.step_ms[e] : a.bwd_ms[e],
+               cs ? b.step_ms[e] : b.bwd_ms[e], a.epoch_s[e], b.epoch_s[e], ratio[e], q1[e],
+               q3[e]);
+    if (cs)
+        print_step(cname, &b.cs);
+    else
+        print_ca(cname, &b.ca);
+    print_curves(cs ? "eager vs compiled step" : "eager vs compiled autograd", a.loss, b.loss,
+                 a.n_steps);
+    printf("final test accuracy after %d epoch(s): eager %.4f, %s %.4f (target %.2f "
+           "within %d epochs: eager %s, %s %s)\n",
+           o.epochs, a.acc[o.epochs - 1], cname, b.acc[o.epochs - 1], TARGET_ACC, TARGET_EPOCHS,
+           target_met(&o, &a), cname, target_met(&o, &b));
     if (o.csv && write_csv(o.csv, &a, &b) != 0)
         goto out;
-    if (o.png && write_png(o.png, &o, &a, &b, false) != 0)
+    if (o.png && write_png(o.png, &o, &a, &b, "eager", cname) != 0)
         goto out;
     if (!o.quiet && (o.csv || o.png))
         printf("wrote%s%s%s%s\n", o.csv ? " " : "", o.csv ? o.csv : "", o.png ? " " : "",

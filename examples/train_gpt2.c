@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * train_gpt2.c - trains GPT-2 from karpathy/llm.c's files as llm.c's
- * train_gpt2.c does, eagerly or with compiled autograd, and prints each step
- * as llm.c prints it, so the two outputs compare line by line.
+ * train_gpt2.c does, eagerly, with compiled autograd or with the compiled
+ * training step, and prints each step as llm.c prints it, so the two
+ * outputs compare line by line.
  *
  *   train_gpt2 --model gpt2_124M.bin --train tiny_shakespeare_train.bin
  *              [--val tiny_shakespeare_val.bin] [--batch 4] [--seq 64]
- *              [--steps 41] [--lr 1e-4] [--compiled-autograd] [--threads N]
+ *              [--steps 41] [--lr 1e-4] [--compiled-autograd | --compiled-step]
+ *              [--threads N]
  *              [--shuffle] [--sample 63] [--tokenizer gpt2_tokenizer.bin]
  *              [--seed 1337] [--save FILE.bin | FILE.safetensors]
  *              [--resume FILE.safetensors] [--stop-after N]
@@ -37,7 +39,13 @@
  * summary (mean step time, peak tensor memory) that llm.c does not print.
  *
  * The step's forward is gpt2_loss of gpt2_model.h: one function from the
- * step's inputs (tokens, targets) to the loss, with the optimizer apart.
+ * step's inputs (tokens, targets) to the loss, with the optimizer apart. It
+ * is run by examples/common.h's stepper: eagerly through gj_step (the
+ * default), through gj_step compiled (--compiled-step: forward, backward
+ * and AdamW as one program from the second step on), or as forward,
+ * gj_backward with compiled autograd and gj_optim_step
+ * (--compiled-autograd); the same bits in every mode. The summary adds the
+ * median step time after the first and the counters of the compiled mode.
  *
  * Checkpoints: --save FILE.bin writes llm.c's checkpoint format (llm.c can
  * continue from it); --save FILE.safetensors writes the parameters under
@@ -84,7 +92,7 @@ typedef struct opts {
     int64_t steps, stop_after;
     double lr;
     uint64_t seed;
-    bool compiled, shuffle, sample_given;
+    bool compiled, compiled_step, shuffle, sample_given;
 } opts;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -286,15 +294,19 @@ typedef struct run {
     const opts *o;
     gpt2 m;
     gj_optim *opt;
+    stepper st; /* gpt2_loss, backward and AdamW in the run's mode */
     gj_llmc_loader *train, *val;
     gj_llmc_tokenizer *tok;
     uint64_t sample_rng;
     int64_t step; /* the next step to run */
     double total_ms; /* steps after the first */
     int64_t timed;
+    double *step_ms; /* [steps] each step's ms (steps after the first) */
 } run;
 
 static void run_free(run *r) {
+    stepper_free(&r->st);
+    free(r->step_ms);
     gj_optim_free(r->opt);
     gpt2_free(&r->m);
     gj_llmc_loader_free(r->train);
@@ -325,15 +337,14 @@ static double val_loss(run *r) {
     return total / VAL_BATCHES;
 }
 
-/* One training step (batch, forward, zero_grad, backward, AdamW), as
- * llm.c's loop body. *loss receives the step's loss. 0 or -1. */
+/* One training step (batch, then forward, backward and AdamW through the
+ * stepper), as llm.c's loop body. *loss receives the step's loss. 0 or -1. */
 static int train_step(run *r, double *loss) {
     gj_scope_push();
-    gj_tensor *in[2];
-    gj_tensor *l = gj_llmc_loader_next(r->train, &in[0], &in[1]) == 0 ? gpt2_loss(&r->m, 2, in)
-                                                                       : NULL;
-    gj_optim_zero_grad(r->opt);
-    int ok = l && gj_backward(l, NULL) == 0 && gj_optim_step(r->opt) == 0;
+    gj_tensor *in[2], *l = NULL;
+    step_times tm;
+    int ok = gj_llmc_loader_next(r->train, &in[0], &in[1]) == 0 &&
+             stepper_run(&r->st, 2, in, &l, &tm) == 0;
     *loss = ok ? gj_tensor_item(l) : NAN;
     gj_scope_pop();
     return ok ? 0 : -1;
@@ -575,6 +586,13 @@ static int train(const opts *o) {
     r.opt = gj_adamw_new(r.m.n_leaves, r.m.leaf, (float)o->lr, 0.9f, 0.999f, 1e-8f, 0.0f);
     if (!r.opt)
         goto gj_fail;
+    step_mode mode = o->compiled ? STEP_SPLIT_CA : o->compiled_step ? STEP_COMPILED : STEP_EAGER;
+    if (stepper_init(&r.st, mode, gpt2_loss, &r.m, r.opt) != 0)
+        goto gj_fail;
+    if (!(r.step_ms = calloc((size_t)o->steps, sizeof *r.step_ms))) {
+        fprintf(stderr, PROG ": out of memory\n");
+        goto done;
+    }
     if (resume) {
         if (run_resume(&r, resume, o->resume) != 0)
             goto done;
@@ -583,14 +601,17 @@ static int train(const opts *o) {
     }
     gj_info info;
     gj_get_info(&info);
-    printf("gradjit %s: %d threads, BLAS %s, %s autograd, batch %d, seq %d, AdamW lr %g%s\n",
+    printf("gradjit %s: %d threads, BLAS %s, %s, batch %d, seq %d, AdamW lr %g%s\n",
            info.version, info.num_threads, info.blas_core ? info.blas_core : "?",
-           o->compiled ? "compiled" : "eager", o->batch, o->seq, o->lr,
-           o->shuffle ? ", shuffled" : "");
+           mode == STEP_SPLIT_CA   ? "compiled autograd"
+           : mode == STEP_COMPILED ? "compiled step"
+                                   : "eager autograd",
+           o->batch, o->seq, o->lr, o->shuffle ? ", shuffled" : "");
     if (o->resume)
         printf("resumed from %s at step %lld\n", o->resume, (long long)r.step);
     fflush(stdout);
-    gj_set_compiled_autograd(o->compiled);
+    gj_compiled_autograd_reset_stats();
+    gj_step_reset_stats();
     gj_mem_reset_peak();
     int64_t start = r.step;
     for (; r.step < o->steps; r.step++) {
@@ -614,21 +635,27 @@ static int train(const opts *o) {
         double ms = (now_s() - t0) * 1e3;
         if (s > start) {
             r.total_ms += ms;
-            r.timed++;
+            r.step_ms[r.timed++] = ms;
         }
         printf("step %d: train loss %f (took %f ms)\n", (int)s, loss, ms);
         fflush(stdout);
     }
-    gj_set_compiled_autograd(false);
     gj_mem mem;
     gj_mem_stats(&mem);
-    printf("gradjit: %lld steps, %.1f ms per step after the first, peak tensor memory %.1f MiB\n",
-           (long long)(o->steps - start), r.timed ? r.total_ms / (double)r.timed : NAN,
+    double q[3] = {NAN, NAN, NAN};
+    if (r.timed)
+        quartiles(r.step_ms, r.timed, q);
+    printf("gradjit: %lld steps, %.1f ms per step after the first (median %.1f), peak tensor "
+           "memory %.1f MiB\n",
+           (long long)(o->steps - start), r.timed ? r.total_ms / (double)r.timed : NAN, q[1],
            (double)mem.peak_bytes / 1048576.0);
-    if (o->compiled) {
-        gj_ca_stats ca;
+    gj_ca_stats ca;
+    if (mode == STEP_SPLIT_CA) {
         gj_compiled_autograd_stats(&ca);
         print_ca("compiled", &ca);
+    } else if (mode == STEP_COMPILED) {
+        gj_step_stats(&ca);
+        print_step("compiled step", &ca);
     }
     if (o->save) {
         if (run_save(&r, o->save) != 0)
@@ -661,6 +688,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("steps", ARG_I64, &o->steps, 1, 1e12, "training steps (llm.c: 0 to 40)"),
         ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
         ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
+        ARG_OPT("compiled-step", ARG_FLAG, &o->compiled_step, 0, 0,
+                "run the whole step (forward, backward, AdamW update) as one compiled program"),
         ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
         ARG_OPT("shuffle", ARG_FLAG, &o->shuffle, 0, 0,
                 "train batches in llm.c's shuffled order (its train loader's default)"),
@@ -688,14 +717,19 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("make-tokenizer", ARG_FILE, &o->make_tokenizer, 0, 0,
                 "write the byte-level tokenizer of --make-tokens' files and exit"),
     };
-    specs[10].given = &o->sample_given;
+    specs[11].given = &o->sample_given;
     int rc = args_parse(PROG,
                         "Trains GPT-2 from llm.c's files (model checkpoint, token files, "
-                        "tokenizer) as llm.c's train_gpt2.c does, eager or with compiled "
-                        "autograd; or makes such files.",
+                        "tokenizer) as llm.c's train_gpt2.c does, eager, with compiled "
+                        "autograd or with the compiled step; or makes such files.",
                         argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
     if (rc != 0)
         return rc;
+    if (o->compiled && o->compiled_step) {
+        fprintf(stderr, PROG ": --compiled-autograd and --compiled-step are two compiled modes; "
+                        "give one\n");
+        return -1;
+    }
     bool making = o->init_model || o->make_tokens[0] || o->make_tokenizer;
     if (making && (o->model || o->train || o->resume)) {
         fprintf(stderr, PROG ": --init-model, --make-tokens and --make-tokenizer write files "
@@ -737,7 +771,7 @@ int main(int argc, char **argv) {
         return rc;
     }
     /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag. */
-    if (!o.compiled && gj_compiled_autograd_enabled())
+    if (!o.compiled && !o.compiled_step && gj_compiled_autograd_enabled())
         o.compiled = true;
     gj_set_num_threads(o.threads);
     struct sigaction sa;

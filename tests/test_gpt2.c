@@ -14,7 +14,10 @@
  * then 10 steps of forward, backward, AdamW lr 1e-4). Every loss must be
  * within 2e-3 relative of the loss llm.c printed, the val loss and step
  * 0's loss within 1e-5; eagerly, with compiled autograd (which must not
- * fall back), and with llm.c's shuffled train loader.
+ * fall back), with the compiled training step (gj_step: every step but the
+ * first runs one program of forward, backward and AdamW, none falls back,
+ * and its losses and final parameters are the eager run's bit for bit),
+ * and with llm.c's shuffled train loader.
  *
  * How the golden values were made: llm.c at commit
  * f1e2ace651495b74ae22d45d1723443fd00ecd3a (karpathy/llm.c, 2025-05-10),
@@ -155,9 +158,27 @@ static int teardown_files(void **state) {
 
 /* ------------------------------------------------------------- golden */
 
+/* How run_llmc_loop runs a step: forward, gj_backward and gj_optim_step,
+ * eagerly or with compiled autograd; or through gj_step compiled. */
+typedef enum { LOOP_EAGER, LOOP_COMPILED_AUTOGRAD, LOOP_COMPILED_STEP } loop_mode;
+
+/* FNV-1a 64 of the bytes of the model's 16 tensors. */
+static uint64_t fnv1a_model(const gpt2 *m) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < GJ_LLMC_N_PARAMS; i++) {
+        const unsigned char *p = gj_tensor_data(m->file[i]);
+        size_t n = (size_t)gj_tensor_numel(m->file[i]) * sizeof(float);
+        for (size_t k = 0; k < n; k++)
+            h = (h ^ p[k]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
 /* llm.c's main on the golden files: val loss (5 batches from the val
- * file's start, summed in f32) at step 0, then GOLDEN_STEPS steps. */
-static void run_llmc_loop(bool compiled, bool shuffle, double *val0, double *loss) {
+ * file's start, summed in f32) at step 0, then GOLDEN_STEPS steps. *hash
+ * (may be NULL) receives fnv1a_model of the trained parameters. */
+static void run_llmc_loop(loop_mode mode, bool shuffle, double *val0, double *loss,
+                          uint64_t *hash) {
     gpt2 m;
     assert_int_equal(gpt2_load(&m, p_model, GJ_F32), 0);
     assert_int_equal(gpt2_set_seq_len(&m, GOLDEN_T), 0);
@@ -182,25 +203,40 @@ static void run_llmc_loop(bool compiled, bool shuffle, double *val0, double *los
     }
     gj_no_grad_pop();
     *val0 = v / 5;
-    gj_ca_stats before = gjt_ca_now();
-    gj_set_compiled_autograd(compiled);
+    bool step = mode == LOOP_COMPILED_STEP;
+    gj_step *st = step ? gj_step_new(gpt2_loss, &m, opt, NULL) : NULL;
+    assert_true(!step || st);
+    gj_ca_stats before = gjt_ca_now(), sbefore;
+    gj_step_stats(&sbefore);
+    gj_set_compiled_autograd(mode == LOOP_COMPILED_AUTOGRAD);
     for (int s = 0; s < GOLDEN_STEPS; s++) {
         gj_scope_push();
         gj_tensor *in[2];
         assert_int_equal(gj_llmc_loader_next(tl, &in[0], &in[1]), 0);
-        gj_tensor *l = gpt2_loss(&m, 2, in);
-        if (!l)
-            fail_msg("gpt2_loss: %s", gj_last_error());
-        gj_optim_zero_grad(opt);
-        if (gj_backward(l, NULL) != 0 || gj_optim_step(opt) != 0)
-            fail_msg("step %d: %s", s, gj_last_error());
+        gj_tensor *l = NULL;
+        if (step) {
+            if (gj_step_run(st, 2, in, &l) != 0)
+                fail_msg("step %d: %s", s, gj_last_error());
+        } else {
+            if (!(l = gpt2_loss(&m, 2, in)))
+                fail_msg("gpt2_loss: %s", gj_last_error());
+            gj_optim_zero_grad(opt);
+            if (gj_backward(l, NULL) != 0 || gj_optim_step(opt) != 0)
+                fail_msg("step %d: %s", s, gj_last_error());
+        }
         loss[s] = gj_tensor_item(l);
         gj_scope_pop();
     }
     gj_set_compiled_autograd(false);
-    gj_ca_stats after = gjt_ca_now();
-    if (compiled)
+    gj_ca_stats after = gjt_ca_now(), safter;
+    gj_step_stats(&safter);
+    if (mode == LOOP_COMPILED_AUTOGRAD)
         assert_true(gjt_ran_compiled("gpt2 training steps", &before, &after, GOLDEN_STEPS));
+    if (step) /* the first step traces (and compiles); every step counts */
+        assert_true(gjt_ran_compiled("gpt2 compiled steps", &sbefore, &safter, GOLDEN_STEPS));
+    if (hash)
+        *hash = fnv1a_model(&m);
+    gj_step_free(st);
     gj_optim_free(opt);
     gj_llmc_loader_free(tl);
     gj_llmc_loader_free(vl);
@@ -242,7 +278,7 @@ static void test_golden_eager(void **state) {
     (void)state;
     int64_t live0 = gjt_live_bytes();
     double v, loss[GOLDEN_STEPS];
-    run_llmc_loop(false, false, &v, loss);
+    run_llmc_loop(LOOP_EAGER, false, &v, loss, NULL);
     check_golden("eager", v, loss, llmc_val0, llmc_loss);
     assert_int_equal(gjt_live_bytes(), live0);
 }
@@ -251,15 +287,33 @@ static void test_golden_compiled(void **state) {
     (void)state;
     int64_t live0 = gjt_live_bytes();
     double v, loss[GOLDEN_STEPS];
-    run_llmc_loop(true, false, &v, loss);
+    run_llmc_loop(LOOP_COMPILED_AUTOGRAD, false, &v, loss, NULL);
     check_golden("compiled", v, loss, llmc_val0, llmc_loss);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
+/* The compiled step: llm.c's losses, and the eager run's bits (every loss,
+ * every trained parameter). */
+static void test_golden_compiled_step(void **state) {
+    (void)state;
+    int64_t live0 = gjt_live_bytes();
+    double v, ve, loss[GOLDEN_STEPS], eager[GOLDEN_STEPS];
+    uint64_t h, he;
+    run_llmc_loop(LOOP_EAGER, false, &ve, eager, &he);
+    run_llmc_loop(LOOP_COMPILED_STEP, false, &v, loss, &h);
+    check_golden("compiled step", v, loss, llmc_val0, llmc_loss);
+    for (int s = 0; s < GOLDEN_STEPS; s++)
+        if (loss[s] != eager[s])
+            fail_msg("step %d: compiled step loss %.9g, eager %.9g", s, loss[s], eager[s]);
+    if (h != he)
+        fail_msg("the parameters after %d compiled steps differ from the eager ones", GOLDEN_STEPS);
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
 static void test_golden_shuffled(void **state) {
     (void)state;
     double v, loss[GOLDEN_STEPS];
-    run_llmc_loop(false, true, &v, loss);
+    run_llmc_loop(LOOP_EAGER, true, &v, loss, NULL);
     check_golden("eager, shuffled", v, loss, llmc_val0_shuffled, llmc_loss_shuffled);
 }
 
@@ -392,6 +446,7 @@ int main(void) {
         cmocka_unit_test(test_golden_files),
         cmocka_unit_test(test_golden_eager),
         cmocka_unit_test(test_golden_compiled),
+        cmocka_unit_test(test_golden_compiled_step),
         cmocka_unit_test(test_golden_shuffled),
         cmocka_unit_test(test_gradients_f64),
     };

@@ -23,6 +23,23 @@ for p in train_fashion_mnist train_charlm train_fashion_cnn demo_w1 train_gpt2; 
   check "$p --threads x" 2 "--threads: 'x' is not a whole number" "$b/$p" --threads x
   check "$p stray" 2 "unexpected argument 'stray'" "$b/$p" stray
 done
+# the compiled modes: one at a time; --both picks its compiled side itself
+check "train_gpt2 --help shows --compiled-step" 0 "--compiled-step" "$b/train_gpt2" --help
+for p in train_fashion_mnist train_charlm train_fashion_cnn; do
+  check "$p --help shows --compiled-step" 0 "--compiled-step" "$b/$p" --help
+  check "$p two compiled modes" 2 "two compiled modes; give one" \
+        "$b/$p" --compiled-autograd --compiled-step
+  check "$p --both --compiled-autograd" 2 "--both already runs compiled autograd" \
+        "$b/$p" --both --compiled-autograd
+  check "$p --both --compiled-step --compiled-autograd" 2 "two compiled modes" \
+        "$b/$p" --both --compiled-step --compiled-autograd
+done
+check "fashion --ddp --compiled-step" 2 "--ddp averages the gradients between backward and update" \
+      "$b/train_fashion_mnist" --ddp --compiled-step
+check "fashion --both --compiled-step --save" 2 "are for one run, not --both" \
+      "$b/train_fashion_mnist" --both --compiled-step --save x.st
+check "charlm --both --compiled-step --resume" 2 "are for one run, not --both" \
+      "$b/train_charlm" --both --compiled-step --resume x.st
 check "fashion --help default" 0 "examples per batch [128]" "$b/train_fashion_mnist" --help
 check "fashion --batch 0" 2 "--batch: '0' is not a whole number in [1, 60000]" \
       "$b/train_fashion_mnist" --batch 0
@@ -38,6 +55,8 @@ check "gpt2 --save .txt" 2 "name it FILE.bin" "$g" --model m.bin --train t.bin -
 check "gpt2 --resume .bin" 2 "takes a FILE.safetensors" "$g" --train t.bin --resume m.bin
 check "gpt2 --make-tokens one value" 2 "--make-tokens takes two values" "$g" --make-tokens in.txt
 check "gpt2 making and training" 2 "train in a second command" "$g" --init-model m.bin --model m.bin
+check "gpt2 two compiled modes" 2 "two compiled modes; give one" \
+      "$g" --model m.bin --train t.bin --compiled-autograd --compiled-step
 check "gpt2 --batch 0" 2 "--batch: '0' is not a whole number" "$g" --model m.bin --train t.bin --batch 0
 check "gpt2 --help shows --make-tokens A B" 0 "--make-tokens A B" "$g" --help
 check "gpt2 missing model" 1 "cannot open /nonexistent/m.bin" "$g" --model /nonexistent/m.bin --train t.bin

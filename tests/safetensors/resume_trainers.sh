@@ -8,6 +8,8 @@
 #   2. a run stopped by --stop-after N (exit 130, checkpoint saved), resumed
 #      with --resume to the end;
 #   3. a run stopped by a real SIGINT in mid-run, resumed likewise.
+#   4. a run stopped with --compiled-autograd, resumed with --compiled-step:
+#      every mode computes eager's bits, so it must end where 1. ended.
 # The loss curves (CSV) must be identical, and the final checkpoints must
 # hold the same bytes for every tensor (model, AdamW state, losses) and the
 # same metadata (RNG, step), timings excepted.
@@ -29,7 +31,7 @@ def rd(p):
     return {k: (v["dtype"], v["shape"], d[v["data_offsets"][0]:v["data_offsets"][1]])
             for k, v in h.items()}, meta
 timing = {"train.train_s", "train.bwd_total", "train.t_train", "train.fwd_total",
-          "train.epoch_s", "train.bwd_ms"}
+          "train.epoch_s", "train.bwd_ms", "train.step_total", "train.step_ms"}
 (ta, ma), (tb, mb) = rd(sys.argv[1]), rd(sys.argv[2])
 bad = sorted(k for k in set(ta) | set(tb) if k not in timing and ta.get(k) != tb.get(k))
 bad += sorted(k for k in set(ma) | set(mb) if k not in timing and ma.get(k) != mb.get(k))
@@ -69,11 +71,31 @@ check() {
   echo "  $name: $(($(wc -l < straight.csv) - 1)) losses bit-identical after both resumes"
 }
 
-check train_charlm "$build/train_charlm" "step 12/60" 23 \
-  --steps 60 --batch 8 --ctx 32 --threads 1 --sample 40 --png - || status=1
+# check_modes NAME PROGRAM STOP_AFTER ARGS...: right after `check NAME`
+# (whose straight.csv and straight.st it compares with), a run stopped with
+# --compiled-autograd and resumed with --compiled-step.
+check_modes() {
+  local name=$1 prog=$2 stop=$3; shift 3
+  echo "== $name: stopped with --compiled-autograd, resumed with --compiled-step"
+  "$prog" "$@" --compiled-autograd --csv - --save mix.st --stop-after "$stop" > mix-stop.out 2>&1
+  local rc=$?
+  [ $rc -eq 130 ] || { echo "--compiled-autograd --stop-after: exit $rc, expected 130"; cat mix-stop.out; return 1; }
+  "$prog" "$@" --compiled-step --csv mix.csv --save mix-resumed.st --resume mix.st > mix-resumed.out 2>&1 ||
+    { echo "--compiled-step --resume failed:"; cat mix-resumed.out; return 1; }
+  grep -q "compiled step: .*, 0 fallbacks" mix-resumed.out && ! grep -q WARNING mix-resumed.out ||
+    { echo "the compiled step did not run compiled:"; cat mix-resumed.out; return 1; }
+  cmp straight.csv mix.csv || { echo "loss curves differ after mixing the modes"; return 1; }
+  same_state straight.st mix-resumed.st || return 1
+  echo "  $name: eager = compiled autograd, then the compiled step after --resume, bit for bit"
+}
+
+lm_args=(--steps 60 --batch 8 --ctx 32 --threads 1 --sample 40 --png -)
+check train_charlm "$build/train_charlm" "step 12/60" 23 "${lm_args[@]}" &&
+  check_modes train_charlm "$build/train_charlm" 23 "${lm_args[@]}" || status=1
 if [ -r /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
-  check train_fashion_mnist "$build/train_fashion_mnist" "epoch 1/1 \[" 17 \
-    --epochs 1 --batch 1500 --threads 1 --png - || status=1
+  fm_args=(--epochs 1 --batch 1500 --threads 1 --png -)
+  check train_fashion_mnist "$build/train_fashion_mnist" "epoch 1/1 \[" 17 "${fm_args[@]}" &&
+    check_modes train_fashion_mnist "$build/train_fashion_mnist" 17 "${fm_args[@]}" || status=1
 else
   echo "== train_fashion_mnist: skipped (dataset-fashion-mnist is not installed)"
 fi

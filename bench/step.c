@@ -1,0 +1,396 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * step.c - gradjit-bench --paired N --step: whole training steps of each
+ * workload, eager and compiled (gj_step: forward, backward and the AdamW
+ * update), interleaved ABBA in one process (docs/benchmarks.md,
+ * "How to measure").
+ *
+ * Invariants: each side has its own copy of the workload (two setups from
+ * the same seed) and its own AdamW (the workload's step_lr and step_wd,
+ * betas 0.9/0.999, eps 1e-8), so the two sides train the same model side
+ * by side: after the pairs their parameters and last losses must be the
+ * same bits (the compiled step promises eager's), which the row checks. The
+ * step function hands the workload's forward the workload's own input
+ * tensors as the step's inputs (in[0..n_in)); they keep their values, as a
+ * batch would keep its shapes. A pair's ratio is eager / compiled step
+ * time (> 1: compiled faster), ABBA: eager first in even pairs. Warm-up
+ * steps (the compiled side's first one traces and compiles) are not timed;
+ * the row says when a timed compiled step compiled or ran eagerly.
+ *
+ * The step's bound, a lower bound on this machine's time for the step:
+ *   GEMM FLOPs of the forward and the backward at the FMA peak measured
+ *   for all threads at once (fma_peak.c, f32). The forward's are counted
+ *   from the shapes (bench_workload.fwd_flops: 2 M N K per product); the
+ *   backward's are those of the compiled backward of the same forward
+ *   (gj_compiled_autograd_last_program after one compiled-autograd
+ *   backward, untimed, on the eager side's copy), so the count follows
+ *   what the compiler emits (W4's includes its recomputed layers);
+ * + the compulsory bytes at the bandwidth measured over a working set of
+ *   their size (bench_bandwidth_at: a cache's rate when they fit one):
+ *     - the step's inputs, read once (at the read rate);
+ *     - the parameters and AdamW's m and v (each of the parameter's dtype
+ *       and size), each read once and written once (at the rate of bytes
+ *       read and written: an in-place update or a copy, whichever is
+ *       faster here);
+ *   not counted: gradients (a fused step need not materialise them),
+ *   activations (they may stay in registers or caches), AdamW's step
+ *   counts and hyperparameters (scalars), the loss (4 bytes).
+ * The working set of that measurement is inputs + 3 x parameters, capped at
+ * 256 MiB (beyond any last-level cache: memory's rate either way).
+ */
+#include "bench.h"
+#include "clock.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct step_result {
+    const bench_workload *wl;
+    bool ok;
+    const char *skipped; /* why there is no row, or NULL */
+    char error[384];     /* !ok: why */
+    int pairs;
+    double ratio_med, ratio_q1, ratio_q3; /* eager / compiled step */
+    double eager_ms, compiled_ms;         /* medians */
+    double fwd_gflop, bwd_gflop;          /* bwd NaN if unknown */
+    double in_mb, state_mb;               /* inputs; parameters + m + v */
+    double read_gbs, rw_gbs;              /* at the working set's size */
+    double bound_ms;                      /* NaN if unknown */
+    long long timed_compiles, timed_fallbacks, timed_steps;
+    char fallback[256]; /* the compiled step's last fallback message, if any */
+    bool same_bits;     /* the two sides' parameters and last losses */
+    bool leak;
+} step_result;
+
+/* One side of the pairs: the workload's copy, its AdamW and its gj_step. */
+typedef struct step_side {
+    const bench_workload *wl;
+    bool eager;
+    bench_state s;
+    gj_optim *opt;
+    gj_step *step;
+    double loss; /* of its last step */
+} step_side;
+
+/* The step function: the workload's forward on its own inputs, which are
+ * the step's in[0..n_in) (the same tensors). */
+static gj_tensor *step_fn(void *ctx, int n_in, gj_tensor *const *in) {
+    step_side *d = ctx;
+    (void)n_in;
+    (void)in;
+    return d->wl->forward(&d->s);
+}
+
+static void side_free(step_side *d) {
+    gj_step_free(d->step);
+    gj_optim_free(d->opt);
+    bench_state_free(&d->s);
+    d->step = NULL;
+    d->opt = NULL;
+}
+
+/* A fresh copy of wl (seeded as every mode) with its AdamW and its step,
+ * eager or compiled. 0, or -1 with err. */
+static int side_init(step_side *d, const bench_workload *wl, bool eager, char *err, size_t cap) {
+    memset(d, 0, sizeof *d);
+    d->wl = wl;
+    d->eager = eager;
+    gj_manual_seed(BENCH_SEED);
+    if (wl->setup(&d->s) != 0) {
+        snprintf(err, cap, "setup failed: %s", gj_last_error());
+        return -1;
+    }
+    gj_step_opts so = {.eager = eager};
+    d->opt = gj_adamw_new(d->s.n_params, d->s.params, wl->step_lr, 0.9, 0.999, 1e-8, wl->step_wd);
+    d->step = d->opt ? gj_step_new(step_fn, d, d->opt, &so) : NULL;
+    if (!d->step) {
+        snprintf(err, cap, "gj_step_new: %s", gj_last_error());
+        return -1;
+    }
+    return 0;
+}
+
+/* One step of side d, timed (*ms). 0, or -1 with err. */
+static int side_run(step_side *d, double *ms, char *err, size_t cap) {
+    gj_scope_push();
+    gj_tensor *loss = NULL;
+    double t0 = bench_now_ms();
+    int rc = gj_step_run(d->step, d->s.n_in, d->s.in, &loss);
+    *ms = bench_now_ms() - t0;
+    if (rc == 0)
+        d->loss = gj_tensor_item(loss);
+    else
+        snprintf(err, cap, "%s step failed: %s", d->eager ? "eager" : "compiled",
+                 gj_last_error());
+    gj_scope_pop();
+    return rc;
+}
+
+static size_t dtype_size(gj_dtype dt) {
+    return dt == GJ_F64 || dt == GJ_I64 ? 8 : dt == GJ_BF16 ? 2 : 4;
+}
+
+static double bytes_of(gj_tensor *t) {
+    return (double)gj_tensor_numel(t) * (double)dtype_size(gj_tensor_dtype(t));
+}
+
+/* Whether a's and b's parameters hold the same bits (as f64: exact for
+ * every float dtype). */
+static bool same_params(bench_state *a, bench_state *b) {
+    for (int k = 0; k < a->n_params; k++) {
+        int64_t n = gj_tensor_numel(a->params[k]);
+        double *x = malloc((size_t)n * sizeof *x), *y = malloc((size_t)n * sizeof *y);
+        bool same = x && y && gj_tensor_to_f64(a->params[k], x) == 0 &&
+                    gj_tensor_to_f64(b->params[k], y) == 0 &&
+                    memcmp(x, y, (size_t)n * sizeof *x) == 0;
+        free(x);
+        free(y);
+        if (!same)
+            return false;
+    }
+    return true;
+}
+
+/* GEMM FLOPs of the compiled backward of wl's forward on d's copy (one
+ * compiled-autograd backward, untimed; the grads are cleared after), or
+ * NaN when that backward did not run compiled. */
+static double backward_flops(step_side *d) {
+    gj_ca_stats a, b;
+    gj_compiled_autograd_stats(&a);
+    gj_set_compiled_autograd(true);
+    gj_scope_push();
+    gj_tensor *loss = d->wl->forward(&d->s);
+    int rc = loss ? gj_backward(loss, NULL) : -1;
+    gj_scope_pop();
+    gj_set_compiled_autograd(false);
+    gj_optim_zero_grad(d->opt);
+    gj_compiled_autograd_stats(&b);
+    gj_ca_program_info pi;
+    long long ran = (b.compiles - a.compiles) + (b.mem_hits - a.mem_hits) +
+                    (b.disk_hits - a.disk_hits) + (b.instantiations - a.instantiations);
+    if (rc != 0 || ran != 1 || gj_compiled_autograd_last_program(&pi) != 0) {
+        gj_clear_error();
+        return NAN;
+    }
+    return pi.gemm_flops;
+}
+
+static int64_t live_bytes(void) {
+    gj_mem m;
+    gj_mem_stats(&m);
+    return m.live_bytes;
+}
+
+/* The pairs of one workload; fills r. */
+static void step_run(const bench_workload *wl, int pairs, int warmup, const bench_ceiling *c,
+                     step_result *r) {
+    memset(r, 0, sizeof *r);
+    r->wl = wl;
+    r->pairs = pairs;
+    r->bound_ms = r->bwd_gflop = NAN;
+    if (wl->no_step) {
+        r->skipped = wl->no_step;
+        return;
+    }
+    step_side e, k; /* eager, compiled */
+    bool ie = false, ik = false;
+    double *ratio = calloc((size_t)pairs, sizeof *ratio);
+    double *em = calloc((size_t)pairs, sizeof *em), *cm = calloc((size_t)pairs, sizeof *cm);
+    int64_t live0 = live_bytes();
+    if (!ratio || !em || !cm) {
+        snprintf(r->error, sizeof r->error, "out of memory");
+        goto done;
+    }
+    gj_step_reset_stats();
+    if (side_init(&e, wl, true, r->error, sizeof r->error) != 0)
+        goto done;
+    ie = true;
+    if (side_init(&k, wl, false, r->error, sizeof r->error) != 0)
+        goto done;
+    ik = true;
+    double ms[2];
+    for (int i = 0; i < warmup; i++)
+        if (side_run(&e, &ms[0], r->error, sizeof r->error) != 0 ||
+            side_run(&k, &ms[1], r->error, sizeof r->error) != 0)
+            goto done;
+    gj_ca_stats warm, end;
+    gj_step_stats(&warm);
+    for (int i = 0; i < pairs; i++) {
+        for (int j = 0; j < 2; j++) {
+            int m = (i & 1) ? 1 - j : j; /* ABBA: E C | C E | E C ... */
+            if (side_run(m ? &k : &e, &ms[m], r->error, sizeof r->error) != 0)
+                goto done;
+        }
+        em[i] = ms[0];
+        cm[i] = ms[1];
+        ratio[i] = ms[0] / ms[1];
+    }
+    gj_step_stats(&end);
+    r->timed_steps = end.backwards - warm.backwards;
+    r->timed_compiles = end.compiles - warm.compiles;
+    r->timed_fallbacks = end.fallbacks - warm.fallbacks;
+    if (end.fallbacks)
+        snprintf(r->fallback, sizeof r->fallback, "%s", gj_compiled_autograd_last_fallback());
+    r->ratio_q1 = bench_quantile(ratio, pairs, 0.25);
+    r->ratio_med = bench_quantile(ratio, pairs, 0.5);
+    r->ratio_q3 = bench_quantile(ratio, pairs, 0.75);
+    r->eager_ms = bench_quantile(em, pairs, 0.5);
+    r->compiled_ms = bench_quantile(cm, pairs, 0.5);
+    r->same_bits = e.loss == k.loss && same_params(&e.s, &k.s);
+
+    /* the bound */
+    double params = 0, in = 0;
+    for (int p = 0; p < e.s.n_params; p++)
+        params += bytes_of(e.s.params[p]);
+    for (int p = 0; p < e.s.n_in; p++)
+        in += bytes_of(e.s.in[p]);
+    double state = 3.0 * params; /* parameters, m, v: each read and written once */
+    r->in_mb = in * 1e-6;
+    r->state_mb = state * 1e-6;
+    r->fwd_gflop = wl->fwd_flops ? wl->fwd_flops(&e.s) * 1e-9 : 0.0;
+    r->bwd_gflop = backward_flops(&e) * 1e-9;
+    double ws = in + state, cap = (double)((size_t)256 << 20);
+    bench_bandwidth_at((size_t)(ws < cap ? ws : cap), c->threads, &r->read_gbs, &r->rw_gbs);
+    if (isfinite(r->bwd_gflop) && c->peak_gflops_f32 > 0 && r->read_gbs > 0 && r->rw_gbs > 0)
+        r->bound_ms = (r->fwd_gflop + r->bwd_gflop) / c->peak_gflops_f32 * 1e3 +
+                      2.0 * state / (r->rw_gbs * 1e6) + in / (r->read_gbs * 1e6);
+    r->ok = true;
+done:
+    if (ie)
+        side_free(&e);
+    if (ik)
+        side_free(&k);
+    r->leak = r->ok && live_bytes() != live0;
+    free(ratio);
+    free(em);
+    free(cm);
+}
+
+static void print_header(void) {
+    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %8s %8s  %s\n", "id", "name", "pairs",
+           "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd", "GFLOP",
+           "MB", "GB/s", "checks");
+}
+
+static void print_row(const step_result *r) {
+    if (r->skipped) {
+        printf("%-4s %-13s skipped: %s\n", r->wl->id, r->wl->name, r->skipped);
+        return;
+    }
+    if (!r->ok) {
+        printf("%-4s %-13s FAILED: %s\n", r->wl->id, r->wl->name, r->error);
+        return;
+    }
+    char bound[32] = "-", rel[32] = "-", check[400];
+    if (isfinite(r->bound_ms)) {
+        snprintf(bound, sizeof bound, "%.3f", r->bound_ms);
+        snprintf(rel, sizeof rel, "%.2f", r->compiled_ms / r->bound_ms);
+    }
+    if (r->timed_fallbacks)
+        snprintf(check, sizeof check, "FALLBACK in %lld timed steps: %s", r->timed_fallbacks,
+                 r->fallback);
+    else if (r->timed_compiles)
+        snprintf(check, sizeof check, "compiles in timed steps");
+    else if (r->timed_steps != r->pairs)
+        snprintf(check, sizeof check, "compiled step not engaged");
+    else if (!r->same_bits)
+        snprintf(check, sizeof check, "DIFFERENT bits from eager");
+    else if (r->leak)
+        snprintf(check, sizeof check, "LEAK");
+    else
+        snprintf(check, sizeof check, "ok, eager's bits");
+    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8.2f %8.1f %8.0f  %s\n",
+           r->wl->id, r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms,
+           r->compiled_ms, bound, rel, r->fwd_gflop + r->bwd_gflop, r->in_mb + r->state_mb,
+           r->rw_gbs, check);
+}
+
+static void json_num(FILE *f, const char *key, double v) {
+    if (isfinite(v))
+        fprintf(f, ", \"%s\": %.6g", key, v);
+    else
+        fprintf(f, ", \"%s\": null", key);
+}
+
+static int write_json(const char *path, const step_result *res, int n, const bench_ceiling *c,
+                      int pairs, const char *cpu) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "gradjit-bench: cannot write %s\n", path);
+        return -1;
+    }
+    gj_info info;
+    gj_get_info(&info);
+    fprintf(f, "{\"cpu\": \"");
+    for (const char *p = cpu; *p; p++) /* a model name: no control characters */
+        fprintf(f, *p == '"' || *p == '\\' ? "\\%c" : "%c", *p);
+    fprintf(f, "\", \"threads\": %d, \"blas_core\": \"%s\", \"pairs\": %d, "
+               "\"peak_gflops_f32\": %.2f,\n \"results\": [",
+            c->threads, info.blas_core ? info.blas_core : "", pairs, c->peak_gflops_f32);
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const step_result *r = &res[i];
+        if (r->skipped)
+            continue;
+        fprintf(f, "%s\n  {\"id\": \"%s\", \"what\": \"step\"", k++ ? "," : "", r->wl->id);
+        if (r->ok) {
+            json_num(f, "ratio", r->ratio_med);
+            json_num(f, "ratio_q1", r->ratio_q1);
+            json_num(f, "ratio_q3", r->ratio_q3);
+            json_num(f, "eager_ms", r->eager_ms);
+            json_num(f, "compiled_ms", r->compiled_ms);
+            json_num(f, "bound_ms", r->bound_ms);
+            json_num(f, "fwd_gflop", r->fwd_gflop);
+            json_num(f, "bwd_gflop", r->bwd_gflop);
+            json_num(f, "bytes_mb", r->in_mb + r->state_mb);
+            fprintf(f, ", \"timed_fallbacks\": %lld, \"same_bits\": %s", r->timed_fallbacks,
+                    r->same_bits ? "true" : "false");
+        }
+        fprintf(f, ", \"ok\": %s}", r->ok ? "true" : "false");
+    }
+    fprintf(f, "\n]}\n");
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
+                    const char *cpu) {
+    gj_info info;
+    gj_get_info(&info);
+    printf("gradjit %s | CPU: %s | threads: %d | BLAS core: %s\n", info.version, cpu,
+           info.num_threads, info.blas_core ? info.blas_core : "?");
+    printf("%d pairs (ABBA) after %d warm-up steps per side; a step = forward, backward and "
+           "AdamW update (gj_step, eager vs compiled, each side its own copy of the model); "
+           "ratio = eager / compiled step (> 1: compiled faster), median [interquartile range]\n",
+           pairs, warmup);
+    bench_ceiling c;
+    bench_ceiling_measure(&c, info.num_threads);
+    if (c.fma_isa)
+        printf("FMA peak (%d threads at once, %s, best of 5): f32 %.1f GFLOP/s\n", c.threads,
+               c.fma_isa, c.peak_gflops_f32);
+    printf("bound = forward and backward GEMM FLOPs at that peak + inputs read once and "
+           "parameters, AdamW m and v read and written once, at the bandwidth of a working set "
+           "of their size (GB/s column: bytes read and written); bench/step.c says what it "
+           "counts\n\n");
+    print_header();
+    step_result res[16];
+    int n = 0, failed = 0;
+    for (int w = 0; w < bench_n_workloads && n < 16; w++) {
+        if (!(workloads & (1u << w)))
+            continue;
+        step_run(&bench_workloads[w], pairs, warmup, &c, &res[n]);
+        print_row(&res[n]);
+        fflush(stdout);
+        failed |= !res[n].skipped && (!res[n].ok || !res[n].same_bits || res[n].leak);
+        n++;
+    }
+    if (json_path && strcmp(json_path, "-") != 0) {
+        if (write_json(json_path, res, n, &c, pairs, cpu) != 0)
+            failed = 1;
+        else
+            printf("wrote %s\n", json_path);
+    }
+    bench_ceiling_free(&c);
+    return failed ? 1 : 0;
+}
