@@ -345,8 +345,12 @@ static void test_dynamic_batches(void **st) {
     static const int b[NSTEP] = {8, 9, 13, 14, 1, 8};
     run_cfg c = {.dt = GJ_F32, .adamw = true, .batches = b};
     gj_ca_stats s = check("six steps at five batch sizes", &c, 0);
-    assert_int_equal(s.compiles + s.disk_hits, 3);
-    assert_int_equal(s.instantiations, 2);
+    /* five programs: at most three traced or loaded (8, the symbolic one,
+     * the symbolic one for a batch of 1), the rest bound to kernels in
+     * memory; how a warm disk cache splits them depends on what it holds */
+    assert_int_equal(s.compiles + s.disk_hits + s.instantiations, 5);
+    assert_true(s.compiles + s.disk_hits <= 3);
+    assert_true(s.instantiations >= 2);
     assert_int_equal(s.mem_hits, 1);
 }
 
