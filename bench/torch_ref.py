@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 """torch_ref.py - the PyTorch side of `gradjit-bench --compare torch`.
 
-Runs the reference workloads W1-W5 of docs/benchmarks.md in PyTorch eager mode with
+Runs the reference workloads of docs/benchmarks.md in PyTorch eager mode with
 exactly the shapes of bench/workloads.c and prints one JSON document on
 stdout (progress and warnings go to stderr). gradjit-bench starts it with the
 system interpreter (/usr/bin/python3, where Debian's python3-torch lives),
@@ -14,7 +14,10 @@ the same thread count, and OPENBLAS_CORETYPE set to the core gradjit uses.
 Measured per workload, as in gradjit-bench: forward time (the forward call up
 to the scalar loss) and backward time (loss.backward() until it returns, every
 .grad written), median and minimum over the timed steps after the warm-up
-steps; the loss of the first step. Gradients are reset to None between steps
+steps; the loss of the first step; for a workload with an update after the
+backward (W5's SGD, G1's and G2's AdamW), that update's median time
+(upd_ms_median; gradjit-bench leaves it out of its comparison, as it leaves
+out its own). Gradients are reset to None between steps
 (as gradjit-bench does) and every parameter must have received a .grad.
 Weights come from torch.manual_seed(seed): the same distributions as gradjit
 (torch.nn.Linear's init, which gradjit copies), not the same numbers, so
@@ -207,10 +210,69 @@ def w5_setup(args):
     return p, fwd, after
 
 
+# GPT-2 as llm.c's train_gpt2.c computes it (G1: 6 layers, 384 channels, 6
+# heads; G2: GPT-2 124M), B 4, T 64, the tokens the bytes of G_TEXT, as
+# bench/workloads.c; llm.c's AdamW after each backward (timed apart: upd).
+G_B, G_T, G_V, G_VP, G_MAXT = 4, 64, 50257, 50304, 1024
+G_TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def gpt2_setup(args, n_layer, c, n_head):
+    std, proj_std = 0.02, 0.02 / math.sqrt(2 * n_layer)
+
+    def normal(rows, cols, sd=std):
+        return (torch.randn(rows, cols) * sd).requires_grad_()
+
+    def vec(n, v):
+        return torch.full((n,), float(v), requires_grad=True)
+    wte = torch.randn(G_VP, c) * std
+    wte[G_V:] = 0.0  # llm.c's padded rows
+    wte.requires_grad_()
+    wpe = normal(G_MAXT, c)
+    layers = []
+    for _ in range(n_layer):
+        layers.append([vec(c, 1), vec(c, 0), normal(3 * c, c), vec(3 * c, 0),
+                       normal(c, c, proj_std), vec(c, 0), vec(c, 1), vec(c, 0),
+                       normal(4 * c, c), vec(4 * c, 0), normal(c, 4 * c, proj_std), vec(c, 0)])
+    lnf = [vec(c, 1), vec(c, 0)]
+    with open(G_TEXT, "rb") as f:
+        data = f.read(G_B * G_T + 1)
+    if len(data) != G_B * G_T + 1:
+        raise RuntimeError("%s holds fewer than %d bytes" % (G_TEXT, G_B * G_T + 1))
+    x = torch.tensor(list(data[:-1]), dtype=torch.long).view(G_B, G_T)
+    y = torch.tensor(list(data[1:]), dtype=torch.long).view(G_B, G_T)
+    mask = torch.triu(torch.ones(G_T, G_T, dtype=torch.bool), diagonal=1)
+    hs = c // n_head
+    pos = torch.arange(G_T)
+
+    def heads(t):  # (B, T, C) -> (B, NH, T, hs)
+        return t.reshape(G_B, G_T, n_head, hs).transpose(1, 2)
+
+    def fwd():
+        h = F.embedding(x, wte) + F.embedding(pos, wpe)
+        for (l1w, l1b, qw, qb, pw, pb, l2w, l2b, fw, fb, f2w, f2b) in layers:
+            a = F.layer_norm(h, (c,), l1w, l1b, 1e-5)
+            q, k, v = F.linear(a, qw, qb).split(c, dim=2)
+            att = torch.matmul(heads(q), heads(k).transpose(2, 3)) * (1.0 / math.sqrt(hs))
+            att = torch.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
+            o = torch.matmul(att, heads(v)).transpose(1, 2).reshape(G_B, G_T, c)
+            h = h + F.linear(o, pw, pb)
+            m = F.layer_norm(h, (c,), l2w, l2b, 1e-5)
+            h = h + F.linear(F.gelu(F.linear(m, fw, fb), approximate="tanh"), f2w, f2b)
+        h = F.layer_norm(h, (c,), lnf[0], lnf[1], 1e-5)
+        logits = F.linear(h, wte)  # (B, T, Vp), tied to wte
+        return F.cross_entropy(logits[..., :G_V].reshape(-1, G_V), y.reshape(-1))
+    params = [wte, wpe] + [t for layer in layers for t in layer] + lnf
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    return params, fwd, opt.step
+
+
 WORKLOADS = {"W1": ("mlp", w1_setup), "W2": ("pointwise", w2_setup), "W3": ("block", w3_setup),
              "W4": ("deep-mlp-ckpt", w4_setup), "W5": ("bf16-mlp", w5_setup),
              "W4N": ("deep-mlp", lambda args: w4_setup(args, checkpointed=False)),
-             "F1": ("fashion-mlp", f1_setup)}
+             "F1": ("fashion-mlp", f1_setup),
+             "G1": ("gpt2-d6", lambda args: gpt2_setup(args, 6, 384, 6)),
+             "G2": ("gpt2-124M", lambda args: gpt2_setup(args, 12, 768, 12))}
 
 
 # ------------------------------------------------------------------ driver
@@ -219,7 +281,7 @@ def run(wid, args):
     name, setup = WORKLOADS[wid]
     torch.manual_seed(args.seed)
     params, fwd, after = setup(args)
-    fwd_ms, bwd_ms = [], []
+    fwd_ms, bwd_ms, upd_ms = [], [], []
     loss_first = loss_last = None
     for i in range(args.warmup + args.steps):
         for q in params:
@@ -232,8 +294,10 @@ def run(wid, args):
         for k, q in enumerate(params):
             if q.grad is None or q.grad.dtype != q.dtype:
                 raise RuntimeError("%s: parameter %d got no .grad of its dtype" % (wid, k))
+        t3 = time.perf_counter()
         if after:
             after()
+        t4 = time.perf_counter()
         lv = float(loss.detach())
         if i == 0:
             loss_first = lv
@@ -241,9 +305,11 @@ def run(wid, args):
         if i >= args.warmup:
             fwd_ms.append((t1 - t0) * 1e3)
             bwd_ms.append((t2 - t1) * 1e3)
+            upd_ms.append((t4 - t3) * 1e3)
     return {"id": wid, "name": name, "mode": "torch-eager", "ok": True, "steps": args.steps,
             "fwd_ms_median": statistics.median(fwd_ms), "fwd_ms_min": min(fwd_ms),
             "bwd_ms_median": statistics.median(bwd_ms), "bwd_ms_min": min(bwd_ms),
+            "upd_ms_median": statistics.median(upd_ms) if after else None,
             "loss_first": loss_first, "loss_last": loss_last,
             "param_elems": sum(q.numel() for q in params)}
 
