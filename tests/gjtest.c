@@ -904,3 +904,16 @@ fail:
     }
     return rc;
 }
+
+/* ------------------------------------------------------- scratch dirs */
+
+int gjt_tmpdir_make(char *dir, size_t cap, const char *prefix) {
+    int n = snprintf(dir, cap, "/tmp/%s-XXXXXX", prefix);
+    return n > 0 && (size_t)n < cap && mkdtemp(dir) ? 0 : -1;
+}
+
+int gjt_tmpdir_remove(const char *dir) {
+    char cmd[4200];
+    int n = snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    return n > 0 && (size_t)n < sizeof cmd && system(cmd) == 0 ? 0 : -1;
+}

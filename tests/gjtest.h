@@ -214,4 +214,12 @@ bool gjt_same_as_eager(const char *what, const double *got, const double *want, 
 /* The relative tolerance of compiled vs eager for dtype dt (see above). */
 double gjt_compiled_rel_tol(gj_dtype dt);
 
+/* ------------------------------------------------------- scratch dirs */
+
+/* Makes a new directory /tmp/<prefix>-XXXXXX and writes its path into
+ * dir (cap bytes). 0, or -1. */
+int gjt_tmpdir_make(char *dir, size_t cap, const char *prefix);
+/* Removes dir and everything below it. 0, or -1. */
+int gjt_tmpdir_remove(const char *dir);
+
 #endif /* GJTEST_H */

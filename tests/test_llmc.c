@@ -30,15 +30,12 @@ static char tmpdir[64];
 
 static int setup_dir(void **state) {
     (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/gjt-llmc-XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
+    return gjt_tmpdir_make(tmpdir, sizeof tmpdir, "gjt-llmc");
 }
 
 static int teardown_dir(void **state) {
     (void)state;
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
+    return gjt_tmpdir_remove(tmpdir);
 }
 
 static const char *path_of(const char *name) {

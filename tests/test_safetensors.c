@@ -57,15 +57,12 @@ static char tmpdir[64];
 
 static int setup_dir(void **state) {
     (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/gjt-st-XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
+    return gjt_tmpdir_make(tmpdir, sizeof tmpdir, "gjt-st");
 }
 
 static int teardown_dir(void **state) {
     (void)state;
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
+    return gjt_tmpdir_remove(tmpdir);
 }
 
 static const char *tmpfile_path(const char *name) {
