@@ -926,6 +926,18 @@ static bool step_reads_buf(const planner *pl, int s, int b) {
     }
 }
 
+/* Whether step w may write buffer b in place: not when another step that
+ * reads b depends on w already (w would have to come both before and after
+ * it). A training step's fused kernel can hold both a parameter's update
+ * and a value that a reader of the old parameter needs. */
+static bool may_write_in_place(planner *pl, int w, int b) {
+    for (int s = 0; s < pl->n_ps; s++) {
+        if (s == w || pl->ps[s].kind == PS_DEAD || !step_reads_buf(pl, s, b)) continue;
+        if (depends(pl, s, w)) return false;
+    }
+    return true;
+}
+
 /* An output written in place into input buffer b (a .grad, or a training
  * step's parameter and optimizer state) overwrites what other steps read:
  * the writing step comes after every other step that reads b. 0 or -1. */
@@ -955,7 +967,8 @@ int gj_jit_pl_outputs(planner *pl) {
             dst = o->grad_input; /* input buffers are ids 0..n_inputs-1 */
             if (gemm_accumulate(pl, o, dst)) {
                 /* the GEMM writes .grad += a @ b itself */
-            } else if (x->kind == V_FUSED && x->buf < 0) {
+            } else if (x->kind == V_FUSED && x->buf < 0 &&
+                       may_write_in_place(pl, pl->groups[x->group].step, dst)) {
                 x->buf = dst;
                 x->offset = 0;
                 contig_strides(m->ndim, m->shape, x->strides);
@@ -963,6 +976,9 @@ int gj_jit_pl_outputs(planner *pl) {
             } else if (copy_to_buffer(pl, v, dst, GJ_JIT_BUF_TEMP, -1, pos++) < 0) {
                 return -1;
             }
+            /* its readers first; decided output by output, so that the next
+             * output's may_write_in_place sees these orderings too */
+            if (after_readers(pl, dst) != 0) return -1;
         } else if (x->kind == V_FUSED && x->buf < 0) {
             dst = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_OUTPUT, oi, m->dtype, ne);
             if (dst < 0) return gj_jit_pl_oom(pl);
@@ -989,6 +1005,8 @@ int gj_jit_pl_outputs(planner *pl) {
         }
         p->out_buf[oi] = dst;
     }
+    /* again, for copies made after an output's decision that read its
+     * buffer (add_dep skips the orderings already there) */
     for (int oi = 0; oi < g->n_outputs; oi++)
         if (g->outputs[oi].grad_input >= 0 && after_readers(pl, g->outputs[oi].grad_input) != 0)
             return -1;
