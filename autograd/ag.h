@@ -582,6 +582,7 @@ typedef struct gj_ag_trace {
     gj_ag_trace_entry *entries;
     int n_entries, cap_entries;
     uint64_t seed, rng0, rng1; /* the generator: seed, counter at begin and end */
+    uint64_t reseeds;          /* gj_rt_rng_reseeds() at begin */
     bool failed;               /* out of memory while recording */
     char untraceable[300];     /* why a replay would differ ("" if it would not) */
 } gj_ag_trace;
@@ -598,6 +599,12 @@ void gj_ag_trace_free(gj_ag_trace *tr);
 gj_ag_trace *gj_ag_trace_active(void);
 /* The slot of t (the latest if several), or -1. */
 int gj_ag_trace_slot_of(const gj_ag_trace *tr, const gj_tensor *t);
+/* The step input or constant whose values slot s holds, all of them and
+ * nothing else (through aliases and the reshapes, permutes and copies the
+ * function made of it): its slot, or -1 when s holds values the function
+ * computed. What the compiled step checks before its program runs, as the
+ * eager op checks its argument (labels, indices). */
+int gj_ag_trace_value_source(const gj_ag_trace *tr, int s);
 /* gj_ag_apply: op made outs[] from in[] (node: the node it recorded, or
  * NULL; tape_pos: its position on the tape of the checkpoint region open,
  * or -1 outside regions). Nothing if no trace is recording. */

@@ -24,8 +24,13 @@
  *     the trace untraceable, with the first reason kept: reading a value
  *     it computed (or an input's or a parameter's), an in-place op, set_,
  *     a hook, a nested backward, random numbers other than dropout's,
- *     reseeding, a tensor made from caller memory. The compiled step then
- *     runs eagerly with that reason.
+ *     reseeding (even to the seed it had), a tensor made from caller
+ *     memory, a value read of any tensor (a constant's too: the program
+ *     would keep the value the trace read), a tensor from outside the
+ *     function that carries autograd history (its graph belongs to one
+ *     backward), labels of a cross-entropy the function computed (the
+ *     program checks labels it can read before it starts). The compiled
+ *     step then runs eagerly with that reason.
  *   - rng0/rng1: the generator's counter when the function started and
  *     ended, seed its seed: the dropout masks drawn meanwhile, in order.
  */
@@ -92,6 +97,7 @@ gj_ag_trace *gj_ag_trace_begin(int n_in, gj_tensor *const *in, int n_params,
         if (slot_add(tr, params[p], GJ_AG_SLOT_PARAM, p, 0) < 0) goto fail;
     tr->seed = gj_rt_rng_seed();
     tr->rng0 = tr->rng1 = gj_rt_rng_reserve(0);
+    tr->reseeds = gj_rt_rng_reseeds();
     g_trace = tr;
     return tr;
 fail:
@@ -103,8 +109,10 @@ void gj_ag_trace_end(gj_ag_trace *tr) {
     if (g_trace != tr) return;
     g_trace = NULL;
     tr->rng1 = gj_rt_rng_reserve(0);
-    if (gj_rt_rng_seed() != tr->seed)
-        gj_ag_trace_untraceable_in(tr, "the step function reseeded the generator");
+    if (gj_rt_rng_seed() != tr->seed || gj_rt_rng_reseeds() != tr->reseeds)
+        gj_ag_trace_untraceable_in(tr, "the step function reseeded the generator "
+                                       "(gj_manual_seed or gj_rng_set_state), which a compiled "
+                                       "step cannot replay");
 }
 
 void gj_ag_trace_untraceable_in(gj_ag_trace *tr, const char *why) {
@@ -130,6 +138,42 @@ static int slot_or_const(gj_ag_trace *tr, gj_tensor *t) {
     int c = 0;
     for (int k = 0; k < tr->n_slots; k++) c += tr->slots[k].kind == GJ_AG_SLOT_CONST;
     return slot_add(tr, t, GJ_AG_SLOT_CONST, c, 0);
+}
+
+int gj_ag_trace_value_source(const gj_ag_trace *tr, int s) {
+    while (s >= 0) {
+        const gj_ag_trace_slot *sl = &tr->slots[s];
+        if (sl->kind == GJ_AG_SLOT_INPUT || sl->kind == GJ_AG_SLOT_CONST) return s;
+        if (sl->kind == GJ_AG_SLOT_ALIAS) {
+            s = sl->alias_of;
+            continue;
+        }
+        if (sl->kind != GJ_AG_SLOT_OUTPUT) return -1;
+        const gj_ag_trace_entry *e = &tr->entries[sl->index];
+        if (e->op != &gj_ag_op_reshape && e->op != &gj_ag_op_permute && e->op != &gj_ag_op_copy)
+            return -1; /* (every element once, none made up) */
+        s = e->in[0];
+    }
+    return -1;
+}
+
+/* A tensor from outside the function (a step input or a constant) that has
+ * autograd history: the eager step's backward runs into that history (and
+ * fails the second time it is freed); a replay would not. */
+static void note_history(gj_ag_trace *tr, int s) {
+    const gj_ag_trace_slot *sl = &tr->slots[s];
+    if (sl->kind != GJ_AG_SLOT_INPUT && sl->kind != GJ_AG_SLOT_CONST) return;
+    gj_ag_tensor_meta *m = sl->t->ag;
+    if (!m || !m->node) return;
+    gj_ag_trace_untraceable_in(tr, sl->kind == GJ_AG_SLOT_INPUT
+                                       ? "a step input has autograd history (it was computed "
+                                         "from tensors that require grad): the eager backward "
+                                         "runs into that history, a compiled step cannot; "
+                                         "detach it"
+                                       : "the step function used a tensor made outside it from "
+                                         "tensors that require grad (a view or result of an op "
+                                         "on a parameter): its graph belongs to one backward; "
+                                         "make it inside the step function");
 }
 
 void gj_ag_trace_note_op(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
@@ -159,7 +203,13 @@ void gj_ag_trace_note_op(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in,
             tr->failed = true;
             return;
         }
+        note_history(tr, e->in[i]);
     }
+    if (op == &gj_ag_op_cross_entropy && gj_ag_trace_value_source(tr, e->in[1]) < 0)
+        gj_ag_trace_untraceable_in(tr, "the step function computed the labels of "
+                                       "gj_cross_entropy: a compiled step checks labels it reads "
+                                       "from a step input or a tensor from outside (pass them "
+                                       "as an input)");
     for (int k = 0; k < n_out; k++) {
         e->out[k] = slot_add(tr, outs[k], GJ_AG_SLOT_OUTPUT, tr->n_entries, k);
         if (e->out[k] < 0) {
@@ -216,8 +266,15 @@ void gj_ag_trace_note_read(const gj_tensor *t, const char *what, bool writable) 
                                 what);
         return;
     }
-    if (s < 0 || tr->slots[s].kind == GJ_AG_SLOT_CONST) return; /* a tensor from outside */
-    static const char *const kinds[] = {"an input", "a parameter", "", "a value it computed", ""};
+    static const char *const kinds[] = {"an input", "a parameter", "a tensor from outside it",
+                                        "a value it computed", ""};
+    if (s < 0) { /* a tensor the trace has not seen: from outside (ctx, a global) */
+        gj_ag_trace_untraceable("the step function read a tensor from outside it (%s): a "
+                                "compiled step does not run the function again, so it cannot "
+                                "depend on values",
+                                what);
+        return;
+    }
     gj_ag_trace_untraceable("the step function read %s (%s): a compiled step does not run the "
                             "function again, so it cannot depend on values",
                             kinds[tr->slots[s].kind], what);

@@ -790,17 +790,34 @@ GJ_API int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * function builds the loss from the step's inputs with ordinary gj_* calls;
  * gj_step_run is then equivalent to
  *     gj_optim_zero_grad(opt); loss = fn(ctx, n_in, in);
- *     gj_backward(loss, NULL); gj_optim_step(opt);
+ *     gj_backward(loss, NULL); [gj_clip_grad_norm(...);] gj_optim_step(opt);
  *     and, unless opts->keep_grads, gj_optim_zero_grad(opt) again
- * with the same bits. Its first run (and the first with new input shapes)
- * runs exactly that eagerly while it traces fn, and compiles; later runs
- * run the program without calling fn. So fn must compute the loss from its
- * inputs, the optimizer's parameters and tensors that do not change
- * identity (a causal mask made once): it may not read values (gj_tensor_item
- * of something it computed), update tensors in place, register hooks, draw
- * random numbers other than gj_dropout's, or run a backward. What it does
- * that a replay cannot redo makes the step run eagerly from then on, with
- * the reason counted (gj_step_stats, GJ_CA_UNTRACEABLE) and printed once. */
+ * with the same bits in: the loss, the parameters, the optimizer state
+ * (AdamW's step counts included), the generator's position, the .grad of
+ * every parameter (none after the step, or the step's with keep_grads;
+ * after a failed step exactly what the eager step leaves: none when fn or
+ * a label check failed, the unclipped gradients when the clip norm was not
+ * finite) and the .grad of every other leaf that requires grad and reaches
+ * the loss (a step input or a tensor the function captures: accumulated,
+ * as gj_backward does). One exception: a NaN's sign and payload bits may
+ * differ (the program may fuse the operations that made it).
+ * Its first run (and the first with new input shapes) runs exactly that
+ * eagerly while it traces fn, and compiles; later runs run the program
+ * without calling fn, after checking the guards of what the trace saw
+ * (shapes, dtypes and layouts; which inputs, parameters and captured
+ * tensors were the same tensor or shared memory; which required grad;
+ * hooks; the variant key) and the values the eager ops check (class
+ * labels, embedding indices: the same error, nothing updated). So fn must
+ * compute the loss from its inputs, the optimizer's parameters and tensors
+ * that do not change identity (a causal mask made once): it may not read
+ * values (gj_tensor_item of any tensor), update tensors in place, register
+ * hooks, draw random numbers other than gj_dropout's, reseed, or run a
+ * backward or another step. What it does that a replay cannot redo makes
+ * the step run eagerly from then on, with the reason counted
+ * (gj_step_stats, GJ_CA_UNTRACEABLE) and printed once. C state fn reads
+ * (a train flag, a scalar in ctx) is invisible to the library: name it
+ * with gj_step_run_variant's key, and find what was missed with
+ * check_every (GRADJIT_STEP_CHECK). */
 typedef struct gj_step gj_step;
 /* Returns the step's loss: a 0-d float tensor (a new reference, as any op's
  * result), or NULL with an error. in[0..n_in) are borrowed. */
@@ -813,6 +830,11 @@ typedef struct gj_step_opts {
     double clip_norm; /* > 0: gj_clip_grad_norm(params, clip_norm) between the
                         backward and the update (a non-finite norm fails the
                         step, nothing updated, as the eager call does) */
+    int check_every; /* > 0: check mode. Every check_every-th compiled run also
+                        traces fn on its inputs and fails (-1, nothing updated)
+                        with the first difference from the program's trace (ops,
+                        attributes, shapes, captured tensors and their values,
+                        a value read). 0: GRADJIT_STEP_CHECK=N if set, else off */
 } gj_step_opts;
 /* opts NULL: all false (0). fn and ctx are borrowed for the step's life; so is
  * opt, whose parameters are the step's. NULL with an error. */
@@ -820,8 +842,15 @@ GJ_API gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_st
 /* One step on in[0..n_in) (borrowed). *loss_out (may be NULL) receives the
  * loss, a new 0-d tensor without history (owned by the innermost open
  * scope). 0, or -1 with an error (the step function's, or its backward's:
- * as for the eager step, parameters are then not updated). */
+ * as for the eager step, parameters are then not updated).
+ * gj_step_run is gj_step_run_variant with variant 0. */
 GJ_API int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out);
+/* The same with a variant key: the C state that selects fn's graph (as
+ * JAX's static arguments), e.g. 1 for training and 0 for evaluation when fn
+ * reads a train flag in ctx. Each key has its own programs; a run replays
+ * only a program traced with its key. */
+GJ_API int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const *in,
+                               gj_tensor **loss_out);
 GJ_API void gj_step_free(gj_step *s);
 /* Counters of every gj_step of the process, as gj_ca_stats: `backwards` is
  * the steps run; compiles / mem_hits / disk_hits / instantiations count the

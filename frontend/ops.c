@@ -684,36 +684,6 @@ gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps) {
     return fe_apply1(op, &gj_ag_op_layer_norm, &a, n, in);
 }
 
-/* Every element of the i64 tensor idx lies in [0, bound). */
-static bool fe_check_indices(const char *op, const char *arg, const gj_tensor *idx,
-                             int64_t bound) {
-    if (idx->dtype != GJ_I64) {
-        gj_rt_set_error("%s: %s must be an i64 tensor, got %s", op, arg,
-                        gj_rt_dtype_name(idx->dtype));
-        return false;
-    }
-    const int64_t *base = (const int64_t *)gj_rt_data_ptr(idx);
-    bool dense = gj_rt_is_contiguous(idx);
-    for (int64_t i = 0; i < idx->numel; i++) {
-        int64_t off = i;
-        if (!dense) { /* strided: element offset of row-major index i */
-            int64_t rem = i;
-            off = 0;
-            for (int k = idx->ndim - 1; k >= 0; k--) {
-                off += (rem % idx->shape[k]) * idx->strides[k];
-                rem /= idx->shape[k];
-            }
-        }
-        int64_t v = base[off];
-        if (v < 0 || v >= bound) {
-            gj_rt_set_error("%s: %s[%lld] = %lld is out of range [0, %lld)", op, arg,
-                            (long long)i, (long long)v, (long long)bound);
-            return false;
-        }
-    }
-    return true;
-}
-
 gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
     const char *op = "gj_cross_entropy";
     if (!fe_check_float(logits, op, "logits") || !fe_check(labels, op, "labels"))
@@ -729,7 +699,7 @@ gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
                         gj_rt_dtype_name(labels->dtype));
         return gj_fe_fail();
     }
-    if (!fe_check_indices(op, "labels", labels, logits->shape[1]))
+    if (!gj_rt_check_indices(op, "labels", labels, logits->shape[1]))
         return gj_fe_fail();
     gj_ag_attrs a = {0};
     gj_tensor *in[2] = {logits, labels};
@@ -747,7 +717,7 @@ gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx) {
                         gj_rt_fmt_shape(si, sizeof si, idx->ndim, idx->shape));
         return gj_fe_fail();
     }
-    if (!fe_check_indices(op, "idx", idx, table->shape[0]))
+    if (!gj_rt_check_indices(op, "idx", idx, table->shape[0]))
         return gj_fe_fail();
     gj_ag_attrs a = {0};
     gj_tensor *in[2] = {table, idx};

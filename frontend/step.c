@@ -7,10 +7,19 @@
  *
  * Invariants:
  *   - A run is the eager step -- zero_grad, fn, backward, optimizer step,
- *     zero_grad again unless keep_grads -- or the program of a variant
- *     whose guards hold, with the same results: loss, parameters,
- *     optimizer state (AdamW's step counts advanced here for the parameters
- *     the program updated) and, with keep_grads, .grads.
+ *     zero_grad again unless keep_grads -- or zero_grad and the program of
+ *     a variant whose guards hold, with the same results: loss,
+ *     parameters, optimizer state (AdamW's step counts advanced here for
+ *     the parameters the program updated), .grads (with keep_grads; of
+ *     leaves outside the optimizer). A clipping program whose norm was not
+ *     finite changed nothing: the run is then redone eagerly from the same
+ *     generator position, which leaves eager's .grads and error.
+ *   - Check mode (check_every, GRADJIT_STEP_CHECK): every check_every-th
+ *     compiled run first traces fn again on its inputs (the generator put
+ *     back after) and fails with the first difference from the trace of
+ *     the program that run would use.
+ *   - A step run inside a step function being traced makes the outer step
+ *     untraceable and runs eagerly itself.
  *   - A run with no variant for its inputs traces: it runs the eager step
  *     with the trace recording fn's ops, and between fn and the backward
  *     (the graph alive, nothing updated yet) has the compiler make the
@@ -22,7 +31,9 @@
 #include "../jit/jit.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 struct gj_step {
@@ -39,6 +50,8 @@ struct gj_step {
     gj_tensor **grads;
     bool eager_only;         /* fn cannot be traced: every run is eager */
     char why[320];
+    uint64_t variant;        /* this run's variant key */
+    int64_t compiled_runs;   /* runs that took the compiled path (check mode counts them) */
 };
 
 gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts *opts) {
@@ -52,6 +65,19 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
     if (!opt && !o.eval) {
         gj_rt_set_error("%s: opt is NULL (only an eval step has no optimizer)", op);
         return NULL;
+    }
+    if (o.check_every < 0) {
+        gj_rt_set_error("%s: check_every must be >= 0 (0: off), got %d", op, o.check_every);
+        return NULL;
+    }
+    if (o.check_every == 0) { /* GRADJIT_STEP_CHECK=N */
+        const char *e = getenv("GRADJIT_STEP_CHECK");
+        if (e && *e) {
+            char *end = NULL;
+            long n = strtol(e, &end, 10);
+            if (*end == '\0' && n > 0 && n <= INT32_MAX) o.check_every = (int)n;
+            else fprintf(stderr, "gradjit: GRADJIT_STEP_CHECK=%s is not a count >= 1: ignored\n", e);
+        }
     }
     if (!(o.clip_norm >= 0.0) || isinf(o.clip_norm)) {
         gj_rt_set_error("%s: clip_norm must be finite and >= 0 (0: no clipping), got %g", op,
@@ -115,7 +141,11 @@ static void describe(gj_step *s, gj_jit_opt *jo) {
 
 /* Checks fn's result: a 0-d float tensor. */
 static bool loss_ok(const gj_tensor *loss) {
-    if (!loss) return false;
+    if (!loss) {
+        if (!gj_last_error()[0]) /* (cleared before fn ran: fn said nothing) */
+            gj_rt_set_error("gj_step_run: the step function returned NULL without an error");
+        return false;
+    }
     if (loss->ndim != 0 || !gj_rt_dtype_is_float(loss->dtype)) {
         char sh[96];
         gj_rt_fmt_shape(sh, sizeof sh, loss->ndim, loss->shape);
@@ -127,6 +157,40 @@ static bool loss_ok(const gj_tensor *loss) {
     return true;
 }
 
+/* The inputs fn sees while it is traced: each input without autograd meta
+ * (no gradient, no history) through a view of its own, so that the trace
+ * tells apart the ways fn reaches one tensor (in[0] and in[1] the same
+ * tensor; an input that is also a tensor ctx holds) and the program reads
+ * each the way fn did; inputs with autograd meta as they are (a leaf's
+ * gradient belongs to the leaf itself). NULL on OOM; free with
+ * proxies_free. */
+static gj_tensor **proxies_new(int n_in, gj_tensor *const *in) {
+    gj_tensor **px = gj_rt_calloc((size_t)n_in + 1, sizeof *px);
+    if (!px) return NULL;
+    for (int k = 0; k < n_in; k++) {
+        const gj_ag_tensor_meta *m = in[k]->ag;
+        bool plain = !m || (!m->requires_grad && !m->node);
+        px[k] = plain ? gj_rt_tensor_alias(in[k]) : in[k];
+        if (!px[k]) return px; /* (proxies_free releases what was made) */
+        if (!plain) gj_rt_tensor_retain(px[k]);
+    }
+    return px;
+}
+
+static void proxies_free(int n_in, gj_tensor **px) {
+    if (!px) return;
+    for (int k = 0; k < n_in; k++)
+        if (px[k]) gj_rt_tensor_release(px[k]);
+    gj_rt_free(px);
+}
+
+static bool proxies_ok(int n_in, gj_tensor **px) {
+    if (!px) return false;
+    for (int k = 0; k < n_in; k++)
+        if (!px[k]) return false;
+    return true;
+}
+
 /* The eager step; with trace, the trace records fn and the compiler makes
  * the program before the backward. The loss goes to the scope open when
  * the run started (a detached alias: no history). */
@@ -134,12 +198,21 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
                      bool trace) {
     int rc = -1;
     gj_ag_trace *tr = NULL;
-    gj_tensor *keep = NULL;
+    gj_tensor *keep = NULL, **px = NULL;
+    if (trace) {
+        px = proxies_new(n_in, in);
+        if (!proxies_ok(n_in, px)) {
+            proxies_free(n_in, px);
+            return -1;
+        }
+        in = px;
+    }
     if (!s->o.eval) gj_optim_zero_grad(s->opt);
     uint64_t rs0 = gj_rt_record_stream_calls();
     gj_scope_push();
     if (s->o.eval) gj_no_grad_push();
     if (trace && !(tr = gj_ag_trace_begin(n_in, in, s->n, s->params))) goto done;
+    gj_clear_error();
     gj_tensor *loss = s->fn(s->ctx, n_in, in);
     if (tr) gj_ag_trace_end(tr);
     if (!loss_ok(loss)) goto done;
@@ -156,10 +229,11 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
         } else {
             gj_jit_opt jo;
             describe(s, &jo);
+            gj_jit_step_call call = {n_in, in, &jo, s->variant, s->o.keep_grads, s->o.eval,
+                                     s->o.check_every > 0};
             gj_ca_reason code;
             char jwhy[300];
-            if (gj_jit_cstep_prepare(s->jit, tr, loss, &jo, s->o.keep_grads, s->o.eval, &code, jwhy,
-                                    sizeof jwhy) < 0)
+            if (gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy) < 0)
                 goto done;
         }
     }
@@ -176,11 +250,58 @@ done:
     if (tr) gj_ag_trace_free(tr);
     if (s->o.eval) gj_no_grad_pop();
     gj_scope_pop();
+    proxies_free(n_in, px);
     if (rc == 0 && loss_out && !(*loss_out = gj_fe_own(keep))) rc = -1;
     return rc;
 }
 
+/* Check mode: traces fn again on this run's inputs (its forward runs
+ * eagerly, nothing is updated, the generator is put back) and compares the
+ * trace with the program's. 0 (the same), -1 (a difference: the error
+ * names it; or fn failed). */
+static int check_trace(gj_step *s, const gj_jit_step_call *call) {
+    uint64_t seed, counter;
+    gj_rng_get_state(&seed, &counter);
+    int rc = -1;
+    gj_tensor **px = proxies_new(call->n_in, call->in);
+    if (!proxies_ok(call->n_in, px)) {
+        proxies_free(call->n_in, px);
+        return -1;
+    }
+    gj_jit_step_call pcall = *call;
+    pcall.in = px;
+    call = &pcall;
+    gj_scope_push();
+    if (s->o.eval) gj_no_grad_push();
+    gj_ag_trace *tr = gj_ag_trace_begin(call->n_in, call->in, s->n, s->params);
+    if (!tr) goto done;
+    gj_clear_error();
+    gj_tensor *loss = s->fn(s->ctx, call->n_in, call->in);
+    gj_ag_trace_end(tr);
+    if (!loss_ok(loss)) goto done;
+    char diff[400];
+    int c = gj_jit_cstep_check(s->jit, tr, loss, call, diff, sizeof diff);
+    if (c == 1)
+        gj_rt_set_error("gj_step_run: check mode (run %lld): %s; the program would replay the "
+                        "old trace (name the C state that selects the graph with "
+                        "gj_step_run_variant, or make the tensor inside the step function)",
+                        (long long)s->compiled_runs, diff);
+    rc = c == 0 ? 0 : -1;
+done:
+    if (tr) gj_ag_trace_free(tr);
+    if (s->o.eval) gj_no_grad_pop();
+    gj_scope_pop();
+    proxies_free(call->n_in, px);
+    gj_rng_set_state(seed, counter);
+    return rc;
+}
+
 int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out) {
+    return gj_step_run_variant(s, 0, n_in, in, loss_out);
+}
+
+int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const *in,
+                        gj_tensor **loss_out) {
     const char *op = "gj_step_run";
     if (loss_out) *loss_out = NULL;
     if (!s) {
@@ -196,9 +317,11 @@ int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out
         snprintf(arg, sizeof arg, "in[%d]", k);
         if (!gj_rt_check_tensor(in[k], op, arg)) return -1;
     }
-    if (gj_ag_trace_active()) {
-        gj_rt_set_error("%s: called from a step function being traced (steps do not nest)", op);
-        return -1;
+    s->variant = variant;
+    if (gj_ag_trace_active()) { /* a step inside a step function being traced */
+        gj_ag_trace_untraceable("the step function ran a step (gj_step_run), which a compiled "
+                                "step cannot replay");
+        return run_eager(s, n_in, in, loss_out, false);
     }
     if (s->o.eager) return run_eager(s, n_in, in, loss_out, false);
     if (gj_ag_anomaly()) {
@@ -216,11 +339,27 @@ int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out
     }
     gj_jit_opt jo;
     describe(s, &jo);
+    gj_jit_step_call call = {n_in, in, &jo, variant, s->o.keep_grads, s->o.eval,
+                             s->o.check_every > 0};
+    s->compiled_runs++;
+    if (s->o.check_every > 0 && s->compiled_runs % s->o.check_every == 0 &&
+        check_trace(s, &call) != 0)
+        return -1;
+    if (!s->o.eval) gj_optim_zero_grad(s->opt); /* as the eager step starts */
+    uint64_t seed, counter;
+    gj_rng_get_state(&seed, &counter);
     gj_tensor *loss = NULL;
-    int r = gj_jit_cstep_run(s->jit, n_in, in, &jo, &loss, s->updated,
-                            s->o.keep_grads ? s->grads : NULL);
+    int r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
     if (r < 0) return -1;
     if (r == 1) return run_eager(s, n_in, in, loss_out, true); /* trace (a new variant) */
+    if (r == 2) { /* a non-finite clip norm: eager leaves its .grads; the program left nothing */
+        gj_rng_set_state(seed, counter);
+        if (run_eager(s, n_in, in, loss_out, false) == 0) { /* (cannot: the same bits) */
+            gj_rt_set_error("gj_step_run: internal: the eager step succeeded where its program "
+                            "found a non-finite gradient norm");
+        }
+        return -1;
+    }
     if (s->opt) gj_fe_optim_updated(s->opt, s->updated);
     for (int k = 0; k < s->n && s->o.keep_grads; k++) {
         gj_ag_tensor_meta *m = gj_ag_meta_get(s->params[k], s->grads[k] != NULL);

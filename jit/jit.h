@@ -157,27 +157,56 @@ typedef struct gj_jit_cstep gj_jit_cstep; /* the compiled variants of one gj_ste
 gj_jit_cstep *gj_jit_cstep_new(void);
 void gj_jit_cstep_free(gj_jit_cstep *s);
 
+/* One run of a step as the compiler sees it: the step inputs (borrowed),
+ * the optimizer, the caller's variant key (gj_step_run_variant: C state
+ * that selects the graph, part of the key and of the guards), the options,
+ * and whether variants keep their trace's text for checks (check mode). */
+typedef struct gj_jit_step_call {
+    int n_in;
+    gj_tensor *const *in;
+    const gj_jit_opt *opt;
+    uint64_t variant;
+    bool keep_grads, eval, keep_text;
+} gj_jit_step_call;
+
 /* After the traced (eager) forward of a step, before its backward: makes
  * (finds, loads or compiles) the program of this trace and keeps it as a
  * variant of s, guarded by the inputs', parameters', state's and
- * constants' metas. loss: the function's result (its graph alive);
- * keep_grads / eval: the step's options. 0 (a variant), 1 (no program:
- * *code and why[] say why; counted as a fallback), -1 (error set). */
+ * constants' metas, their aliasing, the gradient state of inputs and
+ * constants (no grad, a leaf that requires grad) and hooks on every leaf
+ * the program writes, and the variant key. loss: the function's result
+ * (its graph alive). 0 (a variant), 1 (no program: *code and why[] say
+ * why; counted as a fallback), -1 (error set). */
 int gj_jit_cstep_prepare(gj_jit_cstep *s, const gj_ag_trace *tr, gj_tensor *loss,
-                        const gj_jit_opt *opt, bool keep_grads, bool eval, gj_ca_reason *code,
-                        char *why, size_t why_cap);
+                         const gj_jit_step_call *call, gj_ca_reason *code, char *why,
+                         size_t why_cap);
 
-/* (A step that clips fails, as gj_clip_grad_norm does, when the norm is
- * not finite: -1 with its error, nothing updated.) */
-/* Runs the variant of s whose guards hold for in[0..n_in) and opt (the
- * generator draws the step's dropout masks as eager would). Returns 0 (ran:
+/* Runs the variant of s whose guards hold for this call (the generator
+ * draws the step's dropout masks as eager would). Before the program
+ * starts, the values the eager forward checks (class labels, embedding
+ * indices) are checked with the eager op's message. Returns 0 (ran:
  * *loss_out a new 0-d tensor, parameters and state updated in place,
  * updated[p] set for every parameter updated, grads_out[p] a new reference
- * to its gradient when the variant keeps them, else NULL), 1 (no variant
- * matches: trace the step again; nothing changed), or -1 (error set; the
- * parameters may be partly updated, as after a failing eager step). */
-int gj_jit_cstep_run(gj_jit_cstep *s, int n_in, gj_tensor *const *in, const gj_jit_opt *opt,
-                    gj_tensor **loss_out, bool *updated, gj_tensor **grads_out);
+ * to its gradient when the variant keeps them, else NULL; the gradients of
+ * leaves outside the optimizer accumulated into their .grad as the eager
+ * backward does), 1 (no variant matches: trace the step again; nothing
+ * changed), 2 (a clipping step whose norm was not finite: nothing changed,
+ * error set; the caller runs the step eagerly to leave eager's .grads) or
+ * -1 (error set; nothing updated when a check failed). */
+int gj_jit_cstep_run(gj_jit_cstep *s, const gj_jit_step_call *call, gj_tensor **loss_out,
+                     bool *updated, gj_tensor **grads_out);
+
+/* Check mode: whether the trace tr of the step function, made again on
+ * this call's inputs, is the trace the variant this call selects was made
+ * from (ops, attributes, shapes, the constants it captured and their
+ * values, nothing read). 0 (the same, or no variant matches), 1 (it
+ * differs: diff[] names the first difference), -1 (error set). */
+int gj_jit_cstep_check(gj_jit_cstep *s, const gj_ag_trace *tr, gj_tensor *loss,
+                       const gj_jit_step_call *call, char *diff, size_t diff_cap);
+
+/* How many variants s holds, and the bytes of their programs: at most the
+ * memory cache's limit (gj_jit_mem_limit) beyond the most recent one. */
+int gj_jit_cstep_variants(const gj_jit_cstep *s, int64_t *bytes);
 
 /* The compiled step's counters (`backwards`: steps run) and their reset;
  * a fallback decided outside jit/ (an untraceable function, anomaly mode)

@@ -27,6 +27,9 @@ enum {
     GJ_JIT_STEPIN_HYPER = 5,  /* the run's hyperparameters: f64 [n_params * GJ_JIT_HYPER] */
 };
 
+/* The ret[] entries of a step program with n parameters (gj_jit_capture_step). */
+static inline int gj_jit_step_n_ret(int n, int n_extra) { return 2 * n + 1 + n_extra; }
+
 /* rt_tape of a dropout mask whose seed is the run's and whose offset is the
  * run's first counter plus rt_node (the step's own draws, in order). */
 #define GJ_JIT_RT_STEP (-2)
@@ -39,16 +42,19 @@ typedef struct gj_jit_step_spec {
     gj_tensor *loss;
     const gj_jit_opt *opt;
     bool keep_grads, eval;
+    int n_extra;               /* leaves outside the optimizer that require grad */
+    gj_tensor *const *extra;   /* (step inputs or constants): their gradients are outputs */
 } gj_jit_step_spec;
 
 /* Builds the step's graph into cap (initialised here): the trace's forward
  * replayed, the loss, the gradients of the parameters (w: the gj_grad walk
  * of the loss with respect to the parameters that require grad; NULL for
- * an eval step) and their update. cap->ret receives 2 * n + 1 ints: per
- * parameter the output holding its kept gradient (or -1), then 1 if the
- * program updates it, then the output holding the gradients' norm of a
- * clipping step (or -1). 0, or -1 with cap->reason (and cap->permanent)
- * set. */
+ * an eval step) and their update. cap->ret receives 2 * n + 1 + n_extra
+ * ints: per parameter the output holding its kept gradient (or -1), then 1
+ * if the program updates it, then the output holding the gradients' norm
+ * of a clipping step (or -1), then per extra leaf the output holding its
+ * gradient as the backward made it (or -1: none reaches it). 0, or -1 with
+ * cap->reason (and cap->permanent) set. */
 int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_step_spec *s);
 
 #endif /* GJ_JIT_STEP_H */

@@ -410,6 +410,7 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
     gj_jit_capture *cap = c->r.cap;
     gj_ag_builder *b = &c->r.b;
     int rc = -1;
+    int n_ret0 = 2 * o->n + 1; /* the extra leaves' entries follow */
     gj_val **gv = gj_rt_calloc((size_t)w->n_req + 1, sizeof *gv);
     gj_val **g = gj_rt_calloc((size_t)o->n + 1, sizeof *g);
     gj_val *ok = NULL, *norm = NULL;
@@ -425,6 +426,15 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
     for (int q = 0; q < w->n_req; q++) {
         int p = 0;
         while (p < o->n && o->params[p] != w->req_inputs[q]) p++;
+        if (p == o->n && gv[q]) { /* a leaf outside the optimizer: its gradient as made */
+            for (int e = 0; e < s->n_extra; e++) {
+                if (s->extra[e] != w->req_inputs[q] || cap->ret[n_ret0 + e] >= 0) continue;
+                cap->ret[n_ret0 + e] = cap->g.n_outputs;
+                if (gj_jit_graph_add_output(&cap->g, gj_jit_rec_id(gv[q]), -1, -1) != 0)
+                    goto oom;
+            }
+            continue;
+        }
         if (p == o->n || !gv[q]) continue; /* no gradient reaches it: not updated */
         g[p] = cast_to(b, gv[q], o->params[p]->dtype); /* what a fresh .grad holds */
         if (!g[p]) goto oom;
@@ -467,7 +477,8 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
     c.hyper = -1;
     int rc = -1, n = s->opt->n;
     c.slot_val = gj_rt_malloc(((size_t)s->tr->n_slots + 1) * sizeof *c.slot_val);
-    cap->ret = gj_rt_malloc(((size_t)2 * n + 2) * sizeof *cap->ret);
+    int n_ret = gj_jit_step_n_ret(n, s->n_extra);
+    cap->ret = gj_rt_malloc(((size_t)n_ret + 1) * sizeof *cap->ret);
     c.made = gj_rt_calloc((size_t)2 * n + 1, sizeof *c.made);
     c.esaved = gj_rt_calloc((size_t)s->tr->n_entries + 1, sizeof *c.esaved);
     if (!c.slot_val || !cap->ret || !c.made || !c.esaved) {
@@ -479,7 +490,7 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
         cap->ret[p] = -1;
         cap->ret[n + p] = 0;
     }
-    cap->ret[2 * n] = -1;
+    for (int k = 2 * n; k < n_ret; k++) cap->ret[k] = -1;
     if (w && w->n_hooks > 0) { /* (the program calls no user code) */
         fail(&c, true, "the step's graph has %d hook%s (on a parameter, or registered before the "
              "step): a step with hooks runs eagerly", w->n_hooks, w->n_hooks == 1 ? "" : "s");

@@ -20,6 +20,7 @@
 
 static atomic_ullong g_seed = GJ_RT_RNG_DEFAULT_SEED;
 static atomic_ullong g_counter;
+static atomic_ullong g_reseeds; /* gj_rt_rng_set_seed and gj_rng_set_state calls */
 
 uint64_t gj_rt_rng_bits(uint64_t seed, uint64_t counter) {
     uint64_t key = gj_m_mix64(seed ^ 0x6a09e667f3bcc909ull);
@@ -44,11 +45,14 @@ double gj_rt_rng_normal(uint64_t seed, uint64_t counter) {
 uint64_t gj_rt_rng_seed(void) { return atomic_load(&g_seed); }
 
 void gj_rt_rng_set_seed(uint64_t seed) {
+    atomic_fetch_add(&g_reseeds, 1);
     atomic_store(&g_seed, seed);
     atomic_store(&g_counter, 0);
 }
 
 uint64_t gj_rt_rng_reserve(uint64_t n) { return atomic_fetch_add(&g_counter, n); }
+
+uint64_t gj_rt_rng_reseeds(void) { return atomic_load(&g_reseeds); }
 
 void gj_manual_seed(uint64_t seed) { gj_rt_rng_set_seed(seed); }
 
@@ -63,6 +67,7 @@ void gj_rng_get_state(uint64_t *seed, uint64_t *counter) {
 }
 
 void gj_rng_set_state(uint64_t seed, uint64_t counter) {
+    atomic_fetch_add(&g_reseeds, 1);
     atomic_store(&g_seed, seed);
     atomic_store(&g_counter, counter);
 }

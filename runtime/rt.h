@@ -149,6 +149,17 @@ uint64_t gj_rt_rng_seed(void);
 void gj_rt_rng_set_seed(uint64_t seed);
 /* Reserve n consecutive counters of the global stream; returns the first. */
 uint64_t gj_rt_rng_reserve(uint64_t n);
+/* How many times the global stream was set (gj_manual_seed,
+ * gj_rng_set_state) since the process started: a step's trace compares it
+ * at its end with its start, so that a reseed to the seed it already had is
+ * seen too. */
+uint64_t gj_rt_rng_reseeds(void);
+
+/* Checks that every element of the i64 tensor idx lies in [0, bound):
+ * false with "<op>: <arg>[i] = v is out of range [0, bound)" (or a dtype
+ * error) otherwise. The eager ops that index with values (cross-entropy
+ * labels, embedding rows) and the compiled step call the same check. */
+bool gj_rt_check_indices(const char *op, const char *arg, const gj_tensor *idx, int64_t bound);
 
 /* -------------------------------------------------------- thread pool */
 

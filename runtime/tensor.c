@@ -57,6 +57,34 @@ static inline int64_t gj_rt_f_to_i64(double x) {
 
 /* ----------------------------------------------------------- validation */
 
+bool gj_rt_check_indices(const char *op, const char *arg, const gj_tensor *idx, int64_t bound) {
+    if (idx->dtype != GJ_I64) {
+        gj_rt_set_error("%s: %s must be an i64 tensor, got %s", op, arg,
+                        gj_rt_dtype_name(idx->dtype));
+        return false;
+    }
+    const int64_t *base = (const int64_t *)gj_rt_data_ptr(idx);
+    bool dense = gj_rt_is_contiguous(idx);
+    for (int64_t i = 0; i < idx->numel; i++) {
+        int64_t off = i;
+        if (!dense) { /* strided: element offset of row-major index i */
+            int64_t rem = i;
+            off = 0;
+            for (int k = idx->ndim - 1; k >= 0; k--) {
+                off += (rem % idx->shape[k]) * idx->strides[k];
+                rem /= idx->shape[k];
+            }
+        }
+        int64_t v = base[off];
+        if (v < 0 || v >= bound) {
+            gj_rt_set_error("%s: %s[%lld] = %lld is out of range [0, %lld)", op, arg,
+                            (long long)i, (long long)v, (long long)bound);
+            return false;
+        }
+    }
+    return true;
+}
+
 bool gj_rt_check_tensor(const gj_tensor *t, const char *op, const char *arg) {
     if (!t) {
         /* A NULL here is usually the result of an earlier failed call in a
