@@ -1192,10 +1192,18 @@ static void test_fuzz_bf16(void **st) {
  * eagerly from the same leaves and must leave the same losses and leaves
  * (within rtol, as the gradients). Hooks, custom ops and record_stream in
  * the step function make every compiled step run eagerly (untraceable);
- * regions and dropout are compiled. */
+ * regions and dropout are compiled. A seed may also draw what a hostile or
+ * ported caller does (XS_*): a second input that is the first one for two
+ * steps and then another tensor; a cross-entropy term whose labels go out
+ * of range at some step (both modes must then fail with the same error);
+ * a first input that requires grad on some steps (its .grad is compared);
+ * .grads set on the leaves before a step (the step clears them). */
+enum { XS_ALIAS = 1, XS_LABELS = 2, XS_LEAF = 4, XS_GRADS = 8 };
+
 typedef struct step_ctx {
     fuzz *f;
     uint64_t seed;
+    unsigned xs;
 } step_ctx;
 
 static gj_tensor *fuzz_step_fn(void *ctx, int n_in, gj_tensor *const *in) {
@@ -1209,17 +1217,24 @@ static gj_tensor *fuzz_step_fn(void *ctx, int n_in, gj_tensor *const *in) {
     f->soft = true;
     for (int i = 0; i < f->n_leaves; i++) f->pool[f->n++] = f->leaves[i];
     push(f, gj_mul(in[0], f->leaves[0]), "input*leaf0"); /* (the pool requires grad) */
+    if (sc->xs & XS_ALIAS) push(f, gj_mul(in[1], f->leaves[1]), "input1*leaf1");
     int ops = 4 + (int)gjt_rng_int(&f->rng, 8);
     for (int k = 0; k < ops && !f->failed; k++) fuzz_step(f);
     if ((f->feat & F_REGION) && !f->failed) fuzz_region(f);
-    return f->failed ? NULL : fuzz_loss(f);
+    gj_tensor *loss = f->failed ? NULL : fuzz_loss(f);
+    if (loss && (sc->xs & XS_LABELS)) /* logits [R, C], labels [R] */
+        loss = gj_add(loss, gj_cross_entropy(gj_mul(in[0], f->leaves[1]), in[2]));
+    return loss;
 }
 
 typedef struct step_res {
     double loss[3];
     double *leaf[NLEAF];
     int64_t numel[NLEAF];
+    double *xgrad[3]; /* XS_LEAF: the first input's .grad after each step (NULL: none) */
+    bool has_grad[3][NLEAF];
     int rc;
+    char err[200];
     char log[LOGCAP];
 } step_res;
 
@@ -1243,17 +1258,40 @@ static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compi
                        gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.1, 0.95),
                        gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.0, 0.1));
     assert_non_null(o);
-    step_ctx sc = {f, seed};
+    unsigned xs = (unsigned)gjt_rng_int(&r, 16) & (unsigned)gjt_rng_int(&r, 16);
+    int bad_at = (int)gjt_rng_int(&r, 4); /* XS_LABELS: the step whose labels are bad (3: none) */
+    step_ctx sc = {f, seed, xs};
     gj_step_opts so = {.eager = !compiled};
     gj_step *st = gj_step_new(fuzz_step_fn, &sc, o, &so);
     assert_non_null(st);
     gj_manual_seed(seed); /* the same dropout masks in both modes */
-    int64_t rc2[2] = {f->R, f->C};
+    int64_t rc2[2] = {f->R, f->C}, r1 = f->R;
     for (int i = 0; i < 3 && res->rc == 0; i++) {
         gj_scope_push();
-        gj_tensor *x = gjt_uniform(&r, dt, 2, rc2, -1, 1), *loss = NULL;
-        res->rc = gj_step_run(st, 1, &x, &loss);
+        gj_tensor *in[3], *loss = NULL;
+        in[0] = gjt_uniform(&r, dt, 2, rc2, -1, 1);
+        in[1] = (xs & XS_ALIAS) && i < 2 ? in[0] : gjt_uniform(&r, dt, 2, rc2, -1, 1);
+        in[2] = gjt_labels(&r, 1, &r1, f->C);
+        if ((xs & XS_LABELS) && i == bad_at) { /* one label past either end */
+            int64_t *lab = gj_tensor_data(in[2]);
+            lab[gjt_rng_int(&r, f->R)] = gjt_rng_int(&r, 2) ? f->C + 3 : -100;
+        }
+        bool leaf = (xs & XS_LEAF) && gjt_rng_int(&r, 2);
+        if (leaf) assert_int_equal(gj_set_requires_grad(in[0], true), 0);
+        if ((xs & XS_GRADS) && i > 0) /* a .grad on some leaves before the step */
+            for (int k = 0; k < f->n_leaves; k++)
+                if (gjt_rng_int(&r, 2)) {
+                    gj_tensor *g = gj_ones(gj_tensor_dtype(f->leaves[k]),
+                                           gj_tensor_ndim(f->leaves[k]),
+                                           gj_tensor_shape(f->leaves[k]));
+                    assert_int_equal(gj_tensor_set_grad(f->leaves[k], g), 0);
+                }
+        res->rc = gj_step_run(st, xs ? 3 : 1, in, &loss);
         res->loss[i] = res->rc == 0 ? gj_tensor_item(loss) : NAN;
+        if (res->rc) snprintf(res->err, sizeof res->err, "%s", gj_last_error());
+        gj_tensor *xg = gj_tensor_grad(in[0]);
+        res->xgrad[i] = xg ? gjt_values(xg) : NULL;
+        for (int k = 0; k < f->n_leaves; k++) res->has_grad[i][k] = gj_tensor_grad(f->leaves[k]) != NULL;
         gj_scope_pop();
         drain_jobs(f);
     }
@@ -1282,10 +1320,25 @@ static bool check_step_seed(uint64_t seed, gj_dtype dt, double rtol) {
     run_step_model(seed, dt, feat, true, &c);
     gj_ca_stats s;
     gj_step_stats(&s);
-    bool ok = e.rc == c.rc;
+    /* (the same error: eager's may carry it as the cause of a later op's) */
+    bool ok = e.rc == c.rc && strstr(e.err, c.err) != NULL;
     if (!ok)
-        print_error("step seed %llu %s: status %d eager, %d compiled (ops: %s)\n",
-                    (unsigned long long)seed, gj_rt_dtype_name(dt), e.rc, c.rc, c.log);
+        print_error("step seed %llu %s: status %d eager ('%s'), %d compiled ('%s') (ops: %s)\n",
+                    (unsigned long long)seed, gj_rt_dtype_name(dt), e.rc, e.err, c.rc, c.err,
+                    c.log);
+    for (int i = 0; i < 3 && ok; i++) {
+        if (memcmp(e.has_grad[i], c.has_grad[i], sizeof e.has_grad[i]) != 0 ||
+            (e.xgrad[i] == NULL) != (c.xgrad[i] == NULL)) {
+            print_error("step seed %llu %s: step %d leaves other .grads than eager (ops: %s)\n",
+                        (unsigned long long)seed, gj_rt_dtype_name(dt), i, c.log);
+            ok = false;
+        } else if (e.xgrad[i]) {
+            char what[96];
+            snprintf(what, sizeof what, "step seed %llu %s input .grad at step %d",
+                     (unsigned long long)seed, gj_rt_dtype_name(dt), i);
+            ok = gjt_same_as_eager(what, c.xgrad[i], e.xgrad[i], e.numel[0], rtol);
+        }
+    }
     for (int i = 0; i < 3 && ok && e.rc == 0; i++) {
         double tol = rtol * fmax(1.0, fabs(e.loss[i]));
         if (!(fabs(e.loss[i] - c.loss[i]) <= tol)) {
@@ -1325,6 +1378,10 @@ static bool check_step_seed(uint64_t seed, gj_dtype dt, double rtol) {
     for (int i = 0; i < NLEAF; i++) {
         free(e.leaf[i]);
         free(c.leaf[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        free(e.xgrad[i]);
+        free(c.xgrad[i]);
     }
     return ok;
 }
