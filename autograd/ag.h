@@ -538,6 +538,64 @@ int gj_ag_custom_run_backward(const gj_custom_op *op, const gj_ag_attrs *a,
 int gj_ag_custom_run_forward(const gj_custom_op *op, const gj_ag_attrs *a,
                              gj_tensor *const *inputs, gj_tensor **outs);
 
+/* ------------------------------------ optimizer updates (optim_*.c) */
+/* Each optimizer's update is written once, as a formula against the
+ * builder (optim_sgd.c, optim_adamw.c, optim_lion.c): the eager
+ * gj_optim_step runs it on each parameter with the chunk interpreter of
+ * optim.c (gj_ag_opt_apply), the compiled step records it after the
+ * parameter's gradient (jit/step_capture.c), and its name and structure
+ * are the compiled step's key and guards. The formula's values are in the
+ * update's compute type T (f64 for f64 parameters, else f32); so are the
+ * optimizer's state tensors. Adding an optimizer is one file with one
+ * gj_ag_optdef (and its public constructor, a few lines in
+ * frontend/optim.c). */
+
+enum { GJ_AG_OPT_MAX_STATE = 2, GJ_AG_OPT_MAX_CFG = 6, GJ_AG_OPT_MAX_HYPER = 8 };
+
+typedef struct gj_ag_optdef {
+    const char *name; /* "sgd", "adamw", "lion": a checkpoint's optimizer kind */
+    /* Configuration, in the order checkpoints store it: lr first,
+     * weight_decay second; each in [lo, hi) (hi_open) or [lo, hi]. */
+    int n_cfg;
+    const char *cfg_names[GJ_AG_OPT_MAX_CFG];
+    double cfg_lo[GJ_AG_OPT_MAX_CFG], cfg_hi[GJ_AG_OPT_MAX_CFG];
+    bool cfg_hi_open[GJ_AG_OPT_MAX_CFG];
+    /* State tensors per parameter, by their checkpoint names. */
+    int n_state;
+    const char *state_names[GJ_AG_OPT_MAX_STATE];
+    bool counts_steps; /* a per-parameter step count ("step" in checkpoints) */
+    int n_hyper;       /* run-time scalars per parameter and update */
+    /* Bits of the configuration that change the update's graph (SGD's
+     * momentum or weight decay nonzero): part of the compiled step's key
+     * and guards; the rest of the configuration is run-time values. */
+    uint32_t (*structure)(const double *cfg);
+    /* Whether the update under structure s reads and writes state k. */
+    bool (*uses_state)(uint32_t s, int k);
+    /* The run-time scalars h[0..n_hyper) of the update that will be the
+     * parameter's t-th (t >= 1; counting optimizers only use it), from
+     * cfg: the doubles both interpreters cast to T. */
+    void (*hyper)(const double *cfg, int64_t t, double *h);
+    /* The update: p, g (T), state[k] (T; NULL where unused), h[j] (0-d, T)
+     * -> *p_new and state_new[k] for each used state (T). 0 or -1. */
+    int (*update)(gj_ag_builder *b, uint32_t s, gj_val *p, gj_val *g, gj_val *const *state,
+                  gj_val *const *h, gj_val **p_new, gj_val **state_new);
+} gj_ag_optdef;
+
+extern const gj_ag_optdef gj_ag_opt_sgd, gj_ag_opt_adamw, gj_ag_opt_lion;
+
+/* The compute type of the update of a parameter of dtype dt. */
+static inline gj_dtype gj_ag_opt_dtype(gj_dtype dt) { return dt == GJ_F64 ? GJ_F64 : GJ_F32; }
+
+/* Runs def's update (structure s, scalars h) eagerly on parameter p
+ * (contiguous, any float dtype) with gradient g (contiguous, p's numel,
+ * any float dtype) and state[k] (contiguous, in T; NULL where unused), in
+ * place: the formula interpreted chunk by chunk with the eager kernels'
+ * loops (gj_rt_ew_dense), one pass over memory, split over the pool. Bumps
+ * nothing. 0, or -1 with the error set (the formula uses a primitive the
+ * interpreter lacks: nothing written). */
+int gj_ag_opt_apply(const gj_ag_optdef *def, uint32_t s, const double *h, gj_tensor *p,
+                    const gj_tensor *g, gj_tensor *const *state);
+
 /* ---------------------------------------- the trace of a step (trace.c) */
 /* While a training step's function runs eagerly under gj_ag_trace_begin,
  * every op gj_ag_apply runs on this thread (outside checkpoint regions) is

@@ -370,6 +370,11 @@ GJ_API gj_optim *gj_sgd_new(int n_params, gj_tensor *const *params, double lr, d
                      double weight_decay);
 GJ_API gj_optim *gj_adamw_new(int n_params, gj_tensor *const *params, double lr, double beta1,
                        double beta2, double eps, double weight_decay);
+/* Lion (Chen et al. 2023): c = beta1 m + (1 - beta1) g; p = p (1 - lr wd) -
+ * lr sign(c); m = beta2 m + (1 - beta2) g. Usual: lr 1e-4 (3-10x below
+ * AdamW's), beta1 0.9, beta2 0.99, weight_decay 3-10x AdamW's. */
+GJ_API gj_optim *gj_lion_new(int n_params, gj_tensor *const *params, double lr, double beta1,
+                             double beta2, double weight_decay);
 GJ_API int gj_optim_step(gj_optim *o);
 GJ_API void gj_optim_zero_grad(gj_optim *o); /* sets every .grad to NULL */
 GJ_API void gj_optim_set_lr(gj_optim *o, double lr);
@@ -378,8 +383,9 @@ GJ_API void gj_optim_free(gj_optim *o);
  * per parameter i (in the constructor's order) that has state, tensors
  * "<prefix>.<i>.momentum_buffer" (SGD with momentum) or
  * "<prefix>.<i>.exp_avg", "<prefix>.<i>.exp_avg_sq" and the i64 scalar
- * "<prefix>.<i>.step" (AdamW), as torch.optim names them; metadata
- * "<prefix>.kind" ("sgd"/"adamw"), "<prefix>.n_params" and the
+ * "<prefix>.<i>.step" (AdamW), or "<prefix>.<i>.exp_avg" (Lion), as
+ * torch.optim names them; metadata
+ * "<prefix>.kind" ("sgd"/"adamw"/"lion"), "<prefix>.n_params" and the
  * hyperparameters ("<prefix>.lr", ... exact decimal). The state tensors
  * are the optimizer's own (borrowed, the dict takes references): build the
  * dict right before saving. 0, or -1 with an error. */

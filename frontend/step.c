@@ -45,7 +45,7 @@ struct gj_step {
     int n;                   /* parameters */
     gj_tensor **params;      /* borrowed from the optimizer */
     gj_tensor **s1, **s2;    /* this run's state (borrowed) */
-    double *hyper;           /* [n * GJ_JIT_HYPER] */
+    double *hyper;           /* [n * GJ_AG_OPT_MAX_HYPER + 1] */
     bool *updated;
     gj_tensor **grads;
     bool eager_only;         /* fn cannot be traced: every run is eager */
@@ -95,7 +95,7 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
     s->params = gj_rt_calloc(n1, sizeof *s->params);
     s->s1 = gj_rt_calloc(n1, sizeof *s->s1);
     s->s2 = gj_rt_calloc(n1, sizeof *s->s2);
-    s->hyper = gj_rt_calloc(n1 * GJ_JIT_HYPER + 1, sizeof *s->hyper);
+    s->hyper = gj_rt_calloc(n1 * GJ_AG_OPT_MAX_HYPER + 1, sizeof *s->hyper);
     s->updated = gj_rt_calloc(n1, sizeof *s->updated);
     s->grads = gj_rt_calloc(n1, sizeof *s->grads);
     s->jit = gj_jit_cstep_new();
@@ -132,7 +132,7 @@ static void describe(gj_step *s, gj_jit_opt *jo) {
     if (s->opt) gj_fe_optim_describe(s->opt, jo, s->s1, s->s2, s->hyper);
     jo->n = s->n;
     jo->clip = s->o.eval ? 0.0 : s->o.clip_norm;
-    s->hyper[(size_t)s->n * GJ_JIT_HYPER] = jo->clip; /* the run-time value */
+    s->hyper[(size_t)s->n * GJ_AG_OPT_MAX_HYPER] = jo->clip; /* the run-time value */
     jo->params = s->params;
     jo->s1 = s->s1;
     jo->s2 = s->s2;

@@ -120,37 +120,21 @@ gj_ca_dynamic gj_jit_dynamic(void);
  * of the step function, autograd/trace.c), backward and optimizer update
  * as one program (jit/step.c). */
 
-typedef enum gj_jit_opt_kind { GJ_JIT_OPT_SGD = 0, GJ_JIT_OPT_ADAMW = 1 } gj_jit_opt_kind;
-
-/* Per parameter, the run-time scalars of its update (doubles, cast to the
- * update's compute type as the eager update does): */
-enum {
-    GJ_JIT_H_LR = 0,
-    GJ_JIT_H_MOMENTUM,
-    GJ_JIT_H_WD,        /* SGD weight decay */
-    GJ_JIT_H_DECAY,     /* AdamW: 1 - lr * weight_decay */
-    GJ_JIT_H_B1C,       /* AdamW: 1 - beta1 */
-    GJ_JIT_H_B2,        /* AdamW: beta2 */
-    GJ_JIT_H_B2C,       /* AdamW: 1 - beta2 */
-    GJ_JIT_H_EPS,
-    GJ_JIT_H_STEP_SIZE, /* AdamW: lr / (1 - beta1^t) */
-    GJ_JIT_H_BC2_SQRT,  /* AdamW: sqrt(1 - beta2^t) */
-    GJ_JIT_HYPER        /* scalars per parameter */
-};
-
 /* The optimizer of a step as the compiler sees it (the frontend's
- * gj_optim, flattened): its parameters and their state tensors (borrowed),
- * what shapes the update (SGD: a momentum buffer? weight decay?), and this
- * run's hyperparameters. */
+ * gj_optim, flattened): its rule (written once, autograd/optim_*.c) and
+ * the structure bits of its configuration (the key and the guards), its
+ * parameters and their state tensors (borrowed), and this run's run-time
+ * scalars: per parameter GJ_AG_OPT_MAX_HYPER slots (the rule's n_hyper
+ * first), then the clip norm. */
 typedef struct gj_jit_opt {
-    gj_jit_opt_kind kind;
+    const gj_ag_optdef *def;
+    uint32_t structure;
     int n;
     gj_tensor *const *params;
-    gj_tensor *const *s1; /* per parameter or NULL: SGD momentum, AdamW exp_avg */
-    gj_tensor *const *s2; /* AdamW exp_avg_sq */
-    bool momentum, weight_decay;
+    gj_tensor *const *s1; /* per parameter or NULL: the rule's state 0 (SGD momentum, exp_avg) */
+    gj_tensor *const *s2; /* state 1 (AdamW exp_avg_sq) */
     double clip;         /* > 0: the gradients' total norm is clipped to it first */
-    const double *hyper; /* [n * GJ_JIT_HYPER + 1]: the last one the clip norm */
+    const double *hyper; /* [n * GJ_AG_OPT_MAX_HYPER + 1]: the last one the clip norm */
 } gj_jit_opt;
 
 typedef struct gj_jit_cstep gj_jit_cstep; /* the compiled variants of one gj_step */

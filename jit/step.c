@@ -58,8 +58,9 @@ typedef struct variant {
     gj_tensor **consts;   /* the trace's constants (references) */
     int n_consts;
     int n_in, n_params;
-    gj_jit_opt_kind kind;
-    bool momentum, weight_decay, clip, keep_grads, eval;
+    const gj_ag_optdef *def; /* the optimizer's rule and its structure bits */
+    uint32_t structure;
+    bool clip, keep_grads, eval;
     uint64_t rng;        /* numbers the step draws from the generator */
     uint64_t key;        /* the caller's variant key */
     bool *requires_grad; /* per parameter, when traced */
@@ -314,9 +315,10 @@ static int writer_alias(const trace_info *ti, int n_in, int n_params) {
 static void step_text(text *t, const gj_ag_trace *tr, int loss_slot, const gj_jit_step_call *call,
                       const trace_info *ti, const gj_jit_walk *w, bool sizes) {
     const gj_jit_opt *o = call->opt;
-    put(t, "gradjit step v2 opt %d mom %d wd %d clip %d keep %d eval %d in %d params %d rng %llu "
+    put(t, "gradjit step v3 opt %s s %u clip %d keep %d eval %d in %d params %d rng %llu "
            "variant %llu\n",
-        (int)o->kind, o->momentum, o->weight_decay, o->clip > 0, call->keep_grads, call->eval,
+        o->def ? o->def->name : "none", (unsigned)o->structure, o->clip > 0, call->keep_grads,
+        call->eval,
         tr->n_inputs, o->n, sizes ? (unsigned long long)(tr->rng1 - tr->rng0) : 0ull,
         (unsigned long long)call->variant);
     put(t, "alias");
@@ -441,9 +443,8 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
     const gj_jit_opt *opt = call->opt;
     v->n_in = tr->n_inputs;
     v->n_params = opt->n;
-    v->kind = opt->kind;
-    v->momentum = opt->momentum;
-    v->weight_decay = opt->weight_decay;
+    v->def = opt->def;
+    v->structure = opt->structure;
     v->clip = opt->clip > 0;
     v->keep_grads = call->keep_grads;
     v->eval = call->eval;
@@ -609,9 +610,8 @@ static gj_tensor *bound_tensor(const variant *v, int kind, int k, const gj_jit_s
  * call (the guards that need no program input). */
 static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
     const gj_jit_opt *o = call->opt;
-    if (v->n_in != call->n_in || v->n_params != o->n || v->kind != o->kind ||
-        v->momentum != o->momentum || v->weight_decay != o->weight_decay ||
-        v->clip != (o->clip > 0) || v->key != call->variant)
+    if (v->n_in != call->n_in || v->n_params != o->n || v->def != o->def ||
+        v->structure != o->structure || v->clip != (o->clip > 0) || v->key != call->variant)
         return false;
     for (int p = 0; p < o->n; p++) { /* the graph's structure: what needs a gradient, hooks */
         gj_ag_tensor_meta *m = o->params[p]->ag;
@@ -726,7 +726,7 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     if (st->n_v == 0) return 1;
     st->runs++;
     double t0 = gj_jit_now_ms();
-    int64_t nh = (int64_t)opt->n * GJ_JIT_HYPER + 1;
+    int64_t nh = (int64_t)opt->n * GJ_AG_OPT_MAX_HYPER + 1;
     gj_tensor *hyper = gj_rt_tensor_empty(GJ_F64, 1, &nh);
     if (!hyper) return -1;
     memcpy(gj_rt_data_ptr(hyper), opt->hyper, (size_t)nh * sizeof(double));
@@ -828,7 +828,7 @@ static void first_difference(const char *a, size_t na, const char *b, size_t nb,
 int gj_jit_cstep_check(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *loss,
                        const gj_jit_step_call *call, char *diff, size_t diff_cap) {
     diff[0] = '\0';
-    int64_t nh = (int64_t)call->opt->n * GJ_JIT_HYPER + 1;
+    int64_t nh = (int64_t)call->opt->n * GJ_AG_OPT_MAX_HYPER + 1;
     gj_tensor *hyper = gj_rt_tensor_empty(GJ_F64, 1, &nh);
     if (!hyper) return -1;
     variant *v = NULL;

@@ -21,10 +21,10 @@
 enum {
     GJ_JIT_STEPIN_INPUT = 0,  /* step input #slot */
     GJ_JIT_STEPIN_PARAM = 1,  /* parameter #slot */
-    GJ_JIT_STEPIN_STATE1 = 2, /* SGD momentum / AdamW exp_avg of parameter #slot */
-    GJ_JIT_STEPIN_STATE2 = 3, /* AdamW exp_avg_sq of parameter #slot */
+    GJ_JIT_STEPIN_STATE1 = 2, /* the rule's state 0 of parameter #slot */
+    GJ_JIT_STEPIN_STATE2 = 3, /* its state 1 */
     GJ_JIT_STEPIN_CONST = 4,  /* constant #slot of the trace */
-    GJ_JIT_STEPIN_HYPER = 5,  /* the run's hyperparameters: f64 [n_params * GJ_JIT_HYPER] */
+    GJ_JIT_STEPIN_HYPER = 5,  /* the run's scalars: f64 [n_params * GJ_AG_OPT_MAX_HYPER + 1] */
 };
 
 /* The ret[] entries of a step program with n parameters (gj_jit_capture_step). */

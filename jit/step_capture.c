@@ -18,10 +18,10 @@
  *     1) to the parameters that require grad: each parameter's gradient is
  *     the sum the eager backward accumulates into a fresh .grad (cast to
  *     the parameter's dtype, as that accumulate does).
- *   - The update is torch's (frontend/optim.c's) element by element, in
- *     the same compute type and the same order of operations, with every
- *     hyperparameter a run-time scalar of the HYPER input (never a
- *     constant of the program): the eager step's bits.
+ *   - The update is the optimizer's own formula (autograd/optim_*.c, the
+ *     one the eager step interprets), with every scalar a run-time value
+ *     of the HYPER input (never a constant of the program): the eager
+ *     step's bits.
  *   - Dropout masks are drawn from the generator at run time: a mask the
  *     traced forward drew at counter rng0 + k is drawn at the run's first
  *     counter + k (GJ_JIT_RT_STEP).
@@ -249,12 +249,13 @@ static gj_val *cast_to(gj_ag_builder *b, gj_val *x, gj_dtype dt) {
     return m.dtype == dt ? x : gj_ag_cast(b, x, dt);
 }
 
-/* Scalar j of parameter p's hyperparameters, as a 0-d value in dtype dt
- * (the double cast as the eager update casts it). */
+/* Scalar j of parameter p's run-time scalars (j == GJ_AG_OPT_MAX_HYPER
+ * with p == n: the clip norm), as a 0-d value in dtype dt (the double cast
+ * as the eager update casts it). */
 static gj_val *hyper(scap *c, int p, int j, gj_dtype dt) {
     gj_ag_builder *b = &c->r.b;
     if (c->hyper < 0) {
-        int64_t n = (int64_t)c->s->opt->n * GJ_JIT_HYPER + 1;
+        int64_t n = (int64_t)c->s->opt->n * GJ_AG_OPT_MAX_HYPER + 1;
         c->hyper_t = gj_rt_tensor_new(GJ_F64, 1, &n);
         if (!c->hyper_t) return NULL;
         memcpy(gj_rt_data_ptr(c->hyper_t), c->s->opt->hyper, (size_t)n * sizeof(double));
@@ -262,7 +263,7 @@ static gj_val *hyper(scap *c, int p, int j, gj_dtype dt) {
         if (c->hyper < 0) return NULL;
     }
     gj_rt_inst sl = {.prim = GJ_P_SLICE, .n_in = 1, .axis = 0,
-                     .start = (int64_t)p * GJ_JIT_HYPER + j, .len = 1};
+                     .start = (int64_t)p * GJ_AG_OPT_MAX_HYPER + j, .len = 1};
     gj_val *h = gj_jit_rec_val(c->hyper);
     gj_val *x = gj_ag_emit1(b, &sl, &h);
     x = x ? gj_ag_reshape(b, x, 0, NULL) : NULL;
@@ -271,31 +272,32 @@ static gj_val *hyper(scap *c, int p, int j, gj_dtype dt) {
 
 /* The graph input of parameter p's state tensor t (kind STATE1/STATE2):
  * before the optimizer's first update t does not exist yet, and a zero
- * tensor of the meta the optimizer will give it (f64 for f64 parameters,
- * f32 otherwise, contiguous) stands in for it. Value id, or -1. */
+ * tensor of the meta the optimizer will give it (its compute type,
+ * contiguous) stands in for it. Value id, or -1. */
 static int state_input(scap *c, gj_tensor *t, int kind, int p, int *input) {
     if (!t) {
         const gj_tensor *pt = c->s->opt->params[p];
-        t = gj_rt_tensor_new(pt->dtype == GJ_F64 ? GJ_F64 : GJ_F32, pt->ndim, pt->shape);
+        t = gj_rt_tensor_new(gj_ag_opt_dtype(pt->dtype), pt->ndim, pt->shape);
         if (!t) return -1;
         c->made[c->n_made++] = t;
     }
     return step_input(c, t, kind, p, input);
 }
 
-#define BIN(p, x, y) gj_ag_binary(b, GJ_P_##p, (x), (y))
-
-/* Emits parameter p's update from its gradient g and writes its outputs:
- * the parameter and its state, in place; when ok (a 0-d f64 value) is
- * given, only where it is nonzero (a clipping step's finite norm: else
- * every output is its old value). 0 or -1. */
+/* Emits parameter p's update from its gradient g -- the optimizer's own
+ * formula (opt->def->update, the one the eager step interprets) on the
+ * recording builder -- and writes its outputs: the parameter and its
+ * state, in place; when ok (a 0-d f64 value) is given, only where it is
+ * nonzero (a clipping step's finite norm: else every output is its old
+ * value). 0 or -1. */
 static int emit_update(scap *c, int p, gj_val *g, gj_val *ok) {
     const gj_jit_opt *o = c->s->opt;
+    const gj_ag_optdef *def = o->def;
     gj_ag_builder *b = &c->r.b;
     gj_jit_graph *gr = &c->r.cap->g;
     gj_tensor *pt = o->params[p];
-    gj_dtype pd = pt->dtype, T = pd == GJ_F64 ? GJ_F64 : GJ_F32;
-    int pin = -1, m_in = -1, v_in = -1;
+    gj_dtype pd = pt->dtype, T = gj_ag_opt_dtype(pd);
+    int pin = -1, s_in[GJ_AG_OPT_MAX_STATE] = {-1, -1};
     /* the parameter's input (the one the forward reads), written in place */
     int pv = slot_value(c, c->s->tr->n_inputs + p);
     if (pv < 0) return -1;
@@ -306,54 +308,37 @@ static int emit_update(scap *c, int p, gj_val *g, gj_val *ok) {
         return -1;
     }
     gj_val *P = cast_to(b, gj_jit_rec_val(pv), T), *G = cast_to(b, g, T), *newp = NULL;
-    gj_val *s1 = NULL, *s2 = NULL;
+    gj_val *S[GJ_AG_OPT_MAX_STATE] = {0}, *Snew[GJ_AG_OPT_MAX_STATE] = {0};
+    gj_val *H[GJ_AG_OPT_MAX_HYPER] = {0};
+    gj_tensor *const *st[GJ_AG_OPT_MAX_STATE] = {o->s1, o->s2};
     if (!P || !G) goto oom;
-    if (o->kind == GJ_JIT_OPT_SGD) {
-        gj_val *d = G;
-        if (o->weight_decay) d = BIN(ADD, d, BIN(MUL, hyper(c, p, GJ_JIT_H_WD, T), P));
-        if (o->momentum) {
-            int mv = state_input(c, o->s1[p], GJ_JIT_STEPIN_STATE1, p, &m_in);
-            if (mv < 0 || !d) goto oom;
-            s1 = BIN(ADD, BIN(MUL, hyper(c, p, GJ_JIT_H_MOMENTUM, T), gj_jit_rec_val(mv)), d);
-            d = s1;
-        }
-        newp = d ? BIN(SUB, P, BIN(MUL, hyper(c, p, GJ_JIT_H_LR, T), d)) : NULL;
-    } else {
-        int mv = state_input(c, o->s1[p], GJ_JIT_STEPIN_STATE1, p, &m_in);
-        int vv = state_input(c, o->s2[p], GJ_JIT_STEPIN_STATE2, p, &v_in);
-        if (mv < 0 || vv < 0) goto oom;
-        gj_val *M = gj_jit_rec_val(mv), *V = gj_jit_rec_val(vv);
-        gj_val *pk = BIN(MUL, P, hyper(c, p, GJ_JIT_H_DECAY, T));
-        s1 = BIN(ADD, M, BIN(MUL, hyper(c, p, GJ_JIT_H_B1C, T), BIN(SUB, G, M))); /* lerp */
-        s2 = BIN(ADD, BIN(MUL, V, hyper(c, p, GJ_JIT_H_B2, T)),
-                 BIN(MUL, BIN(MUL, hyper(c, p, GJ_JIT_H_B2C, T), G), G));
-        gj_val *denom = s2 ? BIN(ADD, BIN(DIV, gj_ag_unary(b, GJ_P_SQRT, s2),
-                                          hyper(c, p, GJ_JIT_H_BC2_SQRT, T)),
-                                 hyper(c, p, GJ_JIT_H_EPS, T))
-                           : NULL;
-        newp = pk && s1 && denom
-                   ? BIN(SUB, pk, BIN(MUL, hyper(c, p, GJ_JIT_H_STEP_SIZE, T), BIN(DIV, s1, denom)))
-                   : NULL;
+    for (int k = 0; k < def->n_state; k++) {
+        if (!def->uses_state(o->structure, k)) continue;
+        int sv = state_input(c, st[k] ? st[k][p] : NULL, GJ_JIT_STEPIN_STATE1 + k, p, &s_in[k]);
+        if (sv < 0) goto oom;
+        S[k] = gj_jit_rec_val(sv);
     }
-    newp = newp ? cast_to(b, newp, pd) : NULL;
-    if (ok) { /* keep the old values unless the norm was finite */
-        gj_val *pold = gj_jit_rec_val(pv);
-        newp = newp ? gj_ag_where(b, ok, newp, pold) : NULL;
-        if (s1) s1 = gj_ag_where(b, ok, s1, gj_jit_rec_val(gr->inputs[m_in].value));
-        if (s2) s2 = gj_ag_where(b, ok, s2, gj_jit_rec_val(gr->inputs[v_in].value));
+    for (int j = 0; j < def->n_hyper; j++)
+        if (!(H[j] = hyper(c, p, j, T))) goto oom;
+    if (def->update(b, o->structure, P, G, S, H, &newp, Snew) != 0 || !newp) goto oom;
+    newp = cast_to(b, newp, pd);
+    if (ok && newp) { /* keep the old values unless the norm was finite */
+        newp = gj_ag_where(b, ok, newp, gj_jit_rec_val(pv));
+        for (int k = 0; k < def->n_state; k++)
+            if (S[k]) Snew[k] = Snew[k] ? gj_ag_where(b, ok, Snew[k], S[k]) : NULL;
     }
-    if (!newp || (m_in >= 0 && !s1) || (v_in >= 0 && !s2)) goto oom;
-    if (gj_jit_graph_add_output(gr, gj_jit_rec_id(newp), -1, pin) != 0 ||
-        (m_in >= 0 && gj_jit_graph_add_output(gr, gj_jit_rec_id(s1), -1, m_in) != 0) ||
-        (v_in >= 0 && gj_jit_graph_add_output(gr, gj_jit_rec_id(s2), -1, v_in) != 0))
-        goto oom;
+    if (!newp || gj_jit_graph_add_output(gr, gj_jit_rec_id(newp), -1, pin) != 0) goto oom;
+    for (int k = 0; k < def->n_state; k++) {
+        if (!S[k]) continue;
+        if (!Snew[k] || gj_jit_graph_add_output(gr, gj_jit_rec_id(Snew[k]), -1, s_in[k]) != 0)
+            goto oom;
+    }
     return 0;
 oom:
-    fail(c, false, "building the update of parameter %d: %s", p, gj_last_error());
+    fail(c, false, "building the %s update of parameter %d: %s", def->name, p, gj_last_error());
     return -1;
 }
 
-#undef BIN
 
 /* ----------------------------------------------------------- capture */
 
@@ -380,7 +365,7 @@ static int emit_clip(scap *c, gj_val **g, int n, gj_val **ok, gj_val **norm) {
     }
     *norm = ss ? gj_ag_unary(b, GJ_P_SQRT, ss) : NULL;
     if (!*norm) return -1;
-    gj_val *maxn = hyper(c, c->s->opt->n, 0, GJ_F64); /* the last scalar: the clip norm */
+    gj_val *maxn = hyper(c, c->s->opt->n, 0, GJ_F64); /* after the last slot: the clip norm */
     gj_val *den = gj_ag_scalar_op(b, GJ_P_ADD_SCALAR, *norm, 1e-6);
     gj_val *coef = maxn && den ? gj_ag_binary(b, GJ_P_DIV, maxn, den) : NULL;
     gj_val *one = gj_ag_fill(b, GJ_F64, 0, NULL, 1.0);

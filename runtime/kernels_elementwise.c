@@ -381,6 +381,16 @@ static void gj_k_ew_range_blocked(void *ctx, int64_t b, int64_t e) {
     }
 }
 
+int gj_rt_ew_dense(gj_rt_prim prim, gj_dtype ct, double scalar, int64_t n,
+                   const void *const *in, void *out) {
+    gj_k_ew_fn fn = gj_k_ew_pick(prim, ct == GJ_F64 ? GJ_K_CT_F64 : GJ_K_CT_F32, scalar);
+    if (!fn)
+        return -1;
+    gj_k_ew_par par = {(float)scalar, scalar};
+    fn(n, in, out, &par);
+    return 0;
+}
+
 int gj_rt_k_pointwise(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor *out) {
     if (out->numel == 0)
         return 0;

@@ -188,6 +188,15 @@ void gj_rt_dgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha
 
 #include "rt_prim.h"
 
+/* The eager loop of elementwise primitive prim (unary, _SCALAR, binary,
+ * EQ, WHERE) over dense arrays of compute type ct (GJ_F32 or GJ_F64):
+ * out[0..n) = prim(in[k][0..n)), scalar for the _SCALAR primitives. The
+ * very loop the eager kernels run on each tile, so a caller that keeps its
+ * values in the compute type gets the eager kernels' bits. 0, or -1 (no
+ * error set) when prim has no such loop. */
+int gj_rt_ew_dense(gj_rt_prim prim, gj_dtype ct, double scalar, int64_t n,
+                   const void *const *in, void *out);
+
 /* ---------------------------------------- runtime core additions (rtcore) */
 
 /* As gj_rt_storage_new / gj_rt_tensor_new but the bytes are left undefined:

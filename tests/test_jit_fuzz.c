@@ -1187,8 +1187,8 @@ static void test_fuzz_bf16(void **st) {
 /* The model of a seed as a training step (gj_step): the step function
  * builds the seed's ops again at every call (its generator reseeded) from
  * the leaves (the optimizer's parameters) and a step input of [R, C]; the
- * optimizer is SGD (momentum 0 or not, weight decay 0 or not) or AdamW
- * with hyperparameters drawn from the seed; three steps run compiled and
+ * optimizer is SGD (momentum 0 or not, weight decay 0 or not), AdamW or
+ * Lion with hyperparameters drawn from the seed; three steps run compiled and
  * eagerly from the same leaves and must leave the same losses and leaves
  * (within rtol, as the gradients). Hooks, custom ops and record_stream in
  * the step function make every compiled step run eagerly (untraceable);
@@ -1248,7 +1248,12 @@ static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compi
     gjt_rng r;
     gjt_rng_seed(&r, seed ^ 0xabcdef);
     gj_optim *o;
-    if (gjt_rng_int(&r, 2))
+    int which = (int)gjt_rng_int(&r, 3);
+    if (which == 2)
+        o = gj_lion_new(f->n_leaves, f->leaves, gjt_rng_uniform(&r, 1e-4, 1e-2),
+                        gjt_rng_uniform(&r, 0.5, 0.95), gjt_rng_uniform(&r, 0.9, 0.999),
+                        gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.0, 0.5));
+    else if (which == 1)
         o = gj_adamw_new(f->n_leaves, f->leaves, gjt_rng_uniform(&r, 1e-3, 5e-2),
                          gjt_rng_uniform(&r, 0.5, 0.95), gjt_rng_uniform(&r, 0.9, 0.999),
                          gjt_rng_uniform(&r, 1e-8, 1e-3),

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * test_optim.c - SGD and AdamW against the torch.optim update rules.
+ * test_optim.c - SGD and AdamW against the torch.optim update rules, Lion
+ * against its reference implementation's.
  *
  * The expected parameters after each of three steps were computed in Python
  * (double precision) with the torch.optim formulas, for p0 = [1, -2, 0.5]
@@ -9,6 +10,8 @@
  *          p -= lr * (momentum ? buf : d)
  *   AdamW: p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g^2;
  *          p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+ *   Lion:  c = b1*m + (1-b1)*g; p = p*(1-lr*wd) - lr*sign(c);
+ *          m = b2*m + (1-b2)*g
  * f64 parameters must match to 1e-14, f32 to 2e-6. bf16 parameters are
  * checked against the same update done in f32 and rounded to bf16.
  */
@@ -38,6 +41,11 @@ static const double ADAMW[3][3] = {
     {0.98990000020000002, -1.9898000004, 0.48995000005},
     {0.98177060063844523, -1.9910304676547348, 0.48723763467023817},
     {0.98073542957573734, -1.9947283174326418, 0.4849876973756293}};
+
+/* lr 0.01, betas (0.9, 0.99), weight decay 0.1 */
+static const double LION[3][3] = {{0.989, -1.988, 0.4895},
+                                  {0.978011, -1.996012, 0.4990105},
+                                  {0.987032989, -2.004015988, 0.4885114895}};
 
 static gj_tensor *param(gj_dtype dt, const double *v) {
     gj_tensor *p = gjt_tensor(dt, 1, S3, v);
@@ -102,6 +110,55 @@ static void adamw_case(gj_dtype dt, double tol) {
 
 static void test_adamw_f64(void **s) { adamw_case(GJ_F64, 1e-14); }
 static void test_adamw_f32(void **s) { adamw_case(GJ_F32, 2e-6); }
+
+/* Lion against its rule; its state goes through a checkpoint (kind "lion",
+ * one "exp_avg" per parameter, no step) and a fresh optimizer loaded from
+ * it continues to the same values. */
+static void test_lion(void **s) {
+    (void)s;
+    int64_t live0 = gjt_live_bytes();
+    for (int d = 0; d < 2; d++) {
+        gj_dtype dt = d ? GJ_F32 : GJ_F64;
+        gj_tensor *p = param(dt, P0);
+        gj_optim *o = gj_lion_new(1, &p, 0.01, 0.9, 0.99, 0.1);
+        assert_non_null(o);
+        run3(o, p, dt, LION, d ? 2e-6 : 1e-14);
+        gj_state_dict *sd = gj_state_dict_new();
+        assert_int_equal(gj_optim_state_dict_add(o, sd, "opt"), 0);
+        assert_string_equal(gj_state_dict_get_metadata(sd, "opt.kind"), "lion");
+        assert_non_null(gj_state_dict_get(sd, "opt.0.exp_avg"));
+        assert_null(gj_state_dict_get(sd, "opt.0.step"));
+        double now[3];
+        assert_int_equal(gj_tensor_to_f64(p, now), 0);
+        gj_tensor *p2 = param(dt, now); /* the same values, another optimizer */
+        gj_optim *o2 = gj_lion_new(1, &p2, 0.5, 0.5, 0.5, 0.0);
+        assert_int_equal(gj_optim_load_state_dict(o2, sd, "opt"), 0);
+        gj_optim *a = gj_adamw_new(1, &p2, 0.01, 0.9, 0.999, 1e-8, 0.0);
+        assert_int_not_equal(gj_optim_load_state_dict(a, sd, "opt"), 0);
+        GJT_ASSERT_ERROR("lion");
+        gj_state_dict_free(sd);
+        set_grad(p, 1, dt);
+        set_grad(p2, 1, dt);
+        assert_int_equal(gj_optim_step(o), 0);
+        assert_int_equal(gj_optim_step(o2), 0);
+        double x[3], y[3];
+        assert_int_equal(gj_tensor_to_f64(p, x), 0);
+        assert_int_equal(gj_tensor_to_f64(p2, y), 0);
+        assert_memory_equal(x, y, sizeof x);
+        gj_optim_free(a);
+        gj_optim_free(o2);
+        gj_optim_free(o);
+        gj_tensor_set_grad(p, NULL);
+        gj_tensor_set_grad(p2, NULL);
+        gj_release(p);
+        gj_release(p2);
+    }
+    gj_tensor *p = param(GJ_F32, P0);
+    assert_null(gj_lion_new(1, &p, 0.01, 1.5, 0.99, 0.0));
+    GJT_ASSERT_ERROR("beta1");
+    gj_release(p);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
 
 /* A parameter without .grad is skipped: its value and its AdamW step count
  * do not move, so its next update is the one of its own second step. */
@@ -240,7 +297,7 @@ int main(void) {
         cmocka_unit_test(test_adamw_f64),      cmocka_unit_test(test_adamw_f32),
         cmocka_unit_test(test_skip_null_grad), cmocka_unit_test(test_set_lr),
         cmocka_unit_test(test_bf16_params),    cmocka_unit_test(test_param_reference),
-        cmocka_unit_test(test_bad_arguments),
+        cmocka_unit_test(test_bad_arguments),  cmocka_unit_test(test_lion),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

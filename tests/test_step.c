@@ -127,7 +127,7 @@ static void result_free(result *r) {
 
 typedef struct run_cfg {
     gj_dtype dt;
-    bool adamw, keep_grads, eval;
+    bool adamw, lion, keep_grads, eval;
     double drop;
     misuse mis;
     bool mask;
@@ -165,8 +165,9 @@ static result run(const run_cfg *cfg, bool eager) {
         m.mask = gjt_uniform(&r, cfg->dt, 1, (int64_t[]){HID}, 0.5, 1.5);
     }
     gj_tensor *ps[NP + 1] = {m.p[0], m.p[1], m.p[2], m.p[3], m.unused};
-    gj_optim *o = cfg->adamw ? gj_adamw_new(NP + 1, ps, 1e-2, 0.9, 0.999, 1e-8, 0.05)
-                             : gj_sgd_new(NP + 1, ps, 0.05, 0.9, 0.01);
+    gj_optim *o = cfg->lion    ? gj_lion_new(NP + 1, ps, 3e-3, 0.9, 0.99, 0.2)
+                  : cfg->adamw ? gj_adamw_new(NP + 1, ps, 1e-2, 0.9, 0.999, 1e-8, 0.05)
+                               : gj_sgd_new(NP + 1, ps, 0.05, 0.9, 0.01);
     assert_non_null(o);
     gj_step_opts so = {.eager = eager, .keep_grads = cfg->keep_grads, .eval = cfg->eval,
                        .clip_norm = cfg->clip};
@@ -289,6 +290,24 @@ static void test_f32_sgd(void **st) {
     check("f32 SGD momentum + weight decay", &c, 0);
     c.dt = GJ_F64;
     check("f64 SGD", &c, 0);
+}
+
+/* Lion, written once (autograd/optim_lion.c) like the others: the compiled
+ * step's update is the eager one's, bit for bit, in every dtype, with
+ * clipping and kept .grads too. */
+static void test_lion(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32, .lion = true};
+    check("f32 Lion", &c, 0);
+    c.dt = GJ_F64;
+    check("f64 Lion", &c, 0);
+    c.dt = GJ_BF16;
+    check("bf16 Lion", &c, 0);
+    c.dt = GJ_F32;
+    c.clip = 0.05;
+    c.keep_grads = true;
+    c.drop = 0.2;
+    check("f32 Lion, clip, kept .grads, dropout", &c, 0);
 }
 
 static void test_dropout_constant_keep(void **st) {
@@ -758,6 +777,7 @@ int main(void) {
         cmocka_unit_test(test_f64_adamw),
         cmocka_unit_test(test_bf16_adamw),
         cmocka_unit_test(test_f32_sgd),
+        cmocka_unit_test(test_lion),
         cmocka_unit_test(test_dropout_constant_keep),
         cmocka_unit_test(test_eval),
         cmocka_unit_test(test_clip),
