@@ -896,14 +896,25 @@ static int paired_main(const bench_opts *o, const char *cpu, const gj_info *info
         if (!(o->workloads & (1u << w)))
             continue;
         bench_paired_run(&bench_workloads[w], o->pairs, o->warmup, o->symbolic, &res[n]);
-        if (res[n].ok)
-            bench_ceiling_bound(&ceil, &res[n]);
+        if (res[n].ok) {
+            bench_fma_peak_again(&ceil); /* the best of every round */
+            bench_ceiling_bound(&ceil, &res[n], false);
+            bench_ceiling_check(&ceil, &res[n]);
+        }
         bench_paired_print_row(&res[n]);
         fflush(stdout);
         failed |= !res[n].ok;
         n++;
     }
     bench_ceiling_print_shapes(&ceil);
+    printf("\n");
+    bench_fma_peak_print(&ceil, "over the run");
+    int beaten = 0;
+    for (int i = 0; i < n; i++)
+        beaten += res[i].ok && res[i].beaten;
+    if (beaten)
+        printf("WARNING: %d workload%s ran faster than a bound (lines above)\n", beaten,
+               beaten == 1 ? "" : "s");
     if (o->json_path && strcmp(o->json_path, "-") != 0) {
         FILE *f = fopen(o->json_path, "w");
         if (!f) {
@@ -926,12 +937,19 @@ static int paired_main(const bench_opts *o, const char *cpu, const gj_info *info
                 {"eager_bwd_ms", r->eager_ms},  {"compiled_bwd_ms", r->compiled_ms},
                 {"bound_ms", r->bound_ms},      {"gemm_gflop", r->gemm_gflop},
                 {"bytes_mb", r->bytes_mb},      {"peak_ms", r->peak_ms},
+                {"eager_bwd_min_ms", r->eager_min_ms},
+                {"compiled_bwd_min_ms", r->compiled_min_ms},
+                {"peak_gflops_f32", r->peak_gflops},
+                {"read_gbs", r->read_gbs},      {"write_gbs", r->write_gbs},
             };
             for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
                 fprintf(f, ", \"%s\": ", nums[k].key);
                 json_num(f, nums[k].v);
             }
-            fprintf(f, ", \"timed_fallbacks\": %lld, \"timed_compiles\": %lld}%s\n",
+            fprintf(f,
+                    ", \"bound_rechecked\": %s, \"bound_beaten\": %s, \"timed_fallbacks\": "
+                    "%lld, \"timed_compiles\": %lld}%s\n",
+                    r->rechecked ? "true" : "false", r->beaten ? "true" : "false",
                     r->timed_fallbacks, r->timed_compiles, i + 1 < n ? "," : "");
         }
         fprintf(f, "  ]\n}\n");

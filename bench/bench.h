@@ -86,12 +86,20 @@ typedef struct bench_paired_result {
     double eager_ms, compiled_ms;         /* median backward times */
     double compile_ms;                    /* spent compiling during warm-up */
     long long timed_compiles, timed_fallbacks, timed_backwards;
+    double eager_min_ms, compiled_min_ms; /* the fastest backward of each side */
     /* the machine's ceiling for this backward (ceiling.c), 0 if unknown */
     double gemm_gflop, bytes_mb, bound_ms;
     /* the same with the GEMMs at the FMA peak (fma_peak.c): no GEMM can
      * pass it, so eager_ms / peak_ms is the largest ratio any compiled
      * program could reach on this machine; 0 if unknown */
     double peak_ms;
+    /* the rates those were made with: the f32 peak (GFLOP/s) and the
+     * bandwidth at the working set's size (GB/s) */
+    double peak_gflops, read_gbs, write_gbs;
+    /* bench_ceiling_check: a measured time was below bound_ms or peak_ms,
+     * so the rates were measured again (rechecked); still below after that
+     * (beaten: the row prints a warning) */
+    bool rechecked, beaten;
     /* --symbolic: the two sides are the specialised compiled program
      * ("eager" fields) and the symbolic one (GJ_CA_DYNAMIC_ALWAYS,
      * "compiled" fields) of the same key */
@@ -111,18 +119,41 @@ double bench_quantile(double *v, int n, double q);
 /* The machine's ceiling (ceiling.c): copy bandwidth, and the GEMM rates of
  * the compiled programs' GEMM steps at 1 and all threads. */
 #define BENCH_MAX_SHAPES 256
+#define BENCH_MAX_PEAK_ROUNDS 64
 typedef struct bench_gemm_rate {
     char workload[8];
     gj_ca_gemm g;
-    double gflops_1, gflops_n;
+    double gflops_1, gflops_n; /* the best of every time it was timed */
 } bench_gemm_rate;
+/* One kind of arithmetic's peak (fma_peak.c), GFLOP/s over every round of
+ * the run; all 0 where the CPU lacks it. */
+typedef struct bench_peak {
+    double all;     /* the best timed run of every thread at once */
+    double all_low; /* the slowest timed run of every thread at once */
+    double one;     /* the best timed run of one thread alone */
+    double rate;    /* what bounds use: the larger of all and threads x one */
+} bench_peak;
 typedef struct bench_ceiling {
     int threads;
     double copy_gbs, read_gbs, write_gbs; /* GB/s, all threads */
     uint64_t sink;                         /* keeps the read pass */
-    /* FMA peak of all threads at once (fma_peak.c), GFLOP/s; 0 if unknown */
-    double peak_gflops_f32, peak_gflops_f64;
-    const char *fma_isa; /* the vectors it was measured with, or NULL */
+    /* the peaks (fma_peak.c): f32 and f64 vector FMAs, bf16 dot products
+     * (AVX512_BF16 vdpbf16ps) and bf16 tile products (AMX tdpbf16ps) */
+    bench_peak f32, f64, bf16_dp, bf16_amx;
+    /* the rates bounds use (bench_gemm_peak), GFLOP/s; 0 if unknown. bf16
+     * is the fastest of f32 (a bf16 GEMM can be run in f32), the dot
+     * product and the tiles */
+    double peak_gflops_f32, peak_gflops_f64, peak_gflops_bf16;
+    const char *fma_isa;  /* the vectors the FMAs ran on, or NULL (no peak) */
+    bool has_bf16_dp;     /* the CPU has AVX512_BF16 */
+    bool has_amx;         /* the CPU has AMX-BF16 */
+    bool amx_refused;     /* ... but the kernel did not grant its tile state */
+    int peak_rounds;      /* measurements of the peaks so far */
+    double round_f32[BENCH_MAX_PEAK_ROUNDS]; /* each round's best, f32, all threads */
+    /* the machine looked busy while the peaks were measured: all threads
+     * well below threads x one thread, or runs spread (busy_why says) */
+    bool busy;
+    char busy_why[256];
     bench_gemm_rate shapes[BENCH_MAX_SHAPES];
     int n_shapes;
 } bench_ceiling;
@@ -131,11 +162,27 @@ void bench_ceiling_measure(bench_ceiling *c, int threads);
  * (part 0 on the calling thread; a part whose thread cannot start runs on
  * the caller's afterwards), `reps` times: the best wall time, ms. */
 double bench_threads_best_ms(int nt, int reps, void *(*fn)(void *), void *parts, size_t size);
-/* Sets c's FMA peak (called by bench_ceiling_measure). */
+/* Measures c's peaks (the first round; called by bench_ceiling_measure). */
 void bench_fma_peak(bench_ceiling *c, int threads);
+/* One more round of the peaks: every figure keeps the best of all rounds
+ * (load can only slow a run down), c->busy is updated. */
+void bench_fma_peak_again(bench_ceiling *c);
+/* The peak, GFLOP/s, that bounds GEMM FLOPs of dtype dt: f64's, bf16's
+ * (peak_gflops_bf16), else f32's; 0 if unknown. */
+double bench_gemm_peak(const bench_ceiling *c, gj_dtype dt);
+/* Prints the peaks (and whether the machine looked busy) in two or three
+ * lines; `what` names the measurement ("at start", "over 5 rounds"). */
+void bench_fma_peak_print(const bench_ceiling *c, const char *what);
 /* Sets r's bound from the last compiled program of this thread (the
- * workload r just ran); records its GEMM rates in c. */
-void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r);
+ * workload r just ran); records its GEMM rates in c. again: every GEMM
+ * shape of the workload and the bandwidth are timed once more, and the
+ * faster rate of the two measurements is kept. */
+void bench_ceiling_bound(bench_ceiling *c, bench_paired_result *r, bool again);
+/* After bench_ceiling_bound: when a measured backward of r (the fastest of
+ * either side) is below r's bound or peak, measures the peaks, the GEMMs
+ * and the bandwidth again and recomputes (r->rechecked); r->beaten if it
+ * still is. */
+void bench_ceiling_check(bench_ceiling *c, bench_paired_result *r);
 void bench_ceiling_print(const bench_ceiling *c);
 void bench_ceiling_print_shapes(const bench_ceiling *c);
 void bench_ceiling_json(FILE *f, const bench_ceiling *c);
@@ -155,8 +202,10 @@ int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_
 /* The bandwidth of `threads` threads over a working set of `bytes`
  * (ceiling.c): what bytes that fit a cache level move at. GB/s: *read_gbs
  * of a read pass, *rw_gbs of bytes read and written (the faster of an
- * in-place update and a memcpy; read plus written bytes counted). */
-void bench_bandwidth_at(size_t bytes, int threads, double *read_gbs, double *rw_gbs);
+ * in-place update and a memcpy; read plus written bytes counted),
+ * *write_gbs (if not NULL) of a write pass. */
+void bench_bandwidth_at(size_t bytes, int threads, double *read_gbs, double *rw_gbs,
+                        double *write_gbs);
 
 /* Releases every owned tensor, the optimizer and the model, and resets s. */
 void bench_state_free(bench_state *s);

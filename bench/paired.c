@@ -141,6 +141,8 @@ void bench_paired_run(const bench_workload *wl, int pairs, int warmup, bool symb
     r->step_ratio_med = bench_quantile(sratio, pairs, 0.5);
     r->eager_ms = bench_quantile(eb, pairs, 0.5);
     r->compiled_ms = bench_quantile(cb, pairs, 0.5);
+    r->eager_min_ms = eb[0]; /* sorted by bench_quantile */
+    r->compiled_min_ms = cb[0];
     r->ok = true;
 done:
     gj_set_compiled_autograd(false);
@@ -174,11 +176,29 @@ void bench_paired_print_row(const bench_paired_result *r) {
         snprintf(peak, sizeof peak, "%.3f", r->peak_ms);
         snprintf(most, sizeof most, "%.2f", r->eager_ms / r->peak_ms);
     }
-    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8s %10s %8.3f %8.1f  %s\n",
+    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8s %10s %8.3f %8.1f  %s%s\n",
            r->wl->id, r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms,
            r->compiled_ms, bound, rel, peak, most, r->gemm_gflop, r->bytes_mb,
            r->timed_fallbacks ? "FALLBACKS in timed steps"
            : r->timed_compiles ? "compiles in timed steps"
            : r->timed_backwards != (r->symbolic ? 2 : 1) * r->pairs ? "compiled path not engaged"
-                                             : "ok");
+                                             : "ok",
+           r->beaten ? ", BOUND BEATEN" : r->rechecked ? ", bound measured twice" : "");
+    if (!r->beaten)
+        return;
+    /* a measured time below a bound: say which, with both figures */
+    const char *side[2] = {r->symbolic ? "specialised" : "eager",
+                           r->symbolic ? "symbolic" : "compiled"};
+    double t[2] = {r->eager_min_ms, r->compiled_min_ms};
+    for (int m = 0; m < 2; m++) {
+        const char *what = r->bound_ms > 0 && t[m] < r->bound_ms ? "bound"
+                           : r->peak_ms > 0 && t[m] < r->peak_ms ? "peak bound"
+                                                                 : NULL;
+        if (what)
+            printf("  WARNING: %s: its %s backward took %.3f ms (fastest of %d), below its %s "
+                   "%.3f ms (peak bound %.3f ms) even after measuring the rates again: that "
+                   "bound is not a lower bound here\n",
+                   r->wl->id, side[m], t[m], r->pairs, what,
+                   !strcmp(what, "bound") ? r->bound_ms : r->peak_ms, r->peak_ms);
+    }
 }
