@@ -7,7 +7,7 @@
 #ifndef GJ_JIT_H
 #define GJ_JIT_H
 
-#include "../autograd/ag.h"
+#include "jit/base/base.h"
 
 /* Try to run this backward compiled. Sets *handled = true if it ran (the
  * return value is then the backward's status); false means "run eager"
@@ -39,9 +39,6 @@ void gj_jit_stats(gj_ca_stats *out);
 bool gj_jit_last_program_info(gj_ca_program_info *out);
 void gj_jit_reset_stats(void);
 
-/* The name of fallback reason r ("record_stream", ...; "unknown" out of
- * range): what gj_ca_reason_name returns. */
-const char *gj_jit_reason_name(gj_ca_reason r);
 
 /* Appended by helper "jit". The reason of this thread's last fallback
  * ("" if none since the last reset): a borrowed string. */
@@ -61,12 +58,6 @@ void gj_jit_set_disk_cache(const char *dir);
 /* The message of this thread's last fallback, "<reason name>: <detail>"
  * (same string as gj_jit_last_fallback_reason). */
 const char *gj_jit_last_fallback(void);
-/* More than n distinct compiled keys from one call site: later new keys of
- * that site run eagerly (GJ_CA_RECOMPILE_LIMIT). n < 0: no limit. Default 8.
- * A call site is the key without shapes and attribute values: the same ops,
- * edges, creation order, dtypes and ranks (see capture.h). */
-void gj_jit_set_recompile_limit(int n);
-int gj_jit_recompile_limit(void);
 /* The canonical key text of the backward of roots with seeds (entries may
  * be NULL: ones), as the compiled path computes it: identical in every
  * process that builds the same model. Returns a gj_rt_malloc'd string
@@ -96,24 +87,9 @@ int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps);
 typedef int (*gj_jit_agree_fn)(void *ctx, const uint64_t hash[2]);
 void gj_jit_set_agreement(gj_jit_agree_fn fn, void *ctx);
 
-/* Appended by helper "cache". The memory cache's size limit in bytes
- * (< 0: none): what gj_compiled_autograd_set_mem_cache_limit sets; until
- * then GRADJIT_CACHE_MEM_LIMIT (read once), else the default. Setting a
- * lower limit evicts at once (compiled.c's file comment). */
-#define GJ_JIT_MEM_LIMIT_DEFAULT ((int64_t)256 << 20)
-int64_t gj_jit_mem_limit(void);
+/* The memory cache's size limit (base.h: gj_jit_mem_limit); setting a
+ * lower one evicts at once (cache/cache.c). */
 void gj_jit_set_mem_limit(int64_t bytes);
-/* The disk cache's size limit in bytes (< 0: none), likewise with
- * GRADJIT_CACHE_DISK_LIMIT; applied at the next save (diskcache.h). */
-#define GJ_JIT_DISK_LIMIT_DEFAULT ((int64_t)1 << 30)
-int64_t gj_jit_disk_limit(void);
-void gj_jit_set_disk_limit(int64_t bytes);
-
-/* Dynamic shapes (generic.c): GJ_CA_DYNAMIC_OFF, _AUTO (default: a call
- * site's second program and later ones are symbolic) or _ALWAYS (every
- * program is); the setter wins over GRADJIT_DYNAMIC (read once). */
-void gj_jit_set_dynamic(gj_ca_dynamic mode);
-gj_ca_dynamic gj_jit_dynamic(void);
 
 /* ------------------------------------------- the compiled training step */
 /* A training step (frontend gj_step) compiled whole: its forward (a trace

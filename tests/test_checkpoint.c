@@ -17,7 +17,7 @@
 #include "gjtest.h"
 
 #include "autograd/ag.h"
-#include "jit/capture.h"
+#include "jit/capture/capture.h"
 
 #include <math.h>
 #include <stdio.h>

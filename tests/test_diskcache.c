@@ -21,8 +21,8 @@
  */
 #include "gjtest.h"
 
-#include "jit/capture.h"
-#include "jit/ir.h"
+#include "jit/capture/capture.h"
+#include "jit/ir/ir.h"
 #include "jit/jit.h"
 
 #include <dirent.h>

@@ -30,7 +30,7 @@
  */
 #include "gjtest.h"
 
-#include "jit/guards.h"
+#include "jit/run/run.h"
 #include "jit/jit.h"
 
 #include <stdio.h>

@@ -13,10 +13,10 @@
  */
 #include "gjtest.h"
 
-#include "jit/capture.h"
-#include "jit/code.h"
+#include "jit/capture/capture.h"
+#include "jit/codegen/codegen.h"
 #include "jit/jit.h"
-#include "jit/plan.h"
+#include "jit/plan/plan.h"
 
 #include <dirent.h>
 #include <math.h>

@@ -34,7 +34,7 @@
  */
 #include "gjtest.h"
 
-#include "jit/generic.h"
+#include "jit/cache/cache.h"
 #include "jit/jit.h"
 
 #include <math.h>

@@ -13,7 +13,7 @@
 #include "gjtest.h"
 
 #include "jit/jit.h"
-#include "jit/plan.h"
+#include "jit/plan/plan.h"
 
 #include <math.h>
 #include <stdio.h>

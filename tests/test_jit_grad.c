@@ -20,8 +20,8 @@
  */
 #include "gjtest.h"
 
-#include "jit/capture.h"
-#include "jit/code.h"
+#include "jit/capture/capture.h"
+#include "jit/codegen/codegen.h"
 #include "jit/jit.h"
 
 #include <math.h>

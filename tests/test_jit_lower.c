@@ -13,7 +13,7 @@
 #include "gjtest.h"
 
 #include "jit/jit.h"
-#include "jit/program.h"
+#include "jit/cache/cache.h"
 #include "runtime/gj_math.h"
 
 #include <math.h>

@@ -26,7 +26,7 @@
  */
 #include "gjtest.h"
 
-#include "jit/capture.h"
+#include "jit/capture/capture.h"
 #include "jit/jit.h"
 
 #include <math.h>

@@ -10,7 +10,7 @@
  */
 #include "gjtest.h"
 
-#include "../jit/code.h"
+#include "../jit/codegen/codegen.h"
 #include "../jit/jit.h"
 
 #include <math.h>

@@ -15,7 +15,7 @@
  * other backward here runs compiled too (gjt_backward checks it did).
  */
 #include "gjtest.h"
-#include "jit/diskcache.h"
+#include "jit/cache/cache.h"
 #include "jit/jit.h"
 
 #include <math.h>

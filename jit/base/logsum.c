@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: MIT
+/*
+ * logsum.c - the summaries GRADJIT_LOG=prof and =cache print at exit,
+ * instead of a line per step (GRADJIT_LOG=steps still prints those).
+ *
+ * prof: the compiled backwards' phases (key and lookup, program, graph
+ * release) summed, and every step's time summed under its kernel name or
+ * kind ("gemm", "gather", ...), the largest first. cache: the counters of
+ * gj_ca_stats, printed by jit/jit.c (the counters of the caches are not a
+ * leaf's to read). The tables are process-wide, behind one mutex; jit/jit.c
+ * registers the exit-time printer and calls gj_jit_log_prof_summary.
+ */
+#include "jit/base/base.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SUM_MAX_NAMES 512
+
+typedef struct step_sum {
+    char name[64];
+    int64_t calls;
+    double ms;
+} step_sum;
+
+static pthread_mutex_t g_sum_lock = PTHREAD_MUTEX_INITIALIZER;
+static step_sum g_steps[SUM_MAX_NAMES];
+static int g_n_steps;
+static int64_t g_dropped; /* step names beyond the table */
+static int64_t g_backwards, g_fresh;
+static double g_total, g_key, g_program, g_release;
+
+void gj_jit_prof_step(const char *what, double ms) {
+    pthread_mutex_lock(&g_sum_lock);
+    int i = 0;
+    while (i < g_n_steps && strncmp(g_steps[i].name, what, sizeof g_steps[i].name - 1) != 0) i++;
+    if (i == g_n_steps) {
+        if (g_n_steps == SUM_MAX_NAMES) {
+            g_dropped++;
+            pthread_mutex_unlock(&g_sum_lock);
+            return;
+        }
+        snprintf(g_steps[i].name, sizeof g_steps[i].name, "%s", what);
+        g_n_steps++;
+    }
+    g_steps[i].calls++;
+    g_steps[i].ms += ms;
+    pthread_mutex_unlock(&g_sum_lock);
+}
+
+void gj_jit_prof_backward(bool fresh, double total, double key, double program, double release) {
+    pthread_mutex_lock(&g_sum_lock);
+    if (fresh) { /* its key and lookup include the compile: not in the means */
+        g_fresh++;
+        pthread_mutex_unlock(&g_sum_lock);
+        return;
+    }
+    g_backwards++;
+    g_total += total;
+    g_key += key;
+    g_program += program;
+    g_release += release;
+    pthread_mutex_unlock(&g_sum_lock);
+}
+
+static int by_ms(const void *a, const void *b) {
+    double x = ((const step_sum *)a)->ms, y = ((const step_sum *)b)->ms;
+    return (x < y) - (x > y);
+}
+
+void gj_jit_log_prof_summary(void) {
+    unsigned fl = gj_jit_log_flags();
+    if (!(fl & GJ_JIT_LOG_PROF)) return;
+    pthread_mutex_lock(&g_sum_lock);
+    if (g_backwards == 0) {
+        fprintf(stderr, "[gradjit prof] summary: no compiled backward ran from a cached "
+                        "program (%lld compiled or loaded one)\n", (long long)g_fresh);
+        pthread_mutex_unlock(&g_sum_lock);
+        return;
+    }
+    double n = (double)g_backwards, steps_ms = 0;
+    fprintf(stderr,
+            "[gradjit prof] summary: %lld compiled backwards from cached programs (and %lld "
+            "that compiled or loaded theirs, not in the means), mean %.3f ms: key and lookup "
+            "%.3f (%.1f%%), program %.3f, graph release %.3f; steps by total time (a kernel is "
+            "named by its position in its program):\n",
+            (long long)g_backwards, (long long)g_fresh, g_total / n, g_key / n, 100.0 * g_key / g_total,
+            g_program / n, g_release / n);
+    qsort(g_steps, (size_t)g_n_steps, sizeof g_steps[0], by_ms);
+    for (int i = 0; i < g_n_steps; i++) steps_ms += g_steps[i].ms;
+    int shown = g_n_steps < 12 ? g_n_steps : 12;
+    for (int i = 0; i < shown; i++)
+        fprintf(stderr, "[gradjit prof]   %-28s %8lld calls  %9.3f ms per backward  %5.1f%% of "
+                        "step time\n",
+                g_steps[i].name, (long long)g_steps[i].calls, g_steps[i].ms / n,
+                steps_ms > 0 ? 100.0 * g_steps[i].ms / steps_ms : 0.0);
+    if (g_n_steps > shown || g_dropped)
+        fprintf(stderr, "[gradjit prof]   (%d more step names%s; GRADJIT_LOG=steps prints every "
+                        "step)\n",
+                g_n_steps - shown, g_dropped ? ", some not counted" : "");
+    pthread_mutex_unlock(&g_sum_lock);
+}

@@ -1,0 +1,524 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * program.c - building a program from a captured graph, and running a plan:
+ * a small interpreter over the plan's steps (fused kernels split across the
+ * thread pool, BLAS calls) -- the "C-side program" form of the compiled
+ * backward.
+ *
+ * Invariants:
+ *   - Memory follows the plan's liveness: a temporary is allocated before
+ *     its first step and freed after its last, a new .grad is allocated
+ *     (by the caller's callback) just before the step that writes it.
+ *   - Matmul steps call gj_rt_sgemm/gj_rt_dgemm exactly as the eager matmul
+ *     kernel would for the same operand layouts (including its batch
+ *     collapsing rule), so results agree with eager; an accumulating step
+ *     (beta = 1) adds straight into an existing .grad.
+ */
+#include "jit/cache/program.h"
+
+#include "runtime/gj_math.h"
+
+#include <string.h>
+#include <time.h>
+
+static atomic_llong g_next_prefix;
+
+gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap,
+                                    bool *permanent) {
+    *permanent = false;
+    why[0] = '\0';
+    gj_jit_program *pr = gj_rt_calloc(1, sizeof *pr);
+    if (!pr) {
+        snprintf(why, why_cap, "out of memory");
+        return NULL;
+    }
+    if (gj_jit_log_flags() & GJ_JIT_LOG_GRAPH) {
+        fprintf(stderr, "[gradjit graph] captured\n");
+        gj_jit_graph_print(g, stderr);
+    }
+    bool changed = false;
+    if (gj_jit_pass_cse_dce(g) != 0 || gj_jit_pass_pad_sums(g, &changed) != 0 ||
+        (changed && gj_jit_pass_cse_dce(g) != 0)) {
+        snprintf(why, why_cap, "out of memory in the graph passes");
+        goto fail;
+    }
+    if (gj_jit_log_flags() & GJ_JIT_LOG_GRAPH) {
+        fprintf(stderr, "[gradjit graph] after CSE/DCE\n");
+        gj_jit_graph_print(g, stderr);
+    }
+    if (gj_jit_plan_build(g, &pr->plan, why, why_cap) != 0) {
+        *permanent = strncmp(why, "no lowering", 11) == 0 || strncmp(why, "internal", 8) == 0;
+        goto fail;
+    }
+    if (gj_jit_log_flags() & GJ_JIT_LOG_PLAN) gj_jit_plan_print(&pr->plan, stderr);
+    pr->n_inputs = g->n_inputs;
+    pr->n_outputs = g->n_outputs;
+    pr->inputs = gj_rt_calloc((size_t)g->n_inputs + 1, sizeof *pr->inputs);
+    pr->outputs = gj_rt_calloc((size_t)g->n_outputs + 1, sizeof *pr->outputs);
+    if (!pr->inputs || !pr->outputs) {
+        snprintf(why, why_cap, "out of memory");
+        goto fail;
+    }
+    if (g->n_inputs > 0)
+        memcpy(pr->inputs, g->inputs, (size_t)g->n_inputs * sizeof *pr->inputs);
+    if (g->n_outputs > 0) /* none: a gj_grad whose inputs no gradient reaches */
+        memcpy(pr->outputs, g->outputs, (size_t)g->n_outputs * sizeof *pr->outputs);
+    for (int i = 0; i < g->n_inputs; i++)
+        if (g->inputs[i].role == GJ_JIT_IN_OTHER) pr->recapture = true;
+    if (g->n_hooks > 0) {
+        pr->hooks = gj_rt_calloc((size_t)g->n_hooks, sizeof *pr->hooks);
+        if (!pr->hooks) {
+            snprintf(why, why_cap, "out of memory");
+            goto fail;
+        }
+        memcpy(pr->hooks, g->hooks, (size_t)g->n_hooks * sizeof *pr->hooks);
+        pr->n_hooks = g->n_hooks;
+    }
+    for (int s = 0; s < pr->plan.n_steps; s++) pr->n_calls += pr->plan.steps[s].kind == GJ_JIT_STEP_CALL;
+    return pr;
+fail:
+    gj_jit_program_free(pr);
+    return NULL;
+}
+
+int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, bool keep, char *why,
+                           size_t why_cap, bool *permanent) {
+    *permanent = false;
+    why[0] = '\0';
+    char auto_prefix[32];
+    if (!prefix) {
+        snprintf(auto_prefix, sizeof auto_prefix, "gjp%lld",
+                 (long long)atomic_fetch_add(&g_next_prefix, 1));
+        prefix = auto_prefix;
+    }
+    pr->code = gj_jit_code_compile(&pr->plan, prefix, keep, why, why_cap);
+    if (!pr->code) {
+        *permanent = strncmp(why, "LLVM", 4) == 0;
+        return -1;
+    }
+    return 0;
+}
+
+gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, char *why,
+                                     size_t why_cap, bool *permanent) {
+    gj_jit_program *pr = gj_jit_program_plan(g, why, why_cap, permanent);
+    if (pr && gj_jit_program_compile(pr, prefix, false, why, why_cap, permanent) != 0) {
+        gj_jit_program_free(pr);
+        pr = NULL;
+    }
+    return pr;
+}
+
+void gj_jit_program_free(gj_jit_program *pr) {
+    if (!pr) return;
+    gj_jit_code_free(pr->code);
+    for (int c = 0; c < pr->n_shared; c++) gj_jit_code_free(pr->shared[c]);
+    gj_rt_free(pr->shared);
+    gj_jit_plan_free(&pr->plan);
+    gj_rt_free(pr->inputs);
+    gj_rt_free(pr->outputs);
+    gj_rt_free(pr->hooks);
+    gj_rt_free(pr->ret);
+    gj_rt_free(pr);
+}
+
+size_t gj_jit_program_bytes(const gj_jit_program *pr) {
+    if (!pr) return 0;
+    const gj_jit_plan *p = &pr->plan;
+    size_t n = sizeof *pr + gj_jit_code_bytes(pr->code);
+    n += (size_t)p->cap_steps * sizeof *p->steps + (size_t)p->cap_bufs * sizeof *p->bufs;
+    for (int s = 0; s < p->n_steps; s++) {
+        const gj_jit_kernel *k = &p->steps[s].k;
+        n += (size_t)k->cap_acc * sizeof *k->acc + (size_t)k->cap_ex * sizeof *k->ex +
+             (size_t)k->cap_st * sizeof *k->st + (size_t)k->n_params * sizeof *k->param_buf +
+             (size_t)k->n_ints * sizeof *k->ints;
+    }
+    n += (size_t)pr->n_shared * sizeof *pr->shared; /* (their code is charged to its compiler) */
+    n += (size_t)(p->n_by_first + p->n_by_last) * sizeof(int);
+    n += (size_t)p->n_inputs * sizeof *p->in_meta;
+    n += (size_t)p->n_outputs * (sizeof *p->out_meta + sizeof *p->out_buf);
+    n += (size_t)p->n_rt_params * 2 * sizeof(int);
+    n += (size_t)(pr->n_inputs + 1) * sizeof *pr->inputs;
+    n += (size_t)(pr->n_outputs + 1) * sizeof *pr->outputs;
+    n += (size_t)pr->n_hooks * sizeof *pr->hooks;
+    n += (size_t)pr->n_ret * sizeof *pr->ret;
+    return n;
+}
+
+static int64_t meta_bytes(const gj_rt_meta *m) {
+    int64_t n = 1;
+    for (int d = 0; d < m->ndim; d++) n *= m->shape[d];
+    return n * (int64_t)gj_rt_dtype_size(m->dtype);
+}
+
+/* The public description of plan p (gradjit.h: gj_ca_program_info). */
+void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
+    memset(out, 0, sizeof *out);
+    out->steps = p->n_steps;
+    out->parallel_groups = p->n_par_groups;
+    for (int s = 0; s < p->n_steps; s++) {
+        const gj_jit_step *st = &p->steps[s];
+        if (st->kind == GJ_JIT_STEP_KERNEL) {
+            out->kernel_steps++;
+            bool seen = false;
+            for (int t = 0; t < s && !seen; t++)
+                seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&
+                       strcmp(p->steps[t].k.name, st->k.name) == 0;
+            out->kernel_functions += !seen;
+            out->shared_kernel_functions += !seen && st->k.shared;
+        } else if (st->kind == GJ_JIT_STEP_MATMUL) {
+            const gj_jit_matmul *m = &st->mm;
+            int64_t batch = 1;
+            for (int k = 0; k < m->nb; k++) batch *= m->bshape[k];
+            out->gemm_steps++;
+            out->gemm_flops += 2.0 * (double)m->M * (double)m->N * (double)m->K * (double)batch;
+            if (out->n_gemms < GJ_CA_MAX_GEMMS)
+                out->gemms[out->n_gemms] = (gj_ca_gemm){m->dtype, m->ta, m->tb, m->M, m->N,
+                                                        m->K, batch, m->accumulate};
+            out->n_gemms++;
+        } else {
+            out->other_steps++;
+        }
+    }
+    for (int b = 0; b < p->n_bufs; b++) /* inputs some step reads */
+        if (p->bufs[b].kind == GJ_JIT_BUF_INPUT && p->bufs[b].first_step >= 0)
+            out->input_bytes += meta_bytes(&p->in_meta[p->bufs[b].index]);
+    for (int o = 0; o < p->n_outputs; o++)
+        if (p->bufs[p->out_buf[o]].kind == GJ_JIT_BUF_OUTPUT)
+            out->output_bytes += meta_bytes(&p->out_meta[o]);
+}
+
+/* ---------------------------------------------------------------- run */
+
+/* ------------------------------------------------------ matmul steps */
+
+/* The eager matmul kernel's batch collapsing rule (gj_k_mat_layout): a
+ * batch of A row blocks stacked in memory against one shared B is one GEMM
+ * with M * nbatch rows. Sets *M, *nbatch. */
+static void mm_collapse(const gj_jit_matmul *m, int64_t *M, int64_t *nbatch) {
+    int64_t nb = 1;
+    for (int k = 0; k < m->nb; k++) nb *= m->bshape[k];
+    *M = m->M;
+    *nbatch = nb;
+    bool collapse = nb > 1 && !m->ta;
+    for (int k = 0; collapse && k < m->nb; k++) collapse = m->b_bstr[k] == 0 || m->bshape[k] == 1;
+    if (collapse) {
+        int64_t want = m->M * m->lda;
+        for (int k = m->nb - 1; collapse && k >= 0; k--) {
+            if (m->bshape[k] == 1) continue;
+            collapse = m->a_bstr[k] == want;
+            want *= m->bshape[k];
+        }
+    }
+    if (collapse) {
+        *M = m->M * nb;
+        *nbatch = 1;
+    }
+}
+
+/* The GEMMs of a group of matmul steps as one list of blocks: step t
+ * contributes nbatch[t] * split[t].parts blocks, block (batch, part) being
+ * block `part` of gj_rt_gemm_split_of for that batch's GEMM -- the very
+ * blocks the eager matmul kernel's gj_rt_sgemm call runs, so the bits are
+ * the same, but all of them in one pass over the pool. */
+typedef struct mm_group {
+    const gj_jit_matmul *m[GJ_JIT_MAX_GROUP];
+    int64_t M[GJ_JIT_MAX_GROUP], nbatch[GJ_JIT_MAX_GROUP], first[GJ_JIT_MAX_GROUP + 1];
+    gj_rt_gemm_split split[GJ_JIT_MAX_GROUP];
+    int n;
+    void *const *bp;
+} mm_group;
+
+/* The GEMM of batch bi of matmul m (M rows after collapsing). */
+static void mm_call(const gj_jit_matmul *m, int64_t M, int64_t nbatch, int64_t bi, void *const *bp,
+                    gj_rt_gemm_call *c) {
+    int64_t el = (int64_t)gj_rt_dtype_size(m->dtype);
+    int64_t ao = m->a_off, bo = m->b_off, rest = bi;
+    for (int k = m->nb - 1; k >= 0 && nbatch > 1; k--) { /* unravel bi */
+        int64_t ik = rest % m->bshape[k];
+        rest /= m->bshape[k];
+        ao += ik * m->a_bstr[k];
+        bo += ik * m->b_bstr[k];
+    }
+    *c = (gj_rt_gemm_call){m->dtype == GJ_F64, m->ta, m->tb, M, m->N, m->K, 1.0,
+                           (const char *)bp[m->a_buf] + ao * el, m->lda,
+                           (const char *)bp[m->b_buf] + bo * el, m->ldb,
+                           m->accumulate ? 1.0 : 0.0, (char *)bp[m->c_buf] + bi * M * m->N * el,
+                           m->N};
+}
+
+static void mm_group_range(void *vctx, int64_t b, int64_t e) {
+    const mm_group *g = vctx;
+    int t = 0;
+    for (int64_t i = b; i < e; i++) {
+        while (i >= g->first[t + 1]) t++;
+        int64_t r = i - g->first[t];
+        int parts = g->split[t].parts;
+        gj_rt_gemm_call c;
+        mm_call(g->m[t], g->M[t], g->nbatch[t], r / parts, g->bp, &c);
+        gj_rt_gemm_block(&c, &g->split[t], (int)(r % parts));
+    }
+}
+
+/* Runs the matmul steps [s, e) of p (one step, or a group of independent
+ * ones, schedule.c) as one pass of GEMM blocks over the pool. */
+static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int threads) {
+    mm_group g;
+    g.n = 0;
+    g.bp = bp;
+    g.first[0] = 0;
+    for (int t = s; t < e; t++) {
+        const gj_jit_matmul *m = &p->steps[t].mm;
+        int64_t M, nbatch;
+        mm_collapse(m, &M, &nbatch);
+        if (nbatch == 0 || M == 0 || m->N == 0) continue;
+        if (m->K == 0) {
+            if (!m->accumulate)
+                memset(bp[m->c_buf], 0, (size_t)(nbatch * M * m->N) * gj_rt_dtype_size(m->dtype));
+            continue;
+        }
+        int k = g.n++;
+        g.m[k] = m;
+        g.M[k] = M;
+        g.nbatch[k] = nbatch;
+        gj_rt_gemm_split_of(m->ta, M, m->N, m->K, threads, &g.split[k]);
+        g.first[k + 1] = g.first[k] + nbatch * g.split[k].parts;
+    }
+    if (g.n > 0) gj_rt_parallel_for(g.first[g.n], 1, mm_group_range, &g);
+}
+
+/* ------------------------------------------------------- index steps */
+
+#define GJ_JIT_SCOLS 256 /* columns per scatter task, as the eager kernel */
+
+typedef struct gather_ctx {
+    const gj_jit_index *x;
+    const char *table;
+    const int64_t *idx;
+    char *out;
+    size_t el;
+} gather_ctx;
+
+/* out[i, :] = table[idx[i], :] for i in [b, e). */
+static void gather_range(void *vctx, int64_t b, int64_t e) {
+    const gather_ctx *c = vctx;
+    const gj_jit_index *x = c->x;
+    int64_t D = x->D, el = (int64_t)c->el;
+    for (int64_t i = b; i < e; i++) {
+        const char *src = c->table + (x->src_off + c->idx[i] * x->src_s0) * el;
+        char *dst = c->out + i * D * el;
+        if (x->src_s1 == 1) {
+            memcpy(dst, src, (size_t)(D * el));
+        } else {
+            for (int64_t j = 0; j < D; j++) memcpy(dst + j * el, src + j * x->src_s1 * el, (size_t)el);
+        }
+    }
+}
+
+typedef struct scatter_ctx {
+    const gj_jit_index *x;
+    const void *src; /* [n, D] */
+    const int64_t *idx;
+    void *acc; /* [V, D]: f32 (f32, bf16) or f64 */
+} scatter_ctx;
+
+/* Column chunks [b, e): every index in order adds its source row's chunk. */
+static void scatter_range(void *vctx, int64_t b, int64_t e) {
+    const scatter_ctx *c = vctx;
+    int64_t D = c->x->D;
+    for (int64_t ch = b; ch < e; ch++) {
+        int64_t j0 = ch * GJ_JIT_SCOLS, j1 = j0 + GJ_JIT_SCOLS < D ? j0 + GJ_JIT_SCOLS : D;
+        for (int64_t i = 0; i < c->x->n; i++) {
+            int64_t r = c->idx[i];
+            if (c->x->dtype == GJ_F64) {
+                const double *restrict sp = (const double *)c->src + i * D;
+                double *restrict a = (double *)c->acc + r * D;
+                for (int64_t j = j0; j < j1; j++) a[j] += sp[j];
+            } else if (c->x->dtype == GJ_BF16) {
+                const uint16_t *restrict sp = (const uint16_t *)c->src + i * D;
+                float *restrict a = (float *)c->acc + r * D;
+                for (int64_t j = j0; j < j1; j++) a[j] += gj_m_bf16_to_f32(sp[j]);
+            } else {
+                const float *restrict sp = (const float *)c->src + i * D;
+                float *restrict a = (float *)c->acc + r * D;
+                for (int64_t j = j0; j < j1; j++) a[j] += sp[j];
+            }
+        }
+    }
+}
+
+/* Runs an index step (plan.h). 0, or -1 with the error set (a bad index:
+ * nothing written; out of memory). */
+static int run_index(const gj_jit_index *x, void *const *bp) {
+    const int64_t *idx = bp[x->idx_buf];
+    const char *op = x->scatter ? "scatter_add_rows" : "gather_rows";
+    for (int64_t i = 0; i < x->n; i++) {
+        if (idx[i] < 0 || idx[i] >= x->V) {
+            gj_rt_set_error("compiled backward: %s: index %lld at position %lld out of range "
+                            "[0, %lld) (V = %lld)",
+                            op, (long long)idx[i], (long long)i, (long long)x->V, (long long)x->V);
+            return -1;
+        }
+    }
+    size_t el = gj_rt_dtype_size(x->dtype);
+    if (!x->scatter) {
+        if (x->D <= 0 || x->n <= 0) return 0;
+        gather_ctx c = {x, bp[x->src_buf], idx, bp[x->out_buf], el};
+        gj_rt_parallel_for(x->n, x->D >= 32768 ? 1 : 32768 / x->D, gather_range, &c);
+        return 0;
+    }
+    int64_t total = x->V * x->D;
+    if (total <= 0) return 0; /* an empty [V, 0] or [0, D] output has no memory (NULL) */
+    memset(bp[x->out_buf], 0, (size_t)total * el);
+    if (x->n <= 0) return 0;
+    void *acc = bp[x->out_buf];
+    size_t acc_bytes = 0;
+    if (x->dtype == GJ_BF16) { /* f32 scratch, rounded once */
+        acc_bytes = (size_t)total * sizeof(float);
+        acc = gj_rt_alloc_data(acc_bytes);
+        if (!acc) {
+            gj_rt_set_error("compiled backward: scatter_add_rows: out of memory (%zu bytes)",
+                            acc_bytes);
+            return -1;
+        }
+        memset(acc, 0, acc_bytes);
+    }
+    scatter_ctx c = {x, bp[x->src_buf], idx, acc};
+    int64_t chunks = (x->D + GJ_JIT_SCOLS - 1) / GJ_JIT_SCOLS, per = x->n * GJ_JIT_SCOLS;
+    gj_rt_parallel_for(chunks, per >= 32768 ? 1 : 32768 / per, scatter_range, &c);
+    if (acc != bp[x->out_buf]) {
+        const float *a = acc;
+        uint16_t *o = bp[x->out_buf];
+        for (int64_t k = 0; k < total; k++) o[k] = gj_m_f32_to_bf16(a[k]);
+        gj_rt_free_data(acc, acc_bytes);
+    }
+    return 0;
+}
+
+int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
+                     gj_jit_out_alloc alloc, void *actx) {
+    return gj_jit_plan_exec_hooks(p, in, params, out, alloc, actx, NULL, NULL);
+}
+
+int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           void *hctx) {
+    return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, NULL, hctx);
+}
+
+int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx) {
+    int max_params = 1, rc = -1, threads = gj_rt_num_threads();
+    for (int s = 0; s < p->n_steps; s++)
+        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
+            max_params = p->steps[s].k.n_params;
+    unsigned lf = gj_jit_log_flags();
+    bool prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0,
+         steps_log = (lf & GJ_JIT_LOG_STEPS) != 0;
+    void **bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *bp);
+    void **ctx = gj_rt_calloc((size_t)max_params + 1, sizeof *ctx); /* + a generic kernel's ints */
+    if (!bp || !ctx) goto done;
+    for (int b = 0; b < p->n_bufs; b++) {
+        const gj_jit_buffer *x = &p->bufs[b];
+        if (x->kind == GJ_JIT_BUF_INPUT) bp[b] = in[x->index];
+        else if (x->kind == GJ_JIT_BUF_OUTPUT) bp[b] = out[x->index];
+        else if (x->kind == GJ_JIT_BUF_PARAMS) bp[b] = (void *)(uintptr_t)params;
+    }
+    int fi = 0, li = 0;
+    for (int s = 0, e; s < p->n_steps; s = e) {
+        e = p->steps[s].group_end > s ? p->steps[s].group_end : s + 1;
+        for (; fi < p->n_by_first && p->bufs[p->by_first[fi]].first_step < e; fi++) {
+            int b = p->by_first[fi];
+            const gj_jit_buffer *x = &p->bufs[b];
+            if (x->kind == GJ_JIT_BUF_OUTPUT) {
+                if (!out[x->index]) out[x->index] = alloc ? alloc(actx, x->index) : NULL;
+                if (!out[x->index]) goto done;
+                bp[b] = out[x->index];
+            } else if (x->nbytes > 0) {
+                bp[b] = gj_rt_alloc_data(x->nbytes);
+                if (!bp[b]) goto done;
+            }
+        }
+        const gj_jit_step *st = &p->steps[s];
+        double t0 = prof ? gj_jit_now_ms() : 0;
+        if (st->kind == GJ_JIT_STEP_MATMUL) {
+            run_matmuls(p, s, e, bp, threads);
+        } else if (st->kind == GJ_JIT_STEP_INDEX) {
+            if (run_index(&st->ix, bp) != 0) goto done;
+        } else if (st->kind == GJ_JIT_STEP_FOLD) {
+            const gj_jit_fold *x = &st->fd;
+            const char *src = (const char *)bp[x->src_buf] +
+                              x->src_off * (int64_t)gj_rt_dtype_size(x->dtype);
+            if (!x->col2im) {
+                gj_rt_im2col_run(&x->win, x->dtype, src, x->src_st, x->pad, bp[x->out_buf]);
+            } else if (gj_rt_col2im_run(&x->win, x->dtype, src, x->src_st, bp[x->out_buf]) != 0) {
+                goto done;
+            }
+        } else if (st->kind == GJ_JIT_STEP_CALL) {
+            if (!call) {
+                gj_rt_set_error("compiled backward: a custom call step without a runner");
+                goto done;
+            }
+            void *src[GJ_JIT_CALL_MAX_IN], *dst[GJ_RT_MAX_OUTPUTS];
+            for (int k = 0; k < st->cs.n_in; k++) src[k] = bp[st->cs.src_buf[k]];
+            for (int k = 0; k < st->cs.n_out; k++) dst[k] = bp[st->cs.out_buf[k]];
+            int cr = call(hctx, &st->cs, src, dst);
+            if (cr != 0) {
+                rc = cr;
+                goto done;
+            }
+        } else if (st->kind == GJ_JIT_STEP_HOOK) {
+            if (!hook) {
+                gj_rt_set_error("compiled backward: a hook step without a hook runner");
+                goto done;
+            }
+            int hr = hook(hctx, &st->hk, bp[st->hk.src_buf], bp[st->hk.out_buf]);
+            if (hr != 0) {
+                rc = hr;
+                goto done;
+            }
+        } else if (st->k.rows > 0) {
+            const gj_jit_kernel *k = &st->k;
+            for (int q = 0; q < k->n_params; q++) ctx[q] = bp[k->param_buf[q]];
+            ctx[k->n_params] = k->ints;
+            gj_rt_parallel_for(k->rows, k->grain, k->fn, ctx);
+        }
+        if (prof) {
+            const char *what = st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
+                               : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
+                               : st->kind == GJ_JIT_STEP_CALL  ? "custom"
+                               : st->kind == GJ_JIT_STEP_FOLD  ? (st->fd.col2im ? "col2im"
+                                                                                : "im2col")
+                               : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter"
+                                                                                 : "gather")
+                                                               : st->k.name;
+            double ms = gj_jit_now_ms() - t0;
+            if (steps_log)
+                fprintf(stderr, "[gradjit steps] step %d%s %s: %.3f ms\n", s,
+                        e - s > 1 ? "+" : "", what, ms);
+            gj_jit_prof_step(what, ms);
+        }
+        for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_step < e; li++) {
+            int b = p->by_last[li];
+            if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
+            bp[b] = NULL;
+        }
+        if (progress && e < p->n_steps && progress(hctx, e) != 0) goto done;
+    }
+    for (int o = 0; o < p->n_outputs; o++) { /* outputs no step writes (none expected) */
+        if (out[o] || p->bufs[p->out_buf[o]].kind != GJ_JIT_BUF_OUTPUT) continue;
+        out[o] = alloc ? alloc(actx, o) : NULL;
+        if (!out[o]) goto done;
+    }
+    rc = 0;
+done:
+    if (rc != 0) {
+        if ((!bp || !ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
+        for (int b = 0; bp && b < p->n_bufs; b++)
+            if (p->bufs[b].kind == GJ_JIT_BUF_TEMP && bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
+    }
+    gj_rt_free(bp);
+    gj_rt_free(ctx);
+    return rc;
+}

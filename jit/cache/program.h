@@ -1,0 +1,106 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * program.h - a compiled backward: the plan, its machine code, and what its
+ * inputs and outputs are at run time. Internal to jit/ (and the jit tests).
+ *
+ * Invariants:
+ *   - inputs[i] / outputs[o] describe graph input i / output o of the plan
+ *     in the order the plan expects them (canonical origins, see ir.h).
+ *   - recapture: some input has no canonical origin, so every run captures
+ *     again (cheap: no kernel runs) to collect the input tensors.
+ *   - refs and id belong to compiled.c (under its cache lock): the memory
+ *     cache holds one reference, and every run of the program one more, so
+ *     an entry evicted or demoted while a thread (or a hook re-entering
+ *     gj_backward) runs it is freed by the last run, not under it.
+ */
+#ifndef GJ_JIT_PROGRAM_H
+#define GJ_JIT_PROGRAM_H
+
+#include "jit/codegen/codegen.h"
+#include "jit/plan/plan.h"
+
+typedef struct gj_jit_program {
+    gj_jit_plan plan;
+    gj_jit_code *code;     /* compiled for this program (NULL for a bound one) */
+    /* A generic plan bound to kernels compiled for other sizes (generic.c):
+     * a reference to each code object its kernels are in. */
+    gj_jit_code **shared;
+    int n_shared;
+    gj_jit_input *inputs;
+    int n_inputs;
+    gj_jit_output *outputs;
+    int n_outputs;
+    bool recapture;
+    gj_jit_hookref *hooks; /* tensor hooks (hook steps) and post-accumulate hooks */
+    int n_hooks;
+    int n_calls; /* custom call steps (the program then lives in memory only) */
+    /* A gj_grad's program (its outputs have acc_node -1): per requested
+     * input, the output holding its gradient or -1 (none reaches it);
+     * compiled.c copies it from the capture. NULL, 0 for a backward. */
+    int *ret;
+    int n_ret;
+    int refs;    /* compiled.c: the cache's reference + runs in progress */
+    uint64_t id; /* compiled.c: unique in the process, never reused */
+} gj_jit_program;
+
+/* Optimises g in place (CSE, DCE) and plans it: the program of g with its
+ * plan and no code yet; NULL with why[] set and *permanent telling whether
+ * the failure depends only on the graph (no lowering) rather than on this
+ * run (out of memory). */
+gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap, bool *permanent);
+/* Compiles pr's kernels that are not shared with symbols `<prefix>_<name>`
+ * (prefix NULL: a fresh one); `keep` as gj_jit_code_compile. Sets
+ * pr->code: 0, or -1 with why[] set and *permanent true for an LLVM error
+ * (pr keeps its plan, no code). */
+int gj_jit_program_compile(gj_jit_program *pr, const char *prefix, bool keep, char *why,
+                           size_t why_cap, bool *permanent);
+/* Both halves, keeping no object code. */
+gj_jit_program *gj_jit_program_build(gj_jit_graph *g, const char *prefix, char *why,
+                                     size_t why_cap, bool *permanent);
+void gj_jit_program_free(gj_jit_program *pr);
+/* The bytes pr holds: the program and its plan's heap arrays (at their
+ * capacities), the input/output/hook tables and its machine code
+ * (gj_jit_code_bytes). What the memory cache's limit counts. */
+size_t gj_jit_program_bytes(const gj_jit_program *pr);
+/* The public description of plan p (gradjit.h: gj_ca_program_info). */
+void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out);
+
+/* Allocates the data of a new .grad for graph output o (ctx: the
+ * caller's); NULL on OOM (error set). */
+typedef void *(*gj_jit_out_alloc)(void *ctx, int o);
+
+/* Runs plan p: in[i] is the data of graph input i (contiguous, of
+ * p->in_meta[i]); params the run-time values (seed, offset of dropout pair
+ * k at [2k], [2k+1]; NULL if p->n_rt_params is 0); out[o] the data of a new .grad for output o, or NULL to
+ * have alloc(actx, o) called just before the step that writes it (ignored
+ * for in-place outputs, whose data is the .grad input's). Temporaries live
+ * from their first to their last step. Returns 0, or -1 on OOM (error set;
+ * steps before the failure have run: in-place outputs may be updated, as
+ * with an eager backward that runs out of memory). */
+int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
+                     gj_jit_out_alloc alloc, void *actx);
+/* Runs a hook step: src (contiguous, hs->meta) is the gradient, dst
+ * receives the value flowing on. Returns 0, -1 (error set), or 1 to abandon
+ * the run (a guard tripped; the caller knows why). */
+typedef int (*gj_jit_hook_call)(void *ctx, const gj_jit_hookstep *hs, const void *src, void *dst);
+/* gj_jit_plan_exec with hook steps run through hook(hctx, ...). Returns 0,
+ * -1 (error), or 1 (a hook call asked to abandon the run: temporaries are
+ * freed, outputs allocated so far belong to the caller as usual). */
+/* Runs a custom call step: src[k] (contiguous, cs->in_meta[k]) are its
+ * inputs, dst[k] receive its outputs. Returns 0, -1 or 1 as a hook call. */
+typedef int (*gj_jit_custom_call)(void *ctx, const gj_jit_callstep *cs, void *const *src,
+                                  void *const *dst);
+/* Called after each group of steps with the number of steps done so far
+ * (the outputs whose buffers no later step uses are final). 0 to go on,
+ * -1 to stop the run (error set). */
+typedef int (*gj_jit_progress)(void *ctx, int steps_done);
+/* gj_jit_plan_exec_hooks with custom call steps run through call(hctx, ...)
+ * and progress(hctx, ...) after each group (either may be NULL). */
+int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx);
+int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           void *hctx);
+
+#endif /* GJ_JIT_PROGRAM_H */

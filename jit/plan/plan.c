@@ -1,0 +1,353 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * plan.c - from a captured graph to an execution plan: the driver of the
+ * planning passes (plan_int.h lists them) and the plan's printer.
+ *
+ * Order: graph inputs become views of their tensors as recorded; each node
+ * is planned (plan_nodes.c, with view folding in plan_views.c); the graph
+ * outputs get their buffers; the steps are placed in a topological order of
+ * the step graph, ties broken by the position of their first node
+ * (emission order), which keeps lifetimes short; every fused group becomes
+ * a kernel (plan_kernel.c); then schedule.c pairs independent GEMM steps,
+ * dedupe.c shares identical kernels, and memplan.c sets buffer lifetimes.
+ *
+ * Contract: gj_jit_plan_build returns 0 with *p complete, or -1 with why[]
+ * set and *p freed; it never keeps a pointer into g.
+ */
+#include "jit/plan/plan_int.h"
+
+int gj_jit_pl_oom(planner *pl) {
+    snprintf(pl->why, pl->why_cap, "out of memory while planning");
+    return -1;
+}
+
+int gj_jit_pl_no_lowering(planner *pl, const gj_jit_node *n, const char *detail) {
+    snprintf(pl->why, pl->why_cap, "no lowering for %s%s%s", gj_rt_prim_name(n->inst.prim),
+             detail ? " " : "", detail ? detail : "");
+    gj_rt_set_error("jit: %s", pl->why);
+    return -1;
+}
+
+/* New buffer; returns its id or -1. */
+int gj_jit_pl_new_buf(planner *pl, gj_jit_buf_kind kind, int index, gj_dtype dt, int64_t numel) {
+    gj_jit_plan *p = pl->p;
+    if (grow((void **)&p->bufs, p->n_bufs, &p->cap_bufs, sizeof *p->bufs) != 0) return -1;
+    gj_jit_buffer *b = &p->bufs[p->n_bufs];
+    memset(b, 0, sizeof *b);
+    b->kind = kind;
+    b->index = index;
+    b->dtype = dt;
+    b->numel = numel;
+    b->nbytes = (size_t)numel * gj_rt_dtype_size(dt);
+    b->first_step = b->last_step = -1;
+    b->writer = -1;
+    b->gen_param = -1;
+    return p->n_bufs++;
+}
+
+/* ------------------------------------------------------------ driver */
+
+int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap) {
+    planner pl;
+    memset(&pl, 0, sizeof pl);
+    memset(p, 0, sizeof *p);
+    pl.g = g;
+    pl.p = p;
+    pl.why = why;
+    pl.why_cap = why_cap;
+    pl.last_hook_step = -1;
+    why[0] = '\0';
+    int rc = -1;
+    int *memo = NULL, *order = NULL;
+    bool *is_placed = NULL;
+    pl.vi = gj_rt_calloc((size_t)g->n_values + 1, sizeof *pl.vi);
+    p->n_inputs = g->n_inputs;
+    p->n_outputs = g->n_outputs;
+    p->params_buf = -1;
+    p->in_meta = gj_rt_calloc((size_t)g->n_inputs + 1, sizeof *p->in_meta);
+    p->out_meta = gj_rt_calloc((size_t)g->n_outputs + 1, sizeof *p->out_meta);
+    p->out_buf = gj_rt_calloc((size_t)g->n_outputs + 1, sizeof *p->out_buf);
+    if (!pl.vi || !p->in_meta || !p->out_meta || !p->out_buf) {
+        gj_jit_pl_oom(&pl);
+        goto done;
+    }
+    for (int v = 0; v < g->n_values; v++) pl.vi[v].buf = -1;
+    pl.uses = gj_rt_calloc((size_t)g->n_values + 1, sizeof *pl.uses);
+    if (!pl.uses) {
+        gj_jit_pl_oom(&pl);
+        goto done;
+    }
+    for (int i = 0; i < g->n_nodes; i++)
+        for (int k = 0; k < g->nodes[i].inst.n_in; k++) pl.uses[g->nodes[i].in[k]]++;
+    for (int o = 0; o < g->n_outputs; o++) pl.uses[g->outputs[o].value]++;
+    for (int k = 0; k < g->n_inputs; k++) { /* read in place, in their recorded layout */
+        const gj_rt_meta *m = &g->values[g->inputs[k].value].meta;
+        const int64_t *st = g->inputs[k].strides;
+        p->in_meta[k] = *m;
+        int64_t extent = numel_of(m->ndim, m->shape) > 0 ? 1 : 0;
+        for (int d = 0; d < m->ndim && extent > 0; d++) extent += (m->shape[d] - 1) * st[d];
+        int b = gj_jit_pl_new_buf(&pl, GJ_JIT_BUF_INPUT, k, m->dtype, extent);
+        if (b != k) {
+            gj_jit_pl_oom(&pl);
+            goto done;
+        }
+        vinfo *x = &pl.vi[g->inputs[k].value];
+        x->kind = V_VIEW;
+        x->buf = b;
+        x->offset = 0;
+        memcpy(x->strides, st, sizeof x->strides);
+    }
+    for (int i = 0; i < g->n_nodes; i++) {
+        if (gj_jit_pl_node(&pl, i) != 0) {
+            if (!why[0]) gj_jit_pl_oom(&pl);
+            goto done;
+        }
+    }
+    if (gj_jit_pl_outputs(&pl) != 0) goto done;
+
+    /* steps: a topological order of the step graph, earliest position first */
+    memo = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *memo);
+    order = gj_rt_malloc((size_t)(pl.n_ps + 1) * sizeof *order);
+    is_placed = gj_rt_calloc((size_t)pl.n_ps + 1, sizeof *is_placed);
+    p->cap_steps = pl.n_ps + 1;
+    p->steps = gj_rt_calloc((size_t)p->cap_steps, sizeof *p->steps);
+    if (!memo || !order || !is_placed || !p->steps) {
+        gj_jit_pl_oom(&pl);
+        goto done;
+    }
+    int n_live = 0;
+    for (int c = 0; c < pl.n_ps; c++) {
+        if (pl.ps[c].kind == PS_DEAD) is_placed[c] = true; /* merged away */
+        else n_live++;
+    }
+    for (int t = 0; t < n_live; t++) {
+        int best = -1;
+        for (int c = 0; c < pl.n_ps; c++) {
+            if (is_placed[c]) continue;
+            bool ready = true;
+            for (int k = 0; k < pl.ps[c].n_deps && ready; k++) ready = is_placed[pl.ps[c].deps[k]];
+            if (ready && (best < 0 || pl.ps[c].pos < pl.ps[best].pos)) best = c;
+        }
+        if (best < 0) {
+            if (gj_jit_log_flags() & GJ_JIT_LOG_PLAN)
+                for (int c = 0; c < pl.n_ps; c++) {
+                    fprintf(stderr, "  pstep %d kind %d idx %d pos %lld%s deps:", c, pl.ps[c].kind,
+                            pl.ps[c].idx, (long long)pl.ps[c].pos, is_placed[c] ? " placed" : "");
+                    for (int k = 0; k < pl.ps[c].n_deps; k++) fprintf(stderr, " %d", pl.ps[c].deps[k]);
+                    fprintf(stderr, "\n");
+                }
+            snprintf(why, why_cap, "internal: the step graph has a cycle");
+            gj_rt_set_error("jit plan: %s", why);
+            goto done;
+        }
+        is_placed[best] = true;
+        order[t] = best;
+    }
+    for (int t = 0; t < n_live; t++) {
+        const pstep *ps = &pl.ps[order[t]];
+        if (ps->kind == PS_BARRIER) continue;
+        gj_jit_step *st = &p->steps[p->n_steps++];
+        st->pos = ps->pos;
+        if (ps->kind == PS_MATMUL) {
+            st->kind = GJ_JIT_STEP_MATMUL;
+            st->mm = pl.mms[ps->idx];
+            continue;
+        }
+        if (ps->kind == PS_INDEX) {
+            st->kind = GJ_JIT_STEP_INDEX;
+            st->ix = pl.ixs[ps->idx];
+            continue;
+        }
+        if (ps->kind == PS_FOLD) {
+            st->kind = GJ_JIT_STEP_FOLD;
+            st->fd = pl.fds[ps->idx];
+            continue;
+        }
+        if (ps->kind == PS_HOOK) {
+            st->kind = GJ_JIT_STEP_HOOK;
+            st->hk = pl.hks[ps->idx];
+            continue;
+        }
+        if (ps->kind == PS_CALL) {
+            st->kind = GJ_JIT_STEP_CALL;
+            st->cs = pl.cls[ps->idx];
+            continue;
+        }
+        st->kind = GJ_JIT_STEP_KERNEL;
+        for (int v = 0; v < g->n_values; v++) memo[v] = -1;
+        if (gj_jit_pl_kernel(&pl, ps->idx, &st->k, memo) != 0) {
+            if (!why[0]) snprintf(why, why_cap, "kernel construction failed: %s", gj_last_error());
+            goto done;
+        }
+        if (st->k.n_st == 0) {
+            /* a group whose every value the kernels reading it compute
+             * again (plan_nodes.c: need_value): nothing is left to run */
+            gj_rt_free(st->k.acc);
+            gj_rt_free(st->k.ex);
+            gj_rt_free(st->k.st);
+            gj_rt_free(st->k.param_buf);
+            memset(st, 0, sizeof *st);
+            p->n_steps--;
+        }
+    }
+    if (gj_jit_schedule_order(p) != 0 || gj_jit_schedule_groups(p) != 0) {
+        gj_jit_pl_oom(&pl);
+        goto done;
+    }
+    for (int s = 0; s < p->n_steps; s++)
+        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
+            snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
+    if (gj_jit_dedupe_kernels(p) != 0 || gj_jit_plan_memory(p) != 0) {
+        gj_jit_pl_oom(&pl);
+        goto done;
+    }
+    rc = 0;
+done:
+    for (int gi = 0; gi < pl.n_groups; gi++) {
+        gj_rt_free(pl.groups[gi].nodes);
+        gj_rt_free(pl.groups[gi].recomp);
+    }
+    gj_rt_free(pl.groups);
+    gj_rt_free(pl.mms);
+    gj_rt_free(pl.ixs);
+    gj_rt_free(pl.hks);
+    gj_rt_free(pl.cls);
+    gj_rt_free(pl.fds);
+    for (int t = 0; t < pl.n_ps; t++) gj_rt_free(pl.ps[t].deps);
+    gj_rt_free(pl.ps);
+    gj_rt_free(pl.stack);
+    gj_rt_free(pl.vi);
+    gj_rt_free(pl.uses);
+    gj_rt_free(memo);
+    gj_rt_free(order);
+    gj_rt_free(is_placed);
+    if (rc != 0) gj_jit_plan_free(p);
+    return rc;
+}
+
+void gj_jit_plan_free(gj_jit_plan *p) {
+    if (!p) return;
+    for (int s = 0; s < p->n_steps; s++) {
+        gj_jit_kernel *k = &p->steps[s].k;
+        gj_rt_free(k->acc);
+        gj_rt_free(k->ex);
+        gj_rt_free(k->st);
+        gj_rt_free(k->param_buf);
+        gj_rt_free(k->ints);
+    }
+    gj_rt_free(p->steps);
+    gj_rt_free(p->bufs);
+    gj_rt_free(p->in_meta);
+    gj_rt_free(p->out_meta);
+    gj_rt_free(p->out_buf);
+    gj_rt_free(p->by_first);
+    gj_rt_free(p->by_last);
+    gj_rt_free(p->rt_param_node);
+    gj_rt_free(p->rt_param_tape);
+    memset(p, 0, sizeof *p);
+    p->params_buf = -1;
+}
+
+/* ------------------------------------------------------------- print */
+
+static const char *buf_kind_name(gj_jit_buf_kind k) {
+    switch (k) {
+    case GJ_JIT_BUF_INPUT: return "input";
+    case GJ_JIT_BUF_OUTPUT: return "output";
+    case GJ_JIT_BUF_TEMP: return "temp";
+    case GJ_JIT_BUF_IOTA: return "iota";
+    case GJ_JIT_BUF_PARAMS: return "params";
+    default: return "dropout";
+    }
+}
+
+void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
+    char sh[160];
+    fprintf(f, "plan: %d steps, %d buffers, peak of temporaries %zu bytes\n", p->n_steps,
+            p->n_bufs, p->peak_temp_bytes);
+    for (int b = 0; b < p->n_bufs; b++) {
+        const gj_jit_buffer *x = &p->bufs[b];
+        fprintf(f, "  b%d %s #%d %s x%lld", b, buf_kind_name(x->kind), x->index,
+                gj_rt_dtype_name(x->dtype), (long long)x->numel);
+        if (x->first_step >= 0) fprintf(f, " live [%d, %d]", x->first_step, x->last_step);
+        fprintf(f, "\n");
+    }
+    for (int s = 0; s < p->n_steps; s++) {
+        const gj_jit_step *st = &p->steps[s];
+        if (st->kind == GJ_JIT_STEP_CALL) {
+            fprintf(f, "  step %d: custom %s call of node %d tape %d (", s,
+                    st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);
+            for (int k = 0; k < st->cs.n_in; k++) fprintf(f, "%sb%d", k ? ", " : "", st->cs.src_buf[k]);
+            fprintf(f, ") ->");
+            for (int k = 0; k < st->cs.n_out; k++) fprintf(f, " b%d", st->cs.out_buf[k]);
+            fprintf(f, "\n");
+            continue;
+        }
+        if (st->kind == GJ_JIT_STEP_HOOK) {
+            gj_rt_fmt_shape(sh, sizeof sh, st->hk.meta.ndim, st->hk.meta.shape);
+            fprintf(f, "  step %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,
+                    st->hk.src_buf, gj_rt_dtype_name(st->hk.meta.dtype), sh);
+            continue;
+        }
+        if (st->kind == GJ_JIT_STEP_FOLD) {
+            const gj_jit_fold *x = &st->fd;
+            const gj_rt_win *w = &x->win;
+            fprintf(f, "  step %d: %s b%d = b%d+%lld %s N=%lld C=%lld H=%lld W=%lld kernel=%lldx%lld "
+                    "stride=%lldx%lld pad=%lldx%lld dilation=%lldx%lld out=%lldx%lld\n", s,
+                    x->col2im ? "col2im" : "im2col", x->out_buf, x->src_buf, (long long)x->src_off,
+                    gj_rt_dtype_name(x->dtype), (long long)w->N, (long long)w->C, (long long)w->H,
+                    (long long)w->W, (long long)w->kh, (long long)w->kw, (long long)w->sh,
+                    (long long)w->sw, (long long)w->ph, (long long)w->pw, (long long)w->dh,
+                    (long long)w->dw, (long long)w->OH, (long long)w->OW);
+            continue;
+        }
+        if (st->kind == GJ_JIT_STEP_INDEX) {
+            const gj_jit_index *x = &st->ix;
+            fprintf(f, "  step %d: %s b%d = b%d [b%d] %s n=%lld D=%lld V=%lld\n", s,
+                    x->scatter ? "scatter_add_rows" : "gather_rows", x->out_buf, x->src_buf,
+                    x->idx_buf, gj_rt_dtype_name(x->dtype), (long long)x->n, (long long)x->D,
+                    (long long)x->V);
+            continue;
+        }
+        if (st->kind == GJ_JIT_STEP_MATMUL) {
+            const gj_jit_matmul *m = &st->mm;
+            int g0 = s;
+            while (g0 > 0 && p->steps[g0 - 1].group_end == st->group_end) g0--;
+            char grp[48] = "";
+            if (st->group_end - g0 > 1)
+                snprintf(grp, sizeof grp, "  [side by side: steps %d..%d]", g0, st->group_end - 1);
+            fprintf(f, "  step %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d%s\n", s,
+                    m->dtype == GJ_F64 ? "dgemm" : "sgemm", m->c_buf, m->accumulate ? "+=" : "=",
+                    m->a_buf, m->ta ? "^T" : "",
+                    m->b_buf, m->tb ? "^T" : "", (long long)m->M, (long long)m->N,
+                    (long long)m->K, m->nb, grp);
+            continue;
+        }
+        const gj_jit_kernel *k = &st->k;
+        gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->dims);
+        fprintf(f, "  step %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld\n", s,
+                k->name, sh, (unsigned)k->red, (long long)k->rows, (long long)k->block,
+                (long long)k->grain);
+        for (int a = 0; a < k->n_acc; a++) {
+            gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->acc[a].strides);
+            fprintf(f, "    a%d: b%d %s +%lld strides %s\n", a, k->acc[a].buf,
+                    gj_rt_dtype_name(k->acc[a].dtype), (long long)k->acc[a].offset, sh);
+        }
+        for (int e = 0; e < k->n_ex; e++) {
+            const gj_jit_expr *x = &k->ex[e];
+            if (x->kind == GJ_JIT_E_LOAD)
+                fprintf(f, "    e%d = load a%d\n", e, x->access);
+            else if (x->kind == GJ_JIT_E_CONST)
+                fprintf(f, "    e%d = const %.17g %s\n", e, x->cval, gj_rt_dtype_name(x->dtype));
+            else {
+                fprintf(f, "    e%d = %s(", e, gj_rt_prim_name(x->inst.prim));
+                for (int q = 0; q < x->inst.n_in && q < 3; q++)
+                    fprintf(f, "%se%d", q ? ", " : "", x->args[q]);
+                fprintf(f, ") %s\n", gj_rt_dtype_name(x->dtype));
+            }
+        }
+        for (int q = 0; q < k->n_st; q++)
+            fprintf(f, "    a%d %s e%d\n", k->st[q].access,
+                    !k->st[q].reduce ? "=" : k->st[q].max ? "max=" : "+=", k->st[q].expr);
+    }
+}

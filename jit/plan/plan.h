@@ -1,0 +1,355 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * plan.h - the execution plan of a captured graph (internal to jit/): fused
+ * kernels, BLAS calls, the buffers they read and write, and the memory plan.
+ * Built by plan.c from a gj_jit_graph, compiled by lower.c/llvmjit.c, run by
+ * program.c.
+ *
+ * Vocabulary (dimension legend: S = a kernel's iteration space):
+ *   - A buffer is a contiguous array of one dtype: a graph input's tensor
+ *     data, a new .grad (a graph output), or a temporary.
+ *     A "virtual" buffer has no memory: its elements are computed from their
+ *     index (IOTA, DROPOUT_MASK), so views of it compose like real ones.
+ *   - An access is a strided view of a buffer over a kernel's S:
+ *     element (i0..i{nd-1}) is buffer[offset + sum ik*strides[k]]; stride 0
+ *     broadcasts. Stores always have an injective map (no stride 0 except on
+ *     reduced dims of a reduction output, where it accumulates).
+ *   - A kernel is one fused group: expressions over S, evaluated once per
+ *     element, stores of materialised values, and sums over the dims in
+ *     `red` (all of its reductions share them). Its LLVM function is
+ *     void fn(void *const *bufs, int64_t row_begin, int64_t row_end), where
+ *     bufs[p] is the base pointer of buffer param_buf[p].
+ *
+ * Invariants:
+ *   - Steps are in execution order; a step reads only buffers written by
+ *     earlier steps or graph inputs.
+ *   - Memory plan: a temporary is allocated (gj_rt_alloc_data) just before
+ *     the first step that uses it and freed right after the last one; a new
+ *     .grad just before the step that writes it. by_first / by_last list
+ *     them in that order.
+ *   - A value summed by a kernel is added in S's row-major order of the
+ *     reduced indices, starting from 0, in double -- the eager SUM
+ *     kernel's order and accumulator; a MAX compares in double from -inf
+ *     (NaN wins), like the eager MAX kernel.
+ */
+#ifndef GJ_JIT_PLAN_H
+#define GJ_JIT_PLAN_H
+
+#include "jit/ir/ir.h"
+
+typedef enum gj_jit_buf_kind {
+    GJ_JIT_BUF_INPUT = 0,  /* data of graph input #index */
+    GJ_JIT_BUF_OUTPUT = 1, /* new .grad of graph output #index */
+    GJ_JIT_BUF_TEMP = 2,   /* a temporary of the run */
+    GJ_JIT_BUF_IOTA = 3,   /* virtual: element e = (e / gen_inner) % gen_len */
+    GJ_JIT_BUF_DROPOUT = 4, /* virtual: element e = dropout_scale(seed, offset + e, p) */
+    GJ_JIT_BUF_PARAMS = 5   /* the run's u64 parameters (seed, offset of each dropout) */
+} gj_jit_buf_kind;
+
+typedef struct gj_jit_buffer {
+    gj_jit_buf_kind kind;
+    int index;
+    gj_dtype dtype;
+    int64_t numel;
+    size_t nbytes;
+    int first_step, last_step; /* -1 until used */
+    int writer;                /* while planning: the step producing it, -1 */
+    /* virtual buffers */
+    int64_t gen_inner, gen_len;
+    uint64_t gen_seed, gen_offset; /* constants, when gen_param < 0 */
+    int gen_param;                 /* run-time seed/offset: params[2k], params[2k+1] */
+    double gen_p;
+} gj_jit_buffer;
+
+typedef struct gj_jit_access {
+    int buf;
+    gj_dtype dtype;
+    int64_t offset;
+    int64_t strides[GJ_MAX_DIMS];
+} gj_jit_access;
+
+typedef enum gj_jit_expr_kind {
+    GJ_JIT_E_LOAD = 0,  /* access #access */
+    GJ_JIT_E_CONST = 1, /* cval in dtype */
+    GJ_JIT_E_OP = 2,    /* inst on args */
+} gj_jit_expr_kind;
+
+typedef struct gj_jit_expr {
+    gj_jit_expr_kind kind;
+    gj_dtype dtype; /* dtype of the value (bf16 values are rounded) */
+    int access;
+    double cval;
+    gj_rt_inst inst;
+    int args[3];
+} gj_jit_expr;
+
+typedef struct gj_jit_store {
+    int access;
+    int expr;
+    bool reduce; /* accumulated over the reduced dims instead of = */
+    bool max;    /* reduce: a MAX (NaN wins, from -inf) instead of a SUM (from 0) */
+} gj_jit_store;
+
+typedef struct gj_jit_kernel {
+    int nd;
+    int64_t dims[GJ_MAX_DIMS];
+    uint32_t red; /* reduced dims (bit k = dim k) */
+    gj_jit_access *acc;
+    int n_acc, cap_acc;
+    gj_jit_expr *ex;
+    int n_ex, cap_ex;
+    gj_jit_store *st;
+    int n_st, cap_st;
+    /* schedule (plan_kernel.c) */
+    int64_t block;     /* inner-dim block per row (outer mode) */
+    int64_t nblk;      /* blocks per inner dim */
+    int64_t rows;      /* parallel rows */
+    int64_t grain;     /* rows per task, at least */
+    int *param_buf;    /* kernel param p -> buffer id */
+    int n_params;
+    char name[48];
+    gj_rt_range_fn fn; /* after compilation: fn(bufs, row_begin, row_end) */
+    /* A generic plan's kernel reads its integers at run time from
+     * bufs[n_params] = ints (see gj_jit_kint_acc); NULL otherwise. */
+    int64_t *ints;
+    int n_ints;
+    /* fn is another program's compiled kernel of the same description
+     * (generic.c's registry): not lowered or compiled with this plan; lent
+     * is its symbol in that program's code ("<prefix>_<name>"), what the
+     * disk cache records so that a later process finds it again */
+    bool shared;
+    char lent[96];
+} gj_jit_kernel;
+
+/* The column block of an outer-mode kernel with reduce stores is at most
+ * this many columns (plan_kernel.c's schedule; a generic kernel's accumulators
+ * have room for this many, and generic.c refuses to bind a kernel whose
+ * block is larger). */
+#define GJ_JIT_MAX_RED_BLOCK 512
+
+/* A generic kernel's integer table: dims[0..nd), then per access a its
+ * offset and strides[0..nd) (from gj_jit_kint_acc(k, a)), then block and
+ * nblk (from gj_jit_kint_sched(k)), then per expression e the bits of its
+ * constant (a CONST's value, the scalar of ADD/MUL/POW_SCALAR) as the
+ * kernel computes with it: a float's bits, a double's, or an i64 (from
+ * gj_jit_kint_const(k, e)). Constants are run-time values too because
+ * sizes reach them (a mean's 1/N). */
+static inline int gj_jit_kint_acc(const gj_jit_kernel *k, int a) { return k->nd + a * (k->nd + 1); }
+static inline int gj_jit_kint_sched(const gj_jit_kernel *k) { return k->nd + k->n_acc * (k->nd + 1); }
+static inline int gj_jit_kint_const(const gj_jit_kernel *k, int e) { return gj_jit_kint_sched(k) + 2 + e; }
+static inline int gj_jit_kint_count(const gj_jit_kernel *k) { return gj_jit_kint_const(k, k->n_ex); }
+
+/* A double converted to i64 as the eager kernels do: NaN 0, saturating. */
+static inline int64_t gj_jit_sat_i64(double v) {
+    if (v != v) return 0;
+    if (v >= 9223372036854775807.0) return INT64_MAX;
+    if (v <= -9223372036854775808.0) return INT64_MIN;
+    return (int64_t)v;
+}
+
+typedef struct gj_jit_matmul {
+    gj_dtype dtype;
+    bool accumulate; /* C += op(A) op(B) (beta 1): C is an existing .grad */
+    int a_buf, b_buf, c_buf;
+    bool ta, tb; /* BLAS flags after folding storage transposition */
+    int64_t M, N, K, lda, ldb;
+    int64_t a_off, b_off;
+    int nb;                       /* batch dims of the output */
+    int64_t bshape[GJ_MAX_DIMS];  /* batch shape */
+    int64_t a_bstr[GJ_MAX_DIMS];  /* batch strides (0: broadcast) */
+    int64_t b_bstr[GJ_MAX_DIMS];
+} gj_jit_matmul;
+
+/* GATHER_ROWS / SCATTER_ADD_ROWS, run by C loops in program.c with the
+ * eager kernels' order (runtime/kernels_index.c): indices idx_buf[0..n)
+ * (contiguous i64) are all checked against [0, V) before anything is
+ * written.
+ *   gather:  out[i, :] = table[idx[i], :], table element (r, j) at
+ *            src_off + r*src_s0 + j*src_s1; out contiguous [n, D].
+ *   scatter: out[V, D] = zeros, then out[idx[i], :] += src[i, :] in index
+ *            order (src contiguous [n, D]); f32 and bf16 add in f32 (bf16
+ *            through a scratch, rounded once), f64 in f64. */
+typedef struct gj_jit_index {
+    bool scatter;
+    gj_dtype dtype; /* of table / src and out */
+    int src_buf, idx_buf, out_buf;
+    int64_t n, D, V;
+    int64_t src_off, src_s0, src_s1;
+} gj_jit_index;
+
+/* IM2COL / COL2IM, run by the runtime's own cores (gj_rt_im2col_run /
+ * gj_rt_col2im_run, the eager kernels' code: the same bits, the same split
+ * over (n, c) planes). The source is read through a strided view of
+ * src_buf (element offset src_off, strides src_st over the source's 4 or 6
+ * dims); out_buf is a new contiguous temporary of the output's meta. */
+typedef struct gj_jit_fold {
+    bool col2im;
+    gj_dtype dtype;
+    int src_buf, out_buf;
+    int64_t src_off;
+    int64_t src_st[6];
+    gj_rt_win win;
+    double pad; /* IM2COL: the value outside the image */
+} gj_jit_fold;
+
+/* An opaque call of tensor hook #hook (the program's hook table): the
+ * run-time callback gets src_buf (contiguous, of meta) and writes the value
+ * flowing on to out_buf (contiguous, same meta). Hook steps run in the
+ * engine's order (each depends on the previous one). */
+typedef struct gj_jit_hookstep {
+    int hook;
+    int src_buf, out_buf;
+    gj_rt_meta meta;
+} gj_jit_hookstep;
+
+/* An opaque call of the backward of the custom op at canonical node
+ * #node (or op #tape of that checkpoint node's tape): the run-time callback gets src_buf[0..n_in) (contiguous, of
+ * in_meta: the output gradients, then the saved tensor arguments) and
+ * writes the gradient of the k-th argument set in `args` to out_buf[k] (contiguous,
+ * out_meta[k]). Call steps run in the engine's order (each after the
+ * previous call or hook step). */
+typedef struct gj_jit_callstep {
+    bool fwd;      /* the op's forward instead: src_buf are its tensor arguments,
+                      out_buf its outputs (a checkpoint region's recomputation) */
+    int node;
+    int tape;      /* -1, or the op of checkpoint node #node's tape */
+    uint32_t args; /* bit i: tensor argument i has an output (in order) */
+    int n_in, n_out;
+    int src_buf[GJ_JIT_CALL_MAX_IN];
+    gj_rt_meta in_meta[GJ_JIT_CALL_MAX_IN];
+    int out_buf[GJ_RT_MAX_OUTPUTS];
+    gj_rt_meta out_meta[GJ_RT_MAX_OUTPUTS];
+} gj_jit_callstep;
+
+typedef enum gj_jit_step_kind {
+    GJ_JIT_STEP_KERNEL = 0,
+    GJ_JIT_STEP_MATMUL = 1,
+    GJ_JIT_STEP_INDEX = 2,
+    GJ_JIT_STEP_HOOK = 3,
+    GJ_JIT_STEP_CALL = 4,
+    GJ_JIT_STEP_FOLD = 5
+} gj_jit_step_kind;
+
+typedef struct gj_jit_step {
+    gj_jit_step_kind kind;
+    int64_t pos;   /* ordering key while planning */
+    int group_end; /* steps [first of its group, group_end) run side by side (schedule.c) */
+    gj_jit_kernel k;
+    gj_jit_matmul mm;
+    gj_jit_index ix;
+    gj_jit_hookstep hk;
+    gj_jit_callstep cs;
+    gj_jit_fold fd;
+} gj_jit_step;
+
+typedef struct gj_jit_plan {
+    gj_jit_buffer *bufs;
+    int n_bufs, cap_bufs;
+    gj_jit_step *steps;
+    int n_steps, cap_steps;
+    size_t peak_temp_bytes; /* most temporary bytes alive at once */
+    int *by_first;          /* temporaries and outputs by first step */
+    int n_by_first;
+    int *by_last;           /* temporaries by last step */
+    int n_by_last;
+    int n_inputs, n_outputs;
+    gj_rt_meta *in_meta;  /* per graph input */
+    gj_rt_meta *out_meta; /* per graph output: the new .grad's meta */
+    int *out_buf;         /* per graph output: buffer holding it (input buffer if in place) */
+    int n_rt_params;      /* run-time (seed, offset) pairs */
+    int *rt_param_node;   /* pair k comes from this canonical (dropout) node's attrs */
+    int *rt_param_tape;   /* ... or, when >= 0, from op #rt_param_tape[k] of the tape of
+                             checkpoint node #rt_param_node[k] */
+    int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
+    int n_par_groups;     /* groups of steps run side by side (schedule.c) */
+    /* Generic (symbolic sizes, generic.c): the kernels' machine code does not
+     * depend on the sizes, offsets and schedule of this plan -- they are read
+     * from each kernel's ints -- so one compiled kernel serves every plan
+     * whose kernel has the same generic description. */
+    bool generic;
+} gj_jit_plan;
+
+/* schedule.c: pairs independent GEMM steps when that costs no memory (see
+ * its contract). order runs once before the memory plan; groups sets
+ * group_end from the order. Each returns 0, or -1 on OOM. */
+#define GJ_JIT_MAX_GROUP 2
+int gj_jit_schedule_order(gj_jit_plan *p);
+int gj_jit_schedule_groups(gj_jit_plan *p);
+
+/* memplan.c: liveness of every buffer, the run's allocation and release
+ * order, and the peak of temporary bytes (see its contract). 0, or -1 on
+ * OOM. */
+int gj_jit_plan_memory(gj_jit_plan *p);
+
+/* dedupe.c: every kernel whose description equals an earlier kernel's takes
+ * that kernel's name (one function per distinct kernel; for a generic plan
+ * the generic description, gj_jit_kernel_describe). 0, or -1 on OOM. */
+int gj_jit_dedupe_kernels(gj_jit_plan *p);
+/* The bytes that determine kernel k's machine code (generic: without the
+ * sizes, offsets, schedule and strides other than 0 and 1) into *b (a
+ * wbuf, wbuf.h). */
+struct wbuf;
+void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool generic,
+                            struct wbuf *b);
+
+
+/* Builds the plan of g (after gj_jit_pass_cse_dce). Returns 0; or -1 with
+ * why[] set ("no lowering for X", or an OOM message) and the error set. */
+int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap);
+void gj_jit_plan_free(gj_jit_plan *p);
+void gj_jit_plan_print(const gj_jit_plan *p, FILE *f);
+
+/* Test switch: while prim >= 0, the planner has "no lowering" for that
+ * primitive (every primitive of the foundation has one; this is how the
+ * tests reach the GJ_CA_NO_LOWERING fallback). -1 turns it off. */
+void gj_jit_test_no_lowering(int prim);
+
+/* --------------------------------------------- symbolic plans (symbolic.c) */
+
+/* Makes p generic: fills every kernel's integer table (plan.h) and gives
+ * kernels with one generic description one name. 0, or -1 on OOM. */
+int gj_jit_plan_make_generic(gj_jit_plan *p);
+/* Undoes gj_jit_plan_make_generic (the plan compiles specialised). 0, or
+ * -1 on OOM. */
+int gj_jit_plan_make_specific(gj_jit_plan *p);
+/* Whether generic kernel code has room for k's column accumulators
+ * (its block at most GJ_JIT_MAX_RED_BLOCK when it has reduce stores). */
+bool gj_jit_generic_block_ok(const gj_jit_kernel *k);
+/* The kernel signature of generic plan p into *b (a wbuf): per kernel step
+ * its name, and at a name's first step the kernel's generic description.
+ * Two plans with equal signatures call the same kernel functions under
+ * the same names. 0, or -1 on OOM. */
+int gj_jit_generic_signature(const gj_jit_plan *p, wbuf *b);
+
+/* A kernel's code: its expressions (instruction of each, zero for loads
+ * and constants) and its stores -- the part of a kernel the disk cache and
+ * dedupe.c both serialise. generic: without the constants and the
+ * instructions' fields other than the primitive and its input count,
+ * which a generic kernel does not build into its code (sizes reach them:
+ * a mean's 1/N, the shapes of the ops they came from; lower.c). */
+static inline void wbuf_kernel_code(wbuf *b, const gj_jit_kernel *k, bool generic) {
+    wbuf_i64(b, k->n_ex);
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        wbuf_i64(b, x->kind);
+        wbuf_i64(b, x->dtype);
+        wbuf_i64(b, x->access);
+        if (generic) {
+            wbuf_i64(b, x->inst.prim);
+            wbuf_i64(b, x->inst.n_in);
+        } else {
+            wbuf_f64(b, x->cval);
+            wbuf_inst(b, &x->inst);
+        }
+        for (int q = 0; q < 3; q++) wbuf_i64(b, x->args[q]);
+    }
+    wbuf_i64(b, k->n_st);
+    for (int q = 0; q < k->n_st; q++) {
+        const gj_jit_store *x = &k->st[q];
+        wbuf_i64(b, x->access);
+        wbuf_i64(b, x->expr);
+        wbuf_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
+    }
+}
+
+#endif /* GJ_JIT_PLAN_H */

@@ -1,0 +1,387 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * run.c - running a backward's program on this backward's tensors
+ * (run.h): its inputs from the walk, the .grads it writes (in the eager
+ * engine's order, post-accumulate hooks in between), a gj_grad's returned
+ * gradients, and freeing the graph afterwards.
+ *
+ * Invariants:
+ *   - Inputs are read in place, in the layout the key recorded; saved
+ *     tensors are checked exactly as the eager engine checks them (walk
+ *     validation) before anything runs. An existing .grad is updated in
+ *     place (through a contiguous copy if strided, or a private copy when
+ *     the program calls user code: written back only once every step ran).
+ *   - A run that falls back or fails before its last step has written no
+ *     .grad, except the ones final before an early post-accumulate hook
+ *     (GJ_HOOK_NO_GRAPH_WRITES) when no hook or call step is left.
+ *   - gj_grad: its outputs (acc_node -1) are new tensors handed to the
+ *     caller (program->ret maps requested inputs to outputs); no .grad is
+ *     read, written or locked, no post-accumulate hook runs; without
+ *     retain_graph the walk's needed op nodes are freed, as the engine's
+ *     gj_grad frees the nodes it ran.
+ */
+#include "jit/run/run_int.h"
+
+#include "jit/run/run.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* The event log of this thread's last compiled run: after how many steps
+ * each post-accumulate hook ran (gj_jit_last_post_hook_steps). */
+static _Thread_local int t_post_steps[GJ_JIT_MAX_POST_LOG], t_n_post_steps, t_run_steps;
+/* The id of the last program this thread ran (ids are never reused, so a
+ * freed program is never mistaken for a new one) and its description. */
+static _Thread_local uint64_t g_last_id;
+static _Thread_local gj_ca_program_info g_last_info;
+static _Thread_local bool g_have_last;
+
+/* Byte range [lo, hi) of the storage of t that its view can touch. */
+static void byte_range(const gj_tensor *t, size_t *lo, size_t *hi) {
+    size_t el = gj_rt_dtype_size(t->dtype);
+    int64_t last = t->offset;
+    for (int k = 0; k < t->ndim; k++)
+        if (t->shape[k] > 0) last += (t->shape[k] - 1) * t->strides[k];
+    *lo = (size_t)t->offset * el;
+    *hi = t->numel > 0 ? (size_t)(last + 1) * el : *lo;
+}
+
+/* Do the memories of a and b overlap? */
+static bool overlaps(const gj_tensor *a, const gj_tensor *b) {
+    if (a->storage != b->storage) return false;
+    size_t al, ah, bl, bh;
+    byte_range(a, &al, &ah);
+    byte_range(b, &bl, &bh);
+    return al < bh && bl < ah;
+}
+
+typedef struct out_ctx {
+    const gj_jit_plan *p;
+    gj_tensor **news;
+} out_ctx;
+
+/* A new .grad tensor for output o (uninitialised: the step writes it all). */
+static void *alloc_output(void *vctx, int o) {
+    out_ctx *c = vctx;
+    const gj_rt_meta *m = &c->p->out_meta[o];
+    c->news[o] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+    return c->news[o] ? gj_rt_data_ptr(c->news[o]) : NULL;
+}
+
+/* Writes graph output o into its leaf's .grad (news[o] or, for an existing
+ * .grad, its private or contiguous copy contig[] written back). A leaf that
+ * user code changed with set_ during the run (another dtype, or a .grad a
+ * post-accumulate hook gave it) gets what the eager accumulate makes of the
+ * program's gradient: a new .grad in the leaf's dtype, or the gradient
+ * added into the .grad it has. A leaf of another shape is an error, as in
+ * the eager engine. 0, or -1 (error set; earlier outputs stay written, as
+ * with an eager backward that fails half-way). */
+static int write_output(const gj_jit_program *pr, const gj_jit_walk *w,
+                        gj_tensor *const *tensors, gj_tensor **contig, gj_tensor **news, int o) {
+    const gj_jit_output *oo = &pr->outputs[o];
+    const gj_rt_meta *om = &pr->plan.out_meta[o];
+    if (oo->acc_node < 0) return 0; /* gj_grad: news[o] goes to the caller */
+    gj_tensor *leaf = w->nodes[oo->acc_node]->leaf;
+    if (!gj_ag_leaf_grad_fits(leaf, om, NULL)) return -1;
+    if (oo->grad_input >= 0) {
+        gj_tensor *g = tensors[oo->grad_input], *c = contig[oo->grad_input];
+        if (c != g && gj_rt_copy_into(g, c) != 0) return -1; /* a strided or private .grad */
+        gj_rt_bump_version(g);
+        return 0;
+    }
+    gj_ag_tensor_meta *lm = gj_ag_meta_get(leaf, true);
+    if (!lm) return -1;
+    if (!news[o]) return 0; /* an empty gradient no step wrote: not expected */
+    if (lm->grad || leaf->dtype != om->dtype) {
+        gj_ag_builder *eb = gj_ag_eager_builder();
+        int rc = eb->accumulate(eb, leaf, gj_ag_tensor_val(news[o]));
+        gj_rt_tensor_release(news[o]);
+        news[o] = NULL;
+        return rc;
+    }
+    gj_ag_meta_set_grad(lm, news[o]); /* the slot takes the reference */
+    news[o] = NULL;
+    return 0;
+}
+
+/* Steps after which output o of pr is final: no later step reads or
+ * writes its buffer. */
+static int output_final_after(const gj_jit_program *pr, int o) {
+    const gj_jit_buffer *x = &pr->plan.bufs[pr->plan.out_buf[o]];
+    return x->last_step + 1;
+}
+
+/* Writes outputs into their leaves' .grads in the eager engine's order,
+ * each post-accumulate hook right after the .grads eager writes before it
+ * (hookref.n_out), so a hook that changes a later leaf with set_ has the
+ * effect it has in eager; resumes where the previous call stopped
+ * (hc->next_out, hc->next_hook). With done < the plan's step count (called
+ * between steps) it stops at the first output not yet final after `done`
+ * steps and at the first hook not registered GJ_HOOK_NO_GRAPH_WRITES: only
+ * such hooks run mid-program (a gradient reducer then starts while the
+ * backward goes on); the rest wait for the last step. 0 or -1 (error set). */
+static int write_outputs_until(gj_jit_runctx *hc, const gj_jit_program *pr, const gj_jit_walk *w,
+                               gj_tensor *const *tensors, bool hooks, int done) {
+    bool all = done >= pr->plan.n_steps;
+    for (;;) {
+        while (hooks && hc->next_hook < pr->n_hooks && !pr->hooks[hc->next_hook].post)
+            hc->next_hook++;
+        bool hook_left = hooks && hc->next_hook < pr->n_hooks;
+        int need = hook_left ? pr->hooks[hc->next_hook].n_out : pr->n_outputs;
+        if (need > pr->n_outputs) need = pr->n_outputs;
+        for (; hc->next_out < need; hc->next_out++) {
+            if (!all && output_final_after(pr, hc->next_out) > done) return 0;
+            if (write_output(pr, w, tensors, hc->contig, hc->news, hc->next_out) != 0) return -1;
+        }
+        if (!hook_left) return 0;
+        const gj_ag_hook *h = hc->hooks[hc->next_hook];
+        if (!all && !h->early) return 0;
+        if (!h->removed) {
+            if (t_n_post_steps < GJ_JIT_MAX_POST_LOG) t_post_steps[t_n_post_steps++] = done;
+            if (gj_jit_run_post_hook(hc, hc->next_hook, hc->next_out) != 0) return -1;
+        }
+        hc->next_hook++;
+    }
+}
+
+/* gj_jit_progress: between groups of steps, once no hook or custom call
+ * step is left (they may abandon the run, which must then have written
+ * nothing), the outputs that are final and the early hooks after them. */
+static int write_early(void *ctx, int done) {
+    gj_jit_runctx *hc = ctx;
+    if (done < hc->early_from) return 0;
+    return write_outputs_until(hc, hc->pr, hc->w, hc->tensors, true, done);
+}
+
+/* Runs program pr on the tensors of this backward. Returns 0 (gradients
+ * written; hc->tripped tells whether a guard tripped after a post hook or a
+ * record_stream), 1 (fallback: nothing written, reason in why), 2 (a guard
+ * tripped in a tensor hook: nothing written, hooks ran, reason in hc) or -1
+ * (error set, nothing written). A gj_grad's program (ret_out non-NULL)
+ * writes no .grad: on 0, ret_out[o] receives output o as a new tensor. */
+int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *const *tensors,
+                       char *why, size_t why_cap, gj_jit_runctx *hc, gj_tensor **ret_out) {
+    const gj_jit_plan *p = &pr->plan;
+    int rc = -1;
+    int n_in = pr->n_inputs, n_out = pr->n_outputs;
+    gj_tensor **contig = gj_rt_calloc((size_t)n_in + 1, sizeof *contig);
+    gj_tensor **news = gj_rt_calloc((size_t)n_out + 1, sizeof *news);
+    void **in = gj_rt_calloc((size_t)n_in + 1, sizeof *in);
+    void **out = gj_rt_calloc((size_t)n_out + 1, sizeof *out);
+    uint64_t *params = NULL;
+    if (!contig || !news || !in || !out) goto done;
+    bool hooks = pr->n_hooks > 0 || pr->n_calls > 0; /* user code runs during the plan */
+    if (hooks) {
+        hc->pr = pr;
+        hc->w = w;
+        hc->tensors = tensors;
+        hc->data0 = gj_rt_calloc((size_t)n_in + 1, sizeof *hc->data0);
+        hc->hooks = gj_rt_calloc((size_t)pr->n_hooks + 1, sizeof *hc->hooks);
+        if (!hc->data0 || !hc->hooks) goto done;
+        for (int i = 0; i < pr->n_hooks; i++) {
+            const gj_jit_hookref *ref = &pr->hooks[i];
+            const gj_ag_hook *hs[64];
+            int c = ref->node < w->n ? gj_ag_node_hooks(w->nodes[ref->node], ref->k, hs, 64) : 0;
+            if (ref->j >= c || ref->j >= 64 ||
+                (hs[ref->j]->kind == GJ_AG_HOOK_POST_ACCUMULATE) != ref->post) {
+                snprintf(why, why_cap, "hook #%d of the program not found on the graph", i);
+                rc = 1;
+                goto done;
+            }
+            hc->hooks[i] = hs[ref->j];
+        }
+    }
+    for (int i = 0; i < n_in; i++) {
+        gj_tensor *t = tensors[i];
+        gj_rt_meta m;
+        gj_rt_meta_of(t, &m);
+        if (!gj_jit_meta_equal(&m, &p->in_meta[i])) {
+            snprintf(why, why_cap, "input #%d changed shape or dtype", i);
+            rc = 1;
+            goto done;
+        }
+        if (pr->inputs[i].role == GJ_JIT_IN_GRAD) {
+            for (int j = 0; j < n_in; j++)
+                if (j != i && overlaps(tensors[j], t)) {
+                    snprintf(why, why_cap, "a .grad shares memory with another input of the graph");
+                    rc = 1;
+                    goto done;
+                }
+        }
+        if (pr->inputs[i].role == GJ_JIT_IN_GRAD) { /* written: contiguous (copy if strided) */
+            if (hooks) { /* a private copy: written back once every step ran */
+                contig[i] = gj_rt_tensor_empty(m.dtype, m.ndim, m.shape);
+                if (contig[i] && gj_rt_copy_into(contig[i], t) != 0) goto done;
+            } else {
+                contig[i] = gj_rt_contiguous(t);
+            }
+            if (!contig[i]) goto done;
+            in[i] = gj_rt_data_ptr(contig[i]);
+            continue;
+        }
+        int64_t st[GJ_MAX_DIMS];
+        gj_jit_input_strides(t, st);
+        if (memcmp(st, pr->inputs[i].strides, (size_t)m.ndim * sizeof st[0]) != 0) {
+            snprintf(why, why_cap, "input #%d has another layout than when compiled", i);
+            rc = 1;
+            goto done;
+        }
+        in[i] = gj_rt_data_ptr(t); /* read in place */
+    }
+    if (hooks) {
+        for (int i = 0; i < n_in; i++) hc->data0[i] = gj_rt_data_ptr(tensors[i]);
+        hc->priv = contig;
+        hc->leaf_meta = gj_rt_calloc((size_t)n_out + 1, sizeof *hc->leaf_meta);
+        hc->leaf_data = gj_rt_calloc((size_t)n_out + 1, sizeof *hc->leaf_data);
+        if (!hc->leaf_meta || !hc->leaf_data) goto done;
+        for (int o = 0; o < n_out; o++) {
+            gj_tensor *leaf = gj_jit_output_leaf(hc, o);
+            if (!leaf) continue; /* a gj_grad output */
+            gj_rt_meta_of(leaf, &hc->leaf_meta[o]);
+            hc->leaf_data[o] = gj_rt_data_ptr(leaf);
+        }
+    }
+    if (p->n_rt_params > 0) { /* dropout seeds/offsets of this run */
+        params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
+        if (!params) goto done;
+        for (int k = 0; k < p->n_rt_params; k++) {
+            if (gj_jit_dropout_params(w, p->rt_param_node[k], p->rt_param_tape[k],
+                                      &params[2 * k]) != 0) {
+                snprintf(why, why_cap, "dropout parameters not found");
+                rc = 1;
+                goto done;
+            }
+        }
+    }
+    out_ctx oc = {p, news};
+    hc->contig = contig;
+    hc->news = news;
+    hc->next_out = hc->next_hook = 0;
+    hc->early_from = 0;
+    t_n_post_steps = 0;
+    t_run_steps = p->n_steps;
+    bool early = false;
+    for (int i = 0; hooks && i < pr->n_hooks; i++)
+        early |= pr->hooks[i].post && hc->hooks[i]->early;
+    for (int s = 0; s < p->n_steps; s++)
+        if (p->steps[s].kind == GJ_JIT_STEP_HOOK || p->steps[s].kind == GJ_JIT_STEP_CALL)
+            hc->early_from = s + 1;
+    int er = gj_jit_plan_exec_calls(p, in, params, out, alloc_output, &oc,
+                                    hooks ? gj_jit_call_tensor_hook : NULL, hooks ? gj_jit_call_custom : NULL,
+                                    early ? write_early : NULL, hc);
+    if (er == 1) {
+        rc = 2;
+        goto done;
+    }
+    if (er != 0) goto done;
+    if (write_outputs_until(hc, pr, w, tensors, hooks, p->n_steps) != 0) goto done;
+    for (int o = 0; ret_out && o < n_out; o++) {
+        if (!news[o]) { /* every output of a gj_grad is a new buffer */
+            gj_rt_set_error("gj_grad: internal: compiled output #%d was not written", o);
+            for (int q = 0; q < o; q++) gj_rt_tensor_release(ret_out[q]);
+            goto done;
+        }
+        ret_out[o] = news[o];
+    }
+    for (int o = 0; ret_out && o < n_out; o++) news[o] = NULL;
+    rc = 0;
+done:
+    for (int i = 0; i < n_in && contig; i++)
+        if (contig[i]) gj_rt_tensor_release(contig[i]);
+    for (int o = 0; o < n_out && news; o++)
+        if (news[o]) gj_rt_tensor_release(news[o]);
+    gj_rt_free(contig);
+    gj_rt_free(news);
+    gj_rt_free(in);
+    gj_rt_free(out);
+    gj_rt_free(params);
+    gj_rt_free(hc->data0);
+    gj_rt_free((void *)hc->hooks);
+    gj_rt_free(hc->leaf_meta);
+    gj_rt_free((void *)hc->leaf_data);
+    hc->leaf_meta = NULL;
+    hc->leaf_data = NULL;
+    hc->data0 = NULL;
+    hc->hooks = NULL;
+    hc->priv = NULL;
+    return rc;
+}
+
+/* The input tensors of program pr for this walk, from canonical origins.
+ * tensors[] receives borrowed pointers. false if an origin is missing. */
+bool gj_jit_inputs_from_walk(const gj_jit_program *pr, const gj_jit_walk *w,
+                             gj_tensor *const *seeds, gj_tensor **tensors) {
+    for (int i = 0; i < pr->n_inputs; i++) {
+        const gj_jit_input *in = &pr->inputs[i];
+        gj_tensor *t = NULL;
+        switch (in->role) {
+        case GJ_JIT_IN_SAVED:
+            if (in->node >= 0 && in->node < w->n && in->slot < w->nodes[in->node]->n_saved)
+                t = w->nodes[in->node]->saved[in->slot].t;
+            break;
+        case GJ_JIT_IN_SEED:
+            t = seeds ? seeds[in->slot] : NULL;
+            break;
+        case GJ_JIT_IN_GRAD:
+            if (in->node >= 0 && in->node < w->n && w->nodes[in->node]->leaf) {
+                gj_ag_tensor_meta *m = w->nodes[in->node]->leaf->ag;
+                t = m ? m->grad : NULL;
+            }
+            break;
+        default:
+            break;
+        }
+        if (!t) return false;
+        tensors[i] = t;
+    }
+    return true;
+}
+
+/* Gives the gradients of a gj_grad's run (outs[o]: output o, a reference
+ * each, consumed) to the requested inputs: an edge requested twice gets
+ * the same tensor with one more reference (gj_grad then gives each slot
+ * a header of its own, as after an eager run). */
+void gj_jit_hand_out(const gj_jit_program *pr, const gj_jit_grad_req *gr, gj_tensor **outs) {
+    for (int i = 0; i < gr->n_inputs; i++) {
+        int o = i < pr->n_ret ? pr->ret[i] : -1;
+        gr->grads_out[i] = o >= 0 ? outs[o] : NULL;
+        if (o >= 0) gj_rt_tensor_retain(outs[o]);
+    }
+    for (int o = 0; o < pr->n_outputs; o++) gj_rt_tensor_release(outs[o]);
+}
+
+/* Without retain_graph, frees the saved tensors of what the engine ran: in
+ * backward mode every node of the roots' graph, in gj_grad mode the needed
+ * op nodes of the walk (the engine's gj_grad frees only those). */
+void gj_jit_release_graph(const gj_jit_walk *w, int n_roots, gj_tensor *const *roots) {
+    if (!w->grad_mode) {
+        gj_ag_release_graph(n_roots, roots);
+        return;
+    }
+    for (int i = 0; i < w->n; i++)
+        if (w->needed[i] && w->nodes[i]->kind == GJ_AG_OP) gj_ag_node_free_saved(w->nodes[i]);
+}
+
+/* Remembers prog (a reference held) as this thread's last program (its
+ * description is made once per program). */
+void gj_jit_note_last_program(const gj_jit_program *prog) {
+    if (g_have_last && prog->id == g_last_id) return;
+    gj_jit_plan_info(&prog->plan, &g_last_info);
+    g_last_info.code_parts = gj_jit_code_parts(prog->code);
+    g_last_info.symbolic = prog->plan.generic;
+    g_last_info.bound = prog->code == NULL && prog->n_shared > 0;
+    g_last_id = prog->id;
+    g_have_last = true;
+}
+
+bool gj_jit_last_program_info(gj_ca_program_info *out) {
+    if (g_have_last) *out = g_last_info;
+    return g_have_last;
+}
+
+int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps) {
+    for (int i = 0; i < t_n_post_steps && i < cap; i++) out[i] = t_post_steps[i];
+    if (n_steps) *n_steps = t_run_steps;
+    return t_n_post_steps;
+}
+

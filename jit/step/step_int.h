@@ -1,0 +1,60 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * step.h - the compiled training step inside jit/: forward, backward and
+ * the optimizer's update of one step as one program (step.c runs it,
+ * step_capture.c builds its graph from a trace). Internal to jit/; the
+ * frontend reaches it through jit.h.
+ *
+ * A step program's graph inputs have role GJ_JIT_IN_STEP, with the kind of
+ * tensor in `node` and its index in `slot` (the enum below). Its outputs
+ * are, in order: the loss (a new 0-d tensor); per parameter that gets a
+ * gradient, when the step keeps .grads, that gradient (a new tensor); and
+ * every parameter and optimizer state the update writes, in place into
+ * their own input (grad_input).
+ */
+#ifndef GJ_JIT_STEP_H
+#define GJ_JIT_STEP_H
+
+#include "jit/cache/cache.h"
+#include "jit/jit.h"
+
+enum {
+    GJ_JIT_STEPIN_INPUT = 0,  /* step input #slot */
+    GJ_JIT_STEPIN_PARAM = 1,  /* parameter #slot */
+    GJ_JIT_STEPIN_STATE1 = 2, /* the rule's state 0 of parameter #slot */
+    GJ_JIT_STEPIN_STATE2 = 3, /* its state 1 */
+    GJ_JIT_STEPIN_CONST = 4,  /* constant #slot of the trace */
+    GJ_JIT_STEPIN_HYPER = 5,  /* the run's scalars: f64 [n_params * GJ_AG_OPT_MAX_HYPER + 1] */
+};
+
+/* The ret[] entries of a step program with n parameters (gj_jit_capture_step). */
+static inline int gj_jit_step_n_ret(int n, int n_extra) { return 2 * n + 1 + n_extra; }
+
+/* rt_tape of a dropout mask whose seed is the run's and whose offset is the
+ * run's first counter plus rt_node (the step's own draws, in order). */
+#define GJ_JIT_RT_STEP (-2)
+
+/* What a step's capture needs: the trace of its forward, the loss (its
+ * autograd graph alive), the optimizer (gj_jit_opt) and the options. */
+typedef struct gj_jit_step_spec {
+    const gj_ag_trace *tr;
+    int loss_slot;
+    gj_tensor *loss;
+    const gj_jit_opt *opt;
+    bool keep_grads, eval;
+    int n_extra;               /* leaves outside the optimizer that require grad */
+    gj_tensor *const *extra;   /* (step inputs or constants): their gradients are outputs */
+} gj_jit_step_spec;
+
+/* Builds the step's graph into cap (initialised here): the trace's forward
+ * replayed, the loss, the gradients of the parameters (w: the gj_grad walk
+ * of the loss with respect to the parameters that require grad; NULL for
+ * an eval step) and their update. cap->ret receives 2 * n + 1 + n_extra
+ * ints: per parameter the output holding its kept gradient (or -1), then 1
+ * if the program updates it, then the output holding the gradients' norm
+ * of a clipping step (or -1), then per extra leaf the output holding its
+ * gradient as the backward made it (or -1: none reaches it). 0, or -1 with
+ * cap->reason (and cap->permanent) set. */
+int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_step_spec *s);
+
+#endif /* GJ_JIT_STEP_H */
