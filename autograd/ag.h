@@ -37,18 +37,19 @@ struct gj_ag_builder {
     /* Runs or records inst on inputs in[0..inst->n_in); writes inst's
      * outputs to outs. Returns the number of outputs or -1 (error set).
      * Values returned belong to the builder until the end of the current
-     * step (gj_ag_builder_end_step); keep one with `keep`. */
+     * node's formula (end_node); keep one with `keep`. */
     int (*emit)(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in, gj_val **outs);
     /* Shape and dtype of a value. */
     void (*meta)(gj_ag_builder *b, gj_val *v, gj_rt_meta *out);
     /* A real tensor as a value of this builder (eager: itself; recorder: a
      * graph input). The tensor is borrowed for the builder's lifetime. */
     gj_val *(*constant)(gj_ag_builder *b, gj_tensor *t);
-    /* Take/drop an extra reference to v beyond the current step. */
+    /* Take/drop an extra reference to v beyond the current node's formula. */
     void (*keep)(gj_ag_builder *b, gj_val *v);
     void (*drop)(gj_ag_builder *b, gj_val *v);
-    /* End of a step: every value not kept is released. */
-    void (*end_step)(gj_ag_builder *b);
+    /* End of one node's formula (the engine calls it after each node):
+     * every value not kept is released. */
+    void (*end_node)(gj_ag_builder *b);
     /* Leaf gradient g (already summed over all paths, in the leaf's dtype)
      * flows into leaf's .grad: eager sets .grad (a new tensor, or g cast to
      * the existing .grad's dtype and added in place); the recorder makes it

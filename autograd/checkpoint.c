@@ -1049,7 +1049,7 @@ static int run_replay(replay *R, gj_ag_bctx *ctx) {
         R->own[s] = false;
         R->val[s] = NULL;
     }
-    b->end_step(b);
+    b->end_node(b);
     return 0;
 }
 
@@ -1092,7 +1092,7 @@ static int run_sweep(replay *R, gj_val *const *gout) {
             b->drop(b, R->acc[s]);
             R->acc[s] = NULL;
         }
-        b->end_step(b);
+        b->end_node(b);
     }
     return 0;
 }

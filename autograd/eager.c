@@ -7,8 +7,8 @@
  * Invariants of the eager builder:
  *   - A gj_val of this builder is a gj_tensor*.
  *   - Every tensor produced by emit is owned by the per-thread temporaries
- *     list until end_step, which drops exactly one reference per entry;
- *     `keep` adds a reference that survives end_step, `drop` removes it.
+ *     list until end_node, which drops exactly one reference per entry;
+ *     `keep` adds a reference that survives end_node, `drop` removes it.
  *   - constant(t) returns t itself, borrowed: it never enters the list.
  */
 #include "ag.h"
@@ -96,7 +96,7 @@ static void eager_drop(gj_ag_builder *b, gj_val *v) {
     if (v) gj_rt_tensor_release(gj_ag_val_tensor(v));
 }
 
-static void eager_end_step(gj_ag_builder *b) {
+static void eager_end_node(gj_ag_builder *b) {
     (void)b;
     for (int64_t i = g_temps.n - 1; i >= 0; i--) gj_rt_tensor_release(g_temps.items[i]);
     g_temps.n = 0;
@@ -161,7 +161,7 @@ static gj_ag_builder g_eager = {
     .constant = eager_constant,
     .keep = eager_keep,
     .drop = eager_drop,
-    .end_step = eager_end_step,
+    .end_node = eager_end_node,
     .accumulate = eager_accumulate,
     .records = false,
     .call_hook = gj_ag_eager_call_hook,

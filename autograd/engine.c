@@ -426,7 +426,7 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
                 t->buf[k] = NULL;
             }
         }
-        b->end_step(b);
+        b->end_node(b);
         for (int e = 0; e < n->n_in; e++) {
             if (!n->next[e].node) continue;
             int64_t j = graph_find(&g, n->next[e].node);
@@ -448,7 +448,7 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
 done:
     for (int64_t i = 0; i < g.n; i++)
         for (int k = 0; k < GJ_AG_MAX_OUT; k++) b->drop(b, g.tasks[i].buf[k]);
-    b->end_step(b);
+    b->end_node(b);
     for (int r = 0; r < n_roots && root_edges; r++) gj_ag_node_release(root_edges[r].node);
     for (int i = 0; i < n_inputs && in_edges; i++) gj_ag_node_release(in_edges[i].node);
     gj_rt_free(root_edges);

@@ -333,7 +333,7 @@ int gj_ag_apply(const gj_ag_opdef *op, const gj_ag_attrs *a, int n_in, gj_tensor
         gj_ag_node_release(node); /* outputs own it now */
     }
     if (gj_ag_trace_active()) gj_ag_trace_note_op(op, a, n_in, in, n_out, outs, node, tape_pos);
-    b->end_step(b);
+    b->end_node(b);
     return n_out;
 
 fail_node:
@@ -350,7 +350,7 @@ fail_node:
 fail_outs:
     for (int k = 0; k < n_out; k++) gj_rt_tensor_release(outs[k]);
 fail:
-    b->end_step(b);
+    b->end_node(b);
     return -1;
 }
 

@@ -149,7 +149,7 @@ static gj_val *tape_constant(gj_ag_builder *b, gj_tensor *tn) {
 }
 
 static void tape_keep(gj_ag_builder *b, gj_val *v) { (void)b, (void)v; }
-static void tape_end_step(gj_ag_builder *b) { (void)b; }
+static void tape_end_node(gj_ag_builder *b) { (void)b; }
 
 /* -------------------------------------------------------- interpreter */
 
@@ -282,7 +282,7 @@ int gj_ag_opt_apply(const gj_ag_optdef *def, uint32_t s, const double *h, gj_ten
     t->b.constant = tape_constant;
     t->b.keep = tape_keep;
     t->b.drop = tape_keep;
-    t->b.end_step = tape_end_step;
+    t->b.end_node = tape_end_node;
     t->n = p->numel;
     gj_dtype T = gj_ag_opt_dtype(p->dtype);
     gj_val *pv = val_of(tape_new_val(t, T, false, -1, OPT_IN_P));

@@ -771,13 +771,13 @@ typedef struct gj_ca_gemm {
     bool accumulate;            /* beta = 1: into an existing .grad */
 } gj_ca_gemm;
 typedef struct gj_ca_program_info {
-    int steps, kernel_steps, gemm_steps, other_steps;
+    int instrs, kernel_instrs, gemm_instrs, other_instrs; /* the program's instructions, by kind */
     int kernel_functions;       /* distinct compiled kernels (identical ones are shared) */
     int code_parts;             /* object files of its machine code: kernels are compiled in
                                    up to one module per thread (at most 4) at once */
-    int parallel_groups;        /* groups of steps the program runs side by side */
-    double gemm_flops;          /* 2*M*N*K*batch over the GEMM steps */
-    int64_t input_bytes;        /* graph inputs some step reads (saved tensors, seeds, .grad) */
+    int parallel_groups;        /* groups of instructions the program runs side by side */
+    double gemm_flops;          /* 2*M*N*K*batch over the GEMM instructions */
+    int64_t input_bytes;        /* graph inputs an instruction reads (saved tensors, seeds, .grad) */
     int64_t output_bytes;       /* new .grad written */
     int n_gemms;
     gj_ca_gemm gemms[GJ_CA_MAX_GEMMS];
@@ -899,7 +899,7 @@ GJ_API int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_ac
  * tensor of the graph being differentiated (it reads .grad, copies it
  * away, starts work on a stream: a gradient reducer); a compiled backward
  * then calls it as soon as this leaf's .grad is final, between the
- * program's steps, instead of after its last step (eager calls every
+ * program's instructions, instead of after its last one (eager calls every
  * post-accumulate hook as soon as the .grad is written anyway). A hook
  * that breaks the promise gets unspecified gradients. */
 #define GJ_HOOK_NO_GRAPH_WRITES 1u

@@ -71,11 +71,11 @@ void gj_jit_note_fallback(gj_ca_reason reason, const char *detail);
 
 /* The event log of this thread's last compiled run with post-accumulate
  * hooks: out[i] = how many of the program's steps had run when its i-th
- * post-accumulate hook call was made (*n_steps: the program's step count;
+ * post-accumulate hook call was made (*n_instrs: the program's step count;
  * a hook called mid-program, see GJ_HOOK_NO_GRAPH_WRITES, has a smaller
  * number). Returns the number of calls (up to cap written). For tests. */
 #define GJ_JIT_MAX_POST_LOG 256
-int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps);
+int gj_jit_last_post_hook_instrs(int *out, int cap, int *n_instrs);
 
 /* Cross-process agreement (dist/ registers it while a gj_ddp lives): while
  * fn is set, the first use of each key under this registration (a compile,
@@ -94,7 +94,7 @@ void gj_jit_set_mem_limit(int64_t bytes);
 /* ------------------------------------------- the compiled training step */
 /* A training step (frontend gj_step) compiled whole: its forward (a trace
  * of the step function, autograd/trace.c), backward and optimizer update
- * as one program (jit/step.c). */
+ * as one program (jit/step/variants.c). */
 
 /* The optimizer of a step as the compiler sees it (the frontend's
  * gj_optim, flattened): its rule (written once, autograd/optim_*.c) and

@@ -524,9 +524,9 @@ static void test_compiled_bitwise(void **s) {
         }
         /* GEMMs for both convs and the linear; fold steps (im2col for the
          * conv weights, col2im for the inputs' gradients and the pools) */
-        assert_true(info.gemm_steps >= 4);
-        assert_true(info.kernel_steps >= 1);
-        assert_true(info.other_steps >= 4);
+        assert_true(info.gemm_instrs >= 4);
+        assert_true(info.kernel_instrs >= 1);
+        assert_true(info.other_instrs >= 4);
         free(e);
         free(c);
     }

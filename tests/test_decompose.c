@@ -116,7 +116,7 @@ static void compare(const char *what, const gj_rt_inst *inst, gj_tensor **in, do
             keep[k] = gj_ag_val_tensor(c[k]);
         }
     }
-    e->end_step(e);
+    e->end_node(e);
 }
 
 /* ------------------------------------------------------------ cases */
@@ -249,7 +249,7 @@ static void test_not_composite(void **s) {
     gj_clear_error();
     assert_int_equal(gj_ag_decompose(e, &add, vin, out), -1);
     GJT_ASSERT_ERROR("ADD");
-    e->end_step(e);
+    e->end_node(e);
     gj_release(x);
     assert_int_equal(gjt_live_bytes(), live0);
 }

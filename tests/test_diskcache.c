@@ -792,7 +792,7 @@ static void test_env_log(void **st) {
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "help", &err), 0);
     static const char *words[] = {"graph", "ir",         "plan",  "cache", "fallback", "prof",
-                                  "steps", "recompiles", "leaks", "all",   "help"};
+                                  "instrs", "recompiles", "leaks", "all",  "help"};
     for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
         if (!strstr(err, words[i])) print_error("help lacks '%s': %s\n", words[i], err);
         assert_non_null(strstr(err, words[i]));

@@ -12,7 +12,7 @@
  * that rank 0 issues: rank 0 must get the timeout error, not hang.
  */
 #include "gjtest.h"
-#include "jit/jit.h" /* gj_jit_last_post_hook_steps: the compiled run's event log */
+#include "jit/jit.h" /* gj_jit_last_post_hook_instrs: the compiled run's event log */
 
 #include <math.h>
 #include <stdio.h>
@@ -385,7 +385,7 @@ static void test_ddp_compiled_overlap(void **state) {
     for (int s = 0; s < 2; s++) {
         ddp_step(d, p, GJ_F32, 0, 6, false);
         int at[8], n_steps = 0;
-        int calls = gj_jit_last_post_hook_steps(at, 8, &n_steps);
+        int calls = gj_jit_last_post_hook_instrs(at, 8, &n_steps);
         assert_int_equal(calls, NP);
         if (getenv("GJT_DIST_VERBOSE")) fprintf(stderr, "post hooks after steps %d %d %d of %d\n", at[0], at[1], at[2], n_steps);
         for (int k = 1; k < calls; k++) assert_true(at[k] >= at[k - 1]);

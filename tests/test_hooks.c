@@ -294,7 +294,7 @@ static void test_hooks_with_grad(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
-/* Compiled autograd calls hooks from the compiled program (jit/compiled.c):
+/* Compiled autograd calls hooks from the compiled program (jit/run/):
  * the first backward captures and compiles, the second hits the cache; the
  * hook runs once per backward on the real gradient and the gradients equal
  * the eager ones. The guards are tested in test_jit_hooks.c. */

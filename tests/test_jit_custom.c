@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * test_jit_custom.c - custom ops inside compiled backwards (jit/record.c
- * rec_call_custom, the plan's call steps, jit/compiled.c call_custom).
+ * rec_call_custom, the plan's call instructions, jit/run/guards.c call_custom).
  *
  * Every scenario runs NSTEPS training steps twice from the same start: once
  * with compiled autograd off (the reference) and once with it on, and

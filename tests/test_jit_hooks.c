@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * test_jit_hooks.c - hooks inside compiled backwards (jit/compiled.c) and
+ * test_jit_hooks.c - hooks inside compiled backwards (jit/run/backward.c) and
  * the guards that run after each hook call.
  *
  * Every scenario runs the same steps twice on a fresh model: once with

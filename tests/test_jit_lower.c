@@ -101,7 +101,7 @@ static void test_elementwise_broadcast(void **st) {
     out_new(&g, v);
     gj_jit_program *pr = build(&g);
     int kernels = 0;
-    for (int k = 0; k < pr->plan.n_steps; k++) kernels += pr->plan.steps[k].kind == GJ_JIT_STEP_KERNEL;
+    for (int k = 0; k < pr->plan.n_instrs; k++) kernels += pr->plan.instrs[k].kind == GJ_JIT_INSTR_KERNEL;
     assert_int_equal(kernels, 1);
     float *xv = rand_f32(&rng, R * C, -3, 3), *bv = rand_f32(&rng, C, -2, 2),
           *sv = rand_f32(&rng, R, -1, 1);
@@ -730,8 +730,8 @@ static void test_bf16_matmul(void **st) {
     out_new(&g, e);
     out_new(&g, h);
     gj_jit_program *pr = build(&g);
-    for (int s = 0; s < pr->plan.n_steps; s++)
-        if (pr->plan.steps[s].kind == GJ_JIT_STEP_MATMUL) assert_int_equal(pr->plan.steps[s].mm.dtype, GJ_F32);
+    for (int s = 0; s < pr->plan.n_instrs; s++)
+        if (pr->plan.instrs[s].kind == GJ_JIT_INSTR_MATMUL) assert_int_equal(pr->plan.instrs[s].mm.dtype, GJ_F32);
     gj_tensor *av = gjt_uniform(&rng, GJ_BF16, 2, (int64_t[]){M, K}, -1, 1);
     gj_tensor *bv = gjt_uniform(&rng, GJ_BF16, 2, (int64_t[]){K, N}, -1, 1);
     gj_tensor *xv = gjt_uniform(&rng, GJ_BF16, 3, (int64_t[]){2, M, K}, -1, 1);

@@ -241,7 +241,7 @@ static void test_mlp_pairs_and_bit_exact(void **state) {
         gj_ca_program_info pi;
         assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
         /* dX, dW of layers 3 and 2, dW of layer 1 (x needs no gradient) */
-        assert_int_equal(pi.gemm_steps, 5);
+        assert_int_equal(pi.gemm_instrs, 5);
         assert_int_equal(pi.n_gemms, 5);
         assert_int_equal(pi.parallel_groups, 2);
         double flops = 2.0 * (2.0 * B * H2 * K + 2.0 * B * H1 * H2 + (double)B * IN * H1);
@@ -276,7 +276,7 @@ static void test_hook_between_gemms(void **state) {
     free(c);
     gj_ca_program_info pi;
     assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
-    assert_int_equal(pi.other_steps, 1); /* the hook step */
+    assert_int_equal(pi.other_instrs, 1); /* the hook step */
     gj_set_num_threads(0);
     mlp_free(&m);
 }
@@ -335,11 +335,11 @@ static void test_identical_layers_share_kernels(void **state) {
     gj_ca_program_info pi;
     assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
     print_message("  %d layers: %d kernel steps, %d distinct kernel functions\n", DL,
-                  pi.kernel_steps, pi.kernel_functions);
-    assert_true(pi.kernel_steps >= 2 * DL);
+                  pi.kernel_instrs, pi.kernel_functions);
+    assert_true(pi.kernel_instrs >= 2 * DL);
     /* the layers' kernels are shared (here 9 steps, 4 functions): at least
      * half of the steps call a function another step already has */
-    assert_true(2 * pi.kernel_functions <= pi.kernel_steps);
+    assert_true(2 * pi.kernel_functions <= pi.kernel_instrs);
     free(e);
     free(c);
     gj_release(x);
@@ -528,8 +528,8 @@ static void test_recompute_leaves_no_empty_kernel(void **state) {
     }
     gj_ca_program_info pi;
     assert_int_equal(gj_compiled_autograd_last_program(&pi), 0);
-    if (pi.kernel_steps != 2)
-        fail_msg("softmax backward: %d kernel steps, expected 2 (row sums, dx)", pi.kernel_steps);
+    if (pi.kernel_instrs != 2)
+        fail_msg("softmax backward: %d kernel steps, expected 2 (row sums, dx)", pi.kernel_instrs);
     if (memcmp(g[0], g[1], (size_t)N * C * sizeof *g[0]) != 0) {
         int64_t worst;
         double diff = gjt_max_abs_diff(g[1], g[0], (int64_t)N * C, &worst);

@@ -4,7 +4,7 @@
  * stage: the settings (GRADJIT_* variables and their setters, settings.c),
  * the counters of gj_ca_stats and the fallbacks (fallback.c), the log
  * flags and the GRADJIT_LOG=prof tables (logsum.c), hashing and fresh
- * names (hash.c), the clock, and the byte writer (wbuf.h). Nothing here
+ * names (hash.c), the clock, and the byte writer (base/wbuf.h). Nothing here
  * calls up: the exit-time summary that needs the caches is registered by
  * jit/jit.c, above every stage.
  *
@@ -97,16 +97,16 @@ enum {
     GJ_JIT_LOG_CACHE = 4,
     GJ_JIT_LOG_FALLBACK = 8,
     GJ_JIT_LOG_PLAN = 16,
-    GJ_JIT_LOG_PROF = 32, /* time of every step of every compiled run */
+    GJ_JIT_LOG_PROF = 32, /* time of every instruction of every compiled run */
     GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
-    GJ_JIT_LOG_STEPS = 128, /* one line per backward and per step of every compiled run */
+    GJ_JIT_LOG_INSTRS = 128, /* one line per backward and per step of every compiled run */
     GJ_JIT_LOG_LEAKS = 256, /* at exit: live tensors and open scopes (frontend/tensor.c) */
 };
 /* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
 unsigned gj_jit_log_flags(void);
-/* GRADJIT_LOG=prof: adds one step's time to the summary printed at exit,
+/* GRADJIT_LOG=prof: adds one instruction's time to the summary printed at exit,
  * under its kind or kernel name. */
-void gj_jit_prof_step(const char *what, double ms);
+void gj_jit_prof_instr(const char *what, double ms);
 /* GRADJIT_LOG=prof: adds one compiled backward's phases to the summary
  * (fresh: it compiled or loaded its program; counted apart, since the
  * compile is in its "key and lookup"). */

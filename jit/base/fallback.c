@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * fallback.c - the counters of gj_ca_stats and fallback reporting (see
- * fallback.h for the counting rule: one outcome per call).
+ * base.h for the counting rule: one outcome per call).
  *
  * Invariants:
  *   - The counters change under g_stats_lock only; a caller may hold the

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: MIT
 /*
  * logsum.c - the summaries GRADJIT_LOG=prof and =cache print at exit,
- * instead of a line per step (GRADJIT_LOG=steps still prints those).
+ * instead of a line per step (GRADJIT_LOG=instrs still prints those).
  *
  * prof: the compiled backwards' phases (key and lookup, program, graph
- * release) summed, and every step's time summed under its kernel name or
+ * release) summed, and every instruction's time summed under its kernel name or
  * kind ("gemm", "gather", ...), the largest first. cache: the counters of
  * gj_ca_stats, printed by jit/jit.c (the counters of the caches are not a
  * leaf's to read). The tables are process-wide, behind one mutex; jit/jit.c
@@ -19,34 +19,34 @@
 
 #define SUM_MAX_NAMES 512
 
-typedef struct step_sum {
+typedef struct instr_sum {
     char name[64];
     int64_t calls;
     double ms;
-} step_sum;
+} instr_sum;
 
 static pthread_mutex_t g_sum_lock = PTHREAD_MUTEX_INITIALIZER;
-static step_sum g_steps[SUM_MAX_NAMES];
-static int g_n_steps;
-static int64_t g_dropped; /* step names beyond the table */
+static instr_sum g_instrs[SUM_MAX_NAMES];
+static int g_n_instrs;
+static int64_t g_dropped; /* instruction names beyond the table */
 static int64_t g_backwards, g_fresh;
 static double g_total, g_key, g_program, g_release;
 
-void gj_jit_prof_step(const char *what, double ms) {
+void gj_jit_prof_instr(const char *what, double ms) {
     pthread_mutex_lock(&g_sum_lock);
     int i = 0;
-    while (i < g_n_steps && strncmp(g_steps[i].name, what, sizeof g_steps[i].name - 1) != 0) i++;
-    if (i == g_n_steps) {
-        if (g_n_steps == SUM_MAX_NAMES) {
+    while (i < g_n_instrs && strncmp(g_instrs[i].name, what, sizeof g_instrs[i].name - 1) != 0) i++;
+    if (i == g_n_instrs) {
+        if (g_n_instrs == SUM_MAX_NAMES) {
             g_dropped++;
             pthread_mutex_unlock(&g_sum_lock);
             return;
         }
-        snprintf(g_steps[i].name, sizeof g_steps[i].name, "%s", what);
-        g_n_steps++;
+        snprintf(g_instrs[i].name, sizeof g_instrs[i].name, "%s", what);
+        g_n_instrs++;
     }
-    g_steps[i].calls++;
-    g_steps[i].ms += ms;
+    g_instrs[i].calls++;
+    g_instrs[i].ms += ms;
     pthread_mutex_unlock(&g_sum_lock);
 }
 
@@ -66,7 +66,7 @@ void gj_jit_prof_backward(bool fresh, double total, double key, double program, 
 }
 
 static int by_ms(const void *a, const void *b) {
-    double x = ((const step_sum *)a)->ms, y = ((const step_sum *)b)->ms;
+    double x = ((const instr_sum *)a)->ms, y = ((const instr_sum *)b)->ms;
     return (x < y) - (x > y);
 }
 
@@ -80,25 +80,25 @@ void gj_jit_log_prof_summary(void) {
         pthread_mutex_unlock(&g_sum_lock);
         return;
     }
-    double n = (double)g_backwards, steps_ms = 0;
+    double n = (double)g_backwards, instrs_ms = 0;
     fprintf(stderr,
             "[gradjit prof] summary: %lld compiled backwards from cached programs (and %lld "
             "that compiled or loaded theirs, not in the means), mean %.3f ms: key and lookup "
-            "%.3f (%.1f%%), program %.3f, graph release %.3f; steps by total time (a kernel is "
+            "%.3f (%.1f%%), program %.3f, graph release %.3f; instructions by total time (a kernel is "
             "named by its position in its program):\n",
             (long long)g_backwards, (long long)g_fresh, g_total / n, g_key / n, 100.0 * g_key / g_total,
             g_program / n, g_release / n);
-    qsort(g_steps, (size_t)g_n_steps, sizeof g_steps[0], by_ms);
-    for (int i = 0; i < g_n_steps; i++) steps_ms += g_steps[i].ms;
-    int shown = g_n_steps < 12 ? g_n_steps : 12;
+    qsort(g_instrs, (size_t)g_n_instrs, sizeof g_instrs[0], by_ms);
+    for (int i = 0; i < g_n_instrs; i++) instrs_ms += g_instrs[i].ms;
+    int shown = g_n_instrs < 12 ? g_n_instrs : 12;
     for (int i = 0; i < shown; i++)
         fprintf(stderr, "[gradjit prof]   %-28s %8lld calls  %9.3f ms per backward  %5.1f%% of "
-                        "step time\n",
-                g_steps[i].name, (long long)g_steps[i].calls, g_steps[i].ms / n,
-                steps_ms > 0 ? 100.0 * g_steps[i].ms / steps_ms : 0.0);
-    if (g_n_steps > shown || g_dropped)
-        fprintf(stderr, "[gradjit prof]   (%d more step names%s; GRADJIT_LOG=steps prints every "
-                        "step)\n",
-                g_n_steps - shown, g_dropped ? ", some not counted" : "");
+                        "instruction time\n",
+                g_instrs[i].name, (long long)g_instrs[i].calls, g_instrs[i].ms / n,
+                instrs_ms > 0 ? 100.0 * g_instrs[i].ms / instrs_ms : 0.0);
+    if (g_n_instrs > shown || g_dropped)
+        fprintf(stderr, "[gradjit prof]   (%d more instruction names%s; GRADJIT_LOG=instrs prints every "
+                        "instruction)\n",
+                g_n_instrs - shown, g_dropped ? ", some not counted" : "");
     pthread_mutex_unlock(&g_sum_lock);
 }

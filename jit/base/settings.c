@@ -46,7 +46,7 @@ unsigned gj_jit_log_flags(void) {
         {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
         {"prof", "compile phases, and at exit a summary of the compiled runs (phases, "
                  "the steps that took the most time)", GJ_JIT_LOG_PROF},
-        {"steps", "one line per compiled backward and per step of it", GJ_JIT_LOG_STEPS},
+        {"instrs", "one line per compiled backward and per instruction of it", GJ_JIT_LOG_INSTRS},
         {"recompiles", "why a call site compiles again: the first difference from its "
                        "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
         {"leaks", "at exit: tensors still alive, their bytes, scopes still open", GJ_JIT_LOG_LEAKS},
@@ -73,7 +73,7 @@ unsigned gj_jit_log_flags(void) {
             }
         if (!known && report)
             fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
-                            "graph, ir, plan, cache, fallback, prof, steps, recompiles, leaks, "
+                            "graph, ir, plan, cache, fallback, prof, instrs, recompiles, leaks, "
                             "all, help)\n",
                     (int)n, e);
         e += n;

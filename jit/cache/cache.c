@@ -13,7 +13,7 @@
  *     are named after the hash of the key and the plan, so object code from
  *     another process links without clashes, and code made for another plan
  *     is never taken for this one's).
- *   - Dynamic shapes (generic.c): when the call site already has a
+ *   - Dynamic shapes (plan/symbolic.c): when the call site already has a
  *     program (every time under GJ_CA_DYNAMIC_ALWAYS) the new plan is made
  *     generic and first bound to registered symbolic kernels: no compile,
  *     the entry is marked bound and counted in instantiations, not toward
@@ -23,7 +23,7 @@
  *     the kernels its entry carries for the programs it borrowed from).
  *   - Disk cache: every program made here is written there (when the
  *     cache is on): compiled, bound to kernels of other programs (its entry
- *     carries their object code), with hook or custom call steps (they name
+ *     carries their object code), with hook or custom call instructions (they name
  *     hooks and ops by canonical position, resolved at each run). A bound
  *     symbolic program is the exception: its kernels' symbolic entry serves
  *     every size.
@@ -40,7 +40,7 @@
  *     g_mem_bytes is within the limit, except the most recently used entry,
  *     which stays even if alone it is larger. Evicting a program drops the
  *     cache's reference: its machine code goes with it (its own ORC
- *     resource tracker, code.h) unless another program borrowed its
+ *     resource tracker, codegen.h) unless another program borrowed its
  *     kernels. Eager-only entries are evicted as well (the key is then
  *     judged again when seen again), and an evicted key no longer counts
  *     toward its call site's recompile limit.
@@ -335,8 +335,7 @@ static void save_to_disk(const gj_jit_key *w, const gj_jit_program *prog, const 
  * the lock dropped (the caller falls back). */
 static int insert_bound(const gj_jit_key *w, gj_jit_program *prog, double t0, unsigned fl,
                         char *why, size_t why_cap) {
-    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, true) != 0) {
-        pthread_mutex_unlock(&g_lock);
+    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, true) != 0) { /* (prog freed) */
         snprintf(why, why_cap, "out of memory in the cache");
         return -1;
     }
@@ -385,178 +384,242 @@ void gj_jit_cache_levels(int64_t *mem_bytes, int64_t *mem_entries, int64_t *disk
     pthread_mutex_unlock(&g_lock);
 }
 
-/* The miss path of gj_jit_get_program (lock held on entry; dropped on
- * every return): capture, plan, then a symbolic binding, the disk cache,
- * other programs' kernels or a compile. */
-static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_got *got,
-                        unsigned fl) {
-    char *why = got->why;
-    size_t why_cap = sizeof got->why;
-    int limit = gj_jit_recompile_limit(), n_site = site_programs(w);
-    bool at_limit = limit >= 0 && n_site >= limit;
+/* ------------------------------------------------ making a program */
+
+/* One miss of gj_jit_get_program, carried from stage to stage (the cache
+ * lock held throughout): the key and its source, the site's decisions, the
+ * program being made, and the outcome for the caller. */
+typedef struct making {
+    const gj_jit_key *w;
+    const gj_jit_source *src;
+    gj_jit_got *got;
+    unsigned fl;
+    gj_ca_dynamic dm;
+    bool symbolic;    /* the site's programs after its first are symbolic */
+    bool at_limit;    /* the site reached the recompile limit: no compile */
+    bool disk;        /* the disk cache is on */
+    bool permanent;   /* (of the last failure) */
+    bool report;      /* a fallback decided here: the caller reports it */
+    char lwhy[200];   /* the recompile limit's message */
+    char prefix[48];  /* the symbol prefix of the program's code */
+    double t0;
+    gj_jit_program *prog;
+} making;
+
+enum { MK_ON = -2 }; /* the next stage decides */
+
+/* The program is found: it goes to the caller (the cache holds it). */
+static int mk_got(making *m, gj_jit_made how) {
+    m->got->made = how;
+    m->got->prog = m->prog;
+    return GJ_JIT_GOT;
+}
+
+/* This key runs eagerly: marked eager-only for good when permanent (a
+ * fallback the caller then reports), else only this time. */
+static int mk_eager(making *m, gj_ca_reason code, const char *why, bool permanent) {
+    if (why != m->got->why) snprintf(m->got->why, sizeof m->got->why, "%s", why);
+    m->got->code = code;
+    gj_jit_program_free(m->prog);
+    m->prog = NULL;
+    if (!permanent) return GJ_JIT_FALL;
+    cache_insert(m->w, NULL, code, m->got->why, false);
+    m->report = true;
+    return GJ_JIT_FELL;
+}
+
+/* The site's decisions: symbolic or not, the recompile limit. */
+static int mk_site(making *m) {
+    int limit = gj_jit_recompile_limit(), n_site = site_programs(m->w);
+    m->at_limit = limit >= 0 && n_site >= limit;
     /* dynamic shapes: the site's second program and later ones (every
      * program under ALWAYS) are symbolic; a new size of such a site
      * first tries the kernels compiled for other sizes, which is no
      * compile: the recompile limit stops only a compile */
-    gj_ca_dynamic dm = gj_jit_dynamic();
-    bool symbolic = dm == GJ_CA_DYNAMIC_ALWAYS || (dm == GJ_CA_DYNAMIC_AUTO && site_count(w, true) > 0);
-    if (fl & GJ_JIT_LOG_RECOMPILES) log_recompile(w, n_site, limit, symbolic);
-    char lwhy[200] = "";
-    if (at_limit) {
-        snprintf(lwhy, sizeof lwhy,
-                 "%d programs already compiled for this call site (limit %d: "
-                 "gj_compiled_autograd_set_recompile_limit)",
-                 n_site, limit);
-        if (!symbolic) {
-            cache_insert(w, NULL, GJ_CA_RECOMPILE_LIMIT, lwhy, false);
-            pthread_mutex_unlock(&g_lock);
-            gj_jit_fallback(src->path, GJ_CA_RECOMPILE_LIMIT, lwhy, true);
-            return GJ_JIT_FELL;
-        }
-    }
-    double t0 = gj_jit_now_ms();
+    m->dm = gj_jit_dynamic();
+    m->symbolic = m->dm == GJ_CA_DYNAMIC_ALWAYS ||
+                  (m->dm == GJ_CA_DYNAMIC_AUTO && site_count(m->w, true) > 0);
+    if (m->fl & GJ_JIT_LOG_RECOMPILES) log_recompile(m->w, n_site, limit, m->symbolic);
+    if (!m->at_limit) return MK_ON;
+    snprintf(m->lwhy, sizeof m->lwhy,
+             "%d programs already compiled for this call site (limit %d: "
+             "gj_compiled_autograd_set_recompile_limit)",
+             n_site, limit);
+    return m->symbolic ? MK_ON : mk_eager(m, GJ_CA_RECOMPILE_LIMIT, m->lwhy, true);
+}
+
+/* Capture and plan (the source's), and the program's symbol prefix: its
+ * code names the key and the plan, so code loaded from disk that another
+ * process compiled for the same key but another plan never passes. */
+static int mk_plan(making *m) {
+    char *why = m->got->why;
+    size_t cap = sizeof m->got->why;
     bool permanent = false;
     gj_ca_reason code = GJ_CA_OTHER;
-    gj_jit_graph *g = src->capture(src->ctx, why, why_cap, &code, &permanent);
-    if (!g) {
-        got->code = code;
-        if (permanent) cache_insert(w, NULL, code, why, false);
-        pthread_mutex_unlock(&g_lock);
-        if (!permanent) return GJ_JIT_FALL;
-        gj_jit_fallback(src->path, code, why, true);
-        return GJ_JIT_FELL;
+    gj_jit_graph *g = m->src->capture(m->src->ctx, why, cap, &code, &permanent);
+    if (!g) return mk_eager(m, code, why, permanent);
+    m->permanent = false;
+    m->prog = gj_jit_program_plan(g, why, cap, &m->permanent);
+    if (m->prog && m->src->finish && m->src->finish(m->src->ctx, m->prog) != 0)
+        drop_oom(&m->prog, &m->permanent, why, cap);
+    if (m->prog && gj_jit_program_prefix(m->w, m->prog, m->prefix) != 0)
+        drop_oom(&m->prog, &m->permanent, why, cap);
+    if (m->prog) return MK_ON;
+    gj_jit_count_compile_ms(m->src->path, gj_jit_now_ms() - m->t0); /* (planning counts) */
+    return mk_eager(m, build_reason(why), why, m->permanent);
+}
+
+/* A symbolic site's new size: bound to the kernels compiled for others. */
+static int mk_bind_symbolic(making *m) {
+    if (!m->symbolic) return MK_ON;
+    char bwhy[200] = "";
+    gj_jit_program *prog = m->prog;
+    int b = gj_jit_plan_make_generic(&prog->plan);
+    if (b == 0)
+        b = gj_jit_kernels_bind(&prog->plan, false, &prog->shared, &prog->n_shared, bwhy,
+                                sizeof bwhy);
+    if (b == 1 && (m->fl & (GJ_JIT_LOG_RECOMPILES | GJ_JIT_LOG_CACHE)) && site_symbolic(m->w))
+        fprintf(stderr, "[gradjit recompiles] key %016llx%016llx compiles symbolically: %s\n",
+                (unsigned long long)m->w->hash[0], (unsigned long long)m->w->hash[1], bwhy);
+    if (b < 0) {
+        drop_oom(&m->prog, &m->permanent, m->got->why, sizeof m->got->why);
+        return mk_eager(m, GJ_CA_OTHER, m->got->why, false);
     }
-    permanent = false;
-    bool disk = gj_jit_disk_dir() != NULL;
-    char prefix[48] = "";
-    gj_jit_program *prog = gj_jit_program_plan(g, why, why_cap, &permanent);
-    if (prog && src->finish && src->finish(src->ctx, prog) != 0)
-        drop_oom(&prog, &permanent, why, why_cap);
-    /* the symbol prefix of its code names what the code is: the key and
-     * the plan (code loaded from disk that another process compiled for the
-     * same key but another plan never passes for this program's) */
-    if (prog && gj_jit_program_prefix(w, prog, prefix) != 0) drop_oom(&prog, &permanent, why, why_cap);
-    if (prog && symbolic) {
-        char bwhy[200] = "";
-        int b = gj_jit_plan_make_generic(&prog->plan);
-        if (b == 0)
-            b = gj_jit_kernels_bind(&prog->plan, false, &prog->shared, &prog->n_shared, bwhy,
-                                    sizeof bwhy);
-        if (b == 1 && (fl & (GJ_JIT_LOG_RECOMPILES | GJ_JIT_LOG_CACHE)) && site_symbolic(w))
-            fprintf(stderr, "[gradjit recompiles] key %016llx%016llx compiles symbolically: %s\n",
-                    (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], bwhy);
-        if (b < 0) {
-            drop_oom(&prog, &permanent, why, why_cap);
-        } else if (b == 0) {
-            if (insert_bound(w, prog, t0, fl, why, why_cap) != 0) return GJ_JIT_FALL; /* unlocked */
-            got->made = GJ_JIT_MADE_BOUND;
-            got->prog = prog;
-            return GJ_JIT_GOT;
-        }
-    }
-    if (at_limit && prog) { /* not bound: a compile, which the limit forbids */
-        gj_jit_program_free(prog);
-        cache_insert(w, NULL, GJ_CA_RECOMPILE_LIMIT, lwhy, false);
-        pthread_mutex_unlock(&g_lock);
-        gj_jit_fallback(src->path, GJ_CA_RECOMPILE_LIMIT, lwhy, true);
-        return GJ_JIT_FELL;
-    }
-    /* the disk cache answers only for the plan made here: its file's
-     * plan must be this one byte for byte (hook and custom calls name
-     * their hook or op by canonical position, resolved at each run) */
-    bool found = false, loaded = false, on_disk = prog && disk;
+    if (b != 0) return MK_ON;
+    m->prog = NULL; /* (insert_bound frees it on failure) */
+    if (insert_bound(m->w, prog, m->t0, m->fl, m->got->why, sizeof m->got->why) != 0)
+        return GJ_JIT_FALL;
+    m->prog = prog;
+    return mk_got(m, GJ_JIT_MADE_BOUND);
+}
+
+/* From the disk cache: this key's entry (its plan must be this one byte for
+ * byte; hook and custom calls name their hook or op by canonical position,
+ * resolved at each run), else a symbolic program of these kernels from an
+ * earlier process (another size), also for the first program of an AUTO
+ * site, which compiles specialised when there is none. */
+static int mk_from_disk(making *m) {
+    if (!m->disk) return MK_ON;
+    gj_jit_program *prog = m->prog;
+    const gj_jit_key *w = m->w;
+    bool found = false, loaded;
     char dwhy[300] = "";
-    if (on_disk) /* (a symbolic program's code has its own symbol prefix) */
-        loaded = gj_jit_disk_load(w, prog, prog->plan.generic ? NULL : prefix, &found, dwhy,
-                                  sizeof dwhy) == 0;
-    if (found && !loaded && (fl & GJ_JIT_LOG_CACHE))
+    loaded = gj_jit_disk_load(w, prog, prog->plan.generic ? NULL : m->prefix, &found, dwhy,
+                              sizeof dwhy) == 0;
+    if (found && !loaded && (m->fl & GJ_JIT_LOG_CACHE))
         fprintf(stderr, "[gradjit cache] disk entry %016llx%016llx not used: %s\n",
                 (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], dwhy);
-    /* then a symbolic program of these kernels from an earlier process
-     * (another size): also for the first program of an AUTO site, which
-     * compiles specialised when there is none */
-    if (on_disk && !loaded && dm != GJ_CA_DYNAMIC_OFF) {
+    if (!loaded && m->dm != GJ_CA_DYNAMIC_OFF) {
         bool was = prog->plan.generic;
         if (!was && gj_jit_plan_make_generic(&prog->plan) != 0) {
-            drop_oom(&prog, &permanent, why, why_cap);
-        } else {
-            found = false;
-            loaded = gj_jit_disk_load_symbolic(prog, &found, dwhy, sizeof dwhy) == 0;
-            if (found && !loaded && (fl & GJ_JIT_LOG_CACHE))
-                fprintf(stderr, "[gradjit cache] symbolic disk entry for %016llx%016llx not "
-                                "used: %s\n",
-                        (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], dwhy);
-            if (!loaded && !was && gj_jit_plan_make_specific(&prog->plan) != 0)
-                drop_oom(&prog, &permanent, why, why_cap);
+            drop_oom(&m->prog, &m->permanent, m->got->why, sizeof m->got->why);
+            return mk_eager(m, GJ_CA_OTHER, m->got->why, false);
+        }
+        found = false;
+        loaded = gj_jit_disk_load_symbolic(prog, &found, dwhy, sizeof dwhy) == 0;
+        if (found && !loaded && (m->fl & GJ_JIT_LOG_CACHE))
+            fprintf(stderr, "[gradjit cache] symbolic disk entry for %016llx%016llx not used: %s\n",
+                    (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], dwhy);
+        if (!loaded && !was && gj_jit_plan_make_specific(&prog->plan) != 0) {
+            drop_oom(&m->prog, &m->permanent, m->got->why, sizeof m->got->why);
+            return mk_eager(m, GJ_CA_OTHER, m->got->why, false);
         }
     }
-    if (loaded) {
-        if (cache_insert(w, prog, GJ_CA_OTHER, NULL, false) != 0) {
-            pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
-            snprintf(why, why_cap, "out of memory in the cache");
-            return GJ_JIT_FALL;
-        }
-        /* for other programs: its kernels and the ones it borrowed */
-        (void)gj_jit_kernels_register(&prog->plan, prog->code, prog->shared, prog->n_shared);
-        if (fl & GJ_JIT_LOG_CACHE)
-            fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
-                    (unsigned long long)w->hash[0], (unsigned long long)w->hash[1],
-                    gj_jit_now_ms() - t0);
-        got->made = GJ_JIT_MADE_DISK_HIT;
-        got->prog = prog;
-        return GJ_JIT_GOT;
-    }
-    /* kernels other programs compiled (the same description: another
-     * call site, a gj_grad of the same model) are not compiled again;
-     * when none is left the program is bound like a new size */
-    int missing = 1;
-    char kwhy[200];
-    if (prog) {
-        missing = gj_jit_kernels_bind(&prog->plan, true, &prog->shared, &prog->n_shared, kwhy,
-                                      sizeof kwhy);
-        if (missing < 0) drop_oom(&prog, &permanent, why, why_cap);
-    }
-    if (prog && missing == 0) {
-        if (insert_bound(w, prog, t0, fl, why, why_cap) != 0) return GJ_JIT_FALL; /* unlocked */
-        got->made = GJ_JIT_MADE_BOUND;
-        got->prog = prog;
-        return GJ_JIT_GOT;
-    }
-    /* (a symbolic program's code, or code whose key prefix is still
-     * live because it lent kernels after its program was evicted, gets
-     * a fresh prefix: see diskcache.h) */
-    if (prog && (prog->plan.generic || gj_jit_code_prefix_live(prefix)))
-        gj_jit_generic_prefix(prefix);
-    if (prog && gj_jit_program_compile(prog, prefix, disk, why, why_cap, &permanent) != 0) {
-        gj_jit_program_free(prog);
-        prog = NULL;
-    }
-    gj_jit_count_compile_ms(src->path, gj_jit_now_ms() - t0);
-    if (!prog) {
-        got->code = build_reason(why);
-        if (permanent) cache_insert(w, NULL, got->code, why, false);
-        pthread_mutex_unlock(&g_lock);
-        if (!permanent) return GJ_JIT_FALL;
-        gj_jit_fallback(src->path, got->code, why, true);
-        return GJ_JIT_FELL;
-    }
-    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, false) != 0) {
-        pthread_mutex_unlock(&g_lock); /* prog freed by cache_insert */
-        snprintf(why, why_cap, "out of memory in the cache");
+    if (!loaded) return MK_ON;
+    m->prog = NULL;
+    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, false) != 0) { /* (prog freed) */
+        snprintf(m->got->why, sizeof m->got->why, "out of memory in the cache");
         return GJ_JIT_FALL;
     }
-    /* its kernels serve other programs (a symbolic one's, other sizes;
-     * failing to register only costs a later compile) */
+    m->prog = prog;
+    /* for other programs: its kernels and the ones it borrowed */
+    (void)gj_jit_kernels_register(&prog->plan, prog->code, prog->shared, prog->n_shared);
+    if (m->fl & GJ_JIT_LOG_CACHE)
+        fprintf(stderr, "[gradjit cache] disk hit %016llx%016llx in %.1f ms\n",
+                (unsigned long long)w->hash[0], (unsigned long long)w->hash[1],
+                gj_jit_now_ms() - m->t0);
+    return mk_got(m, GJ_JIT_MADE_DISK_HIT);
+}
+
+/* Kernels other programs compiled (the same description: another call
+ * site, a gj_grad of the same model) are not compiled again; when none is
+ * left the program is bound like a new size. */
+static int mk_bind_kernels(making *m) {
+    gj_jit_program *prog = m->prog;
+    char kwhy[200];
+    int missing = gj_jit_kernels_bind(&prog->plan, true, &prog->shared, &prog->n_shared, kwhy,
+                                      sizeof kwhy);
+    if (missing < 0) {
+        drop_oom(&m->prog, &m->permanent, m->got->why, sizeof m->got->why);
+        return mk_eager(m, GJ_CA_OTHER, m->got->why, false);
+    }
+    if (missing != 0) return MK_ON;
+    m->prog = NULL;
+    if (insert_bound(m->w, prog, m->t0, m->fl, m->got->why, sizeof m->got->why) != 0)
+        return GJ_JIT_FALL;
+    m->prog = prog;
+    return mk_got(m, GJ_JIT_MADE_BOUND);
+}
+
+/* A compile: its kernels then serve other programs (a symbolic one's,
+ * other sizes; failing to register only costs a later compile), and the
+ * program goes to disk. */
+static int mk_compile(making *m) {
+    char *why = m->got->why;
+    const gj_jit_key *w = m->w;
+    /* (a symbolic program's code, or code whose key prefix is still live
+     * because it lent kernels after its program was evicted, gets a fresh
+     * prefix: see cache_int.h) */
+    if (m->prog->plan.generic || gj_jit_code_prefix_live(m->prefix))
+        gj_jit_generic_prefix(m->prefix);
+    m->permanent = false;
+    int c = gj_jit_program_compile(m->prog, m->prefix, m->disk, why, sizeof m->got->why,
+                                   &m->permanent);
+    gj_jit_count_compile_ms(m->src->path, gj_jit_now_ms() - m->t0);
+    if (c != 0) return mk_eager(m, build_reason(why), why, m->permanent);
+    gj_jit_program *prog = m->prog;
+    m->prog = NULL;
+    if (cache_insert(w, prog, GJ_CA_OTHER, NULL, false) != 0) { /* (prog freed) */
+        snprintf(why, sizeof m->got->why, "out of memory in the cache");
+        return GJ_JIT_FALL;
+    }
+    m->prog = prog;
     (void)gj_jit_kernels_register(&prog->plan, prog->code, NULL, 0);
-    if (fl & GJ_JIT_LOG_CACHE)
+    if (m->fl & GJ_JIT_LOG_CACHE)
         fprintf(stderr, "[gradjit cache] compiled %016llx%016llx in %.1f ms%s\n",
                 (unsigned long long)w->hash[0], (unsigned long long)w->hash[1],
-                gj_jit_now_ms() - t0,
+                gj_jit_now_ms() - m->t0,
                 prog->n_shared ? " (some kernels shared with other programs)" : "");
-    save_to_disk(w, prog, prefix);
-    got->made = GJ_JIT_MADE_COMPILED;
-    got->prog = prog;
-    return GJ_JIT_GOT;
+    save_to_disk(w, prog, m->prefix);
+    return mk_got(m, GJ_JIT_MADE_COMPILED);
+}
+
+/* The miss path of gj_jit_get_program, the cache lock held on entry and on
+ * return (its one exit): the site's decisions, capture and plan, then a
+ * symbolic binding, the disk cache, other programs' kernels or a compile.
+ * Returns GJ_JIT_GOT (got->prog, held by the cache), _FALL or _FELL
+ * (got->code, got->why; *report: the caller reports the fallback once
+ * the lock is dropped). */
+static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_got *got,
+                        unsigned fl, bool *report) {
+    making m;
+    memset(&m, 0, sizeof m);
+    m.w = w;
+    m.src = src;
+    m.got = got;
+    m.fl = fl;
+    m.disk = gj_jit_disk_dir() != NULL;
+    m.t0 = gj_jit_now_ms();
+    int rc = mk_site(&m);
+    if (rc == MK_ON) rc = mk_plan(&m);
+    if (rc == MK_ON) rc = mk_bind_symbolic(&m);
+    if (rc == MK_ON && m.at_limit) /* not bound: a compile, which the limit forbids */
+        rc = mk_eager(&m, GJ_CA_RECOMPILE_LIMIT, m.lwhy, true);
+    if (rc == MK_ON) rc = mk_from_disk(&m);
+    if (rc == MK_ON) rc = mk_bind_kernels(&m);
+    if (rc == MK_ON) rc = mk_compile(&m);
+    *report = m.report;
+    return rc;
 }
 
 int gj_jit_get_program(const gj_jit_key *k, const gj_jit_source *src, gj_jit_got *got) {
@@ -575,8 +638,8 @@ int gj_jit_get_program(const gj_jit_key *k, const gj_jit_source *src, gj_jit_got
         snprintf(got->why, sizeof got->why, "%s", e->reason);
         got->code = e->code;
         pthread_mutex_unlock(&g_lock);
-        if (fl & GJ_JIT_LOG_STEPS)
-            fprintf(stderr, "[gradjit steps] cache hit eager-only %016llx%016llx\n",
+        if (fl & GJ_JIT_LOG_INSTRS)
+            fprintf(stderr, "[gradjit instrs] cache hit eager-only %016llx%016llx\n",
                     (unsigned long long)k->hash[0], (unsigned long long)k->hash[1]);
         return GJ_JIT_FALL;
     }
@@ -584,12 +647,17 @@ int gj_jit_get_program(const gj_jit_key *k, const gj_jit_source *src, gj_jit_got
     if (e) {
         got->prog = e->prog;
         got->made = GJ_JIT_MADE_MEM_HIT;
-        if (fl & GJ_JIT_LOG_STEPS)
-            fprintf(stderr, "[gradjit steps] cache hit %016llx%016llx\n",
+        if (fl & GJ_JIT_LOG_INSTRS)
+            fprintf(stderr, "[gradjit instrs] cache hit %016llx%016llx\n",
                     (unsigned long long)k->hash[0], (unsigned long long)k->hash[1]);
     } else {
-        rc = make_program(k, src, got, fl); /* drops the lock on anything but GOT */
-        if (rc != GJ_JIT_GOT) return rc;
+        bool report = false;
+        rc = make_program(k, src, got, fl, &report);
+        if (rc != GJ_JIT_GOT) {
+            pthread_mutex_unlock(&g_lock);
+            if (report) gj_jit_fallback(src->path, got->code, got->why, true);
+            return rc;
+        }
         got->fresh = true;
     }
     got->prog->refs++; /* the run's reference (held): eviction cannot free it under the run */

@@ -2,7 +2,7 @@
 /*
  * cache.h - programs by key: the memory cache, and how a program is made
  * for a key it does not hold (the disk cache, kernels of other programs,
- * a compile). Shared by every compiled path: the backward (compiled.c)
+ * a compile). Shared by every compiled path: the backward (run/backward.c)
  * and the training step (step.c). Internal to jit/.
  *
  * A key is the canonical text of what a program computes (never an
@@ -107,8 +107,8 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
 /* Drops the code objects that only the registry still references (all:
  * every one, with its entries). */
 void gj_jit_generic_sweep(bool all);
-/* The kernel signature of generic plan p into *b (a wbuf): per kernel step
- * its name, and at a name's first step the kernel's generic description.
+/* The kernel signature of generic plan p into *b (a wbuf): per kernel instruction
+ * its name, and at a name's first instruction the kernel's generic description.
  * Two plans with equal signatures call the same kernel functions under
  * the same names. 0, or -1 on OOM. */
 int gj_jit_generic_signature(const gj_jit_plan *p, struct wbuf *b);

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * diskcache.h - compiled programs on disk, so a second process skips
+ * cache_int.h - compiled programs on disk, so a second process skips
  * compilation (internal to jit/).
  *
  * One file per key: <dir>/<128-bit hash in hex>.gjc holding the full key

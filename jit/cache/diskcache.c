@@ -5,29 +5,29 @@
  * File layout (native byte order: the host id pins the machine):
  *   "GJJITC08"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
- *                                  MAX stores, index steps, f64 decompositions; 03: 512-bit kernels;
+ *                                  MAX stores, index instructions, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
  *                                  05: dropout parameters read from checkpoint tapes;
- *                                  06: fold steps, IM2COL / COL2IM;
+ *                                  06: fold instructions, IM2COL / COL2IM;
  *                                  07: generic (symbolic) plans;
- *                                  08: hook and custom call steps, lent kernels)
+ *                                  08: hook and custom call instructions, lent kernels)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
  *   blob object                    the object code of the kernels the program
  *                                  compiled itself (empty when it compiled none)
  *   u64 parts, then per part:      the code of kernels it borrowed from other
- *     str prefix, blob object      programs (generic.c's registry), whole
- *   u64 lent, then per kernel:     each borrowed kernel step: the part and the
- *     u64 step, u64 part, str sym  symbol it calls
+ *     str prefix, blob object      programs (cache/kernels.c's registry), whole
+ *   u64 lent, then per kernel:     each borrowed kernel instruction: the part and the
+ *     u64 instruction, u64 part, str sym  symbol it calls
  *   u64[2] checksum                gj_jit_hash128 of everything before
  * An entry is whole by itself: a later process loads a program that shared
  * kernels without the programs it shared them with. A part whose prefix a
- * code object of the process already has is that code (code.h), so loading
+ * code object of the process already has is that code (codegen.h), so loading
  * the lender later, or two borrowers, adds no object code twice.
  * A symbolic entry (a symbolic program filed under its kernels, for every
  * size) has the same layout: its key is "gradjit-symbolic v1 <hash of the
- * signature>", its plan blob the kernel signature (generic.c), its prefix
+ * signature>", its plan blob the kernel signature (plan/symbolic.c), its prefix
  * the random "gjs<32 hex>" its code was compiled with.
  * (str and blob: u64 length, then the bytes.)
  *
@@ -407,7 +407,7 @@ static uint64_t layout_signature(void) {
                     sizeof(gj_jit_store),  sizeof(gj_jit_kernel), sizeof(gj_jit_matmul),
                     sizeof(gj_rt_meta),    sizeof(gj_jit_input),  sizeof(gj_jit_output),
                     sizeof(gj_jit_index),  GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT,
-                    sizeof(gj_jit_fold),   sizeof(gj_jit_hookstep), sizeof(gj_jit_callstep),
+                    sizeof(gj_jit_fold),   sizeof(gj_jit_hook_instr), sizeof(gj_jit_call_instr),
                     sizeof(gj_jit_hookref)};
     uint64_t h[2];
     gj_jit_hash128(s, sizeof s, h);
@@ -490,14 +490,14 @@ static void put_fold(wbuf *b, const gj_jit_fold *x) {
     wbuf_f64(b, x->pad);
 }
 
-static void put_hookstep(wbuf *b, const gj_jit_hookstep *x) {
+static void put_hook_instr(wbuf *b, const gj_jit_hook_instr *x) {
     wbuf_i64(b, x->hook);
     wbuf_i64(b, x->src_buf);
     wbuf_i64(b, x->out_buf);
     put_meta(b, &x->meta);
 }
 
-static void put_callstep(wbuf *b, const gj_jit_callstep *x) {
+static void put_call_instr(wbuf *b, const gj_jit_call_instr *x) {
     wbuf_u64(b, x->fwd);
     wbuf_i64(b, x->node);
     wbuf_i64(b, x->tape);
@@ -518,7 +518,7 @@ static void put_callstep(wbuf *b, const gj_jit_callstep *x) {
  * execution or its object code depends on, one 8-byte word each (no
  * padding, no pointers), so the same graph planned by the same library on
  * the same host gives the same bytes. The file holds it, and a load
- * compares it with this process's plan. Hook and custom call steps name
+ * compares it with this process's plan. Hook and custom call instructions name
  * their hook or op by canonical position (the program resolves them at
  * each run), never by address. */
 static void put_plan(wbuf *b, const gj_jit_program *pr) {
@@ -562,8 +562,8 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         wbuf_i64(b, x->dtype);
         wbuf_i64(b, x->numel);
         wbuf_u64(b, x->nbytes);
-        wbuf_i64(b, x->first_step);
-        wbuf_i64(b, x->last_step);
+        wbuf_i64(b, x->first_instr);
+        wbuf_i64(b, x->last_instr);
         wbuf_i64(b, x->gen_inner);
         wbuf_i64(b, x->gen_len);
         wbuf_u64(b, x->gen_seed);
@@ -571,15 +571,15 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         wbuf_i64(b, x->gen_param);
         wbuf_f64(b, x->gen_p);
     }
-    wbuf_i64(b, p->n_steps);
-    for (int s = 0; s < p->n_steps; s++) {
-        const gj_jit_step *st = &p->steps[s];
+    wbuf_i64(b, p->n_instrs);
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_instr *st = &p->instrs[s];
         wbuf_i64(b, st->kind);
-        if (st->kind == GJ_JIT_STEP_MATMUL) put_matmul(b, &st->mm);
-        else if (st->kind == GJ_JIT_STEP_INDEX) put_index(b, &st->ix);
-        else if (st->kind == GJ_JIT_STEP_FOLD) put_fold(b, &st->fd);
-        else if (st->kind == GJ_JIT_STEP_HOOK) put_hookstep(b, &st->hk);
-        else if (st->kind == GJ_JIT_STEP_CALL) put_callstep(b, &st->cs);
+        if (st->kind == GJ_JIT_INSTR_MATMUL) put_matmul(b, &st->mm);
+        else if (st->kind == GJ_JIT_INSTR_INDEX) put_index(b, &st->ix);
+        else if (st->kind == GJ_JIT_INSTR_FOLD) put_fold(b, &st->fd);
+        else if (st->kind == GJ_JIT_INSTR_HOOK) put_hook_instr(b, &st->hk);
+        else if (st->kind == GJ_JIT_INSTR_CALL) put_call_instr(b, &st->cs);
         else put_kernel(b, &st->k);
     }
     put_ints(b, p->rt_param_node, p->n_rt_params);
@@ -607,12 +607,12 @@ int gj_jit_program_prefix(const gj_jit_key *w, const gj_jit_program *pr, char ou
     return 0;
 }
 
-/* Whether pr can live on disk: no step kind put_plan does not know. */
+/* Whether pr can live on disk: no instruction kind put_plan does not know. */
 static bool disk_able(const gj_jit_program *pr) {
-    for (int s = 0; s < pr->plan.n_steps; s++) {
-        gj_jit_step_kind k = pr->plan.steps[s].kind;
-        if (k != GJ_JIT_STEP_KERNEL && k != GJ_JIT_STEP_MATMUL && k != GJ_JIT_STEP_INDEX &&
-            k != GJ_JIT_STEP_FOLD && k != GJ_JIT_STEP_HOOK && k != GJ_JIT_STEP_CALL)
+    for (int s = 0; s < pr->plan.n_instrs; s++) {
+        gj_jit_instr_kind k = pr->plan.instrs[s].kind;
+        if (k != GJ_JIT_INSTR_KERNEL && k != GJ_JIT_INSTR_MATMUL && k != GJ_JIT_INSTR_INDEX &&
+            k != GJ_JIT_INSTR_FOLD && k != GJ_JIT_INSTR_HOOK && k != GJ_JIT_INSTR_CALL)
             return false;
     }
     return true;
@@ -683,8 +683,8 @@ static int put_objects(wbuf *b, const gj_jit_program *pr, char *why, size_t why_
     size_t on = 0;
     const void *own = pr->code ? gj_jit_code_object(pr->code, &on) : NULL;
     bool compiled = false; /* some kernel is its own */
-    for (int s = 0; s < pr->plan.n_steps; s++)
-        compiled |= pr->plan.steps[s].kind == GJ_JIT_STEP_KERNEL && !pr->plan.steps[s].k.shared;
+    for (int s = 0; s < pr->plan.n_instrs; s++)
+        compiled |= pr->plan.instrs[s].kind == GJ_JIT_INSTR_KERNEL && !pr->plan.instrs[s].k.shared;
     if (compiled && !own) {
         snprintf(why, why_cap, "its object code was not kept (compiled while the disk cache "
                                "was off)");
@@ -705,12 +705,12 @@ static int put_objects(wbuf *b, const gj_jit_program *pr, char *why, size_t why_
         put_blob(b, obj, n);
     }
     int64_t n_lent = 0;
-    for (int s = 0; s < pr->plan.n_steps; s++)
-        n_lent += pr->plan.steps[s].kind == GJ_JIT_STEP_KERNEL && pr->plan.steps[s].k.shared;
+    for (int s = 0; s < pr->plan.n_instrs; s++)
+        n_lent += pr->plan.instrs[s].kind == GJ_JIT_INSTR_KERNEL && pr->plan.instrs[s].k.shared;
     wbuf_i64(b, n_lent);
-    for (int s = 0; s < pr->plan.n_steps; s++) {
-        const gj_jit_kernel *k = &pr->plan.steps[s].k;
-        if (pr->plan.steps[s].kind != GJ_JIT_STEP_KERNEL || !k->shared) continue;
+    for (int s = 0; s < pr->plan.n_instrs; s++) {
+        const gj_jit_kernel *k = &pr->plan.instrs[s].k;
+        if (pr->plan.instrs[s].kind != GJ_JIT_INSTR_KERNEL || !k->shared) continue;
         int part = part_of(pr, k);
         if (part < 0) {
             snprintf(why, why_cap, "a shared kernel's code is not among the program's");
@@ -872,7 +872,7 @@ static int load_objects(rbuf *b, gj_jit_program *pr, const char *prefix, char *w
         got++;
     }
     uint64_t n_lent = get_u64(b);
-    if (b->bad || n_lent > (uint64_t)p->n_steps) {
+    if (b->bad || n_lent > (uint64_t)p->n_instrs) {
         snprintf(why, why_cap, "damaged (layout)");
         goto fail;
     }
@@ -880,8 +880,8 @@ static int load_objects(rbuf *b, gj_jit_program *pr, const char *prefix, char *w
         uint64_t s = get_u64(b), part = get_u64(b);
         size_t n;
         const unsigned char *sym = get_blob(b, &n);
-        gj_jit_kernel *k = s < (uint64_t)p->n_steps ? &p->steps[s].k : NULL;
-        if (b->bad || !k || p->steps[s].kind != GJ_JIT_STEP_KERNEL || k->shared ||
+        gj_jit_kernel *k = s < (uint64_t)p->n_instrs ? &p->instrs[s].k : NULL;
+        if (b->bad || !k || p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || k->shared ||
             part >= n_parts || n == 0 || n >= sizeof k->lent) {
             snprintf(why, why_cap, "damaged (a lent kernel)");
             goto fail;
@@ -900,8 +900,8 @@ static int load_objects(rbuf *b, gj_jit_program *pr, const char *prefix, char *w
         goto fail;
     }
     bool compiled = false;
-    for (int s = 0; s < p->n_steps; s++)
-        compiled |= p->steps[s].kind == GJ_JIT_STEP_KERNEL && !p->steps[s].k.shared;
+    for (int s = 0; s < p->n_instrs; s++)
+        compiled |= p->instrs[s].kind == GJ_JIT_INSTR_KERNEL && !p->instrs[s].k.shared;
     if (compiled != (on > 0) || (on > 0 && !prefix)) {
         snprintf(why, why_cap, "damaged (its code does not cover its kernels)");
         goto fail;
@@ -923,8 +923,8 @@ static int load_objects(rbuf *b, gj_jit_program *pr, const char *prefix, char *w
 fail:
     for (int c = 0; c < got; c++) gj_jit_code_free(parts[c]);
     gj_rt_free(parts);
-    for (int s = 0; s < p->n_steps; s++) {
-        gj_jit_kernel *k = &p->steps[s].k;
+    for (int s = 0; s < p->n_instrs; s++) {
+        gj_jit_kernel *k = &p->instrs[s].k;
         if (k->shared) {
             k->shared = false;
             k->fn = NULL;
@@ -1074,7 +1074,7 @@ int gj_jit_disk_load(const gj_jit_key *w, gj_jit_program *pr, const char *prefix
 /* ---------------------------------------------------- symbolic entries */
 
 /* The identity of generic plan p's symbolic entry: its kernel signature
- * (generic.c) as the plan blob, and the key text "gradjit-symbolic v1
+ * (plan/symbolic.c) as the plan blob, and the key text "gradjit-symbolic v1
  * <hash of the signature>" whose hash names the file. 0, or -1 on OOM
  * (the caller frees sig->p either way). */
 static int symbolic_id(const gj_jit_plan *p, wbuf *sig, char key[64], entry_id *id) {

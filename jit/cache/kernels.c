@@ -93,9 +93,9 @@ int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code, gj_jit_code
                             int n_lent) {
     int rc = 0;
     pthread_mutex_lock(&g_reg_lock);
-    for (int s = 0; s < p->n_steps && rc == 0; s++) {
-        const gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || !k->fn) continue;
+    for (int s = 0; s < p->n_instrs && rc == 0; s++) {
+        const gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || !k->fn) continue;
         gj_jit_code *c = k->shared ? lender_of(k->lent, lent, n_lent) : code;
         if (!c) continue;
         wbuf d = {0};
@@ -138,18 +138,18 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
     *codes_out = NULL;
     *n_codes_out = 0;
     int n_k = 0;
-    for (int s = 0; s < p->n_steps; s++) n_k += p->steps[s].kind == GJ_JIT_STEP_KERNEL;
+    for (int s = 0; s < p->n_instrs; s++) n_k += p->instrs[s].kind == GJ_JIT_INSTR_KERNEL;
     if (n_k == 0) return partial ? 0 : 1; /* nothing to share (nor to compile) */
     gj_jit_code **codes = gj_rt_calloc((size_t)n_k + 1, sizeof *codes);
     if (!codes) return -1;
     int n_codes = 0, missing = 0, rc = 0;
     pthread_mutex_lock(&g_reg_lock);
-    for (int s = 0; s < p->n_steps && rc == 0 && (partial || missing == 0); s++) {
-        gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+    for (int s = 0; s < p->n_instrs && rc == 0 && (partial || missing == 0); s++) {
+        gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL) continue;
         bool first = true; /* (one lookup per distinct kernel: dedupe.c's names) */
         for (int t = 0; t < s && first; t++)
-            first = !(p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0);
+            first = !(p->instrs[t].kind == GJ_JIT_INSTR_KERNEL && strcmp(p->instrs[t].k.name, k->name) == 0);
         if (!first) continue;
         wbuf d = {0};
         gj_jit_kernel_describe(p, k, p->generic, &d);
@@ -162,15 +162,15 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
             rc = -1;
         } else if (i < 0) {
             if (!missing++)
-                snprintf(why, why_cap, "step %d (kernel over %d dims, %d accesses, %d expressions) "
+                snprintf(why, why_cap, "instruction %d (kernel over %d dims, %d accesses, %d expressions) "
                          "matches no compiled %skernel", s, k->nd, k->n_acc, k->n_ex,
                          p->generic ? "symbolic " : "");
         } else {
-            for (int t = s; t < p->n_steps; t++) /* every step calling it */
-                if (p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0) {
-                    p->steps[t].k.fn = g_reg[i].fn;
-                    p->steps[t].k.shared = true;
-                    memcpy(p->steps[t].k.lent, g_reg[i].sym, sizeof g_reg[i].sym);
+            for (int t = s; t < p->n_instrs; t++) /* every instruction calling it */
+                if (p->instrs[t].kind == GJ_JIT_INSTR_KERNEL && strcmp(p->instrs[t].k.name, k->name) == 0) {
+                    p->instrs[t].k.fn = g_reg[i].fn;
+                    p->instrs[t].k.shared = true;
+                    memcpy(p->instrs[t].k.lent, g_reg[i].sym, sizeof g_reg[i].sym);
                 }
             bool have = false;
             for (int c = 0; c < n_codes && !have; c++) have = codes[c] == g_reg[i].code;
@@ -182,11 +182,11 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
         for (int c = 0; c < n_codes; c++) gj_jit_code_ref(codes[c]);
     pthread_mutex_unlock(&g_reg_lock);
     if (!keep) {
-        for (int s = 0; s < p->n_steps; s++)
-            if (p->steps[s].k.shared) {
-                p->steps[s].k.fn = NULL;
-                p->steps[s].k.shared = false;
-                p->steps[s].k.lent[0] = '\0';
+        for (int s = 0; s < p->n_instrs; s++)
+            if (p->instrs[s].k.shared) {
+                p->instrs[s].k.fn = NULL;
+                p->instrs[s].k.shared = false;
+                p->instrs[s].k.lent[0] = '\0';
             }
         gj_rt_free(codes);
         return rc < 0 ? -1 : 1;

@@ -1,17 +1,17 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * program.c - building a program from a captured graph, and running a plan:
- * a small interpreter over the plan's steps (fused kernels split across the
+ * a small interpreter over the plan's instructions (fused kernels split across the
  * thread pool, BLAS calls) -- the "C-side program" form of the compiled
  * backward.
  *
  * Invariants:
  *   - Memory follows the plan's liveness: a temporary is allocated before
- *     its first step and freed after its last, a new .grad is allocated
+ *     its first instruction and freed after its last, a new .grad is allocated
  *     (by the caller's callback) just before the step that writes it.
- *   - Matmul steps call gj_rt_sgemm/gj_rt_dgemm exactly as the eager matmul
+ *   - Matmul instructions call gj_rt_sgemm/gj_rt_dgemm exactly as the eager matmul
  *     kernel would for the same operand layouts (including its batch
- *     collapsing rule), so results agree with eager; an accumulating step
+ *     collapsing rule), so results agree with eager; an accumulating instruction
  *     (beta = 1) adds straight into an existing .grad.
  */
 #include "jit/cache/program.h"
@@ -74,7 +74,7 @@ gj_jit_program *gj_jit_program_plan(gj_jit_graph *g, char *why, size_t why_cap,
         memcpy(pr->hooks, g->hooks, (size_t)g->n_hooks * sizeof *pr->hooks);
         pr->n_hooks = g->n_hooks;
     }
-    for (int s = 0; s < pr->plan.n_steps; s++) pr->n_calls += pr->plan.steps[s].kind == GJ_JIT_STEP_CALL;
+    for (int s = 0; s < pr->plan.n_instrs; s++) pr->n_calls += pr->plan.instrs[s].kind == GJ_JIT_INSTR_CALL;
     return pr;
 fail:
     gj_jit_program_free(pr);
@@ -126,9 +126,9 @@ size_t gj_jit_program_bytes(const gj_jit_program *pr) {
     if (!pr) return 0;
     const gj_jit_plan *p = &pr->plan;
     size_t n = sizeof *pr + gj_jit_code_bytes(pr->code);
-    n += (size_t)p->cap_steps * sizeof *p->steps + (size_t)p->cap_bufs * sizeof *p->bufs;
-    for (int s = 0; s < p->n_steps; s++) {
-        const gj_jit_kernel *k = &p->steps[s].k;
+    n += (size_t)p->cap_instrs * sizeof *p->instrs + (size_t)p->cap_bufs * sizeof *p->bufs;
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_kernel *k = &p->instrs[s].k;
         n += (size_t)k->cap_acc * sizeof *k->acc + (size_t)k->cap_ex * sizeof *k->ex +
              (size_t)k->cap_st * sizeof *k->st + (size_t)k->n_params * sizeof *k->param_buf +
              (size_t)k->n_ints * sizeof *k->ints;
@@ -154,34 +154,34 @@ static int64_t meta_bytes(const gj_rt_meta *m) {
 /* The public description of plan p (gradjit.h: gj_ca_program_info). */
 void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
     memset(out, 0, sizeof *out);
-    out->steps = p->n_steps;
+    out->instrs = p->n_instrs;
     out->parallel_groups = p->n_par_groups;
-    for (int s = 0; s < p->n_steps; s++) {
-        const gj_jit_step *st = &p->steps[s];
-        if (st->kind == GJ_JIT_STEP_KERNEL) {
-            out->kernel_steps++;
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_instr *st = &p->instrs[s];
+        if (st->kind == GJ_JIT_INSTR_KERNEL) {
+            out->kernel_instrs++;
             bool seen = false;
             for (int t = 0; t < s && !seen; t++)
-                seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&
-                       strcmp(p->steps[t].k.name, st->k.name) == 0;
+                seen = p->instrs[t].kind == GJ_JIT_INSTR_KERNEL &&
+                       strcmp(p->instrs[t].k.name, st->k.name) == 0;
             out->kernel_functions += !seen;
             out->shared_kernel_functions += !seen && st->k.shared;
-        } else if (st->kind == GJ_JIT_STEP_MATMUL) {
+        } else if (st->kind == GJ_JIT_INSTR_MATMUL) {
             const gj_jit_matmul *m = &st->mm;
             int64_t batch = 1;
             for (int k = 0; k < m->nb; k++) batch *= m->bshape[k];
-            out->gemm_steps++;
+            out->gemm_instrs++;
             out->gemm_flops += 2.0 * (double)m->M * (double)m->N * (double)m->K * (double)batch;
             if (out->n_gemms < GJ_CA_MAX_GEMMS)
                 out->gemms[out->n_gemms] = (gj_ca_gemm){m->dtype, m->ta, m->tb, m->M, m->N,
                                                         m->K, batch, m->accumulate};
             out->n_gemms++;
         } else {
-            out->other_steps++;
+            out->other_instrs++;
         }
     }
-    for (int b = 0; b < p->n_bufs; b++) /* inputs some step reads */
-        if (p->bufs[b].kind == GJ_JIT_BUF_INPUT && p->bufs[b].first_step >= 0)
+    for (int b = 0; b < p->n_bufs; b++) /* inputs some instruction reads */
+        if (p->bufs[b].kind == GJ_JIT_BUF_INPUT && p->bufs[b].first_instr >= 0)
             out->input_bytes += meta_bytes(&p->in_meta[p->bufs[b].index]);
     for (int o = 0; o < p->n_outputs; o++)
         if (p->bufs[p->out_buf[o]].kind == GJ_JIT_BUF_OUTPUT)
@@ -190,7 +190,7 @@ void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
 
 /* ---------------------------------------------------------------- run */
 
-/* ------------------------------------------------------ matmul steps */
+/* ------------------------------------------------------ matmul instructions */
 
 /* The eager matmul kernel's batch collapsing rule (gj_k_mat_layout): a
  * batch of A row blocks stacked in memory against one shared B is one GEMM
@@ -216,7 +216,7 @@ static void mm_collapse(const gj_jit_matmul *m, int64_t *M, int64_t *nbatch) {
     }
 }
 
-/* The GEMMs of a group of matmul steps as one list of blocks: step t
+/* The GEMMs of a group of matmul instructions as one list of blocks: instruction t
  * contributes nbatch[t] * split[t].parts blocks, block (batch, part) being
  * block `part` of gj_rt_gemm_split_of for that batch's GEMM -- the very
  * blocks the eager matmul kernel's gj_rt_sgemm call runs, so the bits are
@@ -260,7 +260,7 @@ static void mm_group_range(void *vctx, int64_t b, int64_t e) {
     }
 }
 
-/* Runs the matmul steps [s, e) of p (one step, or a group of independent
+/* Runs the matmul instructions [s, e) of p (one instruction, or a group of independent
  * ones, schedule.c) as one pass of GEMM blocks over the pool. */
 static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int threads) {
     mm_group g;
@@ -268,7 +268,7 @@ static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int
     g.bp = bp;
     g.first[0] = 0;
     for (int t = s; t < e; t++) {
-        const gj_jit_matmul *m = &p->steps[t].mm;
+        const gj_jit_matmul *m = &p->instrs[t].mm;
         int64_t M, nbatch;
         mm_collapse(m, &M, &nbatch);
         if (nbatch == 0 || M == 0 || m->N == 0) continue;
@@ -287,7 +287,7 @@ static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int
     if (g.n > 0) gj_rt_parallel_for(g.first[g.n], 1, mm_group_range, &g);
 }
 
-/* ------------------------------------------------------- index steps */
+/* ------------------------------------------------------- index instructions */
 
 #define GJ_JIT_SCOLS 256 /* columns per scatter task, as the eager kernel */
 
@@ -347,7 +347,7 @@ static void scatter_range(void *vctx, int64_t b, int64_t e) {
     }
 }
 
-/* Runs an index step (plan.h). 0, or -1 with the error set (a bad index:
+/* Runs an index instruction (plan.h). 0, or -1 with the error set (a bad index:
  * nothing written; out of memory). */
 static int run_index(const gj_jit_index *x, void *const *bp) {
     const int64_t *idx = bp[x->idx_buf];
@@ -410,12 +410,12 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            gj_jit_custom_call call, gj_jit_progress progress, void *hctx) {
     int max_params = 1, rc = -1, threads = gj_rt_num_threads();
-    for (int s = 0; s < p->n_steps; s++)
-        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && p->steps[s].k.n_params > max_params)
-            max_params = p->steps[s].k.n_params;
+    for (int s = 0; s < p->n_instrs; s++)
+        if (p->instrs[s].kind == GJ_JIT_INSTR_KERNEL && p->instrs[s].k.n_params > max_params)
+            max_params = p->instrs[s].k.n_params;
     unsigned lf = gj_jit_log_flags();
-    bool prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0,
-         steps_log = (lf & GJ_JIT_LOG_STEPS) != 0;
+    bool prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_INSTRS)) != 0,
+         instrs_log = (lf & GJ_JIT_LOG_INSTRS) != 0;
     void **bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *bp);
     void **ctx = gj_rt_calloc((size_t)max_params + 1, sizeof *ctx); /* + a generic kernel's ints */
     if (!bp || !ctx) goto done;
@@ -426,9 +426,9 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         else if (x->kind == GJ_JIT_BUF_PARAMS) bp[b] = (void *)(uintptr_t)params;
     }
     int fi = 0, li = 0;
-    for (int s = 0, e; s < p->n_steps; s = e) {
-        e = p->steps[s].group_end > s ? p->steps[s].group_end : s + 1;
-        for (; fi < p->n_by_first && p->bufs[p->by_first[fi]].first_step < e; fi++) {
+    for (int s = 0, e; s < p->n_instrs; s = e) {
+        e = p->instrs[s].group_end > s ? p->instrs[s].group_end : s + 1;
+        for (; fi < p->n_by_first && p->bufs[p->by_first[fi]].first_instr < e; fi++) {
             int b = p->by_first[fi];
             const gj_jit_buffer *x = &p->bufs[b];
             if (x->kind == GJ_JIT_BUF_OUTPUT) {
@@ -440,13 +440,13 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                 if (!bp[b]) goto done;
             }
         }
-        const gj_jit_step *st = &p->steps[s];
+        const gj_jit_instr *st = &p->instrs[s];
         double t0 = prof ? gj_jit_now_ms() : 0;
-        if (st->kind == GJ_JIT_STEP_MATMUL) {
+        if (st->kind == GJ_JIT_INSTR_MATMUL) {
             run_matmuls(p, s, e, bp, threads);
-        } else if (st->kind == GJ_JIT_STEP_INDEX) {
+        } else if (st->kind == GJ_JIT_INSTR_INDEX) {
             if (run_index(&st->ix, bp) != 0) goto done;
-        } else if (st->kind == GJ_JIT_STEP_FOLD) {
+        } else if (st->kind == GJ_JIT_INSTR_FOLD) {
             const gj_jit_fold *x = &st->fd;
             const char *src = (const char *)bp[x->src_buf] +
                               x->src_off * (int64_t)gj_rt_dtype_size(x->dtype);
@@ -455,7 +455,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             } else if (gj_rt_col2im_run(&x->win, x->dtype, src, x->src_st, bp[x->out_buf]) != 0) {
                 goto done;
             }
-        } else if (st->kind == GJ_JIT_STEP_CALL) {
+        } else if (st->kind == GJ_JIT_INSTR_CALL) {
             if (!call) {
                 gj_rt_set_error("compiled backward: a custom call step without a runner");
                 goto done;
@@ -468,7 +468,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                 rc = cr;
                 goto done;
             }
-        } else if (st->kind == GJ_JIT_STEP_HOOK) {
+        } else if (st->kind == GJ_JIT_INSTR_HOOK) {
             if (!hook) {
                 gj_rt_set_error("compiled backward: a hook step without a hook runner");
                 goto done;
@@ -485,28 +485,28 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
             gj_rt_parallel_for(k->rows, k->grain, k->fn, ctx);
         }
         if (prof) {
-            const char *what = st->kind == GJ_JIT_STEP_MATMUL  ? "gemm"
-                               : st->kind == GJ_JIT_STEP_HOOK  ? "hook"
-                               : st->kind == GJ_JIT_STEP_CALL  ? "custom"
-                               : st->kind == GJ_JIT_STEP_FOLD  ? (st->fd.col2im ? "col2im"
+            const char *what = st->kind == GJ_JIT_INSTR_MATMUL  ? "gemm"
+                               : st->kind == GJ_JIT_INSTR_HOOK  ? "hook"
+                               : st->kind == GJ_JIT_INSTR_CALL  ? "custom"
+                               : st->kind == GJ_JIT_INSTR_FOLD  ? (st->fd.col2im ? "col2im"
                                                                                 : "im2col")
-                               : st->kind == GJ_JIT_STEP_INDEX ? (st->ix.scatter ? "scatter"
+                               : st->kind == GJ_JIT_INSTR_INDEX ? (st->ix.scatter ? "scatter"
                                                                                  : "gather")
                                                                : st->k.name;
             double ms = gj_jit_now_ms() - t0;
-            if (steps_log)
-                fprintf(stderr, "[gradjit steps] step %d%s %s: %.3f ms\n", s,
+            if (instrs_log)
+                fprintf(stderr, "[gradjit instrs] instr %d%s %s: %.3f ms\n", s,
                         e - s > 1 ? "+" : "", what, ms);
-            gj_jit_prof_step(what, ms);
+            gj_jit_prof_instr(what, ms);
         }
-        for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_step < e; li++) {
+        for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_instr < e; li++) {
             int b = p->by_last[li];
             if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
             bp[b] = NULL;
         }
-        if (progress && e < p->n_steps && progress(hctx, e) != 0) goto done;
+        if (progress && e < p->n_instrs && progress(hctx, e) != 0) goto done;
     }
-    for (int o = 0; o < p->n_outputs; o++) { /* outputs no step writes (none expected) */
+    for (int o = 0; o < p->n_outputs; o++) { /* outputs no instruction writes (none expected) */
         if (out[o] || p->bufs[p->out_buf[o]].kind != GJ_JIT_BUF_OUTPUT) continue;
         out[o] = alloc ? alloc(actx, o) : NULL;
         if (!out[o]) goto done;

@@ -1,14 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * program.h - a compiled backward: the plan, its machine code, and what its
- * inputs and outputs are at run time. Internal to jit/ (and the jit tests).
+ * program.h - a compiled program (a backward's or a training step's): the
+ * plan, its machine code, and what its inputs and outputs are at run time.
+ * Part of the cache stage's entry (cache.h).
  *
  * Invariants:
  *   - inputs[i] / outputs[o] describe graph input i / output o of the plan
  *     in the order the plan expects them (canonical origins, see ir.h).
  *   - recapture: some input has no canonical origin, so every run captures
  *     again (cheap: no kernel runs) to collect the input tensors.
- *   - refs and id belong to compiled.c (under its cache lock): the memory
+ *   - refs and id belong to cache.c (under its cache lock): the memory
  *     cache holds one reference, and every run of the program one more, so
  *     an entry evicted or demoted while a thread (or a hook re-entering
  *     gj_backward) runs it is freed by the last run, not under it.
@@ -22,7 +23,7 @@
 typedef struct gj_jit_program {
     gj_jit_plan plan;
     gj_jit_code *code;     /* compiled for this program (NULL for a bound one) */
-    /* A generic plan bound to kernels compiled for other sizes (generic.c):
+    /* A generic plan bound to kernels compiled for other sizes (plan/symbolic.c):
      * a reference to each code object its kernels are in. */
     gj_jit_code **shared;
     int n_shared;
@@ -31,16 +32,16 @@ typedef struct gj_jit_program {
     gj_jit_output *outputs;
     int n_outputs;
     bool recapture;
-    gj_jit_hookref *hooks; /* tensor hooks (hook steps) and post-accumulate hooks */
+    gj_jit_hookref *hooks; /* tensor hooks (hook instructions) and post-accumulate hooks */
     int n_hooks;
-    int n_calls; /* custom call steps (the program then lives in memory only) */
+    int n_calls; /* custom call instructions (the program then lives in memory only) */
     /* A gj_grad's program (its outputs have acc_node -1): per requested
      * input, the output holding its gradient or -1 (none reaches it);
-     * compiled.c copies it from the capture. NULL, 0 for a backward. */
+     * cache.c copies it from the capture. NULL, 0 for a backward. */
     int *ret;
     int n_ret;
-    int refs;    /* compiled.c: the cache's reference + runs in progress */
-    uint64_t id; /* compiled.c: unique in the process, never reused */
+    int refs;    /* cache.c: the cache's reference + runs in progress */
+    uint64_t id; /* cache.c: unique in the process, never reused */
 } gj_jit_program;
 
 /* Optimises g in place (CSE, DCE) and plans it: the program of g with its
@@ -74,27 +75,27 @@ typedef void *(*gj_jit_out_alloc)(void *ctx, int o);
  * k at [2k], [2k+1]; NULL if p->n_rt_params is 0); out[o] the data of a new .grad for output o, or NULL to
  * have alloc(actx, o) called just before the step that writes it (ignored
  * for in-place outputs, whose data is the .grad input's). Temporaries live
- * from their first to their last step. Returns 0, or -1 on OOM (error set;
- * steps before the failure have run: in-place outputs may be updated, as
+ * from their first to their last instruction. Returns 0, or -1 on OOM (error set;
+ * instructions before the failure have run: in-place outputs may be updated, as
  * with an eager backward that runs out of memory). */
 int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *params, void **out,
                      gj_jit_out_alloc alloc, void *actx);
-/* Runs a hook step: src (contiguous, hs->meta) is the gradient, dst
+/* Runs a hook instruction: src (contiguous, hs->meta) is the gradient, dst
  * receives the value flowing on. Returns 0, -1 (error set), or 1 to abandon
  * the run (a guard tripped; the caller knows why). */
-typedef int (*gj_jit_hook_call)(void *ctx, const gj_jit_hookstep *hs, const void *src, void *dst);
-/* gj_jit_plan_exec with hook steps run through hook(hctx, ...). Returns 0,
+typedef int (*gj_jit_hook_call)(void *ctx, const gj_jit_hook_instr *hs, const void *src, void *dst);
+/* gj_jit_plan_exec with hook instructions run through hook(hctx, ...). Returns 0,
  * -1 (error), or 1 (a hook call asked to abandon the run: temporaries are
  * freed, outputs allocated so far belong to the caller as usual). */
-/* Runs a custom call step: src[k] (contiguous, cs->in_meta[k]) are its
+/* Runs a custom call instruction: src[k] (contiguous, cs->in_meta[k]) are its
  * inputs, dst[k] receive its outputs. Returns 0, -1 or 1 as a hook call. */
-typedef int (*gj_jit_custom_call)(void *ctx, const gj_jit_callstep *cs, void *const *src,
+typedef int (*gj_jit_custom_call)(void *ctx, const gj_jit_call_instr *cs, void *const *src,
                                   void *const *dst);
-/* Called after each group of steps with the number of steps done so far
- * (the outputs whose buffers no later step uses are final). 0 to go on,
+/* Called after each group of instructions with the number of instructions done so far
+ * (the outputs whose buffers no later instruction uses are final). 0 to go on,
  * -1 to stop the run (error set). */
-typedef int (*gj_jit_progress)(void *ctx, int steps_done);
-/* gj_jit_plan_exec_hooks with custom call steps run through call(hctx, ...)
+typedef int (*gj_jit_progress)(void *ctx, int instrs_done);
+/* gj_jit_plan_exec_hooks with custom call instructions run through call(hctx, ...)
  * and progress(hctx, ...) after each group (either may be NULL). */
 int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,

@@ -6,7 +6,7 @@
  *
  * Invariants:
  *   - A gj_val of this builder is (value id + 1) cast to a pointer; values
- *     live as long as the graph, so keep/drop/end_step do nothing.
+ *     live as long as the graph, so keep/drop/end_node do nothing.
  *   - Composite instructions are never recorded: they are decomposed into
  *     primitives (gj_ag_decompose) on this same builder.
  *   - constant(t) makes a new graph input for every call (no merging by
@@ -142,7 +142,7 @@ static void rec_drop(gj_ag_builder *b, gj_val *v) {
     (void)v;
 }
 
-static void rec_end_step(gj_ag_builder *b) { (void)b; }
+static void rec_end_node(gj_ag_builder *b) { (void)b; }
 
 static int rec_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
     recorder *r = (recorder *)b;
@@ -422,7 +422,7 @@ void gj_jit_recorder_init(gj_jit_recorder *r, gj_jit_capture *cap, const gj_jit_
                            .constant = rec_constant,
                            .keep = rec_keep,
                            .drop = rec_drop,
-                           .end_step = rec_end_step,
+                           .end_node = rec_end_node,
                            .accumulate = rec_accumulate,
                            .records = true,
                            .call_hook = rec_call_hook,

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * code.h - compiled machine code for a plan, without LLVM types (the LLVM
+ * codegen.h - compiled machine code for a plan, without LLVM types (the LLVM
  * side is llvmjit.c). Internal to jit/.
  *
  * A gj_jit_code owns the JIT resources (its object files, tracked by one
@@ -20,7 +20,7 @@ typedef struct gj_jit_code gj_jit_code;
 
 /* Compiles every distinct kernel of p that is not shared (optimised with
  * default<O3> for the host CPU) under symbol prefix `prefix`, which no live
- * code object may have, and stores each kernel's entry in p->steps[s].k.fn.
+ * code object may have, and stores each kernel's entry in p->instrs[s].k.fn.
  * The kernels are split into up to one module per thread
  * (gj_rt_num_threads, at most 4), compiled at the same time, each to its
  * own object file. With `keep`, the code keeps a copy of its object code

@@ -242,9 +242,9 @@ static gj_jit_code *live_find(const char *prefix) {
 /* Looks up `<prefix>_<name>` of every kernel of p that is not shared and
  * stores it in the kernel's fn (lock held). 0, or -1 with why[] set. */
 static int lookup_kernels(gj_jit_plan *p, const char *prefix, char *why, size_t why_cap) {
-    for (int s = 0; s < p->n_steps; s++) {
-        gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || k->shared) continue;
+    for (int s = 0; s < p->n_instrs; s++) {
+        gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || k->shared) continue;
         char name[128];
         snprintf(name, sizeof name, "%s_%s", prefix, k->name);
         LLVMOrcExecutorAddress addr = 0;
@@ -273,8 +273,8 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
     gj_jit_code *live = live_find(prefix);
     if (live) {
         if (p && lookup_kernels(p, prefix, why, why_cap) != 0) {
-            for (int s = 0; s < p->n_steps; s++)
-                if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
+            for (int s = 0; s < p->n_instrs; s++)
+                if (!p->instrs[s].k.shared) p->instrs[s].k.fn = NULL;
             return NULL;
         }
         if (keep && !live->obj && n > 0) { /* the same bytes: keep them now */
@@ -364,8 +364,8 @@ fail: {
     gj_rt_free(code->obj);
     gj_rt_free(code);
     if (p)
-        for (int s = 0; s < p->n_steps; s++)
-            if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
+        for (int s = 0; s < p->n_instrs; s++)
+            if (!p->instrs[s].k.shared) p->instrs[s].k.fn = NULL;
     return NULL;
 }
 }
@@ -382,7 +382,7 @@ fail: {
 typedef struct shard_job {
     gj_jit_plan *p;
     const char *prefix;
-    const int *shard_of_step;
+    const int *shard_of_instr;
     int shard;
     LLVMMemoryBufferRef obj; /* out */
     double t[4];             /* bitcode, IR, passes, codegen (ms, when prof) */
@@ -406,7 +406,7 @@ static void *compile_shard(void *arg) {
     LLVMSetDataLayout(M, g.layout);
     if (link_math(M, j->why, sizeof j->why) != 0) goto done;
     t1 = prof ? gj_jit_now_ms() : 0;
-    if (gj_jit_lower_plan(M, j->p, j->prefix, g.cpu, g.features, j->shard_of_step, j->shard,
+    if (gj_jit_lower_plan(M, j->p, j->prefix, g.cpu, g.features, j->shard_of_instr, j->shard,
                           j->why, sizeof j->why) != 0)
         goto done;
     drop_unused_math(M);
@@ -565,33 +565,33 @@ static long kernel_cost(const gj_jit_kernel *k) {
 }
 
 /* How many modules p's kernels are compiled in, and which one each kernel
- * step's function goes to (shard_of_step, -1 for other steps): distinct
+ * instruction's function goes to (shard_of_instr, -1 for other instructions): distinct
  * kernels, largest first (kernel_cost), each to the module with
- * the least so far; steps sharing a function (dedupe.c) share its module.
+ * the least so far; instructions sharing a function (dedupe.c) share its module.
  * One module when there is one thread or fewer than 2 distinct kernels. */
-static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
+static int plan_shards(const gj_jit_plan *p, int *shard_of_instr) {
     int n_distinct = 0, threads = gj_rt_num_threads();
-    for (int s = 0; s < p->n_steps; s++) {
-        shard_of_step[s] = -1;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || p->steps[s].k.shared) continue;
+    for (int s = 0; s < p->n_instrs; s++) {
+        shard_of_instr[s] = -1;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || p->instrs[s].k.shared) continue;
         bool seen = false;
         for (int t = 0; t < s && !seen; t++)
-            seen = shard_of_step[t] >= 0 && strcmp(p->steps[t].k.name, p->steps[s].k.name) == 0;
+            seen = shard_of_instr[t] >= 0 && strcmp(p->instrs[t].k.name, p->instrs[s].k.name) == 0;
         if (!seen) n_distinct++;
-        shard_of_step[s] = 0;
+        shard_of_instr[s] = 0;
     }
     int n = threads < GJ_JIT_MAX_SHARDS ? threads : GJ_JIT_MAX_SHARDS;
     if (n > n_distinct) n = n_distinct;
     if (n < 2) return 1;
     long load[GJ_JIT_MAX_SHARDS] = {0};
-    for (int s = 0; s < p->n_steps; s++) /* (a shared kernel is not compiled here) */
-        shard_of_step[s] = p->steps[s].kind == GJ_JIT_STEP_KERNEL && !p->steps[s].k.shared ? -2 : -1;
+    for (int s = 0; s < p->n_instrs; s++) /* (a shared kernel is not compiled here) */
+        shard_of_instr[s] = p->instrs[s].kind == GJ_JIT_INSTR_KERNEL && !p->instrs[s].k.shared ? -2 : -1;
     for (;;) { /* the largest unassigned distinct kernel */
         int best = -1;
         long best_cost = -1;
-        for (int s = 0; s < p->n_steps; s++) {
-            if (shard_of_step[s] != -2) continue;
-            long cost = kernel_cost(&p->steps[s].k);
+        for (int s = 0; s < p->n_instrs; s++) {
+            if (shard_of_instr[s] != -2) continue;
+            long cost = kernel_cost(&p->instrs[s].k);
             if (cost > best_cost) best = s, best_cost = cost;
         }
         if (best < 0) break;
@@ -599,9 +599,9 @@ static int plan_shards(const gj_jit_plan *p, int *shard_of_step) {
         for (int i = 1; i < n; i++)
             if (load[i] < load[lo]) lo = i;
         load[lo] += best_cost;
-        for (int s = 0; s < p->n_steps; s++) /* every step with this function */
-            if (shard_of_step[s] == -2 && strcmp(p->steps[s].k.name, p->steps[best].k.name) == 0)
-                shard_of_step[s] = lo;
+        for (int s = 0; s < p->n_instrs; s++) /* every instruction with this function */
+            if (shard_of_instr[s] == -2 && strcmp(p->instrs[s].k.name, p->instrs[best].k.name) == 0)
+                shard_of_instr[s] = lo;
     }
     return n;
 }
@@ -612,23 +612,23 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, bool keep, 
     shard_job job[GJ_JIT_MAX_SHARDS];
     pthread_t tid[GJ_JIT_MAX_SHARDS];
     bool started[GJ_JIT_MAX_SHARDS] = {false};
-    int *shard_of_step = gj_rt_malloc((size_t)(p->n_steps + 1) * sizeof(int));
+    int *shard_of_instr = gj_rt_malloc((size_t)(p->n_instrs + 1) * sizeof(int));
     char *blob = NULL;
     size_t n = 0;
     int nshards = 0;
     why[0] = '\0';
     bool prof = (gj_jit_log_flags() & GJ_JIT_LOG_PROF) != 0;
     double t0 = prof ? gj_jit_now_ms() : 0, t1 = t0, cpu0 = prof ? cpu_ms_now() : 0;
-    if (!shard_of_step) {
+    if (!shard_of_instr) {
         snprintf(why, why_cap, "out of memory");
         goto out;
     }
     pthread_mutex_lock(&g_lock);
     if (ensure_jit(why, why_cap) != 0) goto done;
-    nshards = plan_shards(p, shard_of_step);
+    nshards = plan_shards(p, shard_of_instr);
     if (nshards > 1) warm_up();
     for (int i = 0; i < nshards; i++) {
-        job[i] = (shard_job){p, prefix, nshards > 1 ? shard_of_step : NULL, i, NULL, {0}, ""};
+        job[i] = (shard_job){p, prefix, nshards > 1 ? shard_of_instr : NULL, i, NULL, {0}, ""};
         /* shards 1.. on their own threads; if one cannot start, the caller
          * runs it after its own */
         if (i > 0) started[i] = pthread_create(&tid[i], NULL, compile_shard, &job[i]) == 0;
@@ -695,10 +695,10 @@ done:
     pthread_mutex_unlock(&g_lock);
 out:
     gj_rt_free(blob);
-    gj_rt_free(shard_of_step);
+    gj_rt_free(shard_of_instr);
     if (!code) {
-        for (int s = 0; s < p->n_steps; s++)
-            if (!p->steps[s].k.shared) p->steps[s].k.fn = NULL;
+        for (int s = 0; s < p->n_instrs; s++)
+            if (!p->instrs[s].k.shared) p->instrs[s].k.fn = NULL;
         if (!why[0]) snprintf(why, why_cap, "LLVM error: compilation failed");
         gj_rt_set_error("jit: %s", why);
     }

@@ -30,7 +30,7 @@
  * Kernels of at most GJ_JIT_SMALL_KERNEL elements mark their loops "do not
  * vectorize or unroll" (compile time; the arithmetic is the same).
  *
- * A generic plan's kernels (generic.c) take one more pointer after the
+ * A generic plan's kernels (plan/symbolic.c) take one more pointer after the
  * buffers, bufs[n_params]: the kernel's integer table (plan.h). Every
  * size, offset, stride other than 0 and 1, block and block count is
  * loaded from it at the top of the body instead of being a constant; the
@@ -285,7 +285,7 @@ static LLVMValueRef const_of(kg *g, gj_dtype dt, double v) {
 }
 
 /* The constant of expression e (value v in compute type dt): const_of, or
- * in a generic kernel its bits from the integer table (generic.c stores
+ * in a generic kernel its bits from the integer table (plan/symbolic.c stores
  * exactly what const_of would make). */
 static LLVMValueRef expr_const(kg *g, const gj_jit_expr *e, gj_dtype dt, double v) {
     if (!g->generic) return const_of(g, dt, v);
@@ -816,7 +816,7 @@ done:
 }
 
 int gj_jit_lower_plan(LLVMModuleRef M, const gj_jit_plan *p, const char *prefix,
-                      const char *cpu, const char *features, const int *shard_of_step,
+                      const char *cpu, const char *features, const int *shard_of_instr,
                       int shard, char *why, size_t why_cap) {
     kg g;
     memset(&g, 0, sizeof g);
@@ -834,14 +834,14 @@ int gj_jit_lower_plan(LLVMModuleRef M, const gj_jit_plan *p, const char *prefix,
     g.why = why;
     g.why_cap = why_cap;
     int rc = 0;
-    for (int s = 0; s < p->n_steps && rc == 0; s++) {
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL || p->steps[s].k.shared) continue;
-        if (shard_of_step && shard_of_step[s] != shard) continue;
-        bool seen = false; /* a kernel shared with an earlier step (dedupe.c) */
+    for (int s = 0; s < p->n_instrs && rc == 0; s++) {
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || p->instrs[s].k.shared) continue;
+        if (shard_of_instr && shard_of_instr[s] != shard) continue;
+        bool seen = false; /* a kernel shared with an earlier instruction (dedupe.c) */
         for (int t = 0; t < s && !seen; t++)
-            seen = p->steps[t].kind == GJ_JIT_STEP_KERNEL &&
-                   strcmp(p->steps[t].k.name, p->steps[s].k.name) == 0;
-        if (!seen && lower_kernel(&g, &p->steps[s].k, prefix, cpu, features) != 0) rc = -1;
+            seen = p->instrs[t].kind == GJ_JIT_INSTR_KERNEL &&
+                   strcmp(p->instrs[t].k.name, p->instrs[s].k.name) == 0;
+        if (!seen && lower_kernel(&g, &p->instrs[s].k, prefix, cpu, features) != 0) rc = -1;
     }
     LLVMDisposeBuilder(g.B);
     return rc;

@@ -33,7 +33,7 @@ typedef enum gj_jit_role {
     GJ_JIT_IN_SEED = 1,  /* seed of root #slot */
     GJ_JIT_IN_GRAD = 2,  /* existing .grad of the leaf of accumulate node #node */
     GJ_JIT_IN_OTHER = 3, /* a constant of unknown origin (needs a re-capture per run) */
-    GJ_JIT_IN_STEP = 4,  /* a training step's tensor: kind #node (step.h), index #slot */
+    GJ_JIT_IN_STEP = 4,  /* a training step's tensor: kind #node (step_int.h), index #slot */
 } gj_jit_role;
 
 typedef struct gj_jit_input {

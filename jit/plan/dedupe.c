@@ -9,16 +9,16 @@
  * buffer they read), expressions and stores -- not on which buffers its
  * parameter slots point to at run time. gj_jit_dedupe_kernels gives every
  * kernel whose description equals an earlier one's that kernel's name, so
- * lower.c emits one function per distinct description and every step with
+ * lower.c emits one function per distinct description and every instruction with
  * that name calls it.
  *
- * A generic plan (generic.c) compares generic descriptions: the sizes,
+ * A generic plan (plan/symbolic.c) compares generic descriptions: the sizes,
  * offsets and schedule are read at run time, so kernels that differ only
  * in them (a layer's kernels at two widths) share one function too.
  *
- * Contract: runs after the kernel names are set ("k<step>") and before
+ * Contract: runs after the kernel names are set ("k<instruction>") and before
  * lowering; only names change. Descriptions are compared byte for byte
- * after serialising every field with the disk cache's writers (wbuf.h).
+ * after serialising every field with the disk cache's writers (base/wbuf.h).
  */
 #include "jit/plan/plan.h"
 #include "jit/base/base.h"
@@ -75,17 +75,17 @@ void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool g
 }
 
 int gj_jit_dedupe_kernels(gj_jit_plan *p) {
-    int rc = -1, n = p->n_steps;
+    int rc = -1, n = p->n_instrs;
     wbuf *d = gj_rt_calloc((size_t)n + 1, sizeof *d);
     if (!d) return -1;
     for (int s = 0; s < n; s++) {
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
-        gj_jit_kernel_describe(p, &p->steps[s].k, p->generic, &d[s]);
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL) continue;
+        gj_jit_kernel_describe(p, &p->instrs[s].k, p->generic, &d[s]);
         if (d[s].oom) goto done;
         for (int t = 0; t < s; t++)
-            if (p->steps[t].kind == GJ_JIT_STEP_KERNEL && d[t].n == d[s].n &&
+            if (p->instrs[t].kind == GJ_JIT_INSTR_KERNEL && d[t].n == d[s].n &&
                 memcmp(d[t].p, d[s].p, d[s].n) == 0) {
-                memcpy(p->steps[s].k.name, p->steps[t].k.name, sizeof p->steps[s].k.name);
+                memcpy(p->instrs[s].k.name, p->instrs[t].k.name, sizeof p->instrs[s].k.name);
                 break;
             }
     }

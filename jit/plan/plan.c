@@ -5,10 +5,10 @@
  *
  * Order: graph inputs become views of their tensors as recorded; each node
  * is planned (plan_nodes.c, with view folding in plan_views.c); the graph
- * outputs get their buffers; the steps are placed in a topological order of
+ * outputs get their buffers; the instructions are placed in a topological order of
  * the step graph, ties broken by the position of their first node
  * (emission order), which keeps lifetimes short; every fused group becomes
- * a kernel (plan_kernel.c); then schedule.c pairs independent GEMM steps,
+ * a kernel (plan_kernel.c); then schedule.c pairs independent GEMM instructions,
  * dedupe.c shares identical kernels, and memplan.c sets buffer lifetimes.
  *
  * Contract: gj_jit_plan_build returns 0 with *p complete, or -1 with why[]
@@ -39,7 +39,7 @@ int gj_jit_pl_new_buf(planner *pl, gj_jit_buf_kind kind, int index, gj_dtype dt,
     b->dtype = dt;
     b->numel = numel;
     b->nbytes = (size_t)numel * gj_rt_dtype_size(dt);
-    b->first_step = b->last_step = -1;
+    b->first_instr = b->last_instr = -1;
     b->writer = -1;
     b->gen_param = -1;
     return p->n_bufs++;
@@ -55,7 +55,7 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     pl.p = p;
     pl.why = why;
     pl.why_cap = why_cap;
-    pl.last_hook_step = -1;
+    pl.last_hook_instr = -1;
     why[0] = '\0';
     int rc = -1;
     int *memo = NULL, *order = NULL;
@@ -109,9 +109,9 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
     memo = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *memo);
     order = gj_rt_malloc((size_t)(pl.n_ps + 1) * sizeof *order);
     is_placed = gj_rt_calloc((size_t)pl.n_ps + 1, sizeof *is_placed);
-    p->cap_steps = pl.n_ps + 1;
-    p->steps = gj_rt_calloc((size_t)p->cap_steps, sizeof *p->steps);
-    if (!memo || !order || !is_placed || !p->steps) {
+    p->cap_instrs = pl.n_ps + 1;
+    p->instrs = gj_rt_calloc((size_t)p->cap_instrs, sizeof *p->instrs);
+    if (!memo || !order || !is_placed || !p->instrs) {
         gj_jit_pl_oom(&pl);
         goto done;
     }
@@ -131,7 +131,7 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
         if (best < 0) {
             if (gj_jit_log_flags() & GJ_JIT_LOG_PLAN)
                 for (int c = 0; c < pl.n_ps; c++) {
-                    fprintf(stderr, "  pstep %d kind %d idx %d pos %lld%s deps:", c, pl.ps[c].kind,
+                    fprintf(stderr, "  pinstr %d kind %d idx %d pos %lld%s deps:", c, pl.ps[c].kind,
                             pl.ps[c].idx, (long long)pl.ps[c].pos, is_placed[c] ? " placed" : "");
                     for (int k = 0; k < pl.ps[c].n_deps; k++) fprintf(stderr, " %d", pl.ps[c].deps[k]);
                     fprintf(stderr, "\n");
@@ -144,36 +144,36 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
         order[t] = best;
     }
     for (int t = 0; t < n_live; t++) {
-        const pstep *ps = &pl.ps[order[t]];
+        const pinstr *ps = &pl.ps[order[t]];
         if (ps->kind == PS_BARRIER) continue;
-        gj_jit_step *st = &p->steps[p->n_steps++];
+        gj_jit_instr *st = &p->instrs[p->n_instrs++];
         st->pos = ps->pos;
         if (ps->kind == PS_MATMUL) {
-            st->kind = GJ_JIT_STEP_MATMUL;
+            st->kind = GJ_JIT_INSTR_MATMUL;
             st->mm = pl.mms[ps->idx];
             continue;
         }
         if (ps->kind == PS_INDEX) {
-            st->kind = GJ_JIT_STEP_INDEX;
+            st->kind = GJ_JIT_INSTR_INDEX;
             st->ix = pl.ixs[ps->idx];
             continue;
         }
         if (ps->kind == PS_FOLD) {
-            st->kind = GJ_JIT_STEP_FOLD;
+            st->kind = GJ_JIT_INSTR_FOLD;
             st->fd = pl.fds[ps->idx];
             continue;
         }
         if (ps->kind == PS_HOOK) {
-            st->kind = GJ_JIT_STEP_HOOK;
+            st->kind = GJ_JIT_INSTR_HOOK;
             st->hk = pl.hks[ps->idx];
             continue;
         }
         if (ps->kind == PS_CALL) {
-            st->kind = GJ_JIT_STEP_CALL;
+            st->kind = GJ_JIT_INSTR_CALL;
             st->cs = pl.cls[ps->idx];
             continue;
         }
-        st->kind = GJ_JIT_STEP_KERNEL;
+        st->kind = GJ_JIT_INSTR_KERNEL;
         for (int v = 0; v < g->n_values; v++) memo[v] = -1;
         if (gj_jit_pl_kernel(&pl, ps->idx, &st->k, memo) != 0) {
             if (!why[0]) snprintf(why, why_cap, "kernel construction failed: %s", gj_last_error());
@@ -187,16 +187,16 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             gj_rt_free(st->k.st);
             gj_rt_free(st->k.param_buf);
             memset(st, 0, sizeof *st);
-            p->n_steps--;
+            p->n_instrs--;
         }
     }
     if (gj_jit_schedule_order(p) != 0 || gj_jit_schedule_groups(p) != 0) {
         gj_jit_pl_oom(&pl);
         goto done;
     }
-    for (int s = 0; s < p->n_steps; s++)
-        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
-            snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
+    for (int s = 0; s < p->n_instrs; s++)
+        if (p->instrs[s].kind == GJ_JIT_INSTR_KERNEL)
+            snprintf(p->instrs[s].k.name, sizeof p->instrs[s].k.name, "k%d", s);
     if (gj_jit_dedupe_kernels(p) != 0 || gj_jit_plan_memory(p) != 0) {
         gj_jit_pl_oom(&pl);
         goto done;
@@ -227,15 +227,15 @@ done:
 
 void gj_jit_plan_free(gj_jit_plan *p) {
     if (!p) return;
-    for (int s = 0; s < p->n_steps; s++) {
-        gj_jit_kernel *k = &p->steps[s].k;
+    for (int s = 0; s < p->n_instrs; s++) {
+        gj_jit_kernel *k = &p->instrs[s].k;
         gj_rt_free(k->acc);
         gj_rt_free(k->ex);
         gj_rt_free(k->st);
         gj_rt_free(k->param_buf);
         gj_rt_free(k->ints);
     }
-    gj_rt_free(p->steps);
+    gj_rt_free(p->instrs);
     gj_rt_free(p->bufs);
     gj_rt_free(p->in_meta);
     gj_rt_free(p->out_meta);
@@ -263,19 +263,19 @@ static const char *buf_kind_name(gj_jit_buf_kind k) {
 
 void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     char sh[160];
-    fprintf(f, "plan: %d steps, %d buffers, peak of temporaries %zu bytes\n", p->n_steps,
+    fprintf(f, "plan: %d instrs, %d buffers, peak of temporaries %zu bytes\n", p->n_instrs,
             p->n_bufs, p->peak_temp_bytes);
     for (int b = 0; b < p->n_bufs; b++) {
         const gj_jit_buffer *x = &p->bufs[b];
         fprintf(f, "  b%d %s #%d %s x%lld", b, buf_kind_name(x->kind), x->index,
                 gj_rt_dtype_name(x->dtype), (long long)x->numel);
-        if (x->first_step >= 0) fprintf(f, " live [%d, %d]", x->first_step, x->last_step);
+        if (x->first_instr >= 0) fprintf(f, " live [%d, %d]", x->first_instr, x->last_instr);
         fprintf(f, "\n");
     }
-    for (int s = 0; s < p->n_steps; s++) {
-        const gj_jit_step *st = &p->steps[s];
-        if (st->kind == GJ_JIT_STEP_CALL) {
-            fprintf(f, "  step %d: custom %s call of node %d tape %d (", s,
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_instr *st = &p->instrs[s];
+        if (st->kind == GJ_JIT_INSTR_CALL) {
+            fprintf(f, "  instr %d: custom %s call of node %d tape %d (", s,
                     st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);
             for (int k = 0; k < st->cs.n_in; k++) fprintf(f, "%sb%d", k ? ", " : "", st->cs.src_buf[k]);
             fprintf(f, ") ->");
@@ -283,16 +283,16 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
             fprintf(f, "\n");
             continue;
         }
-        if (st->kind == GJ_JIT_STEP_HOOK) {
+        if (st->kind == GJ_JIT_INSTR_HOOK) {
             gj_rt_fmt_shape(sh, sizeof sh, st->hk.meta.ndim, st->hk.meta.shape);
-            fprintf(f, "  step %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,
+            fprintf(f, "  instr %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,
                     st->hk.src_buf, gj_rt_dtype_name(st->hk.meta.dtype), sh);
             continue;
         }
-        if (st->kind == GJ_JIT_STEP_FOLD) {
+        if (st->kind == GJ_JIT_INSTR_FOLD) {
             const gj_jit_fold *x = &st->fd;
             const gj_rt_win *w = &x->win;
-            fprintf(f, "  step %d: %s b%d = b%d+%lld %s N=%lld C=%lld H=%lld W=%lld kernel=%lldx%lld "
+            fprintf(f, "  instr %d: %s b%d = b%d+%lld %s N=%lld C=%lld H=%lld W=%lld kernel=%lldx%lld "
                     "stride=%lldx%lld pad=%lldx%lld dilation=%lldx%lld out=%lldx%lld\n", s,
                     x->col2im ? "col2im" : "im2col", x->out_buf, x->src_buf, (long long)x->src_off,
                     gj_rt_dtype_name(x->dtype), (long long)w->N, (long long)w->C, (long long)w->H,
@@ -301,22 +301,22 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
                     (long long)w->dw, (long long)w->OH, (long long)w->OW);
             continue;
         }
-        if (st->kind == GJ_JIT_STEP_INDEX) {
+        if (st->kind == GJ_JIT_INSTR_INDEX) {
             const gj_jit_index *x = &st->ix;
-            fprintf(f, "  step %d: %s b%d = b%d [b%d] %s n=%lld D=%lld V=%lld\n", s,
+            fprintf(f, "  instr %d: %s b%d = b%d [b%d] %s n=%lld D=%lld V=%lld\n", s,
                     x->scatter ? "scatter_add_rows" : "gather_rows", x->out_buf, x->src_buf,
                     x->idx_buf, gj_rt_dtype_name(x->dtype), (long long)x->n, (long long)x->D,
                     (long long)x->V);
             continue;
         }
-        if (st->kind == GJ_JIT_STEP_MATMUL) {
+        if (st->kind == GJ_JIT_INSTR_MATMUL) {
             const gj_jit_matmul *m = &st->mm;
             int g0 = s;
-            while (g0 > 0 && p->steps[g0 - 1].group_end == st->group_end) g0--;
+            while (g0 > 0 && p->instrs[g0 - 1].group_end == st->group_end) g0--;
             char grp[48] = "";
             if (st->group_end - g0 > 1)
-                snprintf(grp, sizeof grp, "  [side by side: steps %d..%d]", g0, st->group_end - 1);
-            fprintf(f, "  step %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d%s\n", s,
+                snprintf(grp, sizeof grp, "  [side by side: instrs %d..%d]", g0, st->group_end - 1);
+            fprintf(f, "  instr %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d%s\n", s,
                     m->dtype == GJ_F64 ? "dgemm" : "sgemm", m->c_buf, m->accumulate ? "+=" : "=",
                     m->a_buf, m->ta ? "^T" : "",
                     m->b_buf, m->tb ? "^T" : "", (long long)m->M, (long long)m->N,
@@ -325,7 +325,7 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
         }
         const gj_jit_kernel *k = &st->k;
         gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->dims);
-        fprintf(f, "  step %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld\n", s,
+        fprintf(f, "  instr %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld\n", s,
                 k->name, sh, (unsigned)k->red, (long long)k->rows, (long long)k->block,
                 (long long)k->grain);
         for (int a = 0; a < k->n_acc; a++) {

@@ -21,10 +21,10 @@
  *     bufs[p] is the base pointer of buffer param_buf[p].
  *
  * Invariants:
- *   - Steps are in execution order; a step reads only buffers written by
- *     earlier steps or graph inputs.
+ *   - Instructions are in execution order; an instruction reads only buffers written by
+ *     earlier instructions or graph inputs.
  *   - Memory plan: a temporary is allocated (gj_rt_alloc_data) just before
- *     the first step that uses it and freed right after the last one; a new
+ *     the first instruction that uses it and freed right after the last one; a new
  *     .grad just before the step that writes it. by_first / by_last list
  *     them in that order.
  *   - A value summed by a kernel is added in S's row-major order of the
@@ -52,7 +52,7 @@ typedef struct gj_jit_buffer {
     gj_dtype dtype;
     int64_t numel;
     size_t nbytes;
-    int first_step, last_step; /* -1 until used */
+    int first_instr, last_instr; /* -1 until used */
     int writer;                /* while planning: the step producing it, -1 */
     /* virtual buffers */
     int64_t gen_inner, gen_len;
@@ -114,7 +114,7 @@ typedef struct gj_jit_kernel {
     int64_t *ints;
     int n_ints;
     /* fn is another program's compiled kernel of the same description
-     * (generic.c's registry): not lowered or compiled with this plan; lent
+     * (cache/kernels.c's registry): not lowered or compiled with this plan; lent
      * is its symbol in that program's code ("<prefix>_<name>"), what the
      * disk cache records so that a later process finds it again */
     bool shared;
@@ -123,7 +123,7 @@ typedef struct gj_jit_kernel {
 
 /* The column block of an outer-mode kernel with reduce stores is at most
  * this many columns (plan_kernel.c's schedule; a generic kernel's accumulators
- * have room for this many, and generic.c refuses to bind a kernel whose
+ * have room for this many, and cache/kernels.c refuses to bind a kernel whose
  * block is larger). */
 #define GJ_JIT_MAX_RED_BLOCK 512
 
@@ -194,21 +194,21 @@ typedef struct gj_jit_fold {
 
 /* An opaque call of tensor hook #hook (the program's hook table): the
  * run-time callback gets src_buf (contiguous, of meta) and writes the value
- * flowing on to out_buf (contiguous, same meta). Hook steps run in the
+ * flowing on to out_buf (contiguous, same meta). Hook instructions run in the
  * engine's order (each depends on the previous one). */
-typedef struct gj_jit_hookstep {
+typedef struct gj_jit_hook_instr {
     int hook;
     int src_buf, out_buf;
     gj_rt_meta meta;
-} gj_jit_hookstep;
+} gj_jit_hook_instr;
 
 /* An opaque call of the backward of the custom op at canonical node
  * #node (or op #tape of that checkpoint node's tape): the run-time callback gets src_buf[0..n_in) (contiguous, of
  * in_meta: the output gradients, then the saved tensor arguments) and
  * writes the gradient of the k-th argument set in `args` to out_buf[k] (contiguous,
- * out_meta[k]). Call steps run in the engine's order (each after the
- * previous call or hook step). */
-typedef struct gj_jit_callstep {
+ * out_meta[k]). Call instructions run in the engine's order (each after the
+ * previous call or hook instruction). */
+typedef struct gj_jit_call_instr {
     bool fwd;      /* the op's forward instead: src_buf are its tensor arguments,
                       out_buf its outputs (a checkpoint region's recomputation) */
     int node;
@@ -219,38 +219,38 @@ typedef struct gj_jit_callstep {
     gj_rt_meta in_meta[GJ_JIT_CALL_MAX_IN];
     int out_buf[GJ_RT_MAX_OUTPUTS];
     gj_rt_meta out_meta[GJ_RT_MAX_OUTPUTS];
-} gj_jit_callstep;
+} gj_jit_call_instr;
 
-typedef enum gj_jit_step_kind {
-    GJ_JIT_STEP_KERNEL = 0,
-    GJ_JIT_STEP_MATMUL = 1,
-    GJ_JIT_STEP_INDEX = 2,
-    GJ_JIT_STEP_HOOK = 3,
-    GJ_JIT_STEP_CALL = 4,
-    GJ_JIT_STEP_FOLD = 5
-} gj_jit_step_kind;
+typedef enum gj_jit_instr_kind {
+    GJ_JIT_INSTR_KERNEL = 0,
+    GJ_JIT_INSTR_MATMUL = 1,
+    GJ_JIT_INSTR_INDEX = 2,
+    GJ_JIT_INSTR_HOOK = 3,
+    GJ_JIT_INSTR_CALL = 4,
+    GJ_JIT_INSTR_FOLD = 5
+} gj_jit_instr_kind;
 
-typedef struct gj_jit_step {
-    gj_jit_step_kind kind;
+typedef struct gj_jit_instr {
+    gj_jit_instr_kind kind;
     int64_t pos;   /* ordering key while planning */
-    int group_end; /* steps [first of its group, group_end) run side by side (schedule.c) */
+    int group_end; /* instructions [first of its group, group_end) run side by side (schedule.c) */
     gj_jit_kernel k;
     gj_jit_matmul mm;
     gj_jit_index ix;
-    gj_jit_hookstep hk;
-    gj_jit_callstep cs;
+    gj_jit_hook_instr hk;
+    gj_jit_call_instr cs;
     gj_jit_fold fd;
-} gj_jit_step;
+} gj_jit_instr;
 
 typedef struct gj_jit_plan {
     gj_jit_buffer *bufs;
     int n_bufs, cap_bufs;
-    gj_jit_step *steps;
-    int n_steps, cap_steps;
+    gj_jit_instr *instrs;
+    int n_instrs, cap_instrs;
     size_t peak_temp_bytes; /* most temporary bytes alive at once */
-    int *by_first;          /* temporaries and outputs by first step */
+    int *by_first;          /* temporaries and outputs by first instruction */
     int n_by_first;
-    int *by_last;           /* temporaries by last step */
+    int *by_last;           /* temporaries by last instruction */
     int n_by_last;
     int n_inputs, n_outputs;
     gj_rt_meta *in_meta;  /* per graph input */
@@ -261,7 +261,7 @@ typedef struct gj_jit_plan {
     int *rt_param_tape;   /* ... or, when >= 0, from op #rt_param_tape[k] of the tape of
                              checkpoint node #rt_param_node[k] */
     int params_buf;       /* the GJ_JIT_BUF_PARAMS buffer, or -1 */
-    int n_par_groups;     /* groups of steps run side by side (schedule.c) */
+    int n_par_groups;     /* groups of instructions run side by side (schedule.c) */
     /* Generic (symbolic sizes, generic.c): the kernels' machine code does not
      * depend on the sizes, offsets and schedule of this plan -- they are read
      * from each kernel's ints -- so one compiled kernel serves every plan
@@ -269,7 +269,7 @@ typedef struct gj_jit_plan {
     bool generic;
 } gj_jit_plan;
 
-/* schedule.c: pairs independent GEMM steps when that costs no memory (see
+/* schedule.c: pairs independent GEMM instructions when that costs no memory (see
  * its contract). order runs once before the memory plan; groups sets
  * group_end from the order. Each returns 0, or -1 on OOM. */
 #define GJ_JIT_MAX_GROUP 2
@@ -287,7 +287,7 @@ int gj_jit_plan_memory(gj_jit_plan *p);
 int gj_jit_dedupe_kernels(gj_jit_plan *p);
 /* The bytes that determine kernel k's machine code (generic: without the
  * sizes, offsets, schedule and strides other than 0 and 1) into *b (a
- * wbuf, wbuf.h). */
+ * wbuf, base/wbuf.h). */
 struct wbuf;
 void gj_jit_kernel_describe(const gj_jit_plan *p, const gj_jit_kernel *k, bool generic,
                             struct wbuf *b);
@@ -315,8 +315,8 @@ int gj_jit_plan_make_specific(gj_jit_plan *p);
 /* Whether generic kernel code has room for k's column accumulators
  * (its block at most GJ_JIT_MAX_RED_BLOCK when it has reduce stores). */
 bool gj_jit_generic_block_ok(const gj_jit_kernel *k);
-/* The kernel signature of generic plan p into *b (a wbuf): per kernel step
- * its name, and at a name's first step the kernel's generic description.
+/* The kernel signature of generic plan p into *b (a wbuf): per kernel instruction
+ * its name, and at a name's first instruction the kernel's generic description.
  * Two plans with equal signatures call the same kernel functions under
  * the same names. 0, or -1 on OOM. */
 int gj_jit_generic_signature(const gj_jit_plan *p, wbuf *b);

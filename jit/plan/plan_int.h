@@ -4,8 +4,8 @@
  * a captured graph into a plan (internal to plan*.c; see plan.h for the
  * plan itself):
  *
- *   plan_nodes.c   each graph node -> values, fused groups and steps
- *                  (fusion, BLAS / index / fold / hook / custom steps,
+ *   plan_nodes.c   each graph node -> values, fused groups and instructions
+ *                  (fusion, BLAS / index / fold / hook / custom instructions,
  *                  graph outputs)
  *   plan_views.c   view folding: movement ops as index maps of a buffer
  *   plan_kernel.c  a fused group -> a kernel (accesses, expressions, stores)
@@ -23,8 +23,8 @@
  *           something outside the group needs it.
  *
  * Invariants every pass keeps:
- *   - Steps (fused groups, matmuls, index ops, ...) form a dependency
- *     graph: a step depends on the steps that write the buffers it reads,
+ *   - Instructions (fused groups, matmuls, index ops, ...) form a dependency
+ *     graph: an instruction depends on the instructions that write the buffers it reads,
  *     and the graph stays acyclic (plan_nodes.c's fusion invariant).
  *   - A pass that fails returns -1 with pl->why set ("out of memory ...",
  *     "no lowering for ...", or "internal: ..."); program.c reads the
@@ -64,7 +64,7 @@ typedef struct pgroup {
     int copy_dst;           /* destination buffer, written at */
     int64_t copy_off;       /* offset copy_off with strides copy_st over shape */
     int64_t copy_st[GJ_MAX_DIMS];
-    int step;               /* its pstep */
+    int instr;              /* its pinstr */
     bool dead;              /* merged into another group */
     /* FUSED values of other groups that this group's kernel computes again
      * from their inputs instead of loading them (plan_nodes.c: cheap
@@ -73,9 +73,9 @@ typedef struct pgroup {
     int n_recomp, cap_recomp;
 } pgroup;
 
-/* A step while planning: a group or a matmul, with its dependencies. */
-/* What a planned step will be. */
-typedef enum pstep_kind {
+/* An instruction while planning: a group or a matmul, with its dependencies. */
+/* What a planned instruction will be. */
+typedef enum pinstr_kind {
     PS_GROUP = 0,   /* a fused elementwise group: a kernel */
     PS_MATMUL = 1,  /* a BLAS call */
     PS_BARRIER = 2, /* no code: joins several writers of one value */
@@ -84,16 +84,16 @@ typedef enum pstep_kind {
     PS_HOOK = 5,    /* a tensor hook call */
     PS_CALL = 6,    /* a custom op's backward call */
     PS_FOLD = 7     /* an im2col / col2im */
-} pstep_kind;
+} pinstr_kind;
 
-typedef struct pstep {
-    pstep_kind kind;
+typedef struct pinstr {
+    pinstr_kind kind;
     int idx;  /* group or matmul index */
     int64_t pos;
     int *deps;
     int n_deps, cap_deps;
     int mark;
-} pstep;
+} pinstr;
 
 typedef struct planner {
     const gj_jit_graph *g;
@@ -105,14 +105,14 @@ typedef struct planner {
     int n_mm, cap_mm;
     gj_jit_index *ixs;
     int n_ix, cap_ix;
-    gj_jit_hookstep *hks;
+    gj_jit_hook_instr *hks;
     int n_hk, cap_hk;
-    gj_jit_callstep *cls;
+    gj_jit_call_instr *cls;
     int n_cl, cap_cl;
     gj_jit_fold *fds;
     int n_fd, cap_fd;
-    int last_hook_step; /* -1, or the pstep of the latest hook or custom call */
-    pstep *ps;
+    int last_hook_instr; /* -1, or the pinstr of the latest hook or custom call */
+    pinstr *ps;
     int n_ps, cap_ps;
     int *uses; /* per value: node inputs and graph outputs reading it */
     int mark_gen;
@@ -184,7 +184,7 @@ int gj_jit_pl_new_buf(planner *pl, gj_jit_buf_kind kind, int index, gj_dtype dt,
  * buffer (in: the input's view), or false when strides cannot express it. */
 bool gj_jit_pl_fold_view(const gj_rt_inst *inst, const gj_rt_meta *im, const vinfo *in,
                          const gj_rt_meta *om, vinfo *out);
-/* plan_nodes.c: plans graph node i (values, groups, steps). 0 or -1. */
+/* plan_nodes.c: plans graph node i (values, groups, instructions). 0 or -1. */
 int gj_jit_pl_node(planner *pl, int i);
 /* plan_nodes.c: the graph outputs (new or accumulated .grad). 0 or -1. */
 int gj_jit_pl_outputs(planner *pl);

@@ -1,16 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * plan_nodes.c - planning each node of a captured graph: its output becomes
- * a view, a constant or a fused value, and steps are added for what must
+ * a view, a constant or a fused value, and instructions are added for what must
  * run (fused groups, BLAS calls, gathers and scatters, im2col / col2im,
  * hook and custom calls); then the graph outputs (.grad) get their buffers.
  *
  * Fusion invariant: a node may join group G only if each of its inputs is
- * a constant, an elementwise member of G, or produced by a step that does
+ * a constant, an elementwise member of G, or produced by an instruction that does
  * not depend on G (so the step graph stays acyclic). Reductions join the
  * group of their input (if it has the same iteration space and no
  * reduction over other axes yet); nothing consumes a reduction's result
- * inside the group that produced it. A value some other step needs is
+ * inside the group that produced it. A value some other instruction needs is
  * materialised: its group stores it into a buffer.
  *
  * Contract: gj_jit_pl_node is called once per node in graph order, then
@@ -20,10 +20,10 @@
  */
 #include "jit/plan/plan_int.h"
 
-/* ------------------------------------------ values, groups and steps */
+/* ------------------------------------------ values, groups and instructions */
 
-/* New pstep; returns its id or -1 (OOM). */
-static int new_pstep(planner *pl, pstep_kind kind, int idx, int64_t pos) {
+/* New pinstr; returns its id or -1 (OOM). */
+static int new_pinstr(planner *pl, pinstr_kind kind, int idx, int64_t pos) {
     int old_cap = pl->cap_ps;
     if (grow((void **)&pl->ps, pl->n_ps, &pl->cap_ps, sizeof *pl->ps) != 0) return -1;
     if (pl->cap_ps != old_cap || !pl->stack) {
@@ -31,7 +31,7 @@ static int new_pstep(planner *pl, pstep_kind kind, int idx, int64_t pos) {
         if (!st) return -1;
         pl->stack = st;
     }
-    pstep *s = &pl->ps[pl->n_ps];
+    pinstr *s = &pl->ps[pl->n_ps];
     memset(s, 0, sizeof *s);
     s->kind = kind;
     s->idx = idx;
@@ -39,10 +39,10 @@ static int new_pstep(planner *pl, pstep_kind kind, int idx, int64_t pos) {
     return pl->n_ps++;
 }
 
-/* Step s reads something step d writes. 0 or -1 (OOM). */
+/* Instruction s reads something instruction d writes. 0 or -1 (OOM). */
 static int add_dep(planner *pl, int s, int d) {
     if (d < 0 || d == s) return 0;
-    pstep *x = &pl->ps[s];
+    pinstr *x = &pl->ps[s];
     for (int k = 0; k < x->n_deps; k++)
         if (x->deps[k] == d) return 0;
     if (grow((void **)&x->deps, x->n_deps, &x->cap_deps, sizeof *x->deps) != 0) return -1;
@@ -50,8 +50,8 @@ static int add_dep(planner *pl, int s, int d) {
     return 0;
 }
 
-/* Value v is what step sid writes into buffer buf, contiguously. */
-static void step_output(planner *pl, int sid, int buf, int v) {
+/* Value v is what instruction sid writes into buffer buf, contiguously. */
+static void instr_output(planner *pl, int sid, int buf, int v) {
     const gj_rt_meta *m = vmeta(pl, v);
     pl->p->bufs[buf].writer = sid;
     vinfo *o = &pl->vi[v];
@@ -61,7 +61,7 @@ static void step_output(planner *pl, int sid, int buf, int v) {
     contig_strides(m->ndim, m->shape, o->strides);
 }
 
-/* Does step s depend (transitively) on step t? */
+/* Does instruction s depend (transitively) on instruction t? */
 static bool depends(planner *pl, int s, int t) {
     if (s < 0) return false;
     if (s == t) return true;
@@ -69,7 +69,7 @@ static bool depends(planner *pl, int s, int t) {
     pl->stack[top++] = s;
     pl->ps[s].mark = gen;
     while (top > 0) {
-        const pstep *x = &pl->ps[pl->stack[--top]];
+        const pinstr *x = &pl->ps[pl->stack[--top]];
         for (int k = 0; k < x->n_deps; k++) {
             int d = x->deps[k];
             if (d == t) return true;
@@ -81,11 +81,11 @@ static bool depends(planner *pl, int s, int t) {
     return false;
 }
 
-/* The step producing value v (-1: a graph input, constant or generator). */
+/* The instruction producing value v (-1: a graph input, constant or generator). */
 static int producer(planner *pl, int v) {
     const vinfo *x = &pl->vi[v];
     if (x->kind == V_CONST) return -1;
-    if (x->kind == V_FUSED) return pl->groups[x->group].step;
+    if (x->kind == V_FUSED) return pl->groups[x->group].instr;
     return x->buf >= 0 ? pl->p->bufs[x->buf].writer : -1;
 }
 
@@ -99,7 +99,7 @@ static int materialize(planner *pl, int v) {
     x->buf = b;
     x->offset = 0;
     contig_strides(m->ndim, m->shape, x->strides);
-    pl->p->bufs[b].writer = pl->groups[x->group].step;
+    pl->p->bufs[b].writer = pl->groups[x->group].instr;
     return 0;
 }
 
@@ -207,8 +207,8 @@ static int new_group(planner *pl, int ndim, const int64_t *shape, int first, int
     G->pos = pos;
     G->copy_src = -1;
     G->copy_dst = -1;
-    G->step = new_pstep(pl, PS_GROUP, pl->n_groups, pos);
-    if (G->step < 0) return -1;
+    G->instr = new_pinstr(pl, PS_GROUP, pl->n_groups, pos);
+    if (G->instr < 0) return -1;
     return pl->n_groups++;
 }
 
@@ -220,7 +220,7 @@ static int group_add(pgroup *G, int node) {
 
 /* A copy group over shape (nd, shape) writing value src (or, src < 0, the
  * constant cval) into buffer dst at offset off with strides st. Returns its
- * step or -1. Does not set the buffer's writer. */
+ * instruction or -1. Does not set the buffer's writer. */
 static int copy_into(planner *pl, int src, double cval, int nd, const int64_t *shape, int dst,
                      int64_t off, const int64_t *st, int64_t pos) {
     if (src >= 0 && pl->vi[src].kind == V_FUSED && materialize(pl, src) != 0) return -1;
@@ -233,8 +233,8 @@ static int copy_into(planner *pl, int src, double cval, int nd, const int64_t *s
     G->copy_dst = dst;
     G->copy_off = off;
     memcpy(G->copy_st, st, (size_t)nd * sizeof *st);
-    if (src >= 0 && add_dep(pl, G->step, producer(pl, src)) != 0) return gj_jit_pl_oom(pl);
-    return G->step;
+    if (src >= 0 && add_dep(pl, G->instr, producer(pl, src)) != 0) return gj_jit_pl_oom(pl);
+    return G->instr;
 }
 
 /* A copy group writing value src (VIEW or CONST) into a new contiguous
@@ -257,7 +257,7 @@ static int copy_to_buffer(planner *pl, int src, int dst, gj_jit_buf_kind kind, i
 
 /* Makes value v appear in buffer b at offset off with strides st (over v's
  * shape): an unmaterialised fused value is stored there by its own group;
- * anything else is copied. Returns the writing step, or -1. */
+ * anything else is copied. Returns the writing instruction, or -1. */
 static int place_into(planner *pl, int v, int b, int64_t off, const int64_t *st, int64_t pos) {
     vinfo *x = &pl->vi[v];
     const gj_rt_meta *m = vmeta(pl, v);
@@ -265,7 +265,7 @@ static int place_into(planner *pl, int v, int b, int64_t off, const int64_t *st,
         x->buf = b;
         x->offset = off;
         memcpy(x->strides, st, (size_t)m->ndim * sizeof *st);
-        return pl->groups[x->group].step;
+        return pl->groups[x->group].instr;
     }
     return copy_into(pl, v, 0.0, m->ndim, m->shape, b, off, st, pos);
 }
@@ -274,7 +274,7 @@ static int place_into(planner *pl, int v, int b, int64_t off, const int64_t *st,
 
 /* May a node reading in[0..n_in) join group gi without a cycle? */
 static bool inputs_allow(planner *pl, int gi, int n_in, const int *in) {
-    int gs = pl->groups[gi].step;
+    int gs = pl->groups[gi].instr;
     for (int k = 0; k < n_in; k++) {
         int v = in[k];
         if (pl->vi[v].kind == V_CONST || is_member_of(pl, v, gi)) continue;
@@ -292,7 +292,7 @@ static bool can_join(planner *pl, int gi, const gj_jit_node *n, const gj_rt_meta
 
 /* Merges group b into group a when both run over the same space, neither
  * is a copy, their reductions agree, and neither depends on the other (so
- * the merged step cannot close a cycle). Returns 0 (merged or not) or -1
+ * the merged instruction cannot close a cycle). Returns 0 (merged or not) or -1
  * (OOM). */
 static int merge_groups(planner *pl, int a, int b) {
     pgroup *A = &pl->groups[a], *B = &pl->groups[b];
@@ -307,7 +307,7 @@ static int merge_groups(planner *pl, int a, int b) {
             if (!((ax >> d) & 1u)) kept *= A->shape[d];
         if (kept < 64 && numel_of(A->ndim, A->shape) > 65536) return 0;
     }
-    if (depends(pl, A->step, B->step) || depends(pl, B->step, A->step)) return 0;
+    if (depends(pl, A->instr, B->instr) || depends(pl, B->instr, A->instr)) return 0;
     /* members in node order (a topological order) */
     int n = A->n + B->n;
     int *nodes = gj_rt_malloc((size_t)(n + 1) * sizeof *nodes);
@@ -337,7 +337,7 @@ static int merge_groups(planner *pl, int a, int b) {
         A->red_axes = B->red_axes;
     }
     if (B->first >= 0 && (A->first < 0 || B->first < A->first)) A->first = B->first;
-    int sa = A->step, sb = B->step;
+    int sa = A->instr, sb = B->instr;
     if (pl->ps[sb].pos < pl->ps[sa].pos) pl->ps[sa].pos = pl->ps[sb].pos;
     for (int v = 0; v < pl->g->n_values; v++)
         if (pl->vi[v].kind == V_FUSED && pl->vi[v].group == b) pl->vi[v].group = a;
@@ -348,7 +348,7 @@ static int merge_groups(planner *pl, int a, int b) {
     pl->ps[sb].n_deps = 0;
     pl->ps[sb].kind = PS_DEAD;
     for (int s2 = 0; s2 < pl->n_ps; s2++) {
-        pstep *x = &pl->ps[s2];
+        pinstr *x = &pl->ps[s2];
         int w = 0;
         bool has_a = false;
         for (int k = 0; k < x->n_deps; k++) {
@@ -369,7 +369,7 @@ static int group_reads(planner *pl, int gi, int n_in, const int *in) {
     for (int k = 0; k < n_in; k++) {
         int v = in[k];
         if (pl->vi[v].kind == V_CONST || is_member_of(pl, v, gi)) continue;
-        if (add_dep(pl, pl->groups[gi].step, producer(pl, v)) != 0) return gj_jit_pl_oom(pl);
+        if (add_dep(pl, pl->groups[gi].instr, producer(pl, v)) != 0) return gj_jit_pl_oom(pl);
     }
     return 0;
 }
@@ -401,7 +401,7 @@ static int plan_elementwise(planner *pl, int i) {
     }
     /* operands computed by other, independent groups over the same space:
      * merge those groups into this one instead of materialising, unless an
-     * input of n is produced by a step depending on that group */
+     * input of n is produced by an instruction depending on that group */
     for (int k = 0; k < n->inst.n_in; k++) {
         const vinfo *x = &pl->vi[n->in[k]];
         if (x->kind != V_FUSED || x->group == gi) continue;
@@ -411,7 +411,7 @@ static int plan_elementwise(planner *pl, int i) {
             int u = n->in[q];
             if (pl->vi[u].kind == V_CONST || is_member_of(pl, u, gi) || is_member_of(pl, u, h))
                 continue;
-            ok = !depends(pl, producer(pl, u), pl->groups[h].step);
+            ok = !depends(pl, producer(pl, u), pl->groups[h].instr);
         }
         if (ok && merge_groups(pl, gi, h) != 0) return -1;
     }
@@ -467,7 +467,7 @@ static int plan_reduce(planner *pl, int i) {
     if (group_add(G, i) != 0) return gj_jit_pl_oom(pl);
     int b = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (b < 0) return gj_jit_pl_oom(pl);
-    pl->p->bufs[b].writer = G->step;
+    pl->p->bufs[b].writer = G->instr;
     vinfo *o = &pl->vi[n->out[0]];
     o->kind = V_VIEW;
     o->buf = b;
@@ -545,13 +545,13 @@ static int plan_matmul(planner *pl, int i) {
     mm.c_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (mm.c_buf < 0) return gj_jit_pl_oom(pl);
     if (grow((void **)&pl->mms, pl->n_mm, &pl->cap_mm, sizeof *pl->mms) != 0) return gj_jit_pl_oom(pl);
-    int sid = new_pstep(pl, PS_MATMUL, pl->n_mm, 2 * (int64_t)i + 1);
+    int sid = new_pinstr(pl, PS_MATMUL, pl->n_mm, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->mms[pl->n_mm++] = mm;
     if (add_dep(pl, sid, pl->p->bufs[mm.a_buf].writer) != 0 ||
         add_dep(pl, sid, pl->p->bufs[mm.b_buf].writer) != 0)
         return gj_jit_pl_oom(pl);
-    step_output(pl, sid, mm.c_buf, n->out[0]);
+    instr_output(pl, sid, mm.c_buf, n->out[0]);
     return 0;
 }
 
@@ -606,7 +606,7 @@ static int contiguous_operand(planner *pl, int v, int i, int *buf) {
 }
 
 /* GATHER_ROWS (table[V, D] viewed in place when it is a real buffer) and
- * SCATTER_ADD_ROWS (src contiguous): one index step each (plan.h). */
+ * SCATTER_ADD_ROWS (src contiguous): one index instruction each (plan.h). */
 static int plan_index(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
     const gj_rt_meta *om = vmeta(pl, n->out[0]), *sm = vmeta(pl, n->in[0]),
@@ -644,17 +644,17 @@ static int plan_index(planner *pl, int i) {
     ix.out_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (ix.out_buf < 0) return gj_jit_pl_oom(pl);
     if (grow((void **)&pl->ixs, pl->n_ix, &pl->cap_ix, sizeof *pl->ixs) != 0) return gj_jit_pl_oom(pl);
-    int sid = new_pstep(pl, PS_INDEX, pl->n_ix, 2 * (int64_t)i + 1);
+    int sid = new_pinstr(pl, PS_INDEX, pl->n_ix, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->ixs[pl->n_ix++] = ix;
     if (add_dep(pl, sid, pl->p->bufs[ix.src_buf].writer) != 0 ||
         add_dep(pl, sid, pl->p->bufs[ix.idx_buf].writer) != 0)
         return gj_jit_pl_oom(pl);
-    step_output(pl, sid, ix.out_buf, n->out[0]);
+    instr_output(pl, sid, ix.out_buf, n->out[0]);
     return 0;
 }
 
-/* IM2COL / COL2IM: one fold step (plan.h) reading its source in place
+/* IM2COL / COL2IM: one fold instruction (plan.h) reading its source in place
  * through a strided view when that is a real buffer (a fused value is
  * materialised first; a constant or a virtual buffer is copied). */
 static int plan_fold(planner *pl, int i) {
@@ -681,20 +681,20 @@ static int plan_fold(planner *pl, int i) {
     fd.out_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (fd.out_buf < 0) return gj_jit_pl_oom(pl);
     if (grow((void **)&pl->fds, pl->n_fd, &pl->cap_fd, sizeof *pl->fds) != 0) return gj_jit_pl_oom(pl);
-    int sid = new_pstep(pl, PS_FOLD, pl->n_fd, 2 * (int64_t)i + 1);
+    int sid = new_pinstr(pl, PS_FOLD, pl->n_fd, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->fds[pl->n_fd++] = fd;
     if (add_dep(pl, sid, pl->p->bufs[fd.src_buf].writer) != 0) return gj_jit_pl_oom(pl);
-    step_output(pl, sid, fd.out_buf, n->out[0]);
+    instr_output(pl, sid, fd.out_buf, n->out[0]);
     return 0;
 }
 
 /* A tensor hook call (node.hook >= 0): the input as a contiguous buffer, a
- * new contiguous temporary for the value flowing on, one hook step after
- * the previous hook step (the engine's order of hook calls). */
+ * new contiguous temporary for the value flowing on, one hook instruction after
+ * the previous hook instruction (the engine's order of hook calls). */
 static int plan_hook(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
-    gj_jit_hookstep hk;
+    gj_jit_hook_instr hk;
     memset(&hk, 0, sizeof hk);
     hk.hook = n->hook;
     hk.meta = *vmeta(pl, n->out[0]);
@@ -703,23 +703,23 @@ static int plan_hook(planner *pl, int i) {
                          numel_of(hk.meta.ndim, hk.meta.shape));
     if (hk.out_buf < 0) return gj_jit_pl_oom(pl);
     if (grow((void **)&pl->hks, pl->n_hk, &pl->cap_hk, sizeof *pl->hks) != 0) return gj_jit_pl_oom(pl);
-    int sid = new_pstep(pl, PS_HOOK, pl->n_hk, 2 * (int64_t)i + 1);
+    int sid = new_pinstr(pl, PS_HOOK, pl->n_hk, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->hks[pl->n_hk++] = hk;
     if (add_dep(pl, sid, pl->p->bufs[hk.src_buf].writer) != 0 ||
-        add_dep(pl, sid, pl->last_hook_step) != 0)
+        add_dep(pl, sid, pl->last_hook_instr) != 0)
         return gj_jit_pl_oom(pl);
-    pl->last_hook_step = sid;
-    step_output(pl, sid, hk.out_buf, n->out[0]);
+    pl->last_hook_instr = sid;
+    instr_output(pl, sid, hk.out_buf, n->out[0]);
     return 0;
 }
 
 /* A custom op's backward (or forward) call (node.custom >= 0): every input as a
- * contiguous buffer, a new contiguous temporary per output, one call step
- * after the previous hook or call step (the engine's order). */
+ * contiguous buffer, a new contiguous temporary per output, one call instruction
+ * after the previous hook or call instruction (the engine's order). */
 static int plan_custom(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
-    gj_jit_callstep cs;
+    gj_jit_call_instr cs;
     memset(&cs, 0, sizeof cs);
     cs.node = n->custom;
     cs.args = n->custom_args;
@@ -743,20 +743,20 @@ static int plan_custom(planner *pl, int i) {
         if (cs.out_buf[k] < 0) return gj_jit_pl_oom(pl);
     }
     if (grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return gj_jit_pl_oom(pl);
-    int sid = new_pstep(pl, PS_CALL, pl->n_cl, 2 * (int64_t)i + 1);
+    int sid = new_pinstr(pl, PS_CALL, pl->n_cl, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->cls[pl->n_cl++] = cs;
     for (int k = 0; k < cs.n_in; k++)
         if (add_dep(pl, sid, pl->p->bufs[cs.src_buf[k]].writer) != 0) return gj_jit_pl_oom(pl);
-    if (add_dep(pl, sid, pl->last_hook_step) != 0) return gj_jit_pl_oom(pl);
-    pl->last_hook_step = sid;
-    for (int k = 0; k < cs.n_out; k++) step_output(pl, sid, cs.out_buf[k], n->out[k]);
+    if (add_dep(pl, sid, pl->last_hook_instr) != 0) return gj_jit_pl_oom(pl);
+    pl->last_hook_instr = sid;
+    for (int k = 0; k < cs.n_out; k++) instr_output(pl, sid, cs.out_buf[k], n->out[k]);
     return 0;
 }
 
 /* PAD and CAT: a new buffer whose regions are written by the producers of
  * the pieces (stored in place when they are fused values, else copied),
- * after a zero fill for PAD. A barrier step joins the writers, so readers
+ * after a zero fill for PAD. A barrier instruction joins the writers, so readers
  * of the result depend on all of them. */
 static int plan_pad_cat(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
@@ -765,7 +765,7 @@ static int plan_pad_cat(planner *pl, int i) {
     if (ax < 0 || ax >= om->ndim) return gj_jit_pl_no_lowering(pl, n, "(axis)");
     int b = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (b < 0) return gj_jit_pl_oom(pl);
-    int barrier = new_pstep(pl, PS_BARRIER, -1, 2 * (int64_t)i + 1);
+    int barrier = new_pinstr(pl, PS_BARRIER, -1, 2 * (int64_t)i + 1);
     if (barrier < 0) return gj_jit_pl_oom(pl);
     int64_t cs[GJ_MAX_DIMS];
     contig_strides(om->ndim, om->shape, cs);
@@ -815,7 +815,7 @@ static int plan_generator(planner *pl, int i) {
         if (om->dtype == GJ_I64) return gj_jit_pl_no_lowering(pl, n, "on i64");
         b = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_DROPOUT, -1, om->dtype, ne);
         if (b < 0) return gj_jit_pl_oom(pl);
-        /* constants only when not run-time: this step's seed and offset must
+        /* constants only when not run-time: this instruction's seed and offset must
          * not enter the plan (kernel names, the disk cache's plan compare) */
         pl->p->bufs[b].gen_seed = n->rt_node >= 0 ? 0 : n->inst.seed;
         pl->p->bufs[b].gen_offset = n->rt_node >= 0 ? 0 : n->inst.rng_offset;
@@ -879,8 +879,8 @@ static bool gemm_accumulate(planner *pl, const gj_jit_output *o, int dst) {
     mm->accumulate = true;
     pl->p->bufs[dst].writer = w;
     G->dead = true;
-    pl->ps[G->step].kind = PS_DEAD;
-    pl->ps[G->step].n_deps = 0;
+    pl->ps[G->instr].kind = PS_DEAD;
+    pl->ps[G->instr].n_deps = 0;
     return true;
 }
 
@@ -896,9 +896,9 @@ static bool node_reads_buf(const planner *pl, int i, int b) {
     return false;
 }
 
-/* Whether planned step s reads buffer b. */
-static bool step_reads_buf(const planner *pl, int s, int b) {
-    const pstep *x = &pl->ps[s];
+/* Whether planned instruction s reads buffer b. */
+static bool instr_reads_buf(const planner *pl, int s, int b) {
+    const pinstr *x = &pl->ps[s];
     switch (x->kind) {
     case PS_GROUP: {
         const pgroup *G = &pl->groups[x->idx];
@@ -926,13 +926,13 @@ static bool step_reads_buf(const planner *pl, int s, int b) {
     }
 }
 
-/* Whether step w may write buffer b in place: not when another step that
+/* Whether instruction w may write buffer b in place: not when another instruction that
  * reads b depends on w already (w would have to come both before and after
  * it). A training step's fused kernel can hold both a parameter's update
  * and a value that a reader of the old parameter needs. */
 static bool may_write_in_place(planner *pl, int w, int b) {
     for (int s = 0; s < pl->n_ps; s++) {
-        if (s == w || pl->ps[s].kind == PS_DEAD || !step_reads_buf(pl, s, b)) continue;
+        if (s == w || pl->ps[s].kind == PS_DEAD || !instr_reads_buf(pl, s, b)) continue;
         if (depends(pl, s, w)) return false;
     }
     return true;
@@ -940,12 +940,12 @@ static bool may_write_in_place(planner *pl, int w, int b) {
 
 /* An output written in place into input buffer b (a .grad, or a training
  * step's parameter and optimizer state) overwrites what other steps read:
- * the writing step comes after every other step that reads b. 0 or -1. */
+ * the writing instruction comes after every other instruction that reads b. 0 or -1. */
 static int after_readers(planner *pl, int b) {
     int w = pl->p->bufs[b].writer;
     if (w < 0) return 0;
     for (int s = 0; s < pl->n_ps; s++) {
-        if (s == w || pl->ps[s].kind == PS_DEAD || !step_reads_buf(pl, s, b)) continue;
+        if (s == w || pl->ps[s].kind == PS_DEAD || !instr_reads_buf(pl, s, b)) continue;
         if (add_dep(pl, w, s) != 0) return gj_jit_pl_oom(pl);
     }
     return 0;
@@ -968,11 +968,11 @@ int gj_jit_pl_outputs(planner *pl) {
             if (gemm_accumulate(pl, o, dst)) {
                 /* the GEMM writes .grad += a @ b itself */
             } else if (x->kind == V_FUSED && x->buf < 0 &&
-                       may_write_in_place(pl, pl->groups[x->group].step, dst)) {
+                       may_write_in_place(pl, pl->groups[x->group].instr, dst)) {
                 x->buf = dst;
                 x->offset = 0;
                 contig_strides(m->ndim, m->shape, x->strides);
-                p->bufs[dst].writer = pl->groups[x->group].step;
+                p->bufs[dst].writer = pl->groups[x->group].instr;
             } else if (copy_to_buffer(pl, v, dst, GJ_JIT_BUF_TEMP, -1, pos++) < 0) {
                 return -1;
             }
@@ -985,7 +985,7 @@ int gj_jit_pl_outputs(planner *pl) {
             x->buf = dst;
             x->offset = 0;
             contig_strides(m->ndim, m->shape, x->strides);
-            p->bufs[dst].writer = pl->groups[x->group].step;
+            p->bufs[dst].writer = pl->groups[x->group].instr;
         } else {
             int64_t cs[GJ_MAX_DIMS];
             contig_strides(m->ndim, m->shape, cs);

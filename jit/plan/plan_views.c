@@ -2,7 +2,7 @@
 /*
  * plan_views.c - view folding: a movement op (permute, transpose, expand,
  * reshape, narrow, ...) applied to a strided view of a buffer is another
- * strided view of the same buffer, so it costs no step and no copy.
+ * strided view of the same buffer, so it costs no instruction and no copy.
  *
  * Contract: gj_jit_pl_fold_view is pure (no planner state); it either
  * writes the output view (offset and strides over the output shape, the

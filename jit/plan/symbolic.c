@@ -75,17 +75,17 @@ static int fill_kernel(gj_jit_kernel *k) {
 }
 
 static int fill_ints(gj_jit_plan *p) {
-    for (int s = 0; s < p->n_steps; s++)
-        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL && fill_kernel(&p->steps[s].k) != 0) return -1;
+    for (int s = 0; s < p->n_instrs; s++)
+        if (p->instrs[s].kind == GJ_JIT_INSTR_KERNEL && fill_kernel(&p->instrs[s].k) != 0) return -1;
     return 0;
 }
 
 int gj_jit_plan_make_generic(gj_jit_plan *p) {
     if (p->generic) return 0;
     p->generic = true;
-    for (int s = 0; s < p->n_steps; s++)
-        if (p->steps[s].kind == GJ_JIT_STEP_KERNEL)
-            snprintf(p->steps[s].k.name, sizeof p->steps[s].k.name, "k%d", s);
+    for (int s = 0; s < p->n_instrs; s++)
+        if (p->instrs[s].kind == GJ_JIT_INSTR_KERNEL)
+            snprintf(p->instrs[s].k.name, sizeof p->instrs[s].k.name, "k%d", s);
     if (fill_ints(p) != 0 || gj_jit_dedupe_kernels(p) != 0) return -1;
     return 0;
 }
@@ -93,9 +93,9 @@ int gj_jit_plan_make_generic(gj_jit_plan *p) {
 int gj_jit_plan_make_specific(gj_jit_plan *p) {
     if (!p->generic) return 0;
     p->generic = false;
-    for (int s = 0; s < p->n_steps; s++) {
-        gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+    for (int s = 0; s < p->n_instrs; s++) {
+        gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL) continue;
         gj_rt_free(k->ints);
         k->ints = NULL;
         k->n_ints = 0;
@@ -105,15 +105,15 @@ int gj_jit_plan_make_specific(gj_jit_plan *p) {
 }
 
 int gj_jit_generic_signature(const gj_jit_plan *p, wbuf *b) {
-    for (int s = 0; s < p->n_steps; s++) {
-        const gj_jit_kernel *k = &p->steps[s].k;
-        if (p->steps[s].kind != GJ_JIT_STEP_KERNEL) continue;
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL) continue;
         size_t n = strnlen(k->name, sizeof k->name);
         wbuf_u64(b, n);
         wbuf_put(b, k->name, n);
         bool first = true;
         for (int t = 0; t < s && first; t++)
-            first = !(p->steps[t].kind == GJ_JIT_STEP_KERNEL && strcmp(p->steps[t].k.name, k->name) == 0);
+            first = !(p->instrs[t].kind == GJ_JIT_INSTR_KERNEL && strcmp(p->instrs[t].k.name, k->name) == 0);
         wbuf_u64(b, first);
         if (first) gj_jit_kernel_describe(p, k, true, b);
     }

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * compiled.c - gj_jit_backward and gj_jit_grad: a backward's key (its walk,
+ * backward.c - gj_jit_backward and gj_jit_grad: a backward's key (its walk,
  * key.c) -> its program (cache.c) -> a run on this backward's tensors
  * (run.c, guards.c), or a fallback to the eager engine (fallback.c).
  *
@@ -8,7 +8,7 @@
  *   - A fallback (handled = false) has changed nothing: no .grad written,
  *     no graph freed. It is counted and its reason kept; the caller runs
  *     the eager engine, which gives the reference gradients (or the error).
- *   - Every backward counts exactly once (fallback.h): as the way its
+ *   - Every backward counts exactly once (base.h): as the way its
  *     program was found when it ran, or as a fallback.
  *   - A graph eager would refuse (freed graph, modified saved tensor) is
  *     not a fallback: the eager engine reports the error; nothing counts.
@@ -74,7 +74,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
     gj_ca_reason code = GJ_CA_OTHER;
     int rc = 0;
     unsigned fl = gj_jit_log_flags();
-    bool timed = (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_STEPS)) != 0;
+    bool timed = (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_INSTRS)) != 0;
     double tp0 = timed ? gj_jit_now_ms() : 0, tp1 = 0, tp2 = 0;
     gj_tensor **outs = NULL; /* gj_grad: the program's outputs */
     if (gj_jit_walk_build_grad(&w, n_roots, roots, seeds, gr ? gr->n_inputs : 0,
@@ -150,7 +150,7 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
     if (r == 1) goto fall;
     if (r == 2 || (r == 0 && hc.tripped)) {
         /* a guard: eager-only from now on, unless user code failed this
-         * time (an allocation in a hook): the next clean step runs compiled.
+         * time (an allocation in a hook): the next clean instruction runs compiled.
          * It counts as a fallback also when a post hook tripped after the
          * run finished (the .grads not yet written got the eager
          * accumulate's result) */
@@ -167,9 +167,9 @@ static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *
     if (rc == 0 && !retain_graph) gj_jit_release_graph(&w, n_roots, roots);
     if (timed && rc == 0) {
         double tend = gj_jit_now_ms();
-        if (fl & GJ_JIT_LOG_STEPS)
+        if (fl & GJ_JIT_LOG_INSTRS)
             fprintf(stderr,
-                    "[gradjit steps] backward %.3f ms: key and lookup %.3f, program %.3f (steps "
+                    "[gradjit instrs] backward %.3f ms: key and lookup %.3f, program %.3f (steps "
                     "and buffers), graph release %.3f\n",
                     tend - tp0, tp1 - tp0, tp2 - tp1, tend - tp2);
         gj_jit_prof_backward(got.fresh, tend - tp0, tp1 - tp0, tp2 - tp1, tend - tp2);

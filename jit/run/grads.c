@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * run.c - running a backward's program on this backward's tensors
+ * grads.c - running a backward's program on this backward's tensors
  * (run.h): its inputs from the walk, the .grads it writes (in the eager
  * engine's order, post-accumulate hooks in between), a gj_grad's returned
  * gradients, and freeing the graph afterwards.
@@ -10,10 +10,10 @@
  *     tensors are checked exactly as the eager engine checks them (walk
  *     validation) before anything runs. An existing .grad is updated in
  *     place (through a contiguous copy if strided, or a private copy when
- *     the program calls user code: written back only once every step ran).
- *   - A run that falls back or fails before its last step has written no
+ *     the program calls user code: written back only once every instruction ran).
+ *   - A run that falls back or fails before its last instruction has written no
  *     .grad, except the ones final before an early post-accumulate hook
- *     (GJ_HOOK_NO_GRAPH_WRITES) when no hook or call step is left.
+ *     (GJ_HOOK_NO_GRAPH_WRITES) when no hook or call instruction is left.
  *   - gj_grad: its outputs (acc_node -1) are new tensors handed to the
  *     caller (program->ret maps requested inputs to outputs); no .grad is
  *     read, written or locked, no post-accumulate hook runs; without
@@ -27,46 +27,14 @@
 #include <stdio.h>
 #include <string.h>
 
-/* The event log of this thread's last compiled run: after how many steps
- * each post-accumulate hook ran (gj_jit_last_post_hook_steps). */
-static _Thread_local int t_post_steps[GJ_JIT_MAX_POST_LOG], t_n_post_steps, t_run_steps;
+/* The event log of this thread's last compiled run: after how many instructions
+ * each post-accumulate hook ran (gj_jit_last_post_hook_instrs). */
+static _Thread_local int t_post_instrs[GJ_JIT_MAX_POST_LOG], t_n_post_instrs, t_run_instrs;
 /* The id of the last program this thread ran (ids are never reused, so a
  * freed program is never mistaken for a new one) and its description. */
 static _Thread_local uint64_t g_last_id;
 static _Thread_local gj_ca_program_info g_last_info;
 static _Thread_local bool g_have_last;
-
-/* Byte range [lo, hi) of the storage of t that its view can touch. */
-static void byte_range(const gj_tensor *t, size_t *lo, size_t *hi) {
-    size_t el = gj_rt_dtype_size(t->dtype);
-    int64_t last = t->offset;
-    for (int k = 0; k < t->ndim; k++)
-        if (t->shape[k] > 0) last += (t->shape[k] - 1) * t->strides[k];
-    *lo = (size_t)t->offset * el;
-    *hi = t->numel > 0 ? (size_t)(last + 1) * el : *lo;
-}
-
-/* Do the memories of a and b overlap? */
-static bool overlaps(const gj_tensor *a, const gj_tensor *b) {
-    if (a->storage != b->storage) return false;
-    size_t al, ah, bl, bh;
-    byte_range(a, &al, &ah);
-    byte_range(b, &bl, &bh);
-    return al < bh && bl < ah;
-}
-
-typedef struct out_ctx {
-    const gj_jit_plan *p;
-    gj_tensor **news;
-} out_ctx;
-
-/* A new .grad tensor for output o (uninitialised: the step writes it all). */
-static void *alloc_output(void *vctx, int o) {
-    out_ctx *c = vctx;
-    const gj_rt_meta *m = &c->p->out_meta[o];
-    c->news[o] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
-    return c->news[o] ? gj_rt_data_ptr(c->news[o]) : NULL;
-}
 
 /* Writes graph output o into its leaf's .grad (news[o] or, for an existing
  * .grad, its private or contiguous copy contig[] written back). A leaf that
@@ -91,7 +59,7 @@ static int write_output(const gj_jit_program *pr, const gj_jit_walk *w,
     }
     gj_ag_tensor_meta *lm = gj_ag_meta_get(leaf, true);
     if (!lm) return -1;
-    if (!news[o]) return 0; /* an empty gradient no step wrote: not expected */
+    if (!news[o]) return 0; /* an empty gradient no instruction wrote: not expected */
     if (lm->grad || leaf->dtype != om->dtype) {
         gj_ag_builder *eb = gj_ag_eager_builder();
         int rc = eb->accumulate(eb, leaf, gj_ag_tensor_val(news[o]));
@@ -104,25 +72,25 @@ static int write_output(const gj_jit_program *pr, const gj_jit_walk *w,
     return 0;
 }
 
-/* Steps after which output o of pr is final: no later step reads or
+/* Instructions after which output o of pr is final: no later instruction reads or
  * writes its buffer. */
 static int output_final_after(const gj_jit_program *pr, int o) {
     const gj_jit_buffer *x = &pr->plan.bufs[pr->plan.out_buf[o]];
-    return x->last_step + 1;
+    return x->last_instr + 1;
 }
 
 /* Writes outputs into their leaves' .grads in the eager engine's order,
  * each post-accumulate hook right after the .grads eager writes before it
  * (hookref.n_out), so a hook that changes a later leaf with set_ has the
  * effect it has in eager; resumes where the previous call stopped
- * (hc->next_out, hc->next_hook). With done < the plan's step count (called
- * between steps) it stops at the first output not yet final after `done`
- * steps and at the first hook not registered GJ_HOOK_NO_GRAPH_WRITES: only
+ * (hc->next_out, hc->next_hook). With done < the plan's instruction count (called
+ * between instructions) it stops at the first output not yet final after `done`
+ * instructions and at the first hook not registered GJ_HOOK_NO_GRAPH_WRITES: only
  * such hooks run mid-program (a gradient reducer then starts while the
- * backward goes on); the rest wait for the last step. 0 or -1 (error set). */
+ * backward goes on); the rest wait for the last instruction. 0 or -1 (error set). */
 static int write_outputs_until(gj_jit_runctx *hc, const gj_jit_program *pr, const gj_jit_walk *w,
                                gj_tensor *const *tensors, bool hooks, int done) {
-    bool all = done >= pr->plan.n_steps;
+    bool all = done >= pr->plan.n_instrs;
     for (;;) {
         while (hooks && hc->next_hook < pr->n_hooks && !pr->hooks[hc->next_hook].post)
             hc->next_hook++;
@@ -137,15 +105,15 @@ static int write_outputs_until(gj_jit_runctx *hc, const gj_jit_program *pr, cons
         const gj_ag_hook *h = hc->hooks[hc->next_hook];
         if (!all && !h->early) return 0;
         if (!h->removed) {
-            if (t_n_post_steps < GJ_JIT_MAX_POST_LOG) t_post_steps[t_n_post_steps++] = done;
+            if (t_n_post_instrs < GJ_JIT_MAX_POST_LOG) t_post_instrs[t_n_post_instrs++] = done;
             if (gj_jit_run_post_hook(hc, hc->next_hook, hc->next_out) != 0) return -1;
         }
         hc->next_hook++;
     }
 }
 
-/* gj_jit_progress: between groups of steps, once no hook or custom call
- * step is left (they may abandon the run, which must then have written
+/* gj_jit_progress: between groups of instructions, once no hook or custom call
+ * instruction is left (they may abandon the run, which must then have written
  * nothing), the outputs that are final and the early hooks after them. */
 static int write_early(void *ctx, int done) {
     gj_jit_runctx *hc = ctx;
@@ -195,21 +163,22 @@ int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         gj_tensor *t = tensors[i];
         gj_rt_meta m;
         gj_rt_meta_of(t, &m);
-        if (!gj_jit_meta_equal(&m, &p->in_meta[i])) {
+        int fits = gj_jit_input_fits(pr, i, t);
+        if (fits == 1) {
             snprintf(why, why_cap, "input #%d changed shape or dtype", i);
             rc = 1;
             goto done;
         }
         if (pr->inputs[i].role == GJ_JIT_IN_GRAD) {
             for (int j = 0; j < n_in; j++)
-                if (j != i && overlaps(tensors[j], t)) {
+                if (j != i && gj_jit_views_overlap(tensors[j], t)) {
                     snprintf(why, why_cap, "a .grad shares memory with another input of the graph");
                     rc = 1;
                     goto done;
                 }
         }
         if (pr->inputs[i].role == GJ_JIT_IN_GRAD) { /* written: contiguous (copy if strided) */
-            if (hooks) { /* a private copy: written back once every step ran */
+            if (hooks) { /* a private copy: written back once every instruction ran */
                 contig[i] = gj_rt_tensor_empty(m.dtype, m.ndim, m.shape);
                 if (contig[i] && gj_rt_copy_into(contig[i], t) != 0) goto done;
             } else {
@@ -219,9 +188,7 @@ int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
             in[i] = gj_rt_data_ptr(contig[i]);
             continue;
         }
-        int64_t st[GJ_MAX_DIMS];
-        gj_jit_input_strides(t, st);
-        if (memcmp(st, pr->inputs[i].strides, (size_t)m.ndim * sizeof st[0]) != 0) {
+        if (fits == 2) {
             snprintf(why, why_cap, "input #%d has another layout than when compiled", i);
             rc = 1;
             goto done;
@@ -253,20 +220,20 @@ int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
             }
         }
     }
-    out_ctx oc = {p, news};
+    gj_jit_outs oc = {p, news};
     hc->contig = contig;
     hc->news = news;
     hc->next_out = hc->next_hook = 0;
     hc->early_from = 0;
-    t_n_post_steps = 0;
-    t_run_steps = p->n_steps;
+    t_n_post_instrs = 0;
+    t_run_instrs = p->n_instrs;
     bool early = false;
     for (int i = 0; hooks && i < pr->n_hooks; i++)
         early |= pr->hooks[i].post && hc->hooks[i]->early;
-    for (int s = 0; s < p->n_steps; s++)
-        if (p->steps[s].kind == GJ_JIT_STEP_HOOK || p->steps[s].kind == GJ_JIT_STEP_CALL)
+    for (int s = 0; s < p->n_instrs; s++)
+        if (p->instrs[s].kind == GJ_JIT_INSTR_HOOK || p->instrs[s].kind == GJ_JIT_INSTR_CALL)
             hc->early_from = s + 1;
-    int er = gj_jit_plan_exec_calls(p, in, params, out, alloc_output, &oc,
+    int er = gj_jit_plan_exec_calls(p, in, params, out, gj_jit_alloc_output, &oc,
                                     hooks ? gj_jit_call_tensor_hook : NULL, hooks ? gj_jit_call_custom : NULL,
                                     early ? write_early : NULL, hc);
     if (er == 1) {
@@ -274,7 +241,7 @@ int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         goto done;
     }
     if (er != 0) goto done;
-    if (write_outputs_until(hc, pr, w, tensors, hooks, p->n_steps) != 0) goto done;
+    if (write_outputs_until(hc, pr, w, tensors, hooks, p->n_instrs) != 0) goto done;
     for (int o = 0; ret_out && o < n_out; o++) {
         if (!news[o]) { /* every output of a gj_grad is a new buffer */
             gj_rt_set_error("gj_grad: internal: compiled output #%d was not written", o);
@@ -379,9 +346,9 @@ bool gj_jit_last_program_info(gj_ca_program_info *out) {
     return g_have_last;
 }
 
-int gj_jit_last_post_hook_steps(int *out, int cap, int *n_steps) {
-    for (int i = 0; i < t_n_post_steps && i < cap; i++) out[i] = t_post_steps[i];
-    if (n_steps) *n_steps = t_run_steps;
-    return t_n_post_steps;
+int gj_jit_last_post_hook_instrs(int *out, int cap, int *n_instrs) {
+    for (int i = 0; i < t_n_post_instrs && i < cap; i++) out[i] = t_post_instrs[i];
+    if (n_instrs) *n_instrs = t_run_instrs;
+    return t_n_post_instrs;
 }
 

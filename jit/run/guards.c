@@ -3,14 +3,14 @@
  * guards.c - user code inside a compiled run: tensor hooks, custom op
  * functions and post-accumulate hooks are called on fresh tensors holding
  * copies of the program's buffers, and what they did is checked right
- * after each call (guards.h).
+ * after each call (run.h).
  *
  * Invariants:
  *   - A hook never sees a buffer of the plan: it gets a fresh tensor
  *     holding a copy of the gradient, and what it returns (or the tensor it
  *     kept, with its in-place changes) is copied into the plan's buffer. A
  *     program with hooks also updates existing .grads through private
- *     copies, written back only once every step ran (run.c), so a run
+ *     copies, written back only once every instruction ran (run.c), so a run
  *     abandoned by a guard has written no .grad.
  *   - Guards after each hook call and custom call: record_stream called
  *     (the run finishes, the key becomes eager-only: GJ_CA_RECORD_STREAM);
@@ -21,9 +21,9 @@
  *     created, or failing user code (GJ_CA_HOOK_GUARD). A tensor hook's or
  *     custom call's trip abandons the run, the eager engine runs the whole
  *     backward again (so the user code called before the trip runs twice
- *     in that step); a post hook's trip keeps the run, and the .grads not
+ *     in that instruction); a post hook's trip keeps the run, and the .grads not
  *     yet written get what the eager accumulate makes of them (a leaf now
- *     bf16: a bf16 .grad). The caller (compiled.c) then makes the key
+ *     bf16: a bf16 .grad). The caller (backward.c) then makes the key
  *     eager-only, unless the trip was user code failing this time (a hook
  *     or custom op function returning an error, e.g. out of memory) with
  *     no earlier cause in the run (ctx->transient).
@@ -32,7 +32,7 @@
  *     ones listed after "also:"; whether the run goes on depends only on
  *     who tripped (a tensor hook or custom call abandons it), never on
  *     which reason is kept.
- *   - Custom ops: a custom op's backward is a call step of the plan; its C
+ *   - Custom ops: a custom op's backward is a call instruction of the plan; its C
  *     function gets fresh tensors holding copies of the output gradients
  *     and saved arguments, and the gradients it returns are copied into
  *     the plan's buffers. It failing, or returning no gradient for an input
@@ -46,6 +46,44 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
+
+/* ---------------------------------------------- before a program runs */
+
+bool gj_jit_views_overlap(const gj_tensor *a, const gj_tensor *b) {
+    if (!a->storage || a->storage != b->storage || a->numel == 0 || b->numel == 0) return false;
+    int64_t lo[2], hi[2];
+    const gj_tensor *t[2] = {a, b};
+    for (int k = 0; k < 2; k++) {
+        int64_t l = t[k]->offset, h = t[k]->offset;
+        for (int d = 0; d < t[k]->ndim; d++) {
+            int64_t e = (t[k]->shape[d] - 1) * t[k]->strides[d];
+            if (e < 0) l += e;
+            else h += e;
+        }
+        int64_t es = (int64_t)gj_rt_dtype_size(t[k]->dtype);
+        lo[k] = l * es;
+        hi[k] = (h + 1) * es; /* exclusive */
+    }
+    return lo[0] < hi[1] && lo[1] < hi[0];
+}
+
+int gj_jit_input_fits(const gj_jit_program *pr, int i, const gj_tensor *t) {
+    gj_rt_meta m;
+    gj_rt_meta_of(t, &m);
+    if (!gj_jit_meta_equal(&m, &pr->plan.in_meta[i])) return 1;
+    int64_t st[GJ_MAX_DIMS];
+    gj_jit_input_strides(t, st);
+    return memcmp(st, pr->inputs[i].strides, (size_t)m.ndim * sizeof st[0]) != 0 ? 2 : 0;
+}
+
+void *gj_jit_alloc_output(void *vctx, int o) {
+    gj_jit_outs *c = vctx;
+    const gj_rt_meta *m = &c->p->out_meta[o];
+    c->news[o] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
+    return c->news[o] ? gj_rt_data_ptr(c->news[o]) : NULL;
+}
+
+/* ------------------------------------------------- user code in a run */
 
 /* Records a guard's trip: the first in program order is the reason (class
  * and message); a later one is appended as "; also: <class>: <message>"
@@ -114,7 +152,7 @@ int gj_jit_guard_leaves(gj_jit_runctx *hc, const char *who) {
 }
 
 /* Checks, after user code `who` ("hook #3", "custom op ns::f") ran at
- * step `step` (a tensor hook or a custom call), that every tensor the
+ * instruction `instruction` (a tensor hook or a custom call), that every tensor the
  * program reads or writes is still the one it was compiled for: inputs
  * (saved tensors, seeds, .grads) and the leaves whose .grad it writes. A
  * set_ that changed the dtype, shape or storage of one of them trips
@@ -147,7 +185,7 @@ static int guard_inputs(gj_jit_runctx *hc, const char *who, int step) {
                 return 1;
             }
             if (gj_rt_data_ptr(t) != hc->data0[i]) {
-                if (p->bufs[i].first_step >= 0 && p->bufs[i].first_step <= step) {
+                if (p->bufs[i].first_instr >= 0 && p->bufs[i].first_instr <= step) {
                     gj_jit_trip(hc, GJ_CA_SET_MISMATCH, "%s swapped the storage of a .grad (set_) "
                          "after the compiled run had updated it", who);
                     return 1;
@@ -177,7 +215,7 @@ static int guard_inputs(gj_jit_runctx *hc, const char *who, int step) {
 
 /* gj_jit_hook_call of run_program: calls the tensor hook on a fresh tensor
  * holding a copy of src and copies the value flowing on into dst. */
-int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *src, void *dst) {
+int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hook_instr *hs, const void *src, void *dst) {
     gj_jit_runctx *hc = vctx;
     const gj_rt_meta *m = &hs->meta;
     int64_t numel = 1;
@@ -214,19 +252,19 @@ int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *s
         gj_jit_trip(hc, GJ_CA_RECORD_STREAM, "hook #%lld called gj_tensor_record_stream during a "
              "compiled run", (long long)h->handle);
     if (rc == 0) {
-        const gj_jit_step *st = (const gj_jit_step *)(const void *)((const char *)hs -
-                                                                     offsetof(gj_jit_step, hk));
+        const gj_jit_instr *st = (const gj_jit_instr *)(const void *)((const char *)hs -
+                                                                     offsetof(gj_jit_instr, hk));
         char who[48];
         snprintf(who, sizeof who, "hook #%lld", (long long)h->handle);
-        rc = guard_inputs(hc, who, (int)(st - hc->pr->plan.steps));
+        rc = guard_inputs(hc, who, (int)(st - hc->pr->plan.instrs));
     }
     return rc;
 }
 
 /* Fresh contiguous tensors ts[0..cs->n_in) holding copies of the call
- * step's input buffers src[] (of cs->in_meta). 0, or -1 on OOM (the ones
+ * instruction's input buffers src[] (of cs->in_meta). 0, or -1 on OOM (the ones
  * made so far are in ts for the caller to release). */
-static int call_inputs(const gj_jit_callstep *cs, void *const *src, gj_tensor **ts) {
+static int call_inputs(const gj_jit_call_instr *cs, void *const *src, gj_tensor **ts) {
     for (int k = 0; k < cs->n_in; k++) {
         const gj_rt_meta *m = &cs->in_meta[k];
         ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
@@ -237,12 +275,12 @@ static int call_inputs(const gj_jit_callstep *cs, void *const *src, gj_tensor **
     return 0;
 }
 
-/* The forward call step of gj_jit_call_custom: runs the custom op's forward C
+/* The forward call instruction of gj_jit_call_custom: runs the custom op's forward C
  * function on fresh tensors holding copies of its tensor arguments (src)
  * and copies its outputs into dst. It failing, or giving an output of
  * another shape or dtype than the region's first run, abandons the run
  * (GJ_CA_HOOK_GUARD): the eager engine redoes the backward. */
-static int call_custom_fwd(gj_jit_runctx *hc, const gj_jit_callstep *cs, const gj_ag_opdef *od,
+static int call_custom_fwd(gj_jit_runctx *hc, const gj_jit_call_instr *cs, const gj_ag_opdef *od,
                            const gj_ag_attrs *at, const gj_custom_op *op, void *const *src,
                            void *const *dst) {
     int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
@@ -297,7 +335,7 @@ done:
  * The function failing, or returning no gradient for a needed input,
  * abandons the run (GJ_CA_HOOK_GUARD): the eager engine redoes the
  * backward and reports the error or lets no gradient flow, as it does. */
-int gj_jit_call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
+int gj_jit_call_custom(void *vctx, const gj_jit_call_instr *cs, void *const *src,
                        void *const *dst) {
     gj_jit_runctx *hc = vctx;
     const gj_ag_node *node = cs->node < hc->w->n ? hc->w->nodes[cs->node] : NULL;
@@ -350,11 +388,11 @@ int gj_jit_call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
         j++;
     }
     {
-        const gj_jit_step *st = (const gj_jit_step *)(const void *)((const char *)cs -
-                                                                     offsetof(gj_jit_step, cs));
+        const gj_jit_instr *st = (const gj_jit_instr *)(const void *)((const char *)cs -
+                                                                     offsetof(gj_jit_instr, cs));
         char who[160];
         snprintf(who, sizeof who, "custom op %s", od->name);
-        rc = guard_inputs(hc, who, (int)(st - hc->pr->plan.steps));
+        rc = guard_inputs(hc, who, (int)(st - hc->pr->plan.instrs));
     }
 done:
     for (int k = 0; k < GJ_JIT_CALL_MAX_IN; k++) {

@@ -1,15 +1,41 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * guards.h - user code called by a compiled run (tensor hooks, custom op
- * functions, post-accumulate hooks) and the guards that check, after each
- * call, that the program still computes what eager would (guards.c).
- * Internal to jit/.
+ * run.h - the run stage's entry (guards.c): every check a cached program
+ * needs before and during a run, for the backward and the training step
+ * alike (an input's meta and layout against the program's, memory two
+ * views share), the outputs a run allocates, and user code called by a
+ * compiled run (tensor hooks, custom op functions, post-accumulate hooks)
+ * with the guards that check, after each call, that the program still
+ * computes what eager would.
  */
-#ifndef GJ_JIT_GUARDS_H
-#define GJ_JIT_GUARDS_H
+#ifndef GJ_JIT_RUN_H
+#define GJ_JIT_RUN_H
 
 #include "jit/capture/capture.h"
 #include "jit/cache/cache.h"
+
+/* ---------------------------------------------- before a program runs */
+
+/* Whether the memories of views a and b may overlap: the same storage and
+ * intersecting byte ranges (from their lowest to their highest element,
+ * negative strides included; an empty view touches nothing). */
+bool gj_jit_views_overlap(const gj_tensor *a, const gj_tensor *b);
+
+/* Whether tensor t can be graph input i of program pr as it is read in
+ * place: 0 (its meta and layout are the program's), 1 (another shape or
+ * dtype), 2 (another layout). */
+int gj_jit_input_fits(const gj_jit_program *pr, int i, const gj_tensor *t);
+
+/* The outputs a run makes: gj_jit_alloc_output (a gj_jit_out_alloc, ctx a
+ * gj_jit_outs) puts a new tensor for output o of plan p into news[o] (its
+ * data uninitialised: the program writes it all). */
+typedef struct gj_jit_outs {
+    const gj_jit_plan *p;
+    gj_tensor **news;
+} gj_jit_outs;
+void *gj_jit_alloc_output(void *ctx, int o);
+
+/* ------------------------------------------------- user code in a run */
 
 /* The state of one compiled run of a backward: its program, walk and
  * input tensors, what the guards compare against, the outputs written so
@@ -24,9 +50,9 @@ typedef struct gj_jit_runctx {
     const void **leaf_data;      /* per output: its leaf's data pointer at the start */
     const gj_ag_hook **hooks;    /* per hook reference, resolved at the start */
     /* writing outputs (run.c): the next output and hook reference, and
-     * what the early writes between steps need */
+     * what the early writes between instructions need */
     int next_out, next_hook;
-    int early_from;              /* steps after which no hook/call step is left */
+    int early_from;              /* instructions after which no hook/call instruction is left */
     gj_tensor **contig, **news;
     bool tripped;                /* a guard tripped */
     bool transient;              /* ... first because user code failed this time (not a
@@ -58,16 +84,16 @@ gj_tensor *gj_jit_output_leaf(const gj_jit_runctx *hc, int o);
 int gj_jit_guard_leaves(gj_jit_runctx *hc, const char *who);
 
 /* gj_jit_hook_call of a run (program.h): calls the tensor hook of hook
- * step hs on a fresh tensor holding a copy of src, copies the value
+ * instruction hs on a fresh tensor holding a copy of src, copies the value
  * flowing on into dst, then runs the guards. 0, 1 (abandon: tripped) or
  * -1 (error set). vctx is the gj_jit_runctx. */
-int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hookstep *hs, const void *src, void *dst);
+int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hook_instr *hs, const void *src, void *dst);
 
 /* gj_jit_custom_call of a run: runs the custom op's backward (or, for a
  * checkpoint region's recomputation, its forward) C function on fresh
  * tensors holding copies of src and copies its results into dst, then
  * runs the guards. 0, 1 or -1 as above. */
-int gj_jit_call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
+int gj_jit_call_custom(void *vctx, const gj_jit_call_instr *cs, void *const *src,
                        void *const *dst);
 
 /* Runs post-accumulate hook i of the program (its leaf's .grad is written,
@@ -76,4 +102,4 @@ int gj_jit_call_custom(void *vctx, const gj_jit_callstep *cs, void *const *src,
  * inside the hook (the backward then fails with it, as in eager). */
 int gj_jit_run_post_hook(gj_jit_runctx *hc, int i, int written);
 
-#endif /* GJ_JIT_GUARDS_H */
+#endif /* GJ_JIT_RUN_H */

@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * run.h - running a backward's program on the tensors of one backward
+ * run_int.h - running a backward's program on the tensors of one backward
  * (run.c). Internal to jit/.
  */
-#ifndef GJ_JIT_RUN_H
-#define GJ_JIT_RUN_H
+#ifndef GJ_JIT_RUN_INT_H
+#define GJ_JIT_RUN_INT_H
 
 #include "jit/run/run.h"
 #include "jit/jit.h"
@@ -44,4 +44,4 @@ void gj_jit_release_graph(const gj_jit_walk *w, int n_roots, gj_tensor *const *r
 /* Remembers prog as this thread's last program (gj_jit_last_program_info). */
 void gj_jit_note_last_program(const gj_jit_program *prog);
 
-#endif /* GJ_JIT_RUN_H */
+#endif /* GJ_JIT_RUN_INT_H */

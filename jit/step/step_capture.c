@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * step_capture.c - the graph of a training step (step.h): the traced
+ * step_capture.c - the graph of a training step (step_int.h): the traced
  * forward replayed with the recording builder, the backward of the loss
  * with respect to the parameters captured as a gj_grad's is, and each
  * parameter's optimizer update, written once for the whole step.

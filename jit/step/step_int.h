@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * step.h - the compiled training step inside jit/: forward, backward and
- * the optimizer's update of one step as one program (step.c runs it,
- * step_capture.c builds its graph from a trace). Internal to jit/; the
- * frontend reaches it through jit.h.
+ * step_int.h - the compiled training step inside jit/: forward, backward and
+ * the optimizer's update of one step as one program (variants.c runs it,
+ * step_capture.c builds its graph from a trace). Internal to jit/step/;
+ * the frontend reaches it through jit.h.
  *
  * A step program's graph inputs have role GJ_JIT_IN_STEP, with the kind of
  * tensor in `node` and its index in `slot` (the enum below). Its outputs

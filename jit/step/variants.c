@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * step.c - the compiled training step (jit.h): a step's key, its program
+ * variants.c - the compiled training step (jit.h): a step's key, its program
  * (the cache machinery every compiled path shares, cache.c) and its runs.
  *
- * A gj_jit_step keeps one variant per traced shape of the step: the
+ * A gj_jit_cstep keeps one variant per traced shape of the step: the
  * program (a reference of its own, so an eviction from the memory cache
  * never strands a step), the trace's constants (references) and what the
  * variant was traced with (options, optimizer structure, the generator's
@@ -108,28 +108,6 @@ static gj_tensor *bound_at(int i, int n_in, gj_tensor *const *in, const gj_jit_o
     return consts[i - n_in - o->n];
 }
 
-/* Whether the memory of views a and b may overlap: the same storage and
- * intersecting byte ranges (from their lowest to their highest element;
- * disjoint slices of one storage, as per-layer parameters cut from one
- * tensor, do not). */
-static bool overlaps(const gj_tensor *a, const gj_tensor *b) {
-    if (!a->storage || a->storage != b->storage || a->numel == 0 || b->numel == 0) return false;
-    int64_t lo[2], hi[2];
-    const gj_tensor *t[2] = {a, b};
-    for (int k = 0; k < 2; k++) {
-        int64_t l = t[k]->offset, h = t[k]->offset;
-        for (int d = 0; d < t[k]->ndim; d++) {
-            int64_t e = (t[k]->shape[d] - 1) * t[k]->strides[d];
-            if (e < 0) l += e;
-            else h += e;
-        }
-        int64_t es = (int64_t)gj_rt_dtype_size(t[k]->dtype);
-        lo[k] = l * es;
-        hi[k] = (h + 1) * es; /* exclusive */
-    }
-    return lo[0] < hi[1] && lo[1] < hi[0];
-}
-
 /* Aliasing of bound tensor i with the ones before it: -1 (its memory is
  * its own), or 2 * j + 1 (the same tensor as j, the first before it whose
  * memory it overlaps), or 2 * j (another view overlapping j's memory). A
@@ -147,7 +125,7 @@ static void alias_codes(int n, int n_in, gj_tensor *const *in, const gj_jit_opt 
             gj_tensor *u = bound_at(j, n_in, in, o, consts);
             bool plain = pi || (j < n_in && gstate[j] == 0);
             if (u == t && !plain) code[i] = 2 * j + 1;
-            else if (u == t || overlaps(u, t)) code[i] = 2 * j;
+            else if (u == t || gj_jit_views_overlap(u, t)) code[i] = 2 * j;
         }
     }
 }
@@ -482,6 +460,33 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
     return 0;
 }
 
+/* Appends the variant of program prog (the step's reference, taken over:
+ * released on failure) and bounds the variants. 0, or -1 on OOM. */
+static int variant_add(gj_jit_cstep *st, gj_jit_program *prog, const gj_ag_trace *tr,
+                       const gj_jit_step_call *call, trace_info *ti, const text *tt) {
+    if (st->n_v == st->cap_v) {
+        int nc = st->cap_v ? 2 * st->cap_v : 4;
+        variant *v = gj_rt_realloc(st->v, (size_t)nc * sizeof *v);
+        if (!v) {
+            gj_jit_program_release(prog);
+            return -1;
+        }
+        st->v = v;
+        st->cap_v = nc;
+    }
+    variant *v = &st->v[st->n_v];
+    memset(v, 0, sizeof *v);
+    v->prog = prog;
+    v->last_use = st->runs;
+    if (variant_fill(v, tr, call, ti, tt) != 0) {
+        variant_free(v);
+        return -1;
+    }
+    st->n_v++;
+    bound_variants(st);
+    return 0;
+}
+
 int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *loss,
                          const gj_jit_step_call *call, gj_ca_reason *code, char *why,
                          size_t why_cap) {
@@ -550,26 +555,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
         if (g == GJ_JIT_FELL) rc = 2; /* counted and reported already */
         goto out;
     }
-    if (st->n_v == st->cap_v) {
-        int nc = st->cap_v ? 2 * st->cap_v : 4;
-        variant *v = gj_rt_realloc(st->v, (size_t)nc * sizeof *v);
-        if (!v) {
-            gj_jit_program_release(got.prog);
-            goto oom;
-        }
-        st->v = v;
-        st->cap_v = nc;
-    }
-    variant *v = &st->v[st->n_v];
-    memset(v, 0, sizeof *v);
-    v->prog = got.prog;
-    v->last_use = st->runs;
-    if (variant_fill(v, tr, call, &ti, &tt) != 0) {
-        variant_free(v);
-        goto oom;
-    }
-    st->n_v++;
-    bound_variants(st);
+    if (variant_add(st, got.prog, tr, call, &ti, &tt) != 0) goto oom;
     gj_jit_count_run(GJ_JIT_PATH_STEP, got.made, 0.0); /* this step ran eagerly while tracing */
     rc = 0;
     goto out;
@@ -646,12 +632,7 @@ static bool guards_hold(const variant *v, const gj_jit_step_call *call, gj_tenso
     for (int i = 0; i < pr->n_inputs; i++) {
         gj_tensor *t = bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, hyper);
         if (!t) return false;
-        gj_rt_meta m;
-        gj_rt_meta_of(t, &m);
-        if (!gj_jit_meta_equal(&m, &pr->plan.in_meta[i])) return false;
-        int64_t st[GJ_MAX_DIMS];
-        gj_jit_input_strides(t, st);
-        if (memcmp(st, pr->inputs[i].strides, (size_t)m.ndim * sizeof st[0]) != 0) return false;
+        if (gj_jit_input_fits(pr, i, t) != 0) return false;
         data[i] = gj_rt_data_ptr(t);
     }
     return true;
@@ -665,18 +646,6 @@ static bool checks_pass(const variant *v, const gj_jit_step_call *call) {
         if (t && !gj_rt_check_indices(c->op, c->arg, t, c->bound)) return false;
     }
     return true;
-}
-
-typedef struct alloc_ctx {
-    const gj_jit_plan *p;
-    gj_tensor **news;
-} alloc_ctx;
-
-static void *alloc_new(void *vctx, int o) {
-    alloc_ctx *c = vctx;
-    const gj_rt_meta *m = &c->p->out_meta[o];
-    c->news[o] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
-    return c->news[o] ? gj_rt_data_ptr(c->news[o]) : NULL;
 }
 
 /* The gradients of leaves outside the optimizer go into their .grads as the
@@ -763,8 +732,8 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     } else if (v->rng > 0) {
         (void)gj_rt_rng_reserve(v->rng); /* (draws no program step reads: keep eager's stream) */
     }
-    alloc_ctx ac = {p, news};
-    int er = gj_jit_plan_exec(p, data, params, out, alloc_new, &ac);
+    gj_jit_outs ac = {p, news};
+    int er = gj_jit_plan_exec(p, data, params, out, gj_jit_alloc_output, &ac);
     gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
     if (er != 0) goto done;
     int no = pr->ret[2 * opt->n];

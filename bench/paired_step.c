@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * step.c - gradjit-bench --paired N --step: whole training steps of each
+ * paired_step.c - gradjit-bench --paired N --step: whole training steps of each
  * workload, eager and compiled (gj_step: forward, backward and the AdamW
  * update), interleaved ABBA in one process (docs/benchmarks.md,
  * "How to measure").
@@ -427,7 +427,7 @@ int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_
     bench_fma_peak_print(&c, "at start");
     printf("bound = forward and backward GEMM FLOPs at the f32 peak + inputs read once and "
            "parameters, AdamW m and v read and written once, at the bandwidth of a working set "
-           "of their size (GB/s column: bytes read and written); bench/step.c says what it "
+           "of their size (GB/s column: bytes read and written); bench/paired_step.c says what it "
            "counts. The peaks are measured again before each bound and the best kept; a step "
            "faster than its bound has the rates measured once more, then a WARNING\n\n");
     print_header();

@@ -1,14 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * compiled.c - the compiled-autograd switch, its statistics and the public
+ * compiled_autograd.c - the compiled-autograd switch, its statistics and the public
  * side of fallbacks (reason names, last message, quiet mode, recompile
- * limit); the machinery lives in jit/compiled.c.
+ * limit); the machinery lives in jit/run/backward.c.
  *
  * The flag is process-wide (like torch's compiled_autograd context, but
  * sticky): gj_set_compiled_autograd wins over the environment variable
  * GRADJIT_COMPILED_AUTOGRAD, which is read once, at the first query.
  * gj_backward and gj_grad (torch.autograd.grad) both ask the compiled path
- * first (jit/compiled.c) and both count in gj_ca_stats: a backward each,
+ * first (jit/run/backward.c) and both count in gj_ca_stats: a backward each,
  * then a compile, hit or fallback.
  */
 #include "fe.h"
