@@ -103,15 +103,24 @@ static inline void smooth(const double *v, int64_t n, int w, double *out) {
     }
 }
 
+/* The counters line of a compiled path, "[tag] <path>: N <unit>s, N
+ * compiles (ms), ... N fallbacks", and a warning when no <unit> went
+ * through the compiled path. */
+static inline void print_counts(const char *tag, const char *path, const char *unit,
+                                const gj_ca_stats *c) {
+    printf("[%s] %s: %lld %ss, %lld compiles (%.1f ms), %lld memory hits, %lld disk hits, "
+           "%lld bound to symbolic kernels, %lld fallbacks\n",
+           tag, path, (long long)c->backwards, unit, (long long)c->compiles, c->compile_ms,
+           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->instantiations,
+           (long long)c->fallbacks);
+    if (c->backwards == 0)
+        printf("[%s] WARNING: no %s went through the compiled path\n", tag, unit);
+}
+
 /* The compiled-autograd counters of a run, and a warning when nothing ran
  * compiled or something fell back. */
 static inline void print_ca(const char *tag, const gj_ca_stats *c) {
-    printf("[%s] compiled autograd: %lld backwards, %lld compiles (%.1f ms), %lld memory hits, "
-           "%lld disk hits, %lld bound to symbolic kernels, %lld fallbacks\n",
-           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
-           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->instantiations,
-           (long long)c->fallbacks);
-    if (c->backwards == 0) printf("[%s] WARNING: no backward went through the compiled path\n", tag);
+    print_counts(tag, "compiled autograd", "backward", c);
     if (c->fallbacks > 0)
         printf("[%s] WARNING: %lld backwards fell back to the eager engine (%s)\n", tag,
                (long long)c->fallbacks, gj_compiled_autograd_last_fallback());
@@ -121,12 +130,7 @@ static inline void print_ca(const char *tag, const gj_ca_stats *c) {
  * when no step ran compiled or some ran eagerly (with how many for each
  * reason, and the last reason's message). */
 static inline void print_step(const char *tag, const gj_ca_stats *c) {
-    printf("[%s] compiled step: %lld steps, %lld compiles (%.1f ms), %lld memory hits, "
-           "%lld disk hits, %lld bound to symbolic kernels, %lld fallbacks\n",
-           tag, (long long)c->backwards, (long long)c->compiles, c->compile_ms,
-           (long long)c->mem_hits, (long long)c->disk_hits, (long long)c->instantiations,
-           (long long)c->fallbacks);
-    if (c->backwards == 0) printf("[%s] WARNING: no step went through the compiled path\n", tag);
+    print_counts(tag, "compiled step", "step", c);
     if (c->fallbacks > 0) {
         printf("[%s] WARNING: %lld steps ran eagerly (", tag, (long long)c->fallbacks);
         const char *sep = "";

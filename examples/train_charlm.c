@@ -44,7 +44,11 @@
  * forward, backward and the AdamW update as one program; the learning rate
  * of the schedule is read at every run), or as forward, gj_backward with
  * compiled autograd and gj_optim_step (--compiled-autograd). Every mode
- * gives the same bits.
+ * gives the same bits. The run around it (steps, progress, --both's
+ * pairing, checkpoints' common part, the CSV) is examples/trainer.h's, as
+ * one epoch of --steps steps; this file holds the text, the model, the
+ * flags and what is particular to them (batches, schedule, validation,
+ * sample, its checkpoint fields, its summary and plot).
  *
  * Output: a progress bar (on a terminal) with loss, examples/s (windows/s)
  * and backward ms (whole step ms in gj_step's modes); validation loss
@@ -78,20 +82,19 @@
 #include "args.h"
 #include "common.h"
 #include "plot.h"
+#include "trainer.h"
 
 #include <dirent.h>
 #include <errno.h>
-#include <inttypes.h>
 #include <limits.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
+#define PROG "train_charlm"
 #define DEFAULT_DIR "/usr/share/common-licenses"
 #define DEFAULT_PACKAGE "base-files"
 #define MAX_TEXTS 64
@@ -457,40 +460,27 @@ static gj_tensor *model_loss(model *m, const int64_t *x, const int64_t *y, int64
 /* ------------------------------------------------------------ training */
 
 typedef struct opts {
-    bool compiled, compiled_step, both, quiet, tty, vary_ctx;
+    train_flags f; /* f.epochs: epochs over the text instead of --steps (0: --steps) */
+    bool vary_ctx;
     int64_t steps;
-    int epochs, batch, ctx, threads, sample;
-    double lr, temperature;
-    uint64_t seed;
+    int ctx, sample;
+    double temperature;
     const char *texts[MAX_TEXTS];
     int n_texts;
-    const char *csv, *png; /* NULL: not written */
-    const char *save, *resume; /* checkpoints; NULL: none */
-    int64_t stop_after;        /* stop (and save) after this many steps; 0: never */
 } opts;
 
-/* Set by SIGINT; the training loop stops at the next step boundary. */
-
-typedef struct run_out {
-    double *loss;     /* [steps] training loss per step */
-    double *val;      /* [steps] validation loss where evaluated, else NaN */
-    double bwd_ms;    /* mean backward ms (split modes; else NaN) */
-    double fwd_ms;    /* mean forward ms (split modes; else NaN) */
-    double step_ms;   /* mean ms of the whole step */
-    double train_s;   /* wall time of all steps */
-    double final_val; /* validation loss at the end */
+/* One training run (trainer.h: the run is one epoch of --steps steps): the
+ * model, a batch's buffers, the validation losses and what the run
+ * reached. --both keeps two. */
+typedef struct lm_run {
+    train_run run;
+    model m;
+    int64_t *x, *y;     /* [B*T] a batch's inputs and targets */
+    double *val;        /* [steps] validation loss where evaluated, else NaN */
+    double final_val;   /* validation loss at the end */
     double final_train; /* mean training loss of the last 20 steps */
-    char *sample;     /* generated text (malloc'd, NUL-terminated) */
-    gj_ca_stats ca;   /* compiled autograd's counters (--compiled-autograd) */
-    gj_ca_stats cs;   /* the compiled step's (--compiled-step) */
-} run_out;
-
-static void run_out_free(run_out *r) {
-    free(r->loss);
-    free(r->val);
-    free(r->sample);
-    memset(r, 0, sizeof *r);
-}
+    char *sample;       /* generated text (malloc'd, NUL-terminated) */
+} lm_run;
 
 /* Validation loss: mean over EVAL_BATCHES fixed batches (the same in every
  * run) from the held-out text. NaN on error. */
@@ -499,9 +489,9 @@ static double evaluate(model *m, const corpus *c, const opts *o, int64_t *x, int
     double total = 0.0;
     gj_no_grad_push();
     for (int i = 0; i < EVAL_BATCHES; i++) {
-        get_batch(c, c->n_train, c->n, o->batch, o->ctx, &rng, x, y);
+        get_batch(c, c->n_train, c->n, o->f.batch, o->ctx, &rng, x, y);
         gj_scope_push();
-        gj_tensor *loss = model_loss(m, x, y, o->batch, o->ctx);
+        gj_tensor *loss = model_loss(m, x, y, o->f.batch, o->ctx);
         double v = loss ? gj_tensor_item(loss) : NAN;
         gj_scope_pop();
         total += v;
@@ -569,80 +559,49 @@ static char *generate(model *m, const corpus *c, const opts *o, uint64_t seed) {
     return out;
 }
 
-/* Learning rate of step s of n: linear warm-up over 5%, cosine to 10%. */
-static double lr_at(const opts *o, int64_t s) {
+/* Learning rate of step s of n: linear warm-up over 5%, cosine to 10%
+ * (train_def's lr_at). */
+static double lr_at(const train_run *r, int64_t s) {
+    const opts *o = r->def->opts;
     int64_t warm = o->steps / 20 > 0 ? o->steps / 20 : 1;
     if (s < warm)
-        return o->lr * (double)(s + 1) / (double)warm;
+        return o->f.lr * (double)(s + 1) / (double)warm;
     double t = (double)(s - warm) / (double)(o->steps - warm > 0 ? o->steps - warm : 1);
-    return o->lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(M_PI * t)));
+    return o->f.lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(M_PI * t)));
 }
 
-/* One run's state; --both keeps two and steps them in turn. */
-typedef struct trainer {
-    const opts *o;
-    const corpus *c;
-    step_mode mode;
-    const char *tag;
-    model m;
-    gj_optim *opt;
-    stepper st;     /* runs lm_loss, backward and update in `mode` */
-    int64_t *x, *y; /* [B*T] */
-    uint64_t rng;
-    double t_train, bwd_total, fwd_total, step_total;
-    run_out *r;
-} trainer;
-
-static void trainer_free(trainer *t) {
-    stepper_free(&t->st);
-    gj_optim_free(t->opt);
-    model_free(&t->m);
-    free(t->x);
-    free(t->y);
-    t->opt = NULL;
-    t->x = t->y = NULL;
-}
-
-/* The name of a mode in the trainers' output. */
-static const char *mode_tag(step_mode m) {
-    return m == STEP_COMPILED ? "compiled step" : m == STEP_SPLIT_CA ? "compiled" : "eager";
-}
-
-/* A fresh model from o->seed (two trainers start bit-identical), its AdamW
- * and its stepper in `mode`. 0, or 1 with a message on stderr. */
-static int trainer_init(trainer *t, const opts *o, step_mode mode, const corpus *c, run_out *r) {
-    int64_t BT = (int64_t)o->batch * o->ctx;
-    memset(t, 0, sizeof *t);
-    t->o = o;
-    t->c = c;
-    t->mode = mode;
-    t->tag = mode_tag(mode);
-    t->r = r;
-    t->rng = o->seed;
+/* The run's buffers, its model from the seed, AdamW and stepper
+ * (train_def's init). */
+static int lm_init(train_run *r) {
+    lm_run *t = (lm_run *)r;
+    const opts *o = r->def->opts;
+    const corpus *c = r->def->data;
+    int64_t BT = (int64_t)o->f.batch * o->ctx;
     t->x = malloc((size_t)BT * sizeof *t->x);
     t->y = malloc((size_t)BT * sizeof *t->y);
-    memset(r, 0, sizeof *r);
-    r->loss = calloc((size_t)o->steps, sizeof *r->loss);
-    r->val = malloc((size_t)o->steps * sizeof *r->val);
-    if (!t->x || !t->y || !r->loss || !r->val) {
-        fprintf(stderr, "train_charlm: out of memory\n");
+    t->val = malloc((size_t)o->steps * sizeof *t->val);
+    if (!t->x || !t->y || !t->val) {
+        fprintf(stderr, PROG ": out of memory\n");
         return 1;
     }
     for (int64_t s = 0; s < o->steps; s++)
-        r->val[s] = NAN;
-    gj_manual_seed(o->seed);
+        t->val[s] = NAN;
     gj_tensor *params[N_PARAMS];
     if (model_init(&t->m, c->vocab, o->ctx) != 0)
-        goto gj_fail;
+        return -1;
     model_params(&t->m, params);
-    if (!(t->opt = gj_adamw_new(N_PARAMS, params, o->lr, 0.9, 0.999, 1e-8, 0.01)))
-        goto gj_fail;
-    if (stepper_init(&t->st, mode, lm_loss, &t->m, t->opt) != 0)
-        goto gj_fail;
-    return 0;
-gj_fail:
-    fprintf(stderr, "train_charlm (%s): %s\n", t->tag, gj_last_error());
-    return 1;
+    if (!(r->opt = gj_adamw_new(N_PARAMS, params, o->f.lr, 0.9, 0.999, 1e-8, 0.01)))
+        return -1;
+    return stepper_init(&r->st, r->mode, lm_loss, &t->m, r->opt) != 0 ? -1 : 0;
+}
+
+static void lm_free(train_run *r) {
+    lm_run *t = (lm_run *)r;
+    model_free(&t->m);
+    free(t->x);
+    free(t->y);
+    free(t->val);
+    free(t->sample);
 }
 
 /* The context length of training step s: --ctx, or with --vary-ctx a
@@ -651,74 +610,74 @@ static int64_t ctx_at(const opts *o, int64_t s) {
     if (!o->vary_ctx)
         return o->ctx;
     int64_t lo = o->ctx / 4 > 2 ? o->ctx / 4 : 2;
-    uint64_t st = o->seed * 0x9e3779b97f4a7c15ull + (uint64_t)s;
+    uint64_t st = o->f.seed * 0x9e3779b97f4a7c15ull + (uint64_t)s;
     return lo + (int64_t)(splitmix64(&st) % (uint64_t)(o->ctx - lo + 1));
 }
 
-/* Training step s in this trainer's mode, timed (*tm), then the
- * validation loss when s is an evaluation step (not timed). 0, or 1 with a
- * message on stderr. */
-static int trainer_step(trainer *t, int64_t s, step_times *tm) {
-    const opts *o = t->o;
-    run_out *r = t->r;
-    double ts = now_s();
-    int64_t T = ctx_at(o, s), B = o->batch, BT = B * T, xs[2] = {B, T};
-    get_batch(t->c, 0, t->c->n_train, o->batch, (int)T, &t->rng, t->x, t->y);
-    gj_optim_set_lr(t->opt, lr_at(o, s));
-    gj_scope_push();
-    gj_tensor *in[2] = {gj_from_data(GJ_I64, 2, xs, t->x), gj_from_data(GJ_I64, 1, &BT, t->y)};
-    gj_tensor *loss = NULL;
-    int ok = in[0] && in[1] && stepper_run(&t->st, 2, in, &loss, tm) == 0;
-    double lv = ok ? gj_tensor_item(loss) : NAN;
-    gj_scope_pop();
-    if (!ok)
-        goto gj_fail;
-    r->loss[s] = lv;
-    if (step_mode_split(t->mode)) {
-        t->fwd_total += tm->fwd_ms;
-        t->bwd_total += tm->bwd_ms;
-    }
-    t->step_total += tm->step_ms;
-    t->t_train += now_s() - ts;
-    if ((s + 1) % EVAL_EVERY == 0 || s + 1 == o->steps) {
-        r->val[s] = evaluate(&t->m, t->c, o, t->x, t->y);
-        if (!isfinite(r->val[s]))
-            goto gj_fail;
-    }
+/* Step r->step's batch: --batch windows of ctx_at characters at random
+ * offsets of the training text, inputs [B, T] and targets [B*T], i64. */
+static int lm_batch(train_run *r, gj_tensor **in) {
+    lm_run *t = (lm_run *)r;
+    const opts *o = r->def->opts;
+    const corpus *c = r->def->data;
+    int64_t T = ctx_at(o, r->step), B = o->f.batch, BT = B * T, xs[2] = {B, T};
+    get_batch(c, 0, c->n_train, o->f.batch, (int)T, &r->rng, t->x, t->y);
+    in[0] = gj_from_data(GJ_I64, 2, xs, t->x);
+    in[1] = gj_from_data(GJ_I64, 1, &BT, t->y);
     return 0;
-gj_fail:
-    fprintf(stderr, "train_charlm (%s): %s\n", t->tag, gj_last_error());
-    return 1;
 }
 
-/* The run's totals and its sample. 0, or 1. */
-static int trainer_finish(trainer *t) {
-    const opts *o = t->o;
-    run_out *r = t->r;
-    bool split = step_mode_split(t->mode);
-    r->train_s = t->t_train;
-    r->bwd_ms = split ? t->bwd_total / (double)o->steps : NAN;
-    r->fwd_ms = split ? t->fwd_total / (double)o->steps : NAN;
-    r->step_ms = t->step_total / (double)o->steps;
-    r->final_val = r->val[o->steps - 1];
+/* The validation loss after every EVAL_EVERY-th step and the last. */
+static int lm_after_step(train_run *r) {
+    lm_run *t = (lm_run *)r;
+    const opts *o = r->def->opts;
+    int64_t s = r->step - 1;
+    if ((s + 1) % EVAL_EVERY == 0 || s + 1 == o->steps) {
+        t->val[s] = evaluate(&t->m, r->def->data, o, t->x, t->y);
+        if (!isfinite(t->val[s]))
+            return -1;
+    }
+    return 0;
+}
+
+/* After a step that was validated: its line (one run's, or --both's). */
+static void lm_step_report(const train_run *a, const train_run *c) {
+    const train_flags *f = a->def->f;
+    const lm_run *la = (const lm_run *)a, *lc = (const lm_run *)c;
+    int64_t s = a->step - 1, n = a->def->per_epoch;
+    if (isnan(la->val[s]) || f->quiet)
+        return;
+    progress_clear(f, 110);
+    if (!c)
+        printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, %s %.2f ms/step\n",
+               a->tag, (long long)(s + 1), (long long)n, a->loss[s], la->val[s],
+               train_ms_what(a), train_ms(a, s + 1));
+    else
+        printf("[both] step %lld/%lld: validation loss %.4f / %.4f (eager / compiled)\n",
+               (long long)(s + 1), (long long)n, la->val[s], lc->val[s]);
+    fflush(stdout);
+}
+
+/* The loss reached and the sample (train_def's finish). */
+static int lm_finish(train_run *r) {
+    lm_run *t = (lm_run *)r;
+    const opts *o = r->def->opts;
+    t->final_val = t->val[o->steps - 1];
     int64_t tail = o->steps < 20 ? o->steps : 20;
     for (int64_t s = o->steps - tail; s < o->steps; s++)
-        r->final_train += r->loss[s] / (double)tail;
-    if (o->sample > 0 && !(r->sample = generate(&t->m, t->c, o, o->seed))) {
-        fprintf(stderr, "train_charlm (%s): %s\n", t->tag, gj_last_error());
-        return 1;
-    }
+        t->final_train += r->loss[s] / (double)tail;
+    if (o->sample > 0 && !(t->sample = generate(&t->m, r->def->data, o, o->f.seed)))
+        return -1;
     return 0;
 }
 
 /* ---------------------------------------------------------- checkpoints */
 
-/* A new state dict holding the model's parameters under stable names
- * (references to the live tensors), or NULL with gj_last_error set. */
-static gj_state_dict *model_dict(model *m) {
-    gj_state_dict *sd = gj_state_dict_new();
-    int rc = sd ? 0 : -1;
-    rc = rc || gj_embedding_state_dict_add(&m->tok, sd, "tok_emb");
+/* The model's parameters into sd under stable names (references to the
+ * live tensors): train_def's model_dict. 0 or -1. */
+static int lm_dict(train_run *r, gj_state_dict *sd) {
+    model *m = &((lm_run *)r)->m;
+    int rc = gj_embedding_state_dict_add(&m->tok, sd, "tok_emb");
     rc = rc || gj_embedding_state_dict_add(&m->pos, sd, "pos_emb");
     for (int l = 0; l < N_LAYER; l++) {
         block *b = &m->blk[l];
@@ -734,410 +693,137 @@ static gj_state_dict *model_dict(model *m) {
     }
     rc = rc || gj_layer_norm_state_dict_add(&m->lnf, sd, "ln_f");
     rc = rc || gj_linear_state_dict_add(&m->head, sd, "head");
-    if (rc) {
-        gj_state_dict_free(sd);
-        return NULL;
-    }
-    return sd;
+    return rc ? -1 : 0;
 }
 
-static int add_f64s(gj_state_dict *sd, const char *name, int64_t n, const double *data) {
-    gj_tensor *t = gj_from_data(GJ_F64, 1, &n, data);
-    int rc = t ? gj_state_dict_add(sd, name, t) : -1;
-    gj_release(t);
-    return rc;
-}
-
-/* Saves what the run needs to continue at step s. 0, or 1 with a message. */
-static int trainer_save(trainer *t, const char *path, int64_t s) {
-    const opts *o = t->o;
-    gj_state_dict *sd = model_dict(&t->m);
-    char rng[32];
-    snprintf(rng, sizeof rng, "%" PRIu64, t->rng);
-    int rc = sd ? 0 : -1;
-    rc = rc || gj_optim_state_dict_add(t->opt, sd, "optim");
-    rc = rc || gj_rng_state_dict_add(sd, "rng");
-    rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
-    rc = rc || gj_state_dict_set_metadata(sd, "train.program", "train_charlm");
+/* The run's part of a checkpoint (trainer.h's train_save): its step and
+ * settings, the batch generator, the totals so far, the curves. 0 or -1. */
+static int lm_save(train_run *r, gj_state_dict *sd) {
+    const lm_run *t = (const lm_run *)r;
+    const opts *o = r->def->opts;
+    const corpus *c = r->def->data;
+    int64_t s = r->step;
+    int rc = 0;
     rc = rc || meta_i64(sd, "train.step", s) || meta_i64(sd, "train.steps", o->steps);
-    rc = rc || meta_i64(sd, "train.batch_size", o->batch) || meta_i64(sd, "train.ctx", o->ctx);
-    rc = rc || meta_i64(sd, "train.seed", (int64_t)o->seed);
-    rc = rc || meta_i64(sd, "train.vocab", t->c->vocab) || meta_i64(sd, "train.chars", t->c->n);
-    rc = rc || gj_state_dict_set_metadata(sd, "train.batch_rng", rng);
-    rc = rc || meta_f64(sd, "train.t_train", t->t_train);
-    rc = rc || meta_f64(sd, "train.bwd_total", t->bwd_total);
-    rc = rc || meta_f64(sd, "train.fwd_total", t->fwd_total);
-    rc = rc || meta_f64(sd, "train.step_total", t->step_total);
-    rc = rc || add_f64s(sd, "train.loss", s, t->r->loss);
-    rc = rc || add_f64s(sd, "train.val", s, t->r->val);
-    rc = rc || gj_save_safetensors(sd, path);
-    gj_state_dict_free(sd);
-    if (rc) {
-        fprintf(stderr, "train_charlm: saving %s: %s\n", path, gj_last_error());
-        return 1;
-    }
-    return 0;
+    rc = rc || meta_i64(sd, "train.batch_size", o->f.batch) || meta_i64(sd, "train.ctx", o->ctx);
+    rc = rc || meta_i64(sd, "train.seed", (int64_t)o->f.seed);
+    rc = rc || meta_i64(sd, "train.vocab", c->vocab) || meta_i64(sd, "train.chars", c->n);
+    rc = rc || meta_u64(sd, "train.batch_rng", r->rng);
+    rc = rc || meta_f64(sd, "train.t_train", r->train_s);
+    rc = rc || meta_f64(sd, "train.bwd_total", r->bwd_total);
+    rc = rc || meta_f64(sd, "train.fwd_total", r->fwd_total);
+    rc = rc || meta_f64(sd, "train.step_total", r->step_total);
+    rc = rc || ckpt_add_array(sd, "train.loss", GJ_F64, s, r->loss);
+    rc = rc || ckpt_add_array(sd, "train.val", GJ_F64, s, t->val);
+    return rc ? -1 : 0;
 }
 
-/* Metadata key as an integer that must equal want (want < 0: any >= 0). */
-static int get_i64(const gj_state_dict *sd, const char *path, const char *key, int64_t want,
-                   int64_t *out) {
-    const char *v = gj_state_dict_get_metadata(sd, key);
-    char *end = NULL;
-    errno = 0;
-    long long x = v ? strtoll(v, &end, 10) : -1;
-    if (!v || !*v || *end || errno || x < 0 || (want >= 0 && x != want)) {
-        if (want >= 0)
-            fprintf(stderr, "train_charlm: %s: %s is %s, this run has %lld (resume with the "
-                            "same --steps/--epochs, --batch, --ctx, --seed and text)\n",
-                    path, key, v ? v : "absent", (long long)want);
-        else
-            fprintf(stderr, "train_charlm: %s: %s is %s\n", path, key, v ? v : "absent");
-        return -1;
-    }
-    if (out)
-        *out = x;
-    return 0;
-}
-
-static int get_f64(const gj_state_dict *sd, const char *path, const char *key, double *out) {
-    const char *v = gj_state_dict_get_metadata(sd, key);
-    char *end = NULL;
-    *out = v ? strtod(v, &end) : NAN;
-    if (!v || !*v || *end) {
-        fprintf(stderr, "train_charlm: %s: %s is %s, expected a number\n", path, key,
-                v ? v : "absent");
-        return -1;
-    }
-    return 0;
-}
-
-static int get_f64s(const gj_state_dict *sd, const char *path, const char *name, int64_t n,
-                    double *out) {
-    gj_tensor *t = gj_state_dict_get(sd, name);
-    if (!t || gj_tensor_dtype(t) != GJ_F64 || gj_tensor_ndim(t) != 1 || gj_tensor_numel(t) != n) {
-        fprintf(stderr, "train_charlm: %s: %s must be a 1-d f64 tensor of %lld elements\n", path,
-                name, (long long)n);
-        return -1;
-    }
-    if (n > 0)
-        memcpy(out, gj_tensor_data(t), (size_t)n * sizeof *out);
-    return 0;
-}
-
-/* Restores t (fresh from trainer_init) from a file of trainer_save; *start
- * receives the step to continue from. 0, or 1 with a message. */
-static int trainer_resume(trainer *t, const char *path, int64_t *start) {
-    const opts *o = t->o;
-    gj_state_dict *f = gj_load_safetensors(path), *m = f ? model_dict(&t->m) : NULL;
-    int rc = 1;
+/* Reads lm_save's part back into a fresh run (trainer.h's train_resume),
+ * checking it against this run's settings: at step s, the run's one epoch
+ * begun at batch s. 0, or 1 with a message. */
+static int lm_resume(train_run *r, ckpt_reader *rd, const char *path) {
+    lm_run *t = (lm_run *)r;
+    const opts *o = r->def->opts;
+    const corpus *c = r->def->data;
     int64_t s;
-    if (!f || !m)
-        goto gj_fail;
-    if (get_i64(f, path, "train.steps", o->steps, NULL) ||
-        get_i64(f, path, "train.batch_size", o->batch, NULL) ||
-        get_i64(f, path, "train.ctx", o->ctx, NULL) ||
-        get_i64(f, path, "train.vocab", t->c->vocab, NULL) ||
-        get_i64(f, path, "train.chars", t->c->n, NULL) || get_i64(f, path, "train.step", -1, &s))
-        goto done;
-    const char *sv = gj_state_dict_get_metadata(f, "train.seed"), *rs =
-        gj_state_dict_get_metadata(f, "train.batch_rng");
-    char *end = NULL, *end2 = NULL;
-    uint64_t seed = sv ? strtoull(sv, &end, 10) : 0, rng = rs ? strtoull(rs, &end2, 10) : 0;
-    if (!sv || *end || seed != o->seed || !rs || !*rs || *end2 || s > o->steps) {
-        fprintf(stderr, "train_charlm: %s: seed %s (this run %llu), batch rng %s, step %lld of "
-                        "%lld\n",
-                path, sv ? sv : "absent", (unsigned long long)o->seed, rs ? rs : "absent",
-                (long long)s, (long long)o->steps);
-        goto done;
-    }
-    if (get_f64(f, path, "train.t_train", &t->t_train) ||
-        get_f64(f, path, "train.bwd_total", &t->bwd_total) ||
-        get_f64(f, path, "train.fwd_total", &t->fwd_total) ||
-        /* absent from checkpoints of older versions */
-        (gj_state_dict_get_metadata(f, "train.step_total") &&
-         get_f64(f, path, "train.step_total", &t->step_total)) ||
-        get_f64s(f, path, "train.loss", s, t->r->loss) || get_f64s(f, path, "train.val", s, t->r->val))
-        goto done;
-    if (gj_state_dict_copy_into(m, f, false) != 0 ||
-        gj_optim_load_state_dict(t->opt, f, "optim") != 0 || gj_rng_load_state_dict(f, "rng") != 0)
-        goto gj_fail;
-    t->rng = rng;
-    *start = s;
-    if (!o->quiet)
-        printf("[%s] resumed from %s at step %lld of %lld\n", t->tag, path, (long long)s,
-               (long long)o->steps);
-    rc = 0;
-    goto done;
-gj_fail:
-    fprintf(stderr, "train_charlm: resuming from %s: %s\n", path, gj_last_error());
-done:
-    gj_state_dict_free(m);
-    gj_state_dict_free(f);
-    return rc;
-}
-
-/* The run stops before step s: saves if --save was given. Returns 130 (the
- * status of a SIGINT'ed program), or 1 if saving failed. */
-static int trainer_stop(trainer *t, int64_t s) {
-    const opts *o = t->o;
-    if (o->tty && !o->quiet)
-        printf("\n");
-    const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
-    gj_ca_stats c; /* what the run compiled or found in the caches so far */
-    if (t->mode == STEP_SPLIT_CA) {
-        gj_compiled_autograd_stats(&c);
-        print_ca(t->tag, &c);
-    } else if (t->mode == STEP_COMPILED) {
-        gj_step_stats(&c);
-        print_step(t->tag, &c);
-    }
-    if (!o->save) {
-        printf("[%s] %s at step %lld; no --save FILE given, nothing saved\n", t->tag, why,
-               (long long)s);
-        return 130;
-    }
-    if (trainer_save(t, o->save, s) != 0)
+    uint64_t rng;
+    rd->same = "--steps/--epochs, --batch, --ctx, --seed and text";
+    snprintf(rd->where, sizeof rd->where, PROG ": %s", path);
+    if (ckpt_same(rd, "train.steps", o->steps, NULL) ||
+        ckpt_same(rd, "train.batch_size", o->f.batch, NULL) ||
+        ckpt_same(rd, "train.ctx", o->ctx, NULL) || ckpt_same(rd, "train.vocab", c->vocab, NULL) ||
+        ckpt_same(rd, "train.chars", c->n, NULL) || ckpt_same(rd, "train.step", -1, &s))
         return 1;
-    printf("[%s] %s at step %lld: saved %s (continue with --resume %s)\n", t->tag, why,
-           (long long)s, o->save, o->save);
-    return 130;
-}
-
-/* One training run in the given mode (resumed from o->resume if given);
- * fills r. 0, 130 if it stopped early (SIGINT, --stop-after; saved to
- * o->save if given), or 1 with a message. */
-static int train(const opts *o, step_mode mode, const corpus *c, run_out *r) {
-    trainer t;
-    int rc = 1;
-    int64_t start = 0;
-    bool split = step_mode_split(mode);
-    gj_compiled_autograd_reset_stats();
-    gj_step_reset_stats();
-    if (trainer_init(&t, o, mode, c, r) != 0)
-        goto done;
-    if (o->resume && trainer_resume(&t, o->resume, &start) != 0)
-        goto done;
-    for (int64_t s = start; s < o->steps; s++) {
-        step_times tm;
-        /* A step boundary: the place to stop and save. */
-        if (g_interrupted || (o->stop_after > 0 && s - start == o->stop_after)) {
-            rc = trainer_stop(&t, s);
-            goto done;
-        }
-        if (trainer_step(&t, s, &tm) != 0)
-            goto done;
-        /* the backward (split modes) or the whole step, mean ms so far */
-        double ms = (split ? t.bwd_total : t.step_total) / (double)(s + 1);
-        if (progress_due(o->quiet, o->tty, 5, s, o->steps)) {
-            char bar[BAR_W + 1];
-            progress_bar(bar, s, o->steps);
-            printf("%s[%s] [%s] step %lld/%lld loss %.4f  %.0f examples/s  %s %.2f ms%s",
-                   o->tty ? "\r" : "", t.tag, bar, (long long)(s + 1), (long long)o->steps,
-                   r->loss[s], (double)((s + 1) * o->batch) / t.t_train,
-                   split ? "backward" : "step", ms, o->tty ? " " : "\n");
-            fflush(stdout);
-        }
-        if (!isnan(r->val[s]) && !o->quiet) {
-            if (o->tty)
-                printf("\r%*s\r", 110, "");
-            printf("[%s] step %lld/%lld: train loss %.4f, validation loss %.4f, %s %.2f "
-                   "ms/step\n",
-                   t.tag, (long long)(s + 1), (long long)o->steps, r->loss[s], r->val[s],
-                   split ? "backward" : "step", ms);
-            fflush(stdout);
-        }
+    const char *sv = gj_state_dict_get_metadata(rd->sd, "train.seed");
+    char *end = NULL;
+    uint64_t seed = sv ? strtoull(sv, &end, 10) : 0;
+    if (!sv || *end || seed != o->f.seed || meta_get_u64(rd->sd, "train.batch_rng", &rng) != 0 ||
+        s > o->steps) {
+        const char *rs = gj_state_dict_get_metadata(rd->sd, "train.batch_rng");
+        fprintf(stderr, PROG ": %s: seed %s (this run %llu), batch rng %s, step %lld of %lld\n",
+                path, sv ? sv : "absent", (unsigned long long)o->f.seed, rs ? rs : "absent",
+                (long long)s, (long long)o->steps);
+        return 1;
     }
-    gj_compiled_autograd_stats(&r->ca);
-    gj_step_stats(&r->cs);
-    if (o->save) {
-        if (trainer_save(&t, o->save, o->steps) != 0)
-            goto done;
-        if (!o->quiet)
-            printf("[%s] saved %s\n", t.tag, o->save);
-    }
-    rc = trainer_finish(&t);
-done:
-    trainer_free(&t);
-    return rc;
-}
-
-/* --both: eager and compiled runs from the same seed, one step each in turn
- * (ABBA: eager first on even steps), so both meet the same machine state.
- * With compiled autograd both runs are split (STEP_SPLIT, STEP_SPLIT_CA):
- * q[0..2] / fq[0..2] receive the quartiles of the per-step backward /
- * forward ratios eager / compiled; with --compiled-step they are gj_step's
- * (STEP_EAGER, STEP_COMPILED) and q receives the whole step's (fq NaN). 0,
- * or 1 with a message. */
-static int train_both(const opts *o, const corpus *c, run_out *a, run_out *b, double *q,
-                      double *fq) {
-    trainer te, tc;
-    int rc = 1;
-    bool ia = false, ic = false, cs = o->compiled_step;
-    double *br = malloc((size_t)o->steps * sizeof *br), *fr = malloc((size_t)o->steps * sizeof *fr);
-    gj_compiled_autograd_reset_stats();
-    gj_step_reset_stats();
-    if (!br || !fr) {
-        fprintf(stderr, "train_charlm: out of memory\n");
-        goto done;
-    }
-    if (trainer_init(&te, o, cs ? STEP_EAGER : STEP_SPLIT, c, a) != 0)
-        goto done;
-    ia = true;
-    if (trainer_init(&tc, o, cs ? STEP_COMPILED : STEP_SPLIT_CA, c, b) != 0)
-        goto done;
-    ic = true;
-    for (int64_t s = 0; s < o->steps; s++) {
-        step_times me, mc;
-        int err = s % 2 ? trainer_step(&tc, s, &mc) || trainer_step(&te, s, &me)
-                        : trainer_step(&te, s, &me) || trainer_step(&tc, s, &mc);
-        if (err)
-            goto done;
-        br[s] = cs ? me.step_ms / mc.step_ms : me.bwd_ms / mc.bwd_ms;
-        fr[s] = me.fwd_ms / mc.fwd_ms;
-        if (progress_due(o->quiet, o->tty, 5, s, o->steps)) {
-            char bar[BAR_W + 1];
-            progress_bar(bar, s, o->steps);
-            printf("%s[both] [%s] step %lld/%lld loss %.4f / %.4f  %s %.2f / %.2f ms "
-                   "(eager / compiled)%s",
-                   o->tty ? "\r" : "", bar, (long long)(s + 1), (long long)o->steps, a->loss[s],
-                   b->loss[s], cs ? "step" : "backward",
-                   (cs ? te.step_total : te.bwd_total) / (double)(s + 1),
-                   (cs ? tc.step_total : tc.bwd_total) / (double)(s + 1), o->tty ? " " : "\n");
-            fflush(stdout);
-        }
-        if (!isnan(a->val[s]) && !o->quiet) {
-            if (o->tty)
-                printf("\r%*s\r", 110, "");
-            printf("[both] step %lld/%lld: validation loss %.4f / %.4f (eager / compiled)\n",
-                   (long long)(s + 1), (long long)o->steps, a->val[s], b->val[s]);
-            fflush(stdout);
-        }
-    }
-    gj_compiled_autograd_stats(&b->ca);
-    gj_step_stats(&b->cs);
-    int64_t n = o->steps;
-    quartiles(br, n, q);
-    quartiles(fr, n, fq);
-    rc = trainer_finish(&te) || trainer_finish(&tc);
-done:
-    free(br);
-    free(fr);
-    if (ia)
-        trainer_free(&te);
-    if (ic)
-        trainer_free(&tc);
-    return rc;
+    if (ckpt_num(rd, "train.t_train", &r->train_s) ||
+        ckpt_num(rd, "train.bwd_total", &r->bwd_total) ||
+        ckpt_num(rd, "train.fwd_total", &r->fwd_total) ||
+        ckpt_num_opt(rd, "train.step_total", &r->step_total) || /* older versions: absent */
+        ckpt_array(rd, "train.loss", GJ_F64, s, r->loss) ||
+        ckpt_array(rd, "train.val", GJ_F64, s, t->val))
+        return 1;
+    r->rng = rng;
+    r->step = r->batch = s;
+    r->begun = true;
+    return 0;
 }
 
 /* ---------------------------------------------------------------- main */
 
 /* The options (examples/args.h). 0, 1 (--help/--version printed) or -1. */
 static int parse_opts(int argc, char **argv, opts *o) {
-    *o = (opts){.steps = 300,
-                .batch = 16,
+    *o = (opts){.f = {.batch = 16,
+                      .lr = 6e-3,
+                      .seed = 42,
+                      .csv = "charlm_loss.csv",
+                      .png = "charlm_loss.png"},
+                .steps = 300,
                 .ctx = 64,
-                .lr = 6e-3,
-                .seed = 42,
                 .sample = 400,
-                .temperature = 0.8,
-                .csv = "charlm_loss.csv",
-                .png = "charlm_loss.png"};
+                .temperature = 0.8};
+    train_flags *f = &o->f;
     bool steps_given = false;
     arg_spec specs[] = {
-        ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
-        ARG_OPT("compiled-step", ARG_FLAG, &o->compiled_step, 0, 0,
-                "run the whole step (forward, backward, AdamW update) as one compiled program"),
-        ARG_OPT("both", ARG_FLAG, &o->both, 0, 0,
+        TRAIN_ARG_COMPILED(f),
+        ARG_OPT("both", ARG_FLAG, &f->both, 0, 0,
                 "train eager and compiled side by side (steps in turn, ABBA), paired ratios: "
                 "compiled autograd's forward and backward, or with --compiled-step the whole "
                 "step"),
         ARG_OPT("steps", ARG_I64, &o->steps, 1, 10000000, "training steps"),
-        ARG_OPT("epochs", ARG_INT, &o->epochs, 1, 10000,
+        ARG_OPT("epochs", ARG_INT, &f->epochs, 1, 10000,
                 "epochs over the text instead of --steps (0: use --steps)"),
-        ARG_OPT("batch", ARG_INT, &o->batch, 1, 4096, "sequences per batch"),
+        ARG_OPT("batch", ARG_INT, &f->batch, 1, 4096, "sequences per batch"),
         ARG_OPT("ctx", ARG_INT, &o->ctx, 2, 1024, "context length (characters)"),
         ARG_OPT("vary-ctx", ARG_FLAG, &o->vary_ctx, 0, 0,
                 "draw each training step's context length in [ctx/4, ctx]"),
-        ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
-        ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "seed of the weights and the batches"),
-        ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
-        ARG_OPT("quiet", ARG_FLAG, &o->quiet, 0, 0, "no per-step progress"),
+        TRAIN_ARG_LR(f),
+        ARG_OPT("seed", ARG_U64, &f->seed, 0, 0, "seed of the weights and the batches"),
+        TRAIN_ARG_THREADS(f),
+        TRAIN_ARG_QUIET(f),
         {.name = "text", .kind = ARG_STRS, .dst = (void *)o->texts, .count = &o->n_texts,
          .max = MAX_TEXTS, .help = "a text file to train on (repeatable; default: the files "
                                    "of " DEFAULT_DIR ")"},
         ARG_OPT("sample", ARG_INT, &o->sample, 0, 100000, "characters sampled at the end"),
         ARG_OPT("temperature", ARG_DOUBLE, &o->temperature, 0, 1e6, "sampling temperature"),
-        ARG_OPT("csv", ARG_FILE, &o->csv, 0, 0, "loss curve as CSV (\"-\": none)"),
-        ARG_OPT("png", ARG_FILE, &o->png, 0, 0, "loss curves as PNG (\"-\": none)"),
-        ARG_OPT("save", ARG_FILE, &o->save, 0, 0,
-                "safetensors checkpoint at the end, on Ctrl-C and at --stop-after"),
-        ARG_OPT("resume", ARG_FILE, &o->resume, 0, 0,
+        TRAIN_ARG_CSV(f),
+        ARG_OPT("png", ARG_FILE, &f->png, 0, 0, "loss curves as PNG (\"-\": none)"),
+        TRAIN_ARG_SAVE(f),
+        ARG_OPT("resume", ARG_FILE, &f->resume, 0, 0,
                 "continue a saved run bit-identically (same settings and --threads)"),
-        ARG_OPT("stop-after", ARG_I64, &o->stop_after, 1, 9e18, "stop (and save) after N steps"),
+        TRAIN_ARG_STOP_AFTER(f),
     };
     specs[3].given = &steps_given;
-    int rc = args_parse("train_charlm",
+    int rc = args_parse(PROG,
                         "Trains a character-level transformer on text files, eager, with "
                         "compiled autograd or with the compiled step, and samples from it.",
                         argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
     if (rc != 0) return rc;
-    if (o->compiled && o->compiled_step) {
-        fprintf(stderr, "train_charlm: --compiled-autograd and --compiled-step are two compiled "
-                        "modes; give one\n");
+    if (train_flags_check(PROG, f) != 0 || train_flags_check_one_run(PROG, f) != 0)
         return -1;
-    }
-    if (o->both && o->compiled) {
-        fprintf(stderr, "train_charlm: --both already runs compiled autograd (--both "
-                        "--compiled-step: the compiled step)\n");
-        return -1;
-    }
-    if (o->both && (o->save || o->resume || o->stop_after)) {
-        fprintf(stderr, "train_charlm: --save, --resume and --stop-after are for one run, not "
-                        "--both\n");
-        return -1;
-    }
-    if (steps_given && o->epochs) {
-        fprintf(stderr, "train_charlm: give --steps or --epochs, not both\n");
-        return -1;
-    }
-    return 0;
-}
-
-/* step,loss,val_loss (or the eager and compiled pairs); empty val where none. */
-static int write_csv(const char *path, const opts *o, const run_out *a, const run_out *b) {
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        fprintf(stderr, "train_charlm: cannot write %s: %s\n", path, strerror(errno));
-        return -1;
-    }
-    fputs(b ? "step,loss_eager,val_loss_eager,loss_compiled,val_loss_compiled\n"
-            : "step,loss,val_loss\n",
-          f);
-    for (int64_t s = 0; s < o->steps; s++) {
-        fprintf(f, "%lld,%.9g,", (long long)s, a->loss[s]);
-        if (isfinite(a->val[s]))
-            fprintf(f, "%.9g", a->val[s]);
-        if (b) {
-            fprintf(f, ",%.9g,", b->loss[s]);
-            if (isfinite(b->val[s]))
-                fprintf(f, "%.9g", b->val[s]);
-        }
-        fputc('\n', f);
-    }
-    if (fclose(f) != 0) {
-        fprintf(stderr, "train_charlm: error writing %s\n", path);
+    if (steps_given && f->epochs) {
+        fprintf(stderr, PROG ": give --steps or --epochs, not both\n");
         return -1;
     }
     return 0;
 }
 
 /* Training loss (moving average, raw faint), validation points and the
- * unigram entropy as a reference line, as a PNG; the runs named na and nb
- * (b may be NULL: one run). */
-static int write_png(const char *path, const opts *o, const run_out *a, const run_out *b,
-                     const char *na, const char *nb, double h_uni) {
-    int64_t n = o->steps;
+ * unigram entropy as a reference line, as a PNG: one run a, or --both's a
+ * and c. */
+static int write_png(const char *path, const train_run *a, const train_run *c, double h_uni) {
+    const lm_run *la = (const lm_run *)a, *lc = (const lm_run *)c;
+    const char *na = c ? "eager" : a->tag, *nb = c ? c->tag : NULL;
+    int64_t n = a->def->per_epoch;
     double *sm[2] = {malloc((size_t)n * sizeof(double)), malloc((size_t)n * sizeof(double))};
     double *vx = malloc((size_t)n * sizeof(double)), *vy[2] = {malloc((size_t)n * sizeof(double)),
                                                                malloc((size_t)n * sizeof(double))};
@@ -1145,11 +831,11 @@ static int write_png(const char *path, const opts *o, const run_out *a, const ru
     plot_img im = {0};
     int rc = -1, nv = 0;
     if (!sm[0] || !sm[1] || !vx || !vy[0] || !vy[1]) {
-        fprintf(stderr, "train_charlm: out of memory plotting\n");
+        fprintf(stderr, PROG ": out of memory plotting\n");
         goto done;
     }
-    for (int k = 0; k < (b ? 2 : 1); k++) {
-        const run_out *r = k ? b : a;
+    for (int k = 0; k < (c ? 2 : 1); k++) {
+        const train_run *r = k ? c : a;
         double acc = 0.0;
         for (int64_t i = 0; i < n; i++) {
             acc += r->loss[i] - (i >= SMOOTH ? r->loss[i - SMOOTH] : 0.0);
@@ -1157,30 +843,30 @@ static int write_png(const char *path, const opts *o, const run_out *a, const ru
         }
     }
     for (int64_t i = 0; i < n; i++)
-        if (isfinite(a->val[i])) {
+        if (isfinite(la->val[i])) {
             vx[nv] = (double)i;
-            vy[0][nv] = a->val[i];
-            vy[1][nv++] = b ? b->val[i] : NAN;
+            vy[0][nv] = la->val[i];
+            vy[1][nv++] = c ? lc->val[i] : NAN;
         }
     if (plot_img_init(&im, 1000, 600) != 0)
         goto done;
     char ta[64], tb[64], va[64], vb[64];
-    snprintf(ta, sizeof ta, b ? "train, %s" : "train (%s)", na);
+    snprintf(ta, sizeof ta, c ? "train, %s" : "train (%s)", na);
     snprintf(tb, sizeof tb, "train, %s", nb ? nb : "");
-    snprintf(va, sizeof va, b ? "validation, %s" : "validation", na);
+    snprintf(va, sizeof va, c ? "validation, %s" : "validation", na);
     snprintf(vb, sizeof vb, "validation, %s", nb ? nb : "");
     plot_series s[6] = {
         {NULL, NULL, a->loss, (int)n, 0xd9d9d9u, 1, 0},
         {"unigram entropy", hx, hy, 2, 0x31a354u, 2, 0},
-        {ta, NULL, sm[0], (int)n, b ? 0x9ecae1u : 0x08519cu, b ? 5 : 2, 0},
+        {ta, NULL, sm[0], (int)n, c ? 0x9ecae1u : 0x08519cu, c ? 5 : 2, 0},
         {tb, NULL, sm[1], (int)n, 0x08519cu, 1, 0},
-        {va, vx, vy[0], nv, 0xfd8d3cu, b ? 5 : 2, b ? 13 : 9},
+        {va, vx, vy[0], nv, 0xfd8d3cu, c ? 5 : 2, c ? 13 : 9},
         {vb, vx, vy[1], nv, 0xa63603u, 1, 7},
     };
     plot_series list[6];
     int ns = 0;
     for (int k = 0; k < 6; k++)
-        if (b || (k != 3 && k != 5))
+        if (c || (k != 3 && k != 5))
             list[ns++] = s[k];
     char title[200];
     snprintf(title, sizeof title, "char-level transformer: loss (nats/char, %d-step average; "
@@ -1197,132 +883,112 @@ done:
     return rc;
 }
 
-static void print_result(const char *tag, const run_out *r, double h_uni, const opts *o) {
+static void print_result(const char *tag, const train_run *r, double h_uni) {
+    const lm_run *t = (const lm_run *)r;
+    const opts *o = r->def->opts;
     printf("[%s] loss reached: train %.4f (mean of the last 20 steps), validation %.4f "
            "nats/char (%.3f bits); unigram entropy %.4f nats; %.1f s for %lld steps, ",
-           tag, r->final_train, r->final_val, r->final_val / log(2.0), h_uni, r->train_s,
+           tag, t->final_train, t->final_val, t->final_val / log(2.0), h_uni, r->epoch_s[0],
            (long long)o->steps);
-    if (isnan(r->bwd_ms)) /* gj_step's modes time the whole step */
-        printf("step %.2f ms\n", r->step_ms);
+    if (isnan(r->bwd_ms[0])) /* gj_step's modes time the whole step */
+        printf("step %.2f ms\n", r->step_ms[0]);
     else
-        printf("forward %.2f ms, backward %.2f ms per step\n", r->fwd_ms, r->bwd_ms);
-    if (r->sample)
+        printf("forward %.2f ms, backward %.2f ms per step\n", r->fwd_ms[0], r->bwd_ms[0]);
+    if (t->sample)
         printf("[%s] sample (temperature %.2f):\n----\n%s\n----\n", tag, o->temperature,
-               r->sample);
+               t->sample);
 }
 
-int main(int argc, char **argv) {
-    opts o;
-    int prc = parse_opts(argc, argv, &o);
-    if (prc != 0) return prc > 0 ? 0 : 2;
-    o.tty = isatty(STDOUT_FILENO) != 0;
-    /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag
-     * (read here, before this program sets the flag itself). */
-    if (!o.both && !o.compiled && !o.compiled_step && gj_compiled_autograd_enabled())
-        o.compiled = true;
-    step_mode mode = o.compiled ? STEP_SPLIT_CA : o.compiled_step ? STEP_COMPILED : STEP_EAGER;
-    corpus c;
-    int rc = corpus_load(o.texts, o.n_texts, &c);
-    if (rc != 0)
-        return rc;
-    if (c.n - c.n_train <= o.ctx + 1 || c.n_train <= o.ctx + 1) {
-        fprintf(stderr, "train_charlm: --ctx %d is too long for %lld characters of text\n", o.ctx,
-                (long long)c.n);
-        free(c.ids);
-        return 2;
-    }
-    int64_t per_epoch = c.n_train / ((int64_t)o.batch * o.ctx);
-    if (per_epoch < 1)
-        per_epoch = 1;
-    if (o.epochs)
-        o.steps = per_epoch * o.epochs;
-    double h_uni = unigram_entropy(&c);
-
-    gj_set_num_threads(o.threads);
-    gj_info info;
-    gj_get_info(&info);
-    if (!o.quiet)
-        printf("gradjit %s, %d threads, BLAS %s | text: %d files, %lld chars (%lld train, %lld "
-               "validation), vocabulary %d | %d blocks, C %d, %d heads, ctx %d, batch %d, %lld "
-               "steps (%.2f epochs), AdamW lr %g, seed %llu | unigram entropy %.4f nats\n",
-               info.version, info.num_threads, info.blas_core ? info.blas_core : "?",
-               c.n_files, (long long)c.n, (long long)c.n_train, (long long)(c.n - c.n_train),
-               c.vocab, N_LAYER, N_EMBD, N_HEAD, o.ctx, o.batch, (long long)o.steps,
-               (double)o.steps / (double)per_epoch, o.lr, (unsigned long long)o.seed, h_uni);
-
-    run_out a = {0}, b = {0};
-    rc = 1;
-    if (!o.both) {
-        /* Ctrl-C: finish the step, save (--save), exit 130; a second one kills. */
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_sigint;
-        sa.sa_flags = SA_RESETHAND;
-        sigemptyset(&sa.sa_mask);
-        sigaction(SIGINT, &sa, NULL);
-        rc = train(&o, mode, &c, &a);
-        if (rc != 0)
-            goto out;
-        rc = 1;
-        if (mode == STEP_SPLIT_CA)
-            print_ca("compiled", &a.ca);
-        if (mode == STEP_COMPILED)
-            print_step("compiled step", &a.cs);
-        print_result(mode_tag(mode), &a, h_uni, &o);
-        if (o.csv && write_csv(o.csv, &o, &a, NULL) != 0)
-            goto out;
-        if (o.png && write_png(o.png, &o, &a, NULL, mode_tag(mode), NULL, h_uni) != 0)
-            goto out;
+/* The results (train_def's report): the counters, or --both's table with
+ * the paired ratios and whether the two runs agree; the loss reached and
+ * the sample; the files. */
+static int lm_report(const train_run *a, const train_run *b, double (*q3)[3], double (*fq3)[3]) {
+    const opts *o = a->def->opts;
+    const lm_run *la = (const lm_run *)a, *lb = (const lm_run *)b;
+    double h_uni = unigram_entropy(a->def->data);
+    if (!b) {
+        print_counters(a->mode, &a->ca, &a->cs);
+        print_result(a->tag, a, h_uni);
     } else {
-        double q[3], fq[3];
-        if (train_both(&o, &c, &a, &b, q, fq) != 0)
-            goto out;
-        bool cs = o.compiled_step;
-        const char *cname = cs ? "compiled step" : "compiled";
-        if (cs) {
+        const double *q = q3[0], *fq = fq3[0]; /* the run's one epoch */
+        const char *cname = b->tag;
+        if (b->mode == STEP_COMPILED) {
             printf("\n%-13s %11s %11s %13s %9s\n", "mode", "train loss", "val loss", "step ms",
                    "seconds");
-            printf("%-13s %11.4f %11.4f %13.2f %9.1f\n", "eager", a.final_train, a.final_val,
-                   a.step_ms, a.train_s);
-            printf("%-13s %11.4f %11.4f %13.2f %9.1f\n", cname, b.final_train, b.final_val,
-                   b.step_ms, b.train_s);
+            printf("%-13s %11.4f %11.4f %13.2f %9.1f\n", "eager", la->final_train, la->final_val,
+                   a->step_ms[0], a->epoch_s[0]);
+            printf("%-13s %11.4f %11.4f %13.2f %9.1f\n", cname, lb->final_train, lb->final_val,
+                   b->step_ms[0], b->epoch_s[0]);
             printf("steps interleaved ABBA; per-step ratio eager / compiled step, median "
                    "[interquartile range]: whole step (forward, backward, AdamW update) "
                    "%.3fx [%.2f-%.2f]\n",
                    q[1], q[0], q[2]);
-            print_step(cname, &b.cs);
         } else {
             printf("\n%-9s %11s %11s %13s %13s %9s\n", "mode", "train loss", "val loss",
                    "forward ms", "backward ms", "seconds");
-            printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "eager", a.final_train,
-                   a.final_val, a.fwd_ms, a.bwd_ms, a.train_s);
-            printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", cname, b.final_train,
-                   b.final_val, b.fwd_ms, b.bwd_ms, b.train_s);
+            printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", "eager", la->final_train,
+                   la->final_val, a->fwd_ms[0], a->bwd_ms[0], a->epoch_s[0]);
+            printf("%-9s %11.4f %11.4f %13.2f %13.2f %9.1f\n", cname, lb->final_train,
+                   lb->final_val, b->fwd_ms[0], b->bwd_ms[0], b->epoch_s[0]);
             printf("steps interleaved ABBA; per-step ratio eager / compiled, median "
                    "[interquartile range]: backward %.3fx [%.2f-%.2f], forward %.3fx "
                    "[%.2f-%.2f]\n",
                    q[1], q[0], q[2], fq[1], fq[0], fq[2]);
-            print_ca(cname, &b.ca);
         }
-        print_curves(cs ? "eager vs compiled step" : "eager vs compiled autograd", a.loss,
-                     b.loss, o.steps);
-        print_result("eager", &a, h_uni, &o);
-        if (b.sample && a.sample && !strcmp(a.sample, b.sample))
+        print_counters(b->mode, &b->ca, &b->cs);
+        print_pair_curves(a, b);
+        print_result("eager", a, h_uni);
+        if (lb->sample && la->sample && !strcmp(la->sample, lb->sample))
             printf("[%s] sample: identical to the eager sample\n", cname);
         else
-            print_result(cname, &b, h_uni, &o);
-        if (o.csv && write_csv(o.csv, &o, &a, &b) != 0)
-            goto out;
-        if (o.png && write_png(o.png, &o, &a, &b, "eager", cname, h_uni) != 0)
-            goto out;
+            print_result(cname, b, h_uni);
     }
-    if (!o.quiet && (o.csv || o.png))
-        printf("wrote%s%s%s%s\n", o.csv ? " " : "", o.csv ? o.csv : "", o.png ? " " : "",
-               o.png ? o.png : "");
-    rc = 0;
-out:
-    run_out_free(&a);
-    run_out_free(&b);
+    if (o->f.csv && write_loss_csv(o->f.csv, a, b, la->val, b ? lb->val : NULL) != 0)
+        return 1;
+    if (o->f.png && write_png(o->f.png, a, b, h_uni) != 0)
+        return 1;
+    print_wrote(&o->f);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    step_mode mode;
+    int rc = train_start(parse_opts(argc, argv, &o), &o.f, &mode);
+    if (rc >= 0) return rc;
+    corpus c;
+    rc = corpus_load(o.texts, o.n_texts, &c);
+    if (rc != 0)
+        return rc;
+    if (c.n - c.n_train <= o.ctx + 1 || c.n_train <= o.ctx + 1) {
+        fprintf(stderr, PROG ": --ctx %d is too long for %lld characters of text\n", o.ctx,
+                (long long)c.n);
+        free(c.ids);
+        return 2;
+    }
+    int64_t per_epoch = c.n_train / ((int64_t)o.f.batch * o.ctx);
+    if (per_epoch < 1)
+        per_epoch = 1;
+    if (o.f.epochs)
+        o.steps = per_epoch * o.f.epochs;
+    double h_uni = unigram_entropy(&c);
+
+    if (train_banner(&o.f))
+        printf("text: %d files, %lld chars (%lld train, %lld validation), vocabulary %d | %d "
+               "blocks, C %d, %d heads, ctx %d, batch %d, %lld steps (%.2f epochs), AdamW lr "
+               "%g, seed %llu | unigram entropy %.4f nats\n",
+               c.n_files, (long long)c.n, (long long)c.n_train, (long long)(c.n - c.n_train),
+               c.vocab, N_LAYER, N_EMBD, N_HEAD, o.ctx, o.f.batch, (long long)o.steps,
+               (double)o.steps / (double)per_epoch, o.f.lr, (unsigned long long)o.f.seed, h_uni);
+
+    /* the run: one epoch of --steps steps, a progress line every 5 */
+    train_def d = {.prog = PROG, .f = &o.f, .opts = &o, .data = &c, .size = sizeof(lm_run),
+                   .epochs = 1, .per_epoch = o.steps, .every = 5, .init = lm_init,
+                   .free = lm_free, .lr_at = lr_at, .batch = lm_batch,
+                   .after_step = lm_after_step, .step_report = lm_step_report,
+                   .model_dict = lm_dict, .save = lm_save, .resume = lm_resume,
+                   .finish = lm_finish, .report = lm_report};
+    rc = train_main(&d, mode);
     free(c.ids);
     return rc;
 }

@@ -46,6 +46,9 @@
  * gj_backward with compiled autograd and gj_optim_step
  * (--compiled-autograd); the same bits in every mode. The summary adds the
  * median step time after the first and the counters of the compiled mode.
+ * The flags' checks and mode, stopping, and the checkpoint's common part
+ * and metadata helpers are examples/trainer.h's (the loop is llm.c's, so
+ * this program keeps its own).
  *
  * Checkpoints: --save FILE.bin writes llm.c's checkpoint format (llm.c can
  * continue from it); --save FILE.safetensors writes the parameters under
@@ -65,13 +68,13 @@
 #include "args.h"
 #include "common.h"
 #include "gpt2_model.h"
+#include "trainer.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,13 +89,12 @@ typedef struct opts {
     /* making files */
     const char *init_model, *make_tokens[2], *make_tokenizer;
     int layers, channels, heads, vocab, padded_vocab, max_seq;
-    /* training */
-    const char *model, *train, *val, *tokenizer, *save, *resume;
-    int batch, seq, threads, sample;
-    int64_t steps, stop_after;
-    double lr;
-    uint64_t seed;
-    bool compiled, compiled_step, shuffle, sample_given;
+    /* training (f: the modes, --batch, --lr, --seed, --threads, checkpoints) */
+    train_flags f;
+    const char *model, *train, *val, *tokenizer;
+    int seq, sample;
+    int64_t steps;
+    bool shuffle, sample_given;
 } opts;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -111,7 +113,7 @@ static int init_model(const opts *o) {
         cfg.padded_vocab_size = (int)(((int64_t)cfg.vocab_size + 127) / 128 * 128);
     gj_tensor *file[GJ_LLMC_N_PARAMS];
     int64_t n = gj_llmc_num_parameters(&cfg);
-    if (n < 0 || gpt2_init_params(&cfg, o->seed, file) != 0) {
+    if (n < 0 || gpt2_init_params(&cfg, o->f.seed, file) != 0) {
         fprintf(stderr, PROG ": --init-model: %s\n", gj_last_error());
         return 1;
     }
@@ -125,7 +127,7 @@ static int init_model(const opts *o) {
     printf("wrote %s: GPT-2 initialisation (seed %" PRIu64 "), max_seq_len %d, vocab_size %d, "
            "padded_vocab_size %d, num_layers %d, num_heads %d, channels %d: %" PRId64
            " parameters\n",
-           o->init_model, o->seed, cfg.max_seq_len, cfg.vocab_size, cfg.padded_vocab_size,
+           o->init_model, o->f.seed, cfg.max_seq_len, cfg.vocab_size, cfg.padded_vocab_size,
            cfg.num_layers, cfg.num_heads, cfg.channels, n);
     return 0;
 }
@@ -393,58 +395,36 @@ static int run_save(run *r, const char *path) {
     const opts *o = r->o;
     gj_state_dict *sd = run_dict(r);
     int64_t epoch = 0, batch = 0;
-    char rng[32];
-    snprintf(rng, sizeof rng, "%" PRIu64, r->sample_rng);
-    int rc = sd ? 0 : -1, v[6];
+    int v[6];
     cfg_values(&r->m.cfg, v);
-    rc = rc || gj_optim_state_dict_add(r->opt, sd, "optim");
-    rc = rc || gj_rng_state_dict_add(sd, "rng");
-    rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
-    rc = rc || gj_state_dict_set_metadata(sd, "train.program", PROG);
+    int rc = ckpt_add_common(sd, r->opt, PROG);
     for (int k = 0; k < 6; k++)
         rc = rc || meta_i64(sd, cfg_keys[k], v[k]);
     rc = rc || meta_i64(sd, "train.step", r->step);
-    rc = rc || meta_i64(sd, "train.batch_size", o->batch) || meta_i64(sd, "train.seq_len", o->seq);
+    rc = rc || meta_i64(sd, "train.batch_size", o->f.batch);
+    rc = rc || meta_i64(sd, "train.seq_len", o->seq);
     rc = rc || meta_i64(sd, "train.shuffle", o->shuffle);
     rc = rc || gj_llmc_loader_get_position(r->train, &epoch, &batch);
     rc = rc || meta_i64(sd, "train.loader_epoch", epoch) ||
          meta_i64(sd, "train.loader_batch", batch);
-    rc = rc || gj_state_dict_set_metadata(sd, "train.sample_rng", rng);
-    rc = rc || gj_save_safetensors(sd, path);
-    gj_state_dict_free(sd);
-    if (rc) {
-        fprintf(stderr, PROG ": saving %s: %s\n", path, gj_last_error());
-        return 1;
-    }
-    return 0;
+    rc = rc || meta_u64(sd, "train.sample_rng", r->sample_rng);
+    return ckpt_write(sd, rc, path, PROG);
 }
 
-/* Metadata key as an integer (*out), which must equal want unless want <
- * 0. 0, or 1 with a message. */
-static int meta_get(const gj_state_dict *sd, const char *path, const char *key, int64_t want,
-                    int64_t *out) {
-    const char *v = gj_state_dict_get_metadata(sd, key);
-    char *end = NULL;
-    errno = 0;
-    long long x = v ? strtoll(v, &end, 10) : -1;
-    if (!v || !*v || *end || errno || x < 0 || (want >= 0 && x != want)) {
-        fprintf(stderr, PROG ": --resume %s: %s is %s%s", path, key, v ? v : "absent",
-                want >= 0 ? "" : "\n");
-        if (want >= 0)
-            fprintf(stderr, ", this run has %lld (resume with the same model, --batch, --seq "
-                            "and --shuffle)\n", (long long)want);
-        return 1;
-    }
-    if (out)
-        *out = x;
-    return 0;
+/* Reads back a gradjit checkpoint of --resume path: its complaints name
+ * the file and the settings to resume with. */
+static void resume_reader(ckpt_reader *rd, const gj_state_dict *sd, const char *path) {
+    *rd = (ckpt_reader){.sd = sd, .same = "model, --batch, --seq and --shuffle"};
+    snprintf(rd->where, sizeof rd->where, PROG ": --resume %s", path);
 }
 
 /* The model configuration stored in a gradjit checkpoint. 0 or 1. */
 static int resume_config(const gj_state_dict *sd, const char *path, gj_llmc_config *c) {
     int64_t v[6];
+    ckpt_reader rd;
+    resume_reader(&rd, sd, path);
     for (int k = 0; k < 6; k++)
-        if (meta_get(sd, path, cfg_keys[k], -1, &v[k]) || v[k] > INT32_MAX)
+        if (ckpt_same(&rd, cfg_keys[k], -1, &v[k]) || v[k] > INT32_MAX)
             return 1;
     *c = (gj_llmc_config){.max_seq_len = (int)v[0], .vocab_size = (int)v[1],
                           .num_layers = (int)v[2], .num_heads = (int)v[3],
@@ -458,31 +438,29 @@ static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
     const opts *o = r->o;
     int v[6];
     int64_t step, epoch, batch;
+    uint64_t rng;
+    ckpt_reader rd;
+    resume_reader(&rd, sd, path);
     cfg_values(&r->m.cfg, v);
     for (int k = 0; k < 6; k++)
-        if (meta_get(sd, path, cfg_keys[k], v[k], NULL))
+        if (ckpt_same(&rd, cfg_keys[k], v[k], NULL))
             return 1;
-    if (meta_get(sd, path, "train.batch_size", o->batch, NULL) ||
-        meta_get(sd, path, "train.seq_len", o->seq, NULL) ||
-        meta_get(sd, path, "train.shuffle", o->shuffle, NULL) ||
-        meta_get(sd, path, "train.step", -1, &step) ||
-        meta_get(sd, path, "train.loader_epoch", -1, &epoch) ||
-        meta_get(sd, path, "train.loader_batch", -1, &batch))
+    if (ckpt_same(&rd, "train.batch_size", o->f.batch, NULL) ||
+        ckpt_same(&rd, "train.seq_len", o->seq, NULL) ||
+        ckpt_same(&rd, "train.shuffle", o->shuffle, NULL) ||
+        ckpt_same(&rd, "train.step", -1, &step) ||
+        ckpt_same(&rd, "train.loader_epoch", -1, &epoch) ||
+        ckpt_same(&rd, "train.loader_batch", -1, &batch))
         return 1;
-    const char *rs = gj_state_dict_get_metadata(sd, "train.sample_rng");
-    char *end = NULL;
-    errno = 0;
-    uint64_t rng = rs ? strtoull(rs, &end, 10) : 0;
-    if (!rs || !*rs || *end || errno || step > o->steps) {
+    if (meta_get_u64(sd, "train.sample_rng", &rng) != 0 || errno || step > o->steps) {
+        const char *rs = gj_state_dict_get_metadata(sd, "train.sample_rng");
         fprintf(stderr, PROG ": --resume %s: sampler state %s, step %lld (this run: %lld "
                         "steps)\n", path, rs ? rs : "absent", (long long)step,
                 (long long)o->steps);
         return 1;
     }
     gj_state_dict *m = run_dict(r);
-    int rc = !m || gj_state_dict_copy_into(m, sd, false) != 0 ||
-             gj_optim_load_state_dict(r->opt, sd, "optim") != 0 ||
-             gj_rng_load_state_dict(sd, "rng") != 0 ||
+    int rc = !m || ckpt_load_common(sd, m, r->opt) != 0 ||
              gj_llmc_loader_set_position(r->train, epoch, batch) != 0;
     gj_state_dict_free(m);
     if (rc) {
@@ -497,34 +475,22 @@ static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
 /* The run stops before step r->step (Ctrl-C, --stop-after): saves if
  * --save was given. 130, or 1 if saving failed. */
 static int run_stop(run *r) {
-    const opts *o = r->o;
-    const char *why = g_interrupted ? "interrupted" : "stopped (--stop-after)";
-    if (!o->save) {
-        printf("%s at step %lld; no --save FILE given, nothing saved\n", why,
-               (long long)r->step);
-        return 130;
-    }
-    if (run_save(r, o->save) != 0)
-        return 1;
-    if (ends_with(o->save, ".bin"))
-        printf("%s at step %lld: saved %s (llm.c's format: parameters only)\n", why,
-               (long long)r->step, o->save);
-    else
-        printf("%s at step %lld: saved %s (continue with --resume %s)\n", why,
-               (long long)r->step, o->save, o->save);
-    return 130;
+    const char *save = r->o->f.save;
+    return stop_report(NULL, r->step, save, save && run_save(r, save) != 0,
+                       save && ends_with(save, ".bin") ? "llm.c's format: parameters only"
+                                                       : NULL);
 }
 
 /* Loads everything, prints llm.c's preamble, trains. 0, 130 (stopped and
  * saved) or 1. */
-static int train(const opts *o) {
+static int train(const opts *o, step_mode mode) {
     run r;
     memset(&r, 0, sizeof r);
     r.o = o;
-    r.sample_rng = o->seed;
+    r.sample_rng = o->f.seed;
     int rc = 1;
     gj_state_dict *resume = NULL;
-    if (o->resume && !(resume = gj_load_safetensors(o->resume)))
+    if (o->f.resume && !(resume = gj_load_safetensors(o->f.resume)))
         goto gj_fail;
     if (o->model) {
         if (gpt2_load(&r.m, o->model, GJ_F32) != 0)
@@ -532,7 +498,7 @@ static int train(const opts *o) {
     } else { /* --resume alone: the configuration comes from the checkpoint */
         gj_llmc_config cfg;
         gj_tensor *file[GJ_LLMC_N_PARAMS];
-        if (resume_config(resume, o->resume, &cfg) != 0)
+        if (resume_config(resume, o->f.resume, &cfg) != 0)
             goto done;
         if (gj_llmc_config_check(&cfg) != 0)
             goto gj_fail;
@@ -560,15 +526,15 @@ static int train(const opts *o) {
            "num_heads: %d\nchannels: %d\nnum_parameters: %" PRId64 "\n",
            c->max_seq_len, c->vocab_size, c->padded_vocab_size, c->num_layers, c->num_heads,
            c->channels, gj_llmc_num_parameters(c));
-    if (!(r.train = gj_llmc_loader_new(o->train, o->batch, o->seq, c->vocab_size, o->shuffle)))
+    if (!(r.train = gj_llmc_loader_new(o->train, o->f.batch, o->seq, c->vocab_size, o->shuffle)))
         goto gj_fail;
-    if (o->val && !(r.val = gj_llmc_loader_new(o->val, o->batch, o->seq, c->vocab_size, false)))
+    if (o->val && !(r.val = gj_llmc_loader_new(o->val, o->f.batch, o->seq, c->vocab_size, false)))
         goto gj_fail;
     printf("train dataset num_batches: %" PRId64 "\n",
-           gj_llmc_loader_num_tokens(r.train) / ((int64_t)o->batch * o->seq));
+           gj_llmc_loader_num_tokens(r.train) / ((int64_t)o->f.batch * o->seq));
     if (r.val)
         printf("val dataset num_batches: %" PRId64 "\n",
-               gj_llmc_loader_num_tokens(r.val) / ((int64_t)o->batch * o->seq));
+               gj_llmc_loader_num_tokens(r.val) / ((int64_t)o->f.batch * o->seq));
     if (o->tokenizer && !(r.tok = gj_llmc_tokenizer_load(o->tokenizer)))
         goto gj_fail;
     int64_t eot = r.tok ? gj_llmc_tokenizer_eot(r.tok) : c->vocab_size - 1;
@@ -583,10 +549,9 @@ static int train(const opts *o) {
                 o->seq - 1);
         goto done;
     }
-    r.opt = gj_adamw_new(r.m.n_leaves, r.m.leaf, (float)o->lr, 0.9f, 0.999f, 1e-8f, 0.0f);
+    r.opt = gj_adamw_new(r.m.n_leaves, r.m.leaf, (float)o->f.lr, 0.9f, 0.999f, 1e-8f, 0.0f);
     if (!r.opt)
         goto gj_fail;
-    step_mode mode = o->compiled ? STEP_SPLIT_CA : o->compiled_step ? STEP_COMPILED : STEP_EAGER;
     if (stepper_init(&r.st, mode, gpt2_loss, &r.m, r.opt) != 0)
         goto gj_fail;
     if (!(r.step_ms = calloc((size_t)o->steps, sizeof *r.step_ms))) {
@@ -594,7 +559,7 @@ static int train(const opts *o) {
         goto done;
     }
     if (resume) {
-        if (run_resume(&r, resume, o->resume) != 0)
+        if (run_resume(&r, resume, o->f.resume) != 0)
             goto done;
         gj_state_dict_free(resume);
         resume = NULL;
@@ -606,17 +571,16 @@ static int train(const opts *o) {
            mode == STEP_SPLIT_CA   ? "compiled autograd"
            : mode == STEP_COMPILED ? "compiled step"
                                    : "eager autograd",
-           o->batch, o->seq, o->lr, o->shuffle ? ", shuffled" : "");
-    if (o->resume)
-        printf("resumed from %s at step %lld\n", o->resume, (long long)r.step);
+           o->f.batch, o->seq, o->f.lr, o->shuffle ? ", shuffled" : "");
+    if (o->f.resume)
+        printf("resumed from %s at step %lld\n", o->f.resume, (long long)r.step);
     fflush(stdout);
-    gj_compiled_autograd_reset_stats();
-    gj_step_reset_stats();
+    counters_reset();
     gj_mem_reset_peak();
     int64_t start = r.step;
     for (; r.step < o->steps; r.step++) {
         int64_t s = r.step;
-        if (g_interrupted || (o->stop_after > 0 && s - start == o->stop_after)) {
+        if (stop_due(s - start, o->f.stop_after)) {
             rc = run_stop(&r);
             goto done;
         }
@@ -649,18 +613,13 @@ static int train(const opts *o) {
            "memory %.1f MiB\n",
            (long long)(o->steps - start), r.timed ? r.total_ms / (double)r.timed : NAN, q[1],
            (double)mem.peak_bytes / 1048576.0);
-    gj_ca_stats ca;
-    if (mode == STEP_SPLIT_CA) {
-        gj_compiled_autograd_stats(&ca);
-        print_ca("compiled", &ca);
-    } else if (mode == STEP_COMPILED) {
-        gj_step_stats(&ca);
-        print_step("compiled step", &ca);
-    }
-    if (o->save) {
-        if (run_save(&r, o->save) != 0)
+    gj_ca_stats ca, cs;
+    counters_read(&ca, &cs);
+    print_counters(mode, &ca, &cs);
+    if (o->f.save) {
+        if (run_save(&r, o->f.save) != 0)
             goto done;
-        printf("saved %s\n", o->save);
+        printf("saved %s\n", o->f.save);
     }
     rc = 0;
     goto done;
@@ -678,31 +637,32 @@ done:
 /* The options (examples/args.h). 0, 1 (--help/--version printed) or -1. */
 static int parse_opts(int argc, char **argv, opts *o) {
     *o = (opts){.layers = 12, .channels = 768, .heads = 12, .vocab = 50257, .max_seq = 1024,
-                .batch = 4, .seq = 64, .steps = 41, .lr = 1e-4, .seed = 1337, .sample = 63};
+                .f = {.batch = 4, .lr = 1e-4, .seed = 1337}, .seq = 64, .steps = 41,
+                .sample = 63};
+    train_flags *f = &o->f;
     arg_spec specs[] = {
         ARG_OPT("model", ARG_FILE, &o->model, 0, 0, "llm.c model checkpoint to start from"),
         ARG_OPT("train", ARG_FILE, &o->train, 0, 0, "llm.c token file to train on"),
         ARG_OPT("val", ARG_FILE, &o->val, 0, 0, "llm.c token file: val loss every 10 steps"),
-        ARG_OPT("batch", ARG_INT, &o->batch, 1, 65536, "sequences per batch (B)"),
+        ARG_OPT("batch", ARG_INT, &f->batch, 1, 65536, "sequences per batch (B)"),
         ARG_OPT("seq", ARG_INT, &o->seq, 1, 1 << 20, "tokens per sequence (T)"),
         ARG_OPT("steps", ARG_I64, &o->steps, 1, 1e12, "training steps (llm.c: 0 to 40)"),
-        ARG_OPT("lr", ARG_DOUBLE, &o->lr, 0, 1e6, "AdamW learning rate"),
-        ARG_OPT("compiled-autograd", ARG_FLAG, &o->compiled, 0, 0, "run the backward compiled"),
-        ARG_OPT("compiled-step", ARG_FLAG, &o->compiled_step, 0, 0,
-                "run the whole step (forward, backward, AdamW update) as one compiled program"),
-        ARG_OPT("threads", ARG_INT, &o->threads, 0, 4096, "gradjit threads (0: every CPU)"),
+        TRAIN_ARG_LR(f),
+        TRAIN_ARG_COMPILED(f),
+        TRAIN_ARG_THREADS(f),
         ARG_OPT("shuffle", ARG_FLAG, &o->shuffle, 0, 0,
                 "train batches in llm.c's shuffled order (its train loader's default)"),
         ARG_OPT("sample", ARG_INT, &o->sample, 0, 1 << 20,
                 "tokens generated at steps 20, 40, ... (at most --seq - 1; 0: none)"),
         ARG_OPT("tokenizer", ARG_FILE, &o->tokenizer, 0, 0,
                 "llm.c tokenizer to print samples with (else token ids)"),
-        ARG_OPT("seed", ARG_U64, &o->seed, 0, 0, "sampler seed (llm.c: 1337); --init-model's seed"),
-        ARG_OPT("save", ARG_FILE, &o->save, 0, 0,
+        ARG_OPT("seed", ARG_U64, &f->seed, 0, 0,
+                "sampler seed (llm.c: 1337); --init-model's seed"),
+        ARG_OPT("save", ARG_FILE, &f->save, 0, 0,
                 "checkpoint at the end and on Ctrl-C: FILE.bin (llm.c) or FILE.safetensors"),
-        ARG_OPT("resume", ARG_FILE, &o->resume, 0, 0,
+        ARG_OPT("resume", ARG_FILE, &f->resume, 0, 0,
                 "continue a FILE.safetensors of --save bit-identically"),
-        ARG_OPT("stop-after", ARG_I64, &o->stop_after, 1, 9e18, "stop (and save) after N steps"),
+        TRAIN_ARG_STOP_AFTER(f),
         ARG_OPT("init-model", ARG_FILE, &o->init_model, 0, 0,
                 "write a GPT-2-initialised llm.c checkpoint and exit"),
         ARG_OPT("layers", ARG_INT, &o->layers, 1, 1 << 16, "--init-model: layers (L)"),
@@ -725,31 +685,28 @@ static int parse_opts(int argc, char **argv, opts *o) {
                         argc, argv, specs, (int)(sizeof specs / sizeof specs[0]));
     if (rc != 0)
         return rc;
-    if (o->compiled && o->compiled_step) {
-        fprintf(stderr, PROG ": --compiled-autograd and --compiled-step are two compiled modes; "
-                        "give one\n");
+    if (train_flags_check(PROG, f) != 0)
         return -1;
-    }
     bool making = o->init_model || o->make_tokens[0] || o->make_tokenizer;
-    if (making && (o->model || o->train || o->resume)) {
+    if (making && (o->model || o->train || f->resume)) {
         fprintf(stderr, PROG ": --init-model, --make-tokens and --make-tokenizer write files "
                         "and exit; train in a second command\n");
         return -1;
     }
-    if (!making && (!o->train || (!o->model && !o->resume))) {
+    if (!making && (!o->train || (!o->model && !f->resume))) {
         fprintf(stderr, PROG ": give --model FILE and --train FILE (or --resume FILE and "
                         "--train FILE), or one of --init-model, --make-tokens, "
                         "--make-tokenizer (see --help)\n");
         return -1;
     }
-    if (o->save && !ends_with(o->save, ".bin") && !ends_with(o->save, ".safetensors")) {
+    if (f->save && !ends_with(f->save, ".bin") && !ends_with(f->save, ".safetensors")) {
         fprintf(stderr, PROG ": --save %s: name it FILE.bin (llm.c's format) or "
-                        "FILE.safetensors (with the optimizer state, for --resume)\n", o->save);
+                        "FILE.safetensors (with the optimizer state, for --resume)\n", f->save);
         return -1;
     }
-    if (o->resume && !ends_with(o->resume, ".safetensors")) {
+    if (f->resume && !ends_with(f->resume, ".safetensors")) {
         fprintf(stderr, PROG ": --resume %s: takes a FILE.safetensors of --save; an llm.c "
-                        "checkpoint (.bin) is a --model\n", o->resume);
+                        "checkpoint (.bin) is a --model\n", f->resume);
         return -1;
     }
     return 0;
@@ -770,15 +727,8 @@ int main(int argc, char **argv) {
             rc |= make_tokenizer(o.make_tokenizer);
         return rc;
     }
-    /* GRADJIT_COMPILED_AUTOGRAD=1 selects the compiled mode like the flag. */
-    if (!o.compiled && !o.compiled_step && gj_compiled_autograd_enabled())
-        o.compiled = true;
-    gj_set_num_threads(o.threads);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_sigint;
-    sa.sa_flags = SA_RESETHAND;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    return train(&o);
+    step_mode mode = train_mode(&o.f); /* GRADJIT_COMPILED_AUTOGRAD=1 like the flag */
+    gj_set_num_threads(o.f.threads);
+    catch_sigint();
+    return train(&o, mode);
 }
