@@ -47,137 +47,162 @@ int gj_jit_pl_new_buf(planner *pl, gj_jit_buf_kind kind, int index, gj_dtype dt,
 
 /* ------------------------------------------------------------ driver */
 
-int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap) {
+/* One gj_jit_plan_build, carried from stage to stage: the planner (its
+ * tables, freed by pb_free) and the scratch of the instruction order.
+ * Each stage returns 0, or -1 with why[] set (the plan is then freed by
+ * the driver's one exit). */
+typedef struct building {
     planner pl;
-    memset(&pl, 0, sizeof pl);
-    memset(p, 0, sizeof *p);
-    pl.g = g;
-    pl.p = p;
-    pl.why = why;
-    pl.why_cap = why_cap;
-    pl.last_hook_instr = -1;
-    why[0] = '\0';
-    int rc = -1;
-    int *memo = NULL, *order = NULL;
-    bool *is_placed = NULL;
-    pl.vi = gj_rt_calloc((size_t)g->n_values + 1, sizeof *pl.vi);
+    int *memo, *order;
+    bool *is_placed;
+    int n_live; /* instructions not merged away */
+} building;
+
+/* The plan's tables for the graph's inputs and outputs, the value table
+ * and each value's number of uses. */
+static int pb_tables(building *b) {
+    planner *pl = &b->pl;
+    const gj_jit_graph *g = pl->g;
+    gj_jit_plan *p = pl->p;
+    pl->vi = gj_rt_calloc((size_t)g->n_values + 1, sizeof *pl->vi);
     p->n_inputs = g->n_inputs;
     p->n_outputs = g->n_outputs;
     p->params_buf = -1;
     p->in_meta = gj_rt_calloc((size_t)g->n_inputs + 1, sizeof *p->in_meta);
     p->out_meta = gj_rt_calloc((size_t)g->n_outputs + 1, sizeof *p->out_meta);
     p->out_buf = gj_rt_calloc((size_t)g->n_outputs + 1, sizeof *p->out_buf);
-    if (!pl.vi || !p->in_meta || !p->out_meta || !p->out_buf) {
-        gj_jit_pl_oom(&pl);
-        goto done;
-    }
-    for (int v = 0; v < g->n_values; v++) pl.vi[v].buf = -1;
-    pl.uses = gj_rt_calloc((size_t)g->n_values + 1, sizeof *pl.uses);
-    if (!pl.uses) {
-        gj_jit_pl_oom(&pl);
-        goto done;
-    }
+    if (!pl->vi || !p->in_meta || !p->out_meta || !p->out_buf) return gj_jit_pl_oom(pl);
+    for (int v = 0; v < g->n_values; v++) pl->vi[v].buf = -1;
+    pl->uses = gj_rt_calloc((size_t)g->n_values + 1, sizeof *pl->uses);
+    if (!pl->uses) return gj_jit_pl_oom(pl);
     for (int i = 0; i < g->n_nodes; i++)
-        for (int k = 0; k < g->nodes[i].inst.n_in; k++) pl.uses[g->nodes[i].in[k]]++;
-    for (int o = 0; o < g->n_outputs; o++) pl.uses[g->outputs[o].value]++;
-    for (int k = 0; k < g->n_inputs; k++) { /* read in place, in their recorded layout */
+        for (int k = 0; k < g->nodes[i].inst.n_in; k++) pl->uses[g->nodes[i].in[k]]++;
+    for (int o = 0; o < g->n_outputs; o++) pl->uses[g->outputs[o].value]++;
+    return 0;
+}
+
+/* Graph input k is buffer k, read in place, in its recorded layout. */
+static int pb_inputs(building *b) {
+    planner *pl = &b->pl;
+    const gj_jit_graph *g = pl->g;
+    for (int k = 0; k < g->n_inputs; k++) {
         const gj_rt_meta *m = &g->values[g->inputs[k].value].meta;
         const int64_t *st = g->inputs[k].strides;
-        p->in_meta[k] = *m;
+        pl->p->in_meta[k] = *m;
         int64_t extent = numel_of(m->ndim, m->shape) > 0 ? 1 : 0;
         for (int d = 0; d < m->ndim && extent > 0; d++) extent += (m->shape[d] - 1) * st[d];
-        int b = gj_jit_pl_new_buf(&pl, GJ_JIT_BUF_INPUT, k, m->dtype, extent);
-        if (b != k) {
-            gj_jit_pl_oom(&pl);
-            goto done;
-        }
-        vinfo *x = &pl.vi[g->inputs[k].value];
+        int bi = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_INPUT, k, m->dtype, extent);
+        if (bi != k) return gj_jit_pl_oom(pl);
+        vinfo *x = &pl->vi[g->inputs[k].value];
         x->kind = V_VIEW;
-        x->buf = b;
+        x->buf = bi;
         x->offset = 0;
         memcpy(x->strides, st, sizeof x->strides);
     }
-    for (int i = 0; i < g->n_nodes; i++) {
-        if (gj_jit_pl_node(&pl, i) != 0) {
-            if (!why[0]) gj_jit_pl_oom(&pl);
-            goto done;
+    return 0;
+}
+
+/* Every node planned (plan_nodes.c), then the outputs' buffers. */
+static int pb_nodes(building *b) {
+    planner *pl = &b->pl;
+    for (int i = 0; i < pl->g->n_nodes; i++) {
+        if (gj_jit_pl_node(pl, i) != 0) {
+            if (!pl->why[0]) gj_jit_pl_oom(pl);
+            return -1;
         }
     }
-    if (gj_jit_pl_outputs(&pl) != 0) goto done;
+    return gj_jit_pl_outputs(pl) != 0 ? -1 : 0;
+}
 
-    /* steps: a topological order of the step graph, earliest position first */
-    memo = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *memo);
-    order = gj_rt_malloc((size_t)(pl.n_ps + 1) * sizeof *order);
-    is_placed = gj_rt_calloc((size_t)pl.n_ps + 1, sizeof *is_placed);
-    p->cap_instrs = pl.n_ps + 1;
+/* The order: a topological order of the step graph, earliest position
+ * first, into b->order[0 .. n_live); also allocates the plan's
+ * instructions and the kernels' memo. A cycle is an internal error (the
+ * step graph printed under GRADJIT_LOG=plan). */
+static int pb_order(building *b) {
+    planner *pl = &b->pl;
+    const gj_jit_graph *g = pl->g;
+    gj_jit_plan *p = pl->p;
+    b->memo = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *b->memo);
+    b->order = gj_rt_malloc((size_t)(pl->n_ps + 1) * sizeof *b->order);
+    b->is_placed = gj_rt_calloc((size_t)pl->n_ps + 1, sizeof *b->is_placed);
+    p->cap_instrs = pl->n_ps + 1;
     p->instrs = gj_rt_calloc((size_t)p->cap_instrs, sizeof *p->instrs);
-    if (!memo || !order || !is_placed || !p->instrs) {
-        gj_jit_pl_oom(&pl);
-        goto done;
+    if (!b->memo || !b->order || !b->is_placed || !p->instrs) return gj_jit_pl_oom(pl);
+    bool *is_placed = b->is_placed;
+    b->n_live = 0;
+    for (int c = 0; c < pl->n_ps; c++) {
+        if (pl->ps[c].kind == PS_DEAD) is_placed[c] = true; /* merged away */
+        else b->n_live++;
     }
-    int n_live = 0;
-    for (int c = 0; c < pl.n_ps; c++) {
-        if (pl.ps[c].kind == PS_DEAD) is_placed[c] = true; /* merged away */
-        else n_live++;
-    }
-    for (int t = 0; t < n_live; t++) {
+    for (int t = 0; t < b->n_live; t++) {
         int best = -1;
-        for (int c = 0; c < pl.n_ps; c++) {
+        for (int c = 0; c < pl->n_ps; c++) {
             if (is_placed[c]) continue;
             bool ready = true;
-            for (int k = 0; k < pl.ps[c].n_deps && ready; k++) ready = is_placed[pl.ps[c].deps[k]];
-            if (ready && (best < 0 || pl.ps[c].pos < pl.ps[best].pos)) best = c;
+            for (int k = 0; k < pl->ps[c].n_deps && ready; k++) ready = is_placed[pl->ps[c].deps[k]];
+            if (ready && (best < 0 || pl->ps[c].pos < pl->ps[best].pos)) best = c;
         }
         if (best < 0) {
             if (gj_jit_log_flags() & GJ_JIT_LOG_PLAN)
-                for (int c = 0; c < pl.n_ps; c++) {
-                    fprintf(stderr, "  pinstr %d kind %d idx %d pos %lld%s deps:", c, pl.ps[c].kind,
-                            pl.ps[c].idx, (long long)pl.ps[c].pos, is_placed[c] ? " placed" : "");
-                    for (int k = 0; k < pl.ps[c].n_deps; k++) fprintf(stderr, " %d", pl.ps[c].deps[k]);
+                for (int c = 0; c < pl->n_ps; c++) {
+                    fprintf(stderr, "  pinstr %d kind %d idx %d pos %lld%s deps:", c, pl->ps[c].kind,
+                            pl->ps[c].idx, (long long)pl->ps[c].pos, is_placed[c] ? " placed" : "");
+                    for (int k = 0; k < pl->ps[c].n_deps; k++) fprintf(stderr, " %d", pl->ps[c].deps[k]);
                     fprintf(stderr, "\n");
                 }
-            snprintf(why, why_cap, "internal: the step graph has a cycle");
-            gj_rt_set_error("jit plan: %s", why);
-            goto done;
+            snprintf(pl->why, pl->why_cap, "internal: the step graph has a cycle");
+            gj_rt_set_error("jit plan: %s", pl->why);
+            return -1;
         }
         is_placed[best] = true;
-        order[t] = best;
+        b->order[t] = best;
     }
-    for (int t = 0; t < n_live; t++) {
-        const pinstr *ps = &pl.ps[order[t]];
+    return 0;
+}
+
+/* The plan's instructions in b->order: each planned instruction copied,
+ * each fused group built into its kernel (plan_kernel.c); a kernel left
+ * with nothing to store is dropped. */
+static int pb_instrs(building *b) {
+    planner *pl = &b->pl;
+    const gj_jit_graph *g = pl->g;
+    gj_jit_plan *p = pl->p;
+    for (int t = 0; t < b->n_live; t++) {
+        const pinstr *ps = &pl->ps[b->order[t]];
         if (ps->kind == PS_BARRIER) continue;
         gj_jit_instr *st = &p->instrs[p->n_instrs++];
         st->pos = ps->pos;
         if (ps->kind == PS_MATMUL) {
             st->kind = GJ_JIT_INSTR_MATMUL;
-            st->mm = pl.mms[ps->idx];
+            st->mm = pl->mms[ps->idx];
             continue;
         }
         if (ps->kind == PS_INDEX) {
             st->kind = GJ_JIT_INSTR_INDEX;
-            st->ix = pl.ixs[ps->idx];
+            st->ix = pl->ixs[ps->idx];
             continue;
         }
         if (ps->kind == PS_FOLD) {
             st->kind = GJ_JIT_INSTR_FOLD;
-            st->fd = pl.fds[ps->idx];
+            st->fd = pl->fds[ps->idx];
             continue;
         }
         if (ps->kind == PS_HOOK) {
             st->kind = GJ_JIT_INSTR_HOOK;
-            st->hk = pl.hks[ps->idx];
+            st->hk = pl->hks[ps->idx];
             continue;
         }
         if (ps->kind == PS_CALL) {
             st->kind = GJ_JIT_INSTR_CALL;
-            st->cs = pl.cls[ps->idx];
+            st->cs = pl->cls[ps->idx];
             continue;
         }
         st->kind = GJ_JIT_INSTR_KERNEL;
-        for (int v = 0; v < g->n_values; v++) memo[v] = -1;
-        if (gj_jit_pl_kernel(&pl, ps->idx, &st->k, memo) != 0) {
-            if (!why[0]) snprintf(why, why_cap, "kernel construction failed: %s", gj_last_error());
-            goto done;
+        for (int v = 0; v < g->n_values; v++) b->memo[v] = -1;
+        if (gj_jit_pl_kernel(pl, ps->idx, &st->k, b->memo) != 0) {
+            if (!pl->why[0])
+                snprintf(pl->why, pl->why_cap, "kernel construction failed: %s", gj_last_error());
+            return -1;
         }
         if (st->k.n_st == 0) {
             /* a group whose every value the kernels reading it compute
@@ -190,37 +215,61 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
             p->n_instrs--;
         }
     }
-    if (gj_jit_schedule_order(p) != 0 || gj_jit_schedule_groups(p) != 0) {
-        gj_jit_pl_oom(&pl);
-        goto done;
-    }
+    return 0;
+}
+
+/* The schedule (GEMM pairs), kernel names by position, shared kernels and
+ * the memory plan. */
+static int pb_finish(building *b) {
+    gj_jit_plan *p = b->pl.p;
+    if (gj_jit_schedule_order(p) != 0 || gj_jit_schedule_groups(p) != 0) return gj_jit_pl_oom(&b->pl);
     for (int s = 0; s < p->n_instrs; s++)
         if (p->instrs[s].kind == GJ_JIT_INSTR_KERNEL)
             snprintf(p->instrs[s].k.name, sizeof p->instrs[s].k.name, "k%d", s);
-    if (gj_jit_dedupe_kernels(p) != 0 || gj_jit_plan_memory(p) != 0) {
-        gj_jit_pl_oom(&pl);
-        goto done;
+    if (gj_jit_dedupe_kernels(p) != 0 || gj_jit_plan_memory(p) != 0) return gj_jit_pl_oom(&b->pl);
+    return 0;
+}
+
+/* Frees the planner's tables and the order's scratch (never the plan). */
+static void pb_free(building *b) {
+    planner *pl = &b->pl;
+    for (int gi = 0; gi < pl->n_groups; gi++) {
+        gj_rt_free(pl->groups[gi].nodes);
+        gj_rt_free(pl->groups[gi].recomp);
     }
-    rc = 0;
-done:
-    for (int gi = 0; gi < pl.n_groups; gi++) {
-        gj_rt_free(pl.groups[gi].nodes);
-        gj_rt_free(pl.groups[gi].recomp);
-    }
-    gj_rt_free(pl.groups);
-    gj_rt_free(pl.mms);
-    gj_rt_free(pl.ixs);
-    gj_rt_free(pl.hks);
-    gj_rt_free(pl.cls);
-    gj_rt_free(pl.fds);
-    for (int t = 0; t < pl.n_ps; t++) gj_rt_free(pl.ps[t].deps);
-    gj_rt_free(pl.ps);
-    gj_rt_free(pl.stack);
-    gj_rt_free(pl.vi);
-    gj_rt_free(pl.uses);
-    gj_rt_free(memo);
-    gj_rt_free(order);
-    gj_rt_free(is_placed);
+    gj_rt_free(pl->groups);
+    gj_rt_free(pl->mms);
+    gj_rt_free(pl->ixs);
+    gj_rt_free(pl->hks);
+    gj_rt_free(pl->cls);
+    gj_rt_free(pl->fds);
+    for (int t = 0; t < pl->n_ps; t++) gj_rt_free(pl->ps[t].deps);
+    gj_rt_free(pl->ps);
+    gj_rt_free(pl->stack);
+    gj_rt_free(pl->vi);
+    gj_rt_free(pl->uses);
+    gj_rt_free(b->memo);
+    gj_rt_free(b->order);
+    gj_rt_free(b->is_placed);
+}
+
+int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t why_cap) {
+    building b;
+    memset(&b, 0, sizeof b);
+    memset(p, 0, sizeof *p);
+    b.pl.g = g;
+    b.pl.p = p;
+    b.pl.why = why;
+    b.pl.why_cap = why_cap;
+    b.pl.last_hook_instr = -1;
+    why[0] = '\0';
+    int rc = pb_tables(&b);
+    if (rc == 0) rc = pb_inputs(&b);
+    if (rc == 0) rc = pb_nodes(&b);
+    if (rc == 0) rc = pb_order(&b);
+    if (rc == 0) rc = pb_instrs(&b);
+    if (rc == 0) rc = pb_finish(&b);
+    pb_free(&b);
     if (rc != 0) gj_jit_plan_free(p);
     return rc;
 }
