@@ -121,87 +121,118 @@ static int write_early(void *ctx, int done) {
     return write_outputs_until(hc, hc->pr, hc->w, hc->tensors, true, done);
 }
 
-/* Runs program pr on the tensors of this backward. Returns 0 (gradients
- * written; hc->tripped tells whether a guard tripped after a post hook or a
- * record_stream), 1 (fallback: nothing written, reason in why), 2 (a guard
- * tripped in a tensor hook: nothing written, hooks ran, reason in hc) or -1
- * (error set, nothing written). A gj_grad's program (ret_out non-NULL)
- * writes no .grad: on 0, ret_out[o] receives output o as a new tensor. */
-int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *const *tensors,
-                       char *why, size_t why_cap, gj_jit_runctx *hc, gj_tensor **ret_out) {
-    const gj_jit_plan *p = &pr->plan;
-    int rc = -1;
-    int n_in = pr->n_inputs, n_out = pr->n_outputs;
-    gj_tensor **contig = gj_rt_calloc((size_t)n_in + 1, sizeof *contig);
-    gj_tensor **news = gj_rt_calloc((size_t)n_out + 1, sizeof *news);
-    void **in = gj_rt_calloc((size_t)n_in + 1, sizeof *in);
-    void **out = gj_rt_calloc((size_t)n_out + 1, sizeof *out);
-    uint64_t *params = NULL;
-    if (!contig || !news || !in || !out) goto done;
-    bool hooks = pr->n_hooks > 0 || pr->n_calls > 0; /* user code runs during the plan */
-    if (hooks) {
-        hc->pr = pr;
-        hc->w = w;
-        hc->tensors = tensors;
-        hc->data0 = gj_rt_calloc((size_t)n_in + 1, sizeof *hc->data0);
-        hc->hooks = gj_rt_calloc((size_t)pr->n_hooks + 1, sizeof *hc->hooks);
-        if (!hc->data0 || !hc->hooks) goto done;
-        for (int i = 0; i < pr->n_hooks; i++) {
-            const gj_jit_hookref *ref = &pr->hooks[i];
-            const gj_ag_hook *hs[64];
-            int c = ref->node < w->n ? gj_ag_node_hooks(w->nodes[ref->node], ref->k, hs, 64) : 0;
-            if (ref->j >= c || ref->j >= 64 ||
-                (hs[ref->j]->kind == GJ_AG_HOOK_POST_ACCUMULATE) != ref->post) {
-                snprintf(why, why_cap, "hook #%d of the program not found on the graph", i);
-                rc = 1;
-                goto done;
-            }
-            hc->hooks[i] = hs[ref->j];
+/* One gj_jit_run_program, carried from stage to stage: the program, the
+ * walk and its tensors, where a fallback's reason goes, the run's context
+ * (hooks), and what the run allocates, all freed by rp_free: contig[i] (a
+ * .grad input's contiguous or private copy, a reference), news[o] (a new
+ * output, a reference), the data pointers in[] and out[], params[] (the
+ * dropout seeds and offsets). Each stage returns RP_ON (the next stage
+ * runs) or the run's result (see gj_jit_run_program). */
+typedef struct running {
+    gj_jit_program *pr;
+    const gj_jit_plan *p;
+    const gj_jit_walk *w;
+    gj_tensor *const *tensors;
+    char *why;
+    size_t why_cap;
+    gj_jit_runctx *hc;
+    int n_in, n_out;
+    bool hooks; /* user code runs during the plan */
+    gj_tensor **contig, **news;
+    void **in, **out;
+    uint64_t *params;
+} running;
+
+enum { RP_ON = -2 }; /* the next stage decides */
+
+/* The run's tables, and (user code runs during the plan) the hooks of the
+ * program found on this backward's graph. */
+static int rp_hooks(running *r) {
+    gj_jit_program *pr = r->pr;
+    gj_jit_runctx *hc = r->hc;
+    r->contig = gj_rt_calloc((size_t)r->n_in + 1, sizeof *r->contig);
+    r->news = gj_rt_calloc((size_t)r->n_out + 1, sizeof *r->news);
+    r->in = gj_rt_calloc((size_t)r->n_in + 1, sizeof *r->in);
+    r->out = gj_rt_calloc((size_t)r->n_out + 1, sizeof *r->out);
+    if (!r->contig || !r->news || !r->in || !r->out) return -1;
+    r->hooks = pr->n_hooks > 0 || pr->n_calls > 0;
+    if (!r->hooks) return RP_ON;
+    hc->pr = pr;
+    hc->w = r->w;
+    hc->tensors = r->tensors;
+    hc->data0 = gj_rt_calloc((size_t)r->n_in + 1, sizeof *hc->data0);
+    hc->hooks = gj_rt_calloc((size_t)pr->n_hooks + 1, sizeof *hc->hooks);
+    if (!hc->data0 || !hc->hooks) return -1;
+    for (int i = 0; i < pr->n_hooks; i++) {
+        const gj_jit_hookref *ref = &pr->hooks[i];
+        const gj_ag_hook *hs[64];
+        int c = ref->node < r->w->n ? gj_ag_node_hooks(r->w->nodes[ref->node], ref->k, hs, 64) : 0;
+        if (ref->j >= c || ref->j >= 64 ||
+            (hs[ref->j]->kind == GJ_AG_HOOK_POST_ACCUMULATE) != ref->post) {
+            snprintf(r->why, r->why_cap, "hook #%d of the program not found on the graph", i);
+            return 1;
         }
+        hc->hooks[i] = hs[ref->j];
     }
-    for (int i = 0; i < n_in; i++) {
+    return RP_ON;
+}
+
+/* The plan's inputs: each checked against the program, a .grad made
+ * contiguous (a private copy when user code runs), the others read in
+ * place. */
+static int rp_inputs(running *r) {
+    gj_jit_program *pr = r->pr;
+    gj_tensor *const *tensors = r->tensors;
+    for (int i = 0; i < r->n_in; i++) {
         gj_tensor *t = tensors[i];
         gj_rt_meta m;
         gj_rt_meta_of(t, &m);
         int fits = gj_jit_input_fits(pr, i, t);
         if (fits == 1) {
-            snprintf(why, why_cap, "input #%d changed shape or dtype", i);
-            rc = 1;
-            goto done;
+            snprintf(r->why, r->why_cap, "input #%d changed shape or dtype", i);
+            return 1;
         }
         if (pr->inputs[i].role == GJ_JIT_IN_GRAD) {
-            for (int j = 0; j < n_in; j++)
+            for (int j = 0; j < r->n_in; j++)
                 if (j != i && gj_jit_views_overlap(tensors[j], t)) {
-                    snprintf(why, why_cap, "a .grad shares memory with another input of the graph");
-                    rc = 1;
-                    goto done;
+                    snprintf(r->why, r->why_cap,
+                             "a .grad shares memory with another input of the graph");
+                    return 1;
                 }
         }
         if (pr->inputs[i].role == GJ_JIT_IN_GRAD) { /* written: contiguous (copy if strided) */
-            if (hooks) { /* a private copy: written back once every instruction ran */
-                contig[i] = gj_rt_tensor_empty(m.dtype, m.ndim, m.shape);
-                if (contig[i] && gj_rt_copy_into(contig[i], t) != 0) goto done;
+            if (r->hooks) { /* a private copy: written back once every instruction ran */
+                r->contig[i] = gj_rt_tensor_empty(m.dtype, m.ndim, m.shape);
+                if (r->contig[i] && gj_rt_copy_into(r->contig[i], t) != 0) return -1;
             } else {
-                contig[i] = gj_rt_contiguous(t);
+                r->contig[i] = gj_rt_contiguous(t);
             }
-            if (!contig[i]) goto done;
-            in[i] = gj_rt_data_ptr(contig[i]);
+            if (!r->contig[i]) return -1;
+            r->in[i] = gj_rt_data_ptr(r->contig[i]);
             continue;
         }
         if (fits == 2) {
-            snprintf(why, why_cap, "input #%d has another layout than when compiled", i);
-            rc = 1;
-            goto done;
+            snprintf(r->why, r->why_cap, "input #%d has another layout than when compiled", i);
+            return 1;
         }
-        in[i] = gj_rt_data_ptr(t); /* read in place */
+        r->in[i] = gj_rt_data_ptr(t); /* read in place */
     }
-    if (hooks) {
-        for (int i = 0; i < n_in; i++) hc->data0[i] = gj_rt_data_ptr(tensors[i]);
-        hc->priv = contig;
-        hc->leaf_meta = gj_rt_calloc((size_t)n_out + 1, sizeof *hc->leaf_meta);
-        hc->leaf_data = gj_rt_calloc((size_t)n_out + 1, sizeof *hc->leaf_data);
-        if (!hc->leaf_meta || !hc->leaf_data) goto done;
-        for (int o = 0; o < n_out; o++) {
+    return RP_ON;
+}
+
+/* When user code runs: what the guards after it compare with (the inputs'
+ * data, each leaf's meta and data), and the dropout seeds and offsets of
+ * this run. */
+static int rp_before(running *r) {
+    gj_jit_runctx *hc = r->hc;
+    const gj_jit_plan *p = r->p;
+    if (r->hooks) {
+        for (int i = 0; i < r->n_in; i++) hc->data0[i] = gj_rt_data_ptr(r->tensors[i]);
+        hc->priv = r->contig;
+        hc->leaf_meta = gj_rt_calloc((size_t)r->n_out + 1, sizeof *hc->leaf_meta);
+        hc->leaf_data = gj_rt_calloc((size_t)r->n_out + 1, sizeof *hc->leaf_data);
+        if (!hc->leaf_meta || !hc->leaf_data) return -1;
+        for (int o = 0; o < r->n_out; o++) {
             gj_tensor *leaf = gj_jit_output_leaf(hc, o);
             if (!leaf) continue; /* a gj_grad output */
             gj_rt_meta_of(leaf, &hc->leaf_meta[o]);
@@ -209,59 +240,69 @@ int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *cons
         }
     }
     if (p->n_rt_params > 0) { /* dropout seeds/offsets of this run */
-        params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
-        if (!params) goto done;
+        r->params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *r->params);
+        if (!r->params) return -1;
         for (int k = 0; k < p->n_rt_params; k++) {
-            if (gj_jit_dropout_params(w, p->rt_param_node[k], p->rt_param_tape[k],
-                                      &params[2 * k]) != 0) {
-                snprintf(why, why_cap, "dropout parameters not found");
-                rc = 1;
-                goto done;
+            if (gj_jit_dropout_params(r->w, p->rt_param_node[k], p->rt_param_tape[k],
+                                      &r->params[2 * k]) != 0) {
+                snprintf(r->why, r->why_cap, "dropout parameters not found");
+                return 1;
             }
         }
     }
-    gj_jit_outs oc = {p, news};
-    hc->contig = contig;
-    hc->news = news;
+    return RP_ON;
+}
+
+/* The plan's instructions, then the outputs written (.grads, or a
+ * gj_grad's new tensors moved to ret_out). */
+static int rp_exec(running *r, gj_tensor **ret_out) {
+    gj_jit_program *pr = r->pr;
+    const gj_jit_plan *p = r->p;
+    gj_jit_runctx *hc = r->hc;
+    gj_jit_outs oc = {p, r->news};
+    hc->contig = r->contig;
+    hc->news = r->news;
     hc->next_out = hc->next_hook = 0;
     hc->early_from = 0;
     t_n_post_instrs = 0;
     t_run_instrs = p->n_instrs;
     bool early = false;
-    for (int i = 0; hooks && i < pr->n_hooks; i++)
+    for (int i = 0; r->hooks && i < pr->n_hooks; i++)
         early |= pr->hooks[i].post && hc->hooks[i]->early;
     for (int s = 0; s < p->n_instrs; s++)
         if (p->instrs[s].kind == GJ_JIT_INSTR_HOOK || p->instrs[s].kind == GJ_JIT_INSTR_CALL)
             hc->early_from = s + 1;
-    int er = gj_jit_plan_exec_calls(p, in, params, out, gj_jit_alloc_output, &oc,
-                                    hooks ? gj_jit_call_tensor_hook : NULL, hooks ? gj_jit_call_custom : NULL,
+    int er = gj_jit_plan_exec_calls(p, r->in, r->params, r->out, gj_jit_alloc_output, &oc,
+                                    r->hooks ? gj_jit_call_tensor_hook : NULL,
+                                    r->hooks ? gj_jit_call_custom : NULL,
                                     early ? write_early : NULL, hc);
-    if (er == 1) {
-        rc = 2;
-        goto done;
-    }
-    if (er != 0) goto done;
-    if (write_outputs_until(hc, pr, w, tensors, hooks, p->n_instrs) != 0) goto done;
-    for (int o = 0; ret_out && o < n_out; o++) {
-        if (!news[o]) { /* every output of a gj_grad is a new buffer */
+    if (er == 1) return 2;
+    if (er != 0) return -1;
+    if (write_outputs_until(hc, pr, r->w, r->tensors, r->hooks, p->n_instrs) != 0) return -1;
+    for (int o = 0; ret_out && o < r->n_out; o++) {
+        if (!r->news[o]) { /* every output of a gj_grad is a new buffer */
             gj_rt_set_error("gj_grad: internal: compiled output #%d was not written", o);
             for (int q = 0; q < o; q++) gj_rt_tensor_release(ret_out[q]);
-            goto done;
+            return -1;
         }
-        ret_out[o] = news[o];
+        ret_out[o] = r->news[o];
     }
-    for (int o = 0; ret_out && o < n_out; o++) news[o] = NULL;
-    rc = 0;
-done:
-    for (int i = 0; i < n_in && contig; i++)
-        if (contig[i]) gj_rt_tensor_release(contig[i]);
-    for (int o = 0; o < n_out && news; o++)
-        if (news[o]) gj_rt_tensor_release(news[o]);
-    gj_rt_free(contig);
-    gj_rt_free(news);
-    gj_rt_free(in);
-    gj_rt_free(out);
-    gj_rt_free(params);
+    for (int o = 0; ret_out && o < r->n_out; o++) r->news[o] = NULL;
+    return 0;
+}
+
+/* Releases what the run holds (r's tables, hc's), whatever the result. */
+static void rp_free(running *r) {
+    gj_jit_runctx *hc = r->hc;
+    for (int i = 0; i < r->n_in && r->contig; i++)
+        if (r->contig[i]) gj_rt_tensor_release(r->contig[i]);
+    for (int o = 0; o < r->n_out && r->news; o++)
+        if (r->news[o]) gj_rt_tensor_release(r->news[o]);
+    gj_rt_free(r->contig);
+    gj_rt_free(r->news);
+    gj_rt_free(r->in);
+    gj_rt_free(r->out);
+    gj_rt_free(r->params);
     gj_rt_free(hc->data0);
     gj_rt_free((void *)hc->hooks);
     gj_rt_free(hc->leaf_meta);
@@ -271,6 +312,32 @@ done:
     hc->data0 = NULL;
     hc->hooks = NULL;
     hc->priv = NULL;
+}
+
+/* Runs program pr on the tensors of this backward. Returns 0 (gradients
+ * written; hc->tripped tells whether a guard tripped after a post hook or a
+ * record_stream), 1 (fallback: nothing written, reason in why), 2 (a guard
+ * tripped in a tensor hook: nothing written, hooks ran, reason in hc) or -1
+ * (error set, nothing written). A gj_grad's program (ret_out non-NULL)
+ * writes no .grad: on 0, ret_out[o] receives output o as a new tensor. */
+int gj_jit_run_program(gj_jit_program *pr, const gj_jit_walk *w, gj_tensor *const *tensors,
+                       char *why, size_t why_cap, gj_jit_runctx *hc, gj_tensor **ret_out) {
+    running r;
+    memset(&r, 0, sizeof r);
+    r.pr = pr;
+    r.p = &pr->plan;
+    r.w = w;
+    r.tensors = tensors;
+    r.why = why;
+    r.why_cap = why_cap;
+    r.hc = hc;
+    r.n_in = pr->n_inputs;
+    r.n_out = pr->n_outputs;
+    int rc = rp_hooks(&r);
+    if (rc == RP_ON) rc = rp_inputs(&r);
+    if (rc == RP_ON) rc = rp_before(&r);
+    if (rc == RP_ON) rc = rp_exec(&r, ret_out);
+    rp_free(&r);
     return rc;
 }
 
