@@ -59,132 +59,192 @@ static int bwd_finish(void *ctx, gj_jit_program *prog) {
     return 0;
 }
 
-/* gj_jit_backward and gj_jit_grad (gr non-NULL). */
-static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
-                        const gj_jit_grad_req *gr, bool retain_graph, bool *handled) {
-    *handled = false;
+/* One run_compiled, carried from stage to stage: the call's arguments, the
+ * walk and its capture (src.captured: cap holds one to free), the program
+ * found (got, a reference), the run's input tensors (borrowed) and a
+ * gj_grad's outputs, the leaf-lock stripes held, a fallback's reason and
+ * the timings. br_free releases what it holds. Each stage returns BR_ON
+ * (the next stage runs), BR_FALL (a fallback with code and why: counted,
+ * nothing written) or BR_OUT (done: rc and *handled set). */
+typedef struct bwd_run {
+    int n_roots;
+    gj_tensor *const *roots, *const *seeds;
+    const gj_jit_grad_req *gr;
+    bool retain_graph;
+    bool *handled;
     gj_jit_walk w;
     gj_jit_capture cap;
-    memset(&cap, 0, sizeof cap);
-    bwd_src src = {&w, n_roots, roots, seeds, &cap, false};
-    gj_jit_got got = {0};
-    gj_tensor **tensors = NULL;
-    uint64_t stripes = 0; /* leaf-lock stripes held during the run */
-    char why[400] = "";
-    gj_ca_reason code = GJ_CA_OTHER;
-    int rc = 0;
-    unsigned fl = gj_jit_log_flags();
-    bool timed = (fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_INSTRS)) != 0;
-    double tp0 = timed ? gj_jit_now_ms() : 0, tp1 = 0, tp2 = 0;
-    gj_tensor **outs = NULL; /* gj_grad: the program's outputs */
-    if (gj_jit_walk_build_grad(&w, n_roots, roots, seeds, gr ? gr->n_inputs : 0,
-                               gr ? gr->inputs : NULL) != 0) {
-        gj_jit_walk_free(&w);
-        gj_jit_fallback(GJ_JIT_PATH_BACKWARD, GJ_CA_OTHER, "out of memory while computing the key", false);
-        return 0;
-    }
-    if (w.invalid) {
-        /* Not a fallback: the backward is an error (graph freed, saved
-         * tensor modified, root without grad), which the eager engine
-         * reports with its usual message. Nothing is counted. */
-        goto out;
-    }
-    gj_jit_key key = gj_jit_walk_key(&w);
-    gj_jit_source source = {bwd_capture, bwd_finish, &src, GJ_JIT_PATH_BACKWARD};
-    int g = gj_jit_get_program(&key, &source, &got);
-    if (g < 0) { /* the processes run different programs: an error */
-        rc = -1;
-        *handled = true;
-        goto out;
-    }
-    if (g == GJ_JIT_FELL) goto out;
-    if (g == GJ_JIT_FALL) {
-        snprintf(why, sizeof why, "%s", got.why);
-        code = got.code;
-        goto fall;
-    }
-    gj_jit_program *prog = got.prog;
+    bwd_src src;
+    gj_jit_key key;
+    gj_jit_got got;
+    gj_tensor **tensors;
+    gj_tensor **outs;  /* gj_grad: the program's outputs */
+    uint64_t stripes;  /* leaf-lock stripes held during the run */
+    char why[400];
+    gj_ca_reason code;
+    int rc;
+    unsigned fl;
+    bool timed;
+    double tp0, tp1, tp2;
+} bwd_run;
 
-    /* .grads are read (as inputs, and when accumulating in place) and
-     * written by the run: hold the stripes of every leaf it writes from
-     * here to the end, or leave the backward to the eager engine, which
-     * waits for them (docs/fallbacks.md) */
+enum { BR_ON, BR_FALL, BR_OUT };
+
+/* The key's program from the cache: found (got.prog), or a fallback the
+ * cache reported already (FELL), or one to report (FALL). */
+static int br_program(bwd_run *b) {
+    b->key = gj_jit_walk_key(&b->w);
+    gj_jit_source source = {bwd_capture, bwd_finish, &b->src, GJ_JIT_PATH_BACKWARD};
+    int g = gj_jit_get_program(&b->key, &source, &b->got);
+    if (g < 0) { /* the processes run different programs: an error */
+        b->rc = -1;
+        *b->handled = true;
+        return BR_OUT;
+    }
+    if (g == GJ_JIT_FELL) return BR_OUT;
+    if (g == GJ_JIT_FALL) {
+        snprintf(b->why, sizeof b->why, "%s", b->got.why);
+        b->code = b->got.code;
+        return BR_FALL;
+    }
+    return BR_ON;
+}
+
+/* .grads are read (as inputs, and when accumulating in place) and
+ * written by the run: hold the stripes of every leaf it writes from
+ * here to the end, or leave the backward to the eager engine, which
+ * waits for them (docs/fallbacks.md) */
+static int br_lock(bwd_run *b) {
+    gj_jit_program *prog = b->got.prog;
     for (int o = 0; o < prog->n_outputs; o++)
         if (prog->outputs[o].acc_node >= 0) /* none for gj_grad: it writes no .grad */
-            stripes |= 1ull << gj_ag_leaf_stripe(w.nodes[prog->outputs[o].acc_node]->leaf);
-    if (!gj_ag_leaf_trylock_stripes(stripes)) {
-        stripes = 0;
-        code = GJ_CA_LOCK_CONTENTION;
-        snprintf(why, sizeof why, "another thread's backward is writing a .grad of this backward "
-                                  "(a leaf shared between threads, or two leaves in one of the "
-                                  "64 lock stripes)");
-        goto fall;
+            b->stripes |= 1ull << gj_ag_leaf_stripe(b->w.nodes[prog->outputs[o].acc_node]->leaf);
+    if (!gj_ag_leaf_trylock_stripes(b->stripes)) {
+        b->stripes = 0;
+        b->code = GJ_CA_LOCK_CONTENTION;
+        snprintf(b->why, sizeof b->why,
+                 "another thread's backward is writing a .grad of this backward "
+                 "(a leaf shared between threads, or two leaves in one of the "
+                 "64 lock stripes)");
+        return BR_FALL;
     }
-    /* the run's input tensors */
-    tensors = gj_rt_calloc((size_t)prog->n_inputs + 1, sizeof *tensors);
-    if (gr) outs = gj_rt_calloc((size_t)prog->n_outputs + 1, sizeof *outs);
-    if (!tensors || (gr && !outs)) {
-        snprintf(why, sizeof why, "out of memory");
-        goto fall;
+    return BR_ON;
+}
+
+/* The run's input tensors: the capture's, else from the walk, else from a
+ * capture made now. */
+static int br_tensors(bwd_run *b) {
+    gj_jit_program *prog = b->got.prog;
+    b->tensors = gj_rt_calloc((size_t)prog->n_inputs + 1, sizeof *b->tensors);
+    if (b->gr) b->outs = gj_rt_calloc((size_t)prog->n_outputs + 1, sizeof *b->outs);
+    if (!b->tensors || (b->gr && !b->outs)) {
+        snprintf(b->why, sizeof b->why, "out of memory");
+        return BR_FALL;
     }
-    if (src.captured) {
-        memcpy(tensors, cap.tensors, (size_t)prog->n_inputs * sizeof *tensors);
-    } else if (prog->recapture || !gj_jit_inputs_from_walk(prog, &w, seeds, tensors)) {
-        src.captured = true;
-        if (gj_jit_capture_run(&cap, &w, n_roots, roots, seeds) != 0 ||
-            cap.g.n_inputs != prog->n_inputs) {
-            snprintf(why, sizeof why, "re-capture failed: %s", cap.reason);
-            code = cap.code;
-            goto fall;
+    if (b->src.captured) {
+        memcpy(b->tensors, b->cap.tensors, (size_t)prog->n_inputs * sizeof *b->tensors);
+    } else if (prog->recapture || !gj_jit_inputs_from_walk(prog, &b->w, b->seeds, b->tensors)) {
+        b->src.captured = true;
+        if (gj_jit_capture_run(&b->cap, &b->w, b->n_roots, b->roots, b->seeds) != 0 ||
+            b->cap.g.n_inputs != prog->n_inputs) {
+            snprintf(b->why, sizeof b->why, "re-capture failed: %s", b->cap.reason);
+            b->code = b->cap.code;
+            return BR_FALL;
         }
-        memcpy(tensors, cap.tensors, (size_t)prog->n_inputs * sizeof *tensors);
+        memcpy(b->tensors, b->cap.tensors, (size_t)prog->n_inputs * sizeof *b->tensors);
     }
+    return BR_ON;
+}
+
+/* The run (the stripes dropped after it), what a tripped guard decides,
+ * the count, a gj_grad's outputs handed out, the graph released, the
+ * timings logged. */
+static int br_run(bwd_run *b) {
+    gj_jit_program *prog = b->got.prog;
     double t1 = gj_jit_now_ms();
-    tp1 = t1;
+    b->tp1 = t1;
     gj_jit_runctx hc;
     memset(&hc, 0, sizeof hc);
-    int r = gj_jit_run_program(prog, &w, tensors, why, sizeof why, &hc, outs);
-    gj_ag_leaf_unlock_stripes(stripes); /* before the cache lock: leaf locks are taken under it */
-    stripes = 0;
-    tp2 = gj_jit_now_ms();
-    if (r == 1) goto fall;
+    int r = gj_jit_run_program(prog, &b->w, b->tensors, b->why, sizeof b->why, &hc, b->outs);
+    gj_ag_leaf_unlock_stripes(b->stripes); /* before the cache lock: leaf locks are taken under it */
+    b->stripes = 0;
+    b->tp2 = gj_jit_now_ms();
+    if (r == 1) return BR_FALL;
     if (r == 2 || (r == 0 && hc.tripped)) {
         /* a guard: eager-only from now on, unless user code failed this
          * time (an allocation in a hook): the next clean instruction runs compiled.
          * It counts as a fallback also when a post hook tripped after the
          * run finished (the .grads not yet written got the eager
          * accumulate's result) */
-        bool first = !hc.transient && gj_jit_demote(&key, hc.code, hc.why);
+        bool first = !hc.transient && gj_jit_demote(&b->key, hc.code, hc.why);
         gj_jit_fallback(GJ_JIT_PATH_BACKWARD, hc.code, hc.why, first);
-        if (r == 2) goto out; /* nothing written: the eager engine runs this backward */
+        if (r == 2) return BR_OUT; /* nothing written: the eager engine runs this backward */
     } else {
-        gj_jit_count_run(GJ_JIT_PATH_BACKWARD, got.made, gj_jit_now_ms() - t1); /* it ran (r == -1: and failed) */
+        gj_jit_count_run(GJ_JIT_PATH_BACKWARD, b->got.made, gj_jit_now_ms() - t1); /* it ran (r == -1: and failed) */
     }
     if (r == 0) gj_jit_note_last_program(prog);
-    rc = r == 0 ? 0 : -1;
-    *handled = true;
-    if (rc == 0 && gr) gj_jit_hand_out(prog, gr, outs);
-    if (rc == 0 && !retain_graph) gj_jit_release_graph(&w, n_roots, roots);
-    if (timed && rc == 0) {
+    int rc = r == 0 ? 0 : -1;
+    b->rc = rc;
+    *b->handled = true;
+    if (rc == 0 && b->gr) gj_jit_hand_out(prog, b->gr, b->outs);
+    if (rc == 0 && !b->retain_graph) gj_jit_release_graph(&b->w, b->n_roots, b->roots);
+    if (b->timed && rc == 0) {
         double tend = gj_jit_now_ms();
-        if (fl & GJ_JIT_LOG_INSTRS)
+        if (b->fl & GJ_JIT_LOG_INSTRS)
             fprintf(stderr,
                     "[gradjit instrs] backward %.3f ms: key and lookup %.3f, program %.3f (steps "
                     "and buffers), graph release %.3f\n",
-                    tend - tp0, tp1 - tp0, tp2 - tp1, tend - tp2);
-        gj_jit_prof_backward(got.fresh, tend - tp0, tp1 - tp0, tp2 - tp1, tend - tp2);
+                    tend - b->tp0, b->tp1 - b->tp0, b->tp2 - b->tp1, tend - b->tp2);
+        gj_jit_prof_backward(b->got.fresh, tend - b->tp0, b->tp1 - b->tp0, b->tp2 - b->tp1,
+                             tend - b->tp2);
     }
-    goto out;
-fall:
-    gj_jit_fallback(GJ_JIT_PATH_BACKWARD, code, why, false);
-out:
-    gj_ag_leaf_unlock_stripes(stripes);
-    gj_jit_program_release(got.prog);
-    gj_rt_free(tensors);
-    gj_rt_free(outs);
-    if (src.captured) gj_jit_capture_free(&cap);
-    gj_jit_walk_free(&w);
-    return rc;
+    return BR_OUT;
+}
+
+/* Releases what b holds: the stripes, the program's reference, the
+ * tables, the capture, the walk. */
+static void br_free(bwd_run *b) {
+    gj_ag_leaf_unlock_stripes(b->stripes);
+    gj_jit_program_release(b->got.prog);
+    gj_rt_free(b->tensors);
+    gj_rt_free(b->outs);
+    if (b->src.captured) gj_jit_capture_free(&b->cap);
+    gj_jit_walk_free(&b->w);
+}
+
+/* gj_jit_backward and gj_jit_grad (gr non-NULL). */
+static int run_compiled(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
+                        const gj_jit_grad_req *gr, bool retain_graph, bool *handled) {
+    *handled = false;
+    bwd_run b;
+    memset(&b, 0, sizeof b);
+    b.n_roots = n_roots;
+    b.roots = roots;
+    b.seeds = seeds;
+    b.gr = gr;
+    b.retain_graph = retain_graph;
+    b.handled = handled;
+    b.src = (bwd_src){&b.w, n_roots, roots, seeds, &b.cap, false};
+    b.code = GJ_CA_OTHER;
+    b.fl = gj_jit_log_flags();
+    b.timed = (b.fl & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_INSTRS)) != 0;
+    b.tp0 = b.timed ? gj_jit_now_ms() : 0;
+    if (gj_jit_walk_build_grad(&b.w, n_roots, roots, seeds, gr ? gr->n_inputs : 0,
+                               gr ? gr->inputs : NULL) != 0) {
+        gj_jit_walk_free(&b.w);
+        gj_jit_fallback(GJ_JIT_PATH_BACKWARD, GJ_CA_OTHER, "out of memory while computing the key", false);
+        return 0;
+    }
+    /* An invalid walk is not a fallback: the backward is an error (graph
+     * freed, saved tensor modified, root without grad), which the eager
+     * engine reports with its usual message. Nothing is counted. */
+    int st = b.w.invalid ? BR_OUT : br_program(&b);
+    if (st == BR_ON) st = br_lock(&b);
+    if (st == BR_ON) st = br_tensors(&b);
+    if (st == BR_ON) st = br_run(&b);
+    if (st == BR_FALL) gj_jit_fallback(GJ_JIT_PATH_BACKWARD, b.code, b.why, false);
+    br_free(&b);
+    return b.rc;
 }
 
 int gj_jit_backward(int n_roots, gj_tensor *const *roots, gj_tensor *const *seeds,
