@@ -395,127 +395,176 @@ static int cmp_seq(const void *a, const void *b) {
     return x->seq < y->seq ? -1 : x->seq > y->seq ? 1 : 0;
 }
 
-static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
-                     gj_tensor *const *seeds, const int *root_node, const int *root_nr) {
-    int rc = -1;
-    int *rank = gj_rt_malloc((size_t)(w->n + 1) * sizeof *rank);
+/* One serialize, carried from part to part: the walk (its key text grows
+ * by key_put), the roots and seeds, the call-site hash, and each node's
+ * rank by sequence number (rank[i], owned by serialize). Each part returns
+ * 0, or -1 (out of memory) with the key text left partial. */
+typedef struct ser {
+    gj_jit_walk *w;
+    int n_roots;
+    gj_tensor *const *roots, *const *seeds;
+    const int *root_node, *root_nr;
+    site_hash sh;
+    int *rank;
+} ser;
+
+/* rank[i]: node i's position among the walk's nodes by sequence number. */
+static int ser_ranks(ser *s) {
+    gj_jit_walk *w = s->w;
+    s->rank = gj_rt_malloc((size_t)(w->n + 1) * sizeof *s->rank);
     seq_rank *sr = gj_rt_malloc((size_t)(w->n + 1) * sizeof *sr);
-    if (!rank || !sr) goto done;
+    if (!s->rank || !sr) {
+        gj_rt_free(sr);
+        return -1;
+    }
     for (int i = 0; i < w->n; i++) {
         sr[i].seq = w->nodes[i]->seq;
         sr[i].idx = i;
     }
     qsort(sr, (size_t)w->n, sizeof *sr, cmp_seq);
-    for (int i = 0; i < w->n; i++) rank[sr[i].idx] = i;
+    for (int i = 0; i < w->n; i++) s->rank[sr[i].idx] = i;
+    gj_rt_free(sr);
+    return 0;
+}
 
-    site_hash sh = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull};
-    site_u64(&sh, ((uint64_t)n_roots << 32) | (uint64_t)w->n);
-    if (key_put(w, "gradjit-key v1 roots=%d nodes=%d\n", n_roots, w->n) != 0) goto done;
+/* The key's first lines: its header, the dynamic mode when it makes a
+ * program of its own, a gj_grad's inputs, and one line per root. */
+static int ser_head(ser *s) {
+    gj_jit_walk *w = s->w;
+    site_hash *sh = &s->sh;
+    site_u64(sh, ((uint64_t)s->n_roots << 32) | (uint64_t)w->n);
+    if (key_put(w, "gradjit-key v1 roots=%d nodes=%d\n", s->n_roots, w->n) != 0) return -1;
     /* symbolic from the first compile: a program of its own (the same graph
      * under the default mode keeps its specialised program) */
-    if (gj_jit_dynamic() == GJ_CA_DYNAMIC_ALWAYS && key_put(w, "dynamic always\n") != 0) goto done;
+    if (gj_jit_dynamic() == GJ_CA_DYNAMIC_ALWAYS && key_put(w, "dynamic always\n") != 0) return -1;
     if (w->grad_mode) { /* a gj_grad: its inputs, by edge (never a .grad) */
-        site_u64(&sh, 0x6772616400000000ull | (uint64_t)(uint32_t)w->n_req);
-        if (key_put(w, "grad inputs=%d\n", w->n_req) != 0) goto done;
+        site_u64(sh, 0x6772616400000000ull | (uint64_t)(uint32_t)w->n_req);
+        if (key_put(w, "grad inputs=%d\n", w->n_req) != 0) return -1;
         for (int i = 0; i < w->n_req; i++) {
-            site_u64(&sh, ((uint64_t)(uint32_t)w->req_node[i] << 32) |
-                              (uint64_t)(uint32_t)w->req_nr[i]);
+            site_u64(sh, ((uint64_t)(uint32_t)w->req_node[i] << 32) |
+                             (uint64_t)(uint32_t)w->req_nr[i]);
             if (key_put(w, "I%d e%d:%d\n", i, w->req_node[i],
                         w->req_node[i] >= 0 ? w->req_nr[i] : 0) != 0)
-                goto done;
+                return -1;
         }
     }
-    for (int r = 0; r < n_roots; r++) {
+    for (int r = 0; r < s->n_roots; r++) {
         gj_rt_meta m;
-        gj_rt_meta_of(roots[r], &m);
-        site_u64(&sh, ((uint64_t)(uint32_t)root_node[r] << 32) | (uint64_t)(uint32_t)root_nr[r]);
-        site_meta(&sh, &m);
-        if (key_put(w, "R%d e%d:%d m", r, root_node[r], root_nr[r]) != 0) goto done;
-        if (put_meta(w, &m) != 0 || key_put(w, " seed") != 0) goto done;
-        if (seeds && seeds[r]) {
-            if (put_tensor(w, seeds[r]) != 0) goto done;
+        gj_rt_meta_of(s->roots[r], &m);
+        site_u64(sh, ((uint64_t)(uint32_t)s->root_node[r] << 32) |
+                         (uint64_t)(uint32_t)s->root_nr[r]);
+        site_meta(sh, &m);
+        if (key_put(w, "R%d e%d:%d m", r, s->root_node[r], s->root_nr[r]) != 0) return -1;
+        if (put_meta(w, &m) != 0 || key_put(w, " seed") != 0) return -1;
+        if (s->seeds && s->seeds[r]) {
+            if (put_tensor(w, s->seeds[r]) != 0) return -1;
         } else if (key_put(w, "-") != 0) {
-            goto done;
+            return -1;
         }
-        if (key_put(w, "\n") != 0) goto done;
+        if (key_put(w, "\n") != 0) return -1;
     }
-    for (int i = 0; i < w->n; i++) {
+    return 0;
+}
+
+/* The line of accumulate node i: its leaf, its .grad (under the leaf's
+ * lock; '*' for a gj_grad, which neither reads nor writes it), hooks. */
+static int ser_acc(ser *s, int i, const gj_ag_node *n) {
+    gj_jit_walk *w = s->w;
+    gj_tensor *leaf = n->leaf;
+    gj_ag_tensor_meta *lm = leaf ? leaf->ag : NULL;
+    site_u64(&s->sh, 0xacc0000000000000ull | (uint64_t)s->rank[i]);
+    if (leaf) {
+        gj_rt_meta lmeta;
+        gj_rt_meta_of(leaf, &lmeta);
+        site_meta(&s->sh, &lmeta);
+    }
+    if (key_put(w, "N%d acc r%d leaf", i, s->rank[i]) != 0) return -1;
+    if (leaf && put_tensor(w, leaf) != 0) return -1;
+    if (key_put(w, " grad") != 0) return -1;
+    if (w->grad_mode) { /* a gj_grad neither reads nor writes .grad */
+        if (key_put(w, "*") != 0) return -1;
+    } else {
+        /* another thread's backward may be replacing this .grad */
+        if (leaf) gj_ag_leaf_lock(leaf);
+        gj_tensor *lg = lm ? lm->grad : NULL;
+        site_u64(&s->sh, lg ? 1u + (uint64_t)lg->dtype : 0u);
+        int gr = lg ? put_tensor(w, lg) : key_put(w, "-");
+        if (leaf) gj_ag_leaf_unlock(leaf);
+        if (gr != 0) return -1;
+    }
+    if (put_hooks(w, n, 0) != 0 || key_put(w, "\n") != 0) return -1;
+    return 0;
+}
+
+/* The line of op node i: op, rank, attributes (run-time ones as '*'),
+ * edges and metas in and out with hooks, saved tensors, released; a
+ * checkpoint's tape after it. */
+static int ser_op(ser *s, int i, const gj_ag_node *n) {
+    gj_jit_walk *w = s->w;
+    site_hash *sh = &s->sh;
+    site_str(sh, n->op ? n->op->name : "?");
+    site_u64(sh, ((uint64_t)s->rank[i] << 16) | ((uint64_t)n->n_in << 8) | (uint64_t)n->n_out);
+    for (int k = 0; k < n->n_in; k++) {
+        int e = n->next[k].node ? gj_jit_walk_find(w, n->next[k].node) : -1;
+        site_u64(sh, ((uint64_t)(uint32_t)e << 32) | (uint64_t)(uint32_t)n->next[k].input_nr);
+        site_meta(sh, &n->in_meta[k]);
+    }
+    for (int k = 0; k < n->n_out; k++) site_meta(sh, &n->out_meta[k]);
+    if (key_put(w, "N%d %s r%d a", i, n->op ? n->op->name : "?", s->rank[i]) != 0) return -1;
+    uint32_t rt = gj_jit_runtime_attrs(n->op);
+    for (int k = 0; k < n->attrs.nf && k < 4; k++)
+        if (key_put(w, "%s%a", k ? "," : "f", n->attrs.f[k]) != 0) return -1;
+    for (int k = 0; k < n->attrs.ni && k < GJ_MAX_DIMS + 4; k++) {
+        if ((rt >> k) & 1u) {
+            if (key_put(w, "%s*", k ? "," : "i") != 0) return -1;
+        } else if (key_put(w, "%s%lld", k ? "," : "i", (long long)n->attrs.i[k]) != 0) {
+            return -1;
+        }
+    }
+    if (key_put(w, " in") != 0) return -1;
+    for (int k = 0; k < n->n_in; k++) {
+        int e = n->next[k].node ? gj_jit_walk_find(w, n->next[k].node) : -1;
+        if (key_put(w, " e%d:%d:", e, e >= 0 ? n->next[k].input_nr : 0) != 0) return -1;
+        if (put_meta(w, &n->in_meta[k]) != 0) return -1;
+    }
+    if (key_put(w, " out") != 0) return -1;
+    for (int k = 0; k < n->n_out; k++) {
+        if (key_put(w, " ") != 0 || put_meta(w, &n->out_meta[k]) != 0) return -1;
+        if (put_hooks(w, n, k) != 0) return -1;
+    }
+    if (key_put(w, " saved%d", n->n_saved) != 0) return -1;
+    for (int k = 0; k < n->n_saved; k++) {
+        if (key_put(w, " ") != 0) return -1;
+        if (n->saved[k].t) {
+            if (put_tensor(w, n->saved[k].t) != 0) return -1;
+        } else if (key_put(w, "-") != 0) {
+            return -1;
+        }
+    }
+    if (key_put(w, "%s\n", n->released ? " released" : "") != 0) return -1;
+    if (n->op == &gj_ag_op_checkpoint && put_tape(w, sh, i, n) != 0) return -1;
+    return 0;
+}
+
+/* The key text of walk w (key_put) and its call-site hash (w->site): the
+ * head, then one line per node (a checkpoint's tape after its line).
+ * 0, or -1 (out of memory; w->site not set). */
+static int serialize(gj_jit_walk *w, int n_roots, gj_tensor *const *roots,
+                     gj_tensor *const *seeds, const int *root_node, const int *root_nr) {
+    ser s = {w, n_roots, roots, seeds, root_node, root_nr,
+             {0x243f6a8885a308d3ull, 0x13198a2e03707344ull}, NULL};
+    int rc = ser_ranks(&s);
+    if (rc == 0) rc = ser_head(&s);
+    for (int i = 0; rc == 0 && i < w->n; i++) {
         const gj_ag_node *n = w->nodes[i];
-        if (n->kind == GJ_AG_ACCUMULATE) {
-            gj_tensor *leaf = n->leaf;
-            gj_ag_tensor_meta *lm = leaf ? leaf->ag : NULL;
-            site_u64(&sh, 0xacc0000000000000ull | (uint64_t)rank[i]);
-            if (leaf) {
-                gj_rt_meta lmeta;
-                gj_rt_meta_of(leaf, &lmeta);
-                site_meta(&sh, &lmeta);
-            }
-            if (key_put(w, "N%d acc r%d leaf", i, rank[i]) != 0) goto done;
-            if (leaf && put_tensor(w, leaf) != 0) goto done;
-            if (key_put(w, " grad") != 0) goto done;
-            if (w->grad_mode) { /* a gj_grad neither reads nor writes .grad */
-                if (key_put(w, "*") != 0) goto done;
-            } else {
-                /* another thread's backward may be replacing this .grad */
-                if (leaf) gj_ag_leaf_lock(leaf);
-                gj_tensor *lg = lm ? lm->grad : NULL;
-                site_u64(&sh, lg ? 1u + (uint64_t)lg->dtype : 0u);
-                int gr = lg ? put_tensor(w, lg) : key_put(w, "-");
-                if (leaf) gj_ag_leaf_unlock(leaf);
-                if (gr != 0) goto done;
-            }
-            if (put_hooks(w, n, 0) != 0 || key_put(w, "\n") != 0) goto done;
-            continue;
-        }
-        site_str(&sh, n->op ? n->op->name : "?");
-        site_u64(&sh, ((uint64_t)rank[i] << 16) | ((uint64_t)n->n_in << 8) | (uint64_t)n->n_out);
-        for (int k = 0; k < n->n_in; k++) {
-            int e = n->next[k].node ? gj_jit_walk_find(w, n->next[k].node) : -1;
-            site_u64(&sh, ((uint64_t)(uint32_t)e << 32) | (uint64_t)(uint32_t)n->next[k].input_nr);
-            site_meta(&sh, &n->in_meta[k]);
-        }
-        for (int k = 0; k < n->n_out; k++) site_meta(&sh, &n->out_meta[k]);
-        if (key_put(w, "N%d %s r%d a", i, n->op ? n->op->name : "?", rank[i]) != 0) goto done;
-        uint32_t rt = gj_jit_runtime_attrs(n->op);
-        for (int k = 0; k < n->attrs.nf && k < 4; k++)
-            if (key_put(w, "%s%a", k ? "," : "f", n->attrs.f[k]) != 0) goto done;
-        for (int k = 0; k < n->attrs.ni && k < GJ_MAX_DIMS + 4; k++) {
-            if ((rt >> k) & 1u) {
-                if (key_put(w, "%s*", k ? "," : "i") != 0) goto done;
-            } else if (key_put(w, "%s%lld", k ? "," : "i", (long long)n->attrs.i[k]) != 0) {
-                goto done;
-            }
-        }
-        if (key_put(w, " in") != 0) goto done;
-        for (int k = 0; k < n->n_in; k++) {
-            int e = n->next[k].node ? gj_jit_walk_find(w, n->next[k].node) : -1;
-            if (key_put(w, " e%d:%d:", e, e >= 0 ? n->next[k].input_nr : 0) != 0) goto done;
-            if (put_meta(w, &n->in_meta[k]) != 0) goto done;
-        }
-        if (key_put(w, " out") != 0) goto done;
-        for (int k = 0; k < n->n_out; k++) {
-            if (key_put(w, " ") != 0 || put_meta(w, &n->out_meta[k]) != 0) goto done;
-            if (put_hooks(w, n, k) != 0) goto done;
-        }
-        if (key_put(w, " saved%d", n->n_saved) != 0) goto done;
-        for (int k = 0; k < n->n_saved; k++) {
-            if (key_put(w, " ") != 0) goto done;
-            if (n->saved[k].t) {
-                if (put_tensor(w, n->saved[k].t) != 0) goto done;
-            } else if (key_put(w, "-") != 0) {
-                goto done;
-            }
-        }
-        if (key_put(w, "%s\n", n->released ? " released" : "") != 0) goto done;
-        if (n->op == &gj_ag_op_checkpoint && put_tape(w, &sh, i, n) != 0) goto done;
+        rc = n->kind == GJ_AG_ACCUMULATE ? ser_acc(&s, i, n) : ser_op(&s, i, n);
     }
-    site_u64(&sh, (uint64_t)w->n_hooks);
-    w->site[0] = gj_m_mix64(sh.a);
-    w->site[1] = gj_m_mix64(sh.b);
-    rc = 0;
-done:
-    gj_rt_free(rank);
-    gj_rt_free(sr);
+    if (rc == 0) {
+        site_u64(&s.sh, (uint64_t)w->n_hooks);
+        w->site[0] = gj_m_mix64(s.sh.a);
+        w->site[1] = gj_m_mix64(s.sh.b);
+    }
+    gj_rt_free(s.rank);
     return rc;
 }
 
