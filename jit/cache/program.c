@@ -406,119 +406,171 @@ int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t
     return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, NULL, hctx);
 }
 
-int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
-                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
-                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx) {
-    int max_params = 1, rc = -1, threads = gj_rt_num_threads();
+/* One gj_jit_plan_exec_calls, carried from instruction to instruction: the
+ * plan, the callers' buffers and callbacks, and the interpreter's own
+ * tables: bp[b] (buffer b's memory: the caller's for inputs, outputs and
+ * params, else allocated here before its first instruction and freed
+ * after its last), ctx[] (a kernel's arguments). */
+typedef struct exec_run {
+    const gj_jit_plan *p;
+    void *const *in;
+    const uint64_t *params;
+    void **out;
+    gj_jit_out_alloc alloc;
+    void *actx;
+    gj_jit_hook_call hook;
+    gj_jit_custom_call call;
+    void *hctx;
+    int threads;
+    bool prof, instrs_log;
+    void **bp, **ctx;
+} exec_run;
+
+/* The tables, and the buffers the caller gives. 0 or -1. */
+static int ex_start(exec_run *x) {
+    const gj_jit_plan *p = x->p;
+    int max_params = 1;
     for (int s = 0; s < p->n_instrs; s++)
         if (p->instrs[s].kind == GJ_JIT_INSTR_KERNEL && p->instrs[s].k.n_params > max_params)
             max_params = p->instrs[s].k.n_params;
     unsigned lf = gj_jit_log_flags();
-    bool prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_INSTRS)) != 0,
-         instrs_log = (lf & GJ_JIT_LOG_INSTRS) != 0;
-    void **bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *bp);
-    void **ctx = gj_rt_calloc((size_t)max_params + 1, sizeof *ctx); /* + a generic kernel's ints */
-    if (!bp || !ctx) goto done;
+    x->prof = (lf & (GJ_JIT_LOG_PROF | GJ_JIT_LOG_INSTRS)) != 0;
+    x->instrs_log = (lf & GJ_JIT_LOG_INSTRS) != 0;
+    x->bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *x->bp);
+    x->ctx = gj_rt_calloc((size_t)max_params + 1, sizeof *x->ctx); /* + a generic kernel's ints */
+    if (!x->bp || !x->ctx) return -1;
     for (int b = 0; b < p->n_bufs; b++) {
-        const gj_jit_buffer *x = &p->bufs[b];
-        if (x->kind == GJ_JIT_BUF_INPUT) bp[b] = in[x->index];
-        else if (x->kind == GJ_JIT_BUF_OUTPUT) bp[b] = out[x->index];
-        else if (x->kind == GJ_JIT_BUF_PARAMS) bp[b] = (void *)(uintptr_t)params;
+        const gj_jit_buffer *bf = &p->bufs[b];
+        if (bf->kind == GJ_JIT_BUF_INPUT) x->bp[b] = x->in[bf->index];
+        else if (bf->kind == GJ_JIT_BUF_OUTPUT) x->bp[b] = x->out[bf->index];
+        else if (bf->kind == GJ_JIT_BUF_PARAMS) x->bp[b] = (void *)(uintptr_t)x->params;
     }
+    return 0;
+}
+
+/* The buffers whose first instruction is before e (from *fi on in the
+ * plan's first-use order): an output by the caller's alloc, a temporary
+ * here. 0 or -1. */
+static int ex_alloc(exec_run *x, int *fi, int e) {
+    const gj_jit_plan *p = x->p;
+    for (; *fi < p->n_by_first && p->bufs[p->by_first[*fi]].first_instr < e; (*fi)++) {
+        int b = p->by_first[*fi];
+        const gj_jit_buffer *bf = &p->bufs[b];
+        if (bf->kind == GJ_JIT_BUF_OUTPUT) {
+            if (!x->out[bf->index]) x->out[bf->index] = x->alloc ? x->alloc(x->actx, bf->index) : NULL;
+            if (!x->out[bf->index]) return -1;
+            x->bp[b] = x->out[bf->index];
+        } else if (bf->nbytes > 0) {
+            x->bp[b] = gj_rt_alloc_data(bf->nbytes);
+            if (!x->bp[b]) return -1;
+        }
+    }
+    return 0;
+}
+
+/* Runs instructions s .. e-1 (e > s + 1: a group of GEMMs). 0, -1 (error
+ * set), or what a hook or custom call returned. */
+static int ex_instr(exec_run *x, int s, int e) {
+    const gj_jit_plan *p = x->p;
+    void **bp = x->bp;
+    const gj_jit_instr *st = &p->instrs[s];
+    if (st->kind == GJ_JIT_INSTR_MATMUL) {
+        run_matmuls(p, s, e, bp, x->threads);
+    } else if (st->kind == GJ_JIT_INSTR_INDEX) {
+        if (run_index(&st->ix, bp) != 0) return -1;
+    } else if (st->kind == GJ_JIT_INSTR_FOLD) {
+        const gj_jit_fold *f = &st->fd;
+        const char *src = (const char *)bp[f->src_buf] +
+                          f->src_off * (int64_t)gj_rt_dtype_size(f->dtype);
+        if (!f->col2im) {
+            gj_rt_im2col_run(&f->win, f->dtype, src, f->src_st, f->pad, bp[f->out_buf]);
+        } else if (gj_rt_col2im_run(&f->win, f->dtype, src, f->src_st, bp[f->out_buf]) != 0) {
+            return -1;
+        }
+    } else if (st->kind == GJ_JIT_INSTR_CALL) {
+        if (!x->call) {
+            gj_rt_set_error("compiled backward: a custom call step without a runner");
+            return -1;
+        }
+        void *src[GJ_JIT_CALL_MAX_IN], *dst[GJ_RT_MAX_OUTPUTS];
+        for (int k = 0; k < st->cs.n_in; k++) src[k] = bp[st->cs.src_buf[k]];
+        for (int k = 0; k < st->cs.n_out; k++) dst[k] = bp[st->cs.out_buf[k]];
+        int cr = x->call(x->hctx, &st->cs, src, dst);
+        if (cr != 0) return cr;
+    } else if (st->kind == GJ_JIT_INSTR_HOOK) {
+        if (!x->hook) {
+            gj_rt_set_error("compiled backward: a hook step without a hook runner");
+            return -1;
+        }
+        int hr = x->hook(x->hctx, &st->hk, bp[st->hk.src_buf], bp[st->hk.out_buf]);
+        if (hr != 0) return hr;
+    } else if (st->k.rows > 0) {
+        const gj_jit_kernel *k = &st->k;
+        for (int q = 0; q < k->n_params; q++) x->ctx[q] = bp[k->param_buf[q]];
+        x->ctx[k->n_params] = k->ints;
+        gj_rt_parallel_for(k->rows, k->grain, k->fn, x->ctx);
+    }
+    return 0;
+}
+
+/* GRADJIT_LOG=prof,instrs: the time of instructions s .. e-1 (from t0). */
+static void ex_prof(const exec_run *x, int s, int e, double t0) {
+    const gj_jit_instr *st = &x->p->instrs[s];
+    const char *what = st->kind == GJ_JIT_INSTR_MATMUL  ? "gemm"
+                       : st->kind == GJ_JIT_INSTR_HOOK  ? "hook"
+                       : st->kind == GJ_JIT_INSTR_CALL  ? "custom"
+                       : st->kind == GJ_JIT_INSTR_FOLD  ? (st->fd.col2im ? "col2im"
+                                                                        : "im2col")
+                       : st->kind == GJ_JIT_INSTR_INDEX ? (st->ix.scatter ? "scatter"
+                                                                         : "gather")
+                                                       : st->k.name;
+    double ms = gj_jit_now_ms() - t0;
+    if (x->instrs_log)
+        fprintf(stderr, "[gradjit instrs] instr %d%s %s: %.3f ms\n", s,
+                e - s > 1 ? "+" : "", what, ms);
+    gj_jit_prof_instr(what, ms);
+}
+
+/* Frees the buffers whose last instruction is before e (from *li on in
+ * the plan's last-use order). */
+static void ex_free_dead(exec_run *x, int *li, int e) {
+    const gj_jit_plan *p = x->p;
+    for (; *li < p->n_by_last && p->bufs[p->by_last[*li]].last_instr < e; (*li)++) {
+        int b = p->by_last[*li];
+        if (x->bp[b]) gj_rt_free_data(x->bp[b], p->bufs[b].nbytes);
+        x->bp[b] = NULL;
+    }
+}
+
+int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
+                           void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
+                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx) {
+    exec_run x = {p, in, params, out, alloc, actx, hook, call, hctx, gj_rt_num_threads(),
+                  false, false, NULL, NULL};
+    int rc = ex_start(&x);
     int fi = 0, li = 0;
-    for (int s = 0, e; s < p->n_instrs; s = e) {
+    for (int s = 0, e; rc == 0 && s < p->n_instrs; s = e) {
         e = p->instrs[s].group_end > s ? p->instrs[s].group_end : s + 1;
-        for (; fi < p->n_by_first && p->bufs[p->by_first[fi]].first_instr < e; fi++) {
-            int b = p->by_first[fi];
-            const gj_jit_buffer *x = &p->bufs[b];
-            if (x->kind == GJ_JIT_BUF_OUTPUT) {
-                if (!out[x->index]) out[x->index] = alloc ? alloc(actx, x->index) : NULL;
-                if (!out[x->index]) goto done;
-                bp[b] = out[x->index];
-            } else if (x->nbytes > 0) {
-                bp[b] = gj_rt_alloc_data(x->nbytes);
-                if (!bp[b]) goto done;
-            }
-        }
-        const gj_jit_instr *st = &p->instrs[s];
-        double t0 = prof ? gj_jit_now_ms() : 0;
-        if (st->kind == GJ_JIT_INSTR_MATMUL) {
-            run_matmuls(p, s, e, bp, threads);
-        } else if (st->kind == GJ_JIT_INSTR_INDEX) {
-            if (run_index(&st->ix, bp) != 0) goto done;
-        } else if (st->kind == GJ_JIT_INSTR_FOLD) {
-            const gj_jit_fold *x = &st->fd;
-            const char *src = (const char *)bp[x->src_buf] +
-                              x->src_off * (int64_t)gj_rt_dtype_size(x->dtype);
-            if (!x->col2im) {
-                gj_rt_im2col_run(&x->win, x->dtype, src, x->src_st, x->pad, bp[x->out_buf]);
-            } else if (gj_rt_col2im_run(&x->win, x->dtype, src, x->src_st, bp[x->out_buf]) != 0) {
-                goto done;
-            }
-        } else if (st->kind == GJ_JIT_INSTR_CALL) {
-            if (!call) {
-                gj_rt_set_error("compiled backward: a custom call step without a runner");
-                goto done;
-            }
-            void *src[GJ_JIT_CALL_MAX_IN], *dst[GJ_RT_MAX_OUTPUTS];
-            for (int k = 0; k < st->cs.n_in; k++) src[k] = bp[st->cs.src_buf[k]];
-            for (int k = 0; k < st->cs.n_out; k++) dst[k] = bp[st->cs.out_buf[k]];
-            int cr = call(hctx, &st->cs, src, dst);
-            if (cr != 0) {
-                rc = cr;
-                goto done;
-            }
-        } else if (st->kind == GJ_JIT_INSTR_HOOK) {
-            if (!hook) {
-                gj_rt_set_error("compiled backward: a hook step without a hook runner");
-                goto done;
-            }
-            int hr = hook(hctx, &st->hk, bp[st->hk.src_buf], bp[st->hk.out_buf]);
-            if (hr != 0) {
-                rc = hr;
-                goto done;
-            }
-        } else if (st->k.rows > 0) {
-            const gj_jit_kernel *k = &st->k;
-            for (int q = 0; q < k->n_params; q++) ctx[q] = bp[k->param_buf[q]];
-            ctx[k->n_params] = k->ints;
-            gj_rt_parallel_for(k->rows, k->grain, k->fn, ctx);
-        }
-        if (prof) {
-            const char *what = st->kind == GJ_JIT_INSTR_MATMUL  ? "gemm"
-                               : st->kind == GJ_JIT_INSTR_HOOK  ? "hook"
-                               : st->kind == GJ_JIT_INSTR_CALL  ? "custom"
-                               : st->kind == GJ_JIT_INSTR_FOLD  ? (st->fd.col2im ? "col2im"
-                                                                                : "im2col")
-                               : st->kind == GJ_JIT_INSTR_INDEX ? (st->ix.scatter ? "scatter"
-                                                                                 : "gather")
-                                                               : st->k.name;
-            double ms = gj_jit_now_ms() - t0;
-            if (instrs_log)
-                fprintf(stderr, "[gradjit instrs] instr %d%s %s: %.3f ms\n", s,
-                        e - s > 1 ? "+" : "", what, ms);
-            gj_jit_prof_instr(what, ms);
-        }
-        for (; li < p->n_by_last && p->bufs[p->by_last[li]].last_instr < e; li++) {
-            int b = p->by_last[li];
-            if (bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
-            bp[b] = NULL;
-        }
-        if (progress && e < p->n_instrs && progress(hctx, e) != 0) goto done;
+        rc = ex_alloc(&x, &fi, e);
+        if (rc != 0) break;
+        double t0 = x.prof ? gj_jit_now_ms() : 0;
+        rc = ex_instr(&x, s, e);
+        if (rc != 0) break;
+        if (x.prof) ex_prof(&x, s, e, t0);
+        ex_free_dead(&x, &li, e);
+        if (progress && e < p->n_instrs && progress(hctx, e) != 0) rc = -1;
     }
-    for (int o = 0; o < p->n_outputs; o++) { /* outputs no instruction writes (none expected) */
+    for (int o = 0; rc == 0 && o < p->n_outputs; o++) { /* outputs no instruction writes (none expected) */
         if (out[o] || p->bufs[p->out_buf[o]].kind != GJ_JIT_BUF_OUTPUT) continue;
         out[o] = alloc ? alloc(actx, o) : NULL;
-        if (!out[o]) goto done;
+        if (!out[o]) rc = -1;
     }
-    rc = 0;
-done:
     if (rc != 0) {
-        if ((!bp || !ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
-        for (int b = 0; bp && b < p->n_bufs; b++)
-            if (p->bufs[b].kind == GJ_JIT_BUF_TEMP && bp[b]) gj_rt_free_data(bp[b], p->bufs[b].nbytes);
+        if ((!x.bp || !x.ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
+        for (int b = 0; x.bp && b < p->n_bufs; b++)
+            if (p->bufs[b].kind == GJ_JIT_BUF_TEMP && x.bp[b]) gj_rt_free_data(x.bp[b], p->bufs[b].nbytes);
     }
-    gj_rt_free(bp);
-    gj_rt_free(ctx);
+    gj_rt_free(x.bp);
+    gj_rt_free(x.ctx);
     return rc;
 }
