@@ -934,6 +934,148 @@ fail:
     return -1;
 }
 
+/* One load_entry, carried from check to check: the entry's id, its file
+ * (dfd, fd: open from le_open on, closed by load_entry), its bytes (data,
+ * len: owned, freed by load_entry), the reader over them, and the symbol
+ * prefix the entry names. Each check returns 0, or -1 with why[] set
+ * (*found: an entry is there, refused). */
+typedef struct loading {
+    const entry_id *id;
+    const char *dir;
+    bool *found;
+    char *why;
+    size_t why_cap;
+    char name[40];
+    int dfd, fd;
+    unsigned char *data;
+    size_t len;
+    rbuf b;
+    char sym[GJ_JIT_PREFIX_MAX];
+    size_t sym_n;
+} loading;
+
+/* The entry's file: in a directory we trust, a regular file we own, not
+ * too large. */
+static int le_open(loading *l) {
+    char *why = l->why;
+    size_t why_cap = l->why_cap;
+    l->dfd = open_dir(l->dir, false, why, why_cap);
+    if (l->dfd < 0) {
+        *l->found = why[0] != '\0'; /* a directory that exists but is refused */
+        return -1;
+    }
+    l->fd = openat(l->dfd, l->name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (l->fd < 0) {
+        if (errno == ENOENT) return -1;
+        *l->found = true;
+        snprintf(why, why_cap, "cannot open: %s", strerror(errno)); /* ELOOP: a symlink */
+        return -1;
+    }
+    *l->found = true;
+    struct stat st;
+    if (fstat(l->fd, &st) != 0) {
+        snprintf(why, why_cap, "cannot stat: %s", strerror(errno));
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(why, why_cap, "not a regular file");
+        return -1;
+    }
+    if (!owner_ok(&st, "entry", l->dir, l->name, why, why_cap)) return -1;
+    if (st.st_size > GJ_DISK_MAX_BYTES) {
+        snprintf(why, why_cap, "too large (%lld bytes, the limit is %lld)",
+                 (long long)st.st_size, (long long)GJ_DISK_MAX_BYTES);
+        return -1;
+    }
+    l->len = (size_t)st.st_size;
+    return 0;
+}
+
+/* The entry's bytes, read whole, and their checksum (the last 16 bytes). */
+static int le_read(loading *l) {
+    char *why = l->why;
+    size_t why_cap = l->why_cap, len = l->len;
+    if (len < sizeof g_magic + 16) {
+        snprintf(why, why_cap, "damaged (truncated)");
+        return -1;
+    }
+    l->data = gj_rt_malloc(len);
+    if (!l->data) {
+        snprintf(why, why_cap, "out of memory");
+        return -1;
+    }
+    if (read_all(l->fd, l->data, len) != 0) {
+        snprintf(why, why_cap, "damaged (read error)");
+        return -1;
+    }
+    uint64_t h[2], want[2];
+    memcpy(want, l->data + len - 16, 16);
+    gj_jit_hash128(l->data, len - 16, h);
+    if (h[0] != want[0] || h[1] != want[1]) {
+        snprintf(why, why_cap, "damaged (checksum)");
+        return -1;
+    }
+    return 0;
+}
+
+/* The entry's head: format, library version, host, key, symbol prefix
+ * (`prefix`, or a fresh one "gjs", or none), and its plan, which must be
+ * this graph's byte for byte. Leaves l->b at the object code. */
+static int le_head(loading *l, const char *prefix) {
+    char *why = l->why;
+    size_t why_cap = l->why_cap;
+    const entry_id *id = l->id;
+    rbuf *b = &l->b;
+    *b = (rbuf){l->data, l->len - 16, 0, false};
+    if (memcmp(l->data, g_magic, sizeof g_magic) != 0) {
+        snprintf(why, why_cap, "stale (format)");
+        return -1;
+    }
+    b->pos = sizeof g_magic;
+    if (get_u64(b) != layout_signature()) {
+        snprintf(why, why_cap, "stale (format)");
+        return -1;
+    }
+    size_t n;
+    const unsigned char *s = get_blob(b, &n);
+    if (b->bad || n != strlen(GJ_VERSION_STR) || memcmp(s, GJ_VERSION_STR, n) != 0) {
+        snprintf(why, why_cap, "stale (library version)");
+        return -1;
+    }
+    const char *host = gj_jit_host_id();
+    s = get_blob(b, &n);
+    if (b->bad || n != strlen(host) || memcmp(s, host, n) != 0) {
+        snprintf(why, why_cap, "stale (LLVM version, target or CPU features)");
+        return -1;
+    }
+    s = get_blob(b, &n);
+    if (b->bad || n != id->key_len || memcmp(s, id->key, n) != 0) {
+        snprintf(why, why_cap, "another key with the same hash");
+        return -1;
+    }
+    s = get_blob(b, &n);
+    bool expected = prefix && n == strlen(prefix) && memcmp(s, prefix, n) == 0;
+    bool fresh = n == 35 && memcmp(s, "gjs", 3) == 0 && code_prefix(s, n);
+    if (b->bad || (n > 0 && !expected && !fresh)) {
+        snprintf(why, why_cap, "damaged (symbol prefix)");
+        return -1;
+    }
+    memcpy(l->sym, s, n);
+    l->sym[n] = '\0';
+    l->sym_n = n;
+    size_t pn;
+    const unsigned char *pdata = get_blob(b, &pn);
+    if (b->bad) {
+        snprintf(why, why_cap, "damaged (layout)");
+        return -1;
+    }
+    if (pn != id->plan->n || memcmp(pdata, id->plan->p, pn) != 0) {
+        snprintf(why, why_cap, "damaged or stale (its plan is not this graph's plan)");
+        return -1;
+    }
+    return 0;
+}
+
 /* Loads entry id's object code into pr (see gj_jit_disk_load). The
  * entry's symbol prefix must be `prefix` (NULL: none expected) or a fresh
  * one ("gjs"). */
@@ -943,115 +1085,24 @@ static int load_entry(const entry_id *id, gj_jit_program *pr, const char *prefix
     why[0] = '\0';
     const char *dir = gj_jit_disk_dir();
     if (!dir || pr->code || pr->n_shared || id->plan->oom) return -1;
-    char name[40], sym[GJ_JIT_PREFIX_MAX];
-    entry_name(name, id->hash);
-    unsigned char *data = NULL;
-    int fd = -1, dfd = open_dir(dir, false, why, why_cap);
-    if (dfd < 0) {
-        *found = why[0] != '\0'; /* a directory that exists but is refused */
-        goto fail;
-    }
-    fd = openat(dfd, name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT) goto fail;
-        *found = true;
-        snprintf(why, why_cap, "cannot open: %s", strerror(errno)); /* ELOOP: a symlink */
-        goto fail;
-    }
-    *found = true;
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        snprintf(why, why_cap, "cannot stat: %s", strerror(errno));
-        goto fail;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        snprintf(why, why_cap, "not a regular file");
-        goto fail;
-    }
-    if (!owner_ok(&st, "entry", dir, name, why, why_cap)) goto fail;
-    if (st.st_size > GJ_DISK_MAX_BYTES) {
-        snprintf(why, why_cap, "too large (%lld bytes, the limit is %lld)",
-                 (long long)st.st_size, (long long)GJ_DISK_MAX_BYTES);
-        goto fail;
-    }
-    size_t len = (size_t)st.st_size;
-    if (len < sizeof g_magic + 16) {
-        snprintf(why, why_cap, "damaged (truncated)");
-        goto fail;
-    }
-    data = gj_rt_malloc(len);
-    if (!data) {
-        snprintf(why, why_cap, "out of memory");
-        goto fail;
-    }
-    if (read_all(fd, data, len) != 0) {
-        snprintf(why, why_cap, "damaged (read error)");
-        goto fail;
-    }
-    uint64_t h[2], want[2];
-    memcpy(want, data + len - 16, 16);
-    gj_jit_hash128(data, len - 16, h);
-    if (h[0] != want[0] || h[1] != want[1]) {
-        snprintf(why, why_cap, "damaged (checksum)");
-        goto fail;
-    }
-    rbuf b = {data, len - 16, 0, false};
-    if (memcmp(data, g_magic, sizeof g_magic) != 0) {
-        snprintf(why, why_cap, "stale (format)");
-        goto fail;
-    }
-    b.pos = sizeof g_magic;
-    if (get_u64(&b) != layout_signature()) {
-        snprintf(why, why_cap, "stale (format)");
-        goto fail;
-    }
-    size_t n;
-    const unsigned char *s = get_blob(&b, &n);
-    if (b.bad || n != strlen(GJ_VERSION_STR) || memcmp(s, GJ_VERSION_STR, n) != 0) {
-        snprintf(why, why_cap, "stale (library version)");
-        goto fail;
-    }
-    const char *host = gj_jit_host_id();
-    s = get_blob(&b, &n);
-    if (b.bad || n != strlen(host) || memcmp(s, host, n) != 0) {
-        snprintf(why, why_cap, "stale (LLVM version, target or CPU features)");
-        goto fail;
-    }
-    s = get_blob(&b, &n);
-    if (b.bad || n != id->key_len || memcmp(s, id->key, n) != 0) {
-        snprintf(why, why_cap, "another key with the same hash");
-        goto fail;
-    }
-    s = get_blob(&b, &n);
-    bool expected = prefix && n == strlen(prefix) && memcmp(s, prefix, n) == 0;
-    bool fresh = n == 35 && memcmp(s, "gjs", 3) == 0 && code_prefix(s, n);
-    if (b.bad || (n > 0 && !expected && !fresh)) {
-        snprintf(why, why_cap, "damaged (symbol prefix)");
-        goto fail;
-    }
-    memcpy(sym, s, n);
-    sym[n] = '\0';
-    size_t pn;
-    const unsigned char *pdata = get_blob(&b, &pn);
-    if (b.bad) {
-        snprintf(why, why_cap, "damaged (layout)");
-        goto fail;
-    }
-    if (pn != id->plan->n || memcmp(pdata, id->plan->p, pn) != 0) {
-        snprintf(why, why_cap, "damaged or stale (its plan is not this graph's plan)");
-        goto fail;
-    }
-    if (load_objects(&b, pr, n > 0 ? sym : NULL, why, why_cap) != 0) goto fail;
-    (void)futimens(fd, NULL); /* used now: the LRU stamp (we own it; failure is harmless) */
-    close(fd);
-    close(dfd);
-    gj_rt_free(data);
-    return 0;
-fail:
-    if (fd >= 0) close(fd);
-    if (dfd >= 0) close(dfd);
-    gj_rt_free(data);
-    return -1;
+    loading l;
+    memset(&l, 0, sizeof l);
+    l.id = id;
+    l.dir = dir;
+    l.found = found;
+    l.why = why;
+    l.why_cap = why_cap;
+    l.dfd = l.fd = -1;
+    entry_name(l.name, id->hash);
+    int rc = le_open(&l);
+    if (rc == 0) rc = le_read(&l);
+    if (rc == 0) rc = le_head(&l, prefix);
+    if (rc == 0 && load_objects(&l.b, pr, l.sym_n > 0 ? l.sym : NULL, why, why_cap) != 0) rc = -1;
+    if (rc == 0) (void)futimens(l.fd, NULL); /* used now: the LRU stamp (we own it; failure is harmless) */
+    if (l.fd >= 0) close(l.fd);
+    if (l.dfd >= 0) close(l.dfd);
+    gj_rt_free(l.data);
+    return rc;
 }
 
 int gj_jit_disk_load(const gj_jit_key *w, gj_jit_program *pr, const char *prefix, bool *found,
