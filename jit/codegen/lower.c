@@ -701,15 +701,22 @@ static void add_target_attrs(kg *g, LLVMValueRef fn, const char *cpu, const char
                                 LLVMCreateStringAttribute(g->C, "prefer-vector-width", 19, "512", 3));
 }
 
-static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const char *cpu,
-                        const char *features) {
+/* One lower_kernel, carried from part to part: the kernel, the target, the
+ * two functions' names (the body `<prefix>_<name>.body`, internal and
+ * always inlined, and the entry `<prefix>_<name>` the plan calls), the
+ * body's parameter types (pt, owned, freed by lower_kernel) and type. The
+ * kernel's tables in g are allocated by lk_tables and freed by lk_free. */
+typedef struct lowering {
+    const gj_jit_kernel *k;
+    const char *cpu, *features;
     char name[128], bname[140];
-    snprintf(name, sizeof name, "%s_%s", prefix, k->name);
-    snprintf(bname, sizeof bname, "%s.body", name);
-    int np = k->n_params;
-    int rc = -1;
-    g->generic = g->p->generic;
-    int nx = g->generic ? 1 : 0; /* the ints table after the buffers */
+    int np, nx; /* buffers; 1 for the ints table of a generic kernel */
+    LLVMTypeRef *pt, bty;
+} lowering;
+
+/* A generic kernel has its integer table and a column block lowering can
+ * take. 0, or -1 with g failed. */
+static int lk_check(kg *g, const gj_jit_kernel *k) {
     if (g->generic && (!k->ints || k->n_ints != gj_jit_kint_count(k))) {
         kg_fail(g, "internal: generic kernel %s without its integer table", k->name);
         return -1;
@@ -719,7 +726,16 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
                 k->name, (long long)k->block, GJ_JIT_MAX_RED_BLOCK);
         return -1;
     }
-    LLVMTypeRef *pt = gj_rt_calloc((size_t)np + 3, sizeof *pt);
+    return 0;
+}
+
+/* The kernel's tables in g, and what the body's loops decide from the
+ * kernel alone: plain loops for small kernels, the vector width of an f32
+ * reduction over outer dims, the parameter of each access. 0 or -1. */
+static int lk_tables(kg *g, lowering *l) {
+    const gj_jit_kernel *k = l->k;
+    int np = l->np;
+    l->pt = gj_rt_calloc((size_t)np + 3, sizeof *l->pt);
     g->ints_v = gj_rt_calloc((size_t)k->n_ints + 1, sizeof *g->ints_v);
     g->param = gj_rt_calloc((size_t)np + 1, sizeof *g->param);
     g->acc_param = gj_rt_calloc((size_t)k->n_acc + 1, sizeof *g->acc_param);
@@ -727,10 +743,10 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     g->racc = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->racc);
     g->lanes = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->lanes);
     g->coll = gj_rt_calloc((size_t)k->n_st + 1, sizeof *g->coll);
-    if (!pt || !g->param || !g->acc_param || !g->ev || !g->racc || !g->lanes || !g->coll ||
+    if (!l->pt || !g->param || !g->acc_param || !g->ev || !g->racc || !g->lanes || !g->coll ||
         !g->ints_v) {
         kg_fail(g, "out of memory while lowering");
-        goto done;
+        return -1;
     }
     g->k = k;
     int64_t work = 1;
@@ -747,22 +763,29 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     for (int s2 = 0; s2 < k->n_st; s2++)
         f32_red |= k->st[s2].reduce && k->acc[k->st[s2].access].dtype != GJ_F64;
     if (f32_red && k->red && !((k->red >> (k->nd - 1)) & 1u))
-        g->vec_width = strstr(features, "+avx512f") ? 16 : strstr(features, "+avx2") ? 8 : 0;
+        g->vec_width = strstr(l->features, "+avx512f") ? 16 : strstr(l->features, "+avx2") ? 8 : 0;
     for (int a = 0; a < k->n_acc; a++) {
         g->acc_param[a] = -1;
         for (int q = 0; q < np; q++)
             if (k->param_buf[q] == k->acc[a].buf) g->acc_param[a] = q;
     }
-    /* body */
+    return 0;
+}
+
+/* The body: (buffers..., [ints,] row0, row1), its buffers noalias and
+ * nocapture, then gen_kernel_body. 0, or -1 with g failed. */
+static int lk_body(kg *g, lowering *l) {
+    int np = l->np, nx = l->nx;
+    LLVMTypeRef *pt = l->pt;
     for (int q = 0; q < np + nx; q++) pt[q] = g->ptr;
     pt[np + nx] = g->i64;
     pt[np + nx + 1] = g->i64;
-    LLVMTypeRef bty = LLVMFunctionType(g->vd, pt, (unsigned)(np + nx) + 2, 0);
-    g->fn = LLVMAddFunction(g->M, bname, bty);
+    l->bty = LLVMFunctionType(g->vd, pt, (unsigned)(np + nx) + 2, 0);
+    g->fn = LLVMAddFunction(g->M, l->bname, l->bty);
     LLVMSetLinkage(g->fn, LLVMInternalLinkage);
     add_fn_attr(g, g->fn, "alwaysinline");
     add_fn_attr(g, g->fn, "nounwind");
-    add_target_attrs(g, g->fn, cpu, features);
+    add_target_attrs(g, g->fn, l->cpu, l->features);
     unsigned na = LLVMGetEnumAttributeKindForName("noalias", 7);
     unsigned nc = LLVMGetEnumAttributeKindForName("nocapture", 9);
     for (int q = 0; q < np + nx; q++) { /* (the ints table too: nothing writes it) */
@@ -773,18 +796,23 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     g->entry = LLVMAppendBasicBlockInContext(g->C, g->fn, "entry");
     LLVMPositionBuilderAtEnd(g->B, g->entry);
     gen_kernel_body(g);
-    if (g->failed) goto done;
-    /* entry */
+    return g->failed ? -1 : 0;
+}
+
+/* The entry (void **bufs, row0, row1): loads each buffer pointer and
+ * calls the body. 0, or -1 with g failed. */
+static int lk_entry(kg *g, lowering *l) {
+    int np = l->np, nx = l->nx;
     LLVMTypeRef et[3] = {g->ptr, g->i64, g->i64};
-    LLVMValueRef efn = LLVMAddFunction(g->M, name, LLVMFunctionType(g->vd, et, 3, 0));
+    LLVMValueRef efn = LLVMAddFunction(g->M, l->name, LLVMFunctionType(g->vd, et, 3, 0));
     add_fn_attr(g, efn, "nounwind");
-    add_target_attrs(g, efn, cpu, features);
+    add_target_attrs(g, efn, l->cpu, l->features);
     LLVMBasicBlockRef eb = LLVMAppendBasicBlockInContext(g->C, efn, "entry");
     LLVMPositionBuilderAtEnd(g->B, eb);
     LLVMValueRef *args = gj_rt_calloc((size_t)np + 3, sizeof *args);
     if (!args) {
         kg_fail(g, "out of memory while lowering");
-        goto done;
+        return -1;
     }
     LLVMValueRef bufs = LLVMGetParam(efn, 0);
     for (int q = 0; q < np + nx; q++) {
@@ -794,12 +822,14 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     }
     args[np + nx] = LLVMGetParam(efn, 1);
     args[np + nx + 1] = LLVMGetParam(efn, 2);
-    LLVMBuildCall2(g->B, bty, g->fn, args, (unsigned)(np + nx) + 2, "");
+    LLVMBuildCall2(g->B, l->bty, g->fn, args, (unsigned)(np + nx) + 2, "");
     LLVMBuildRetVoid(g->B);
     gj_rt_free(args);
-    rc = 0;
-done:
-    gj_rt_free(pt);
+    return 0;
+}
+
+/* Frees the kernel's tables in g (and leaves them NULL). */
+static void lk_free(kg *g) {
     gj_rt_free(g->param);
     gj_rt_free(g->acc_param);
     gj_rt_free(g->ev);
@@ -812,6 +842,28 @@ done:
     g->param = NULL;
     g->acc_param = NULL;
     g->ev = g->racc = g->lanes = NULL;
+}
+
+/* Lowers kernel k into g's module as its body and entry functions. 0, or
+ * -1 with g failed. */
+static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const char *cpu,
+                        const char *features) {
+    lowering l;
+    memset(&l, 0, sizeof l);
+    l.k = k;
+    l.cpu = cpu;
+    l.features = features;
+    snprintf(l.name, sizeof l.name, "%s_%s", prefix, k->name);
+    snprintf(l.bname, sizeof l.bname, "%s.body", l.name);
+    l.np = k->n_params;
+    g->generic = g->p->generic;
+    l.nx = g->generic ? 1 : 0; /* the ints table after the buffers */
+    if (lk_check(g, k) != 0) return -1;
+    int rc = lk_tables(g, &l);
+    if (rc == 0) rc = lk_body(g, &l);
+    if (rc == 0) rc = lk_entry(g, &l);
+    gj_rt_free(l.pt);
+    lk_free(g);
     return rc;
 }
 
