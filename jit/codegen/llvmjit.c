@@ -258,32 +258,16 @@ static int lookup_kernels(gj_jit_plan *p, const char *prefix, char *why, size_t 
     return 0;
 }
 
-/* Adds object code obj (copied; a further copy kept in the code when
- * `keep`) to the JIT under a new resource tracker and, when p is not NULL,
- * looks up every kernel of p (`<prefix>_<name>`). Object code whose prefix
- * a live code object already has is that code's (the same kernels, lent to
- * another program's disk entry): it is not added twice, the live one gets a
- * reference instead. Lock held. Returns the code or NULL with why[] set. */
-static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
-                               bool keep, char *why, size_t why_cap) {
-    if (strlen(prefix) >= GJ_JIT_PREFIX_MAX) {
-        snprintf(why, why_cap, "LLVM error (add object): symbol prefix too long");
-        return NULL;
-    }
-    gj_jit_code *live = live_find(prefix);
-    if (live) {
-        if (p && lookup_kernels(p, prefix, why, why_cap) != 0) {
-            for (int s = 0; s < p->n_instrs; s++)
-                if (!p->instrs[s].k.shared) p->instrs[s].k.fn = NULL;
-            return NULL;
-        }
-        if (keep && !live->obj && n > 0) { /* the same bytes: keep them now */
-            live->obj = gj_rt_malloc(n);
-            if (live->obj) memcpy(live->obj, obj, n);
-        }
-        atomic_fetch_add(&live->refs, 1);
-        return live;
-    }
+/* Unsets the fn of every kernel of p that is not shared (a failed add). */
+static void unset_kernels(gj_jit_plan *p) {
+    for (int s = 0; s < p->n_instrs; s++)
+        if (!p->instrs[s].k.shared) p->instrs[s].k.fn = NULL;
+}
+
+/* A new code object for prefix, with one reference and (keep) a copy of
+ * obj. NULL with why[] set. */
+static gj_jit_code *new_code(const char *prefix, const void *obj, size_t n, bool keep, char *why,
+                             size_t why_cap) {
     gj_jit_code *code = gj_rt_calloc(1, sizeof *code);
     if (!code) {
         snprintf(why, why_cap, "out of memory");
@@ -300,55 +284,111 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
         }
         memcpy(code->obj, obj, n);
     }
-    LLVMOrcResourceTrackerRef rt =
-        LLVMOrcJITDylibCreateResourceTracker(LLVMOrcLLJITGetMainJITDylib(g.jit));
+    return code;
+}
+
+/* Adds obj's object files to the JIT under rt: one, or several behind
+ * GJ_MULTI_MAGIC (a count, the sizes, then the objects). *parts receives
+ * their number. 0, or -1 with why[] set (what was added stays under rt). */
+static int add_objects_rt(LLVMOrcResourceTrackerRef rt, const char *prefix, const void *obj,
+                          size_t n, int *parts, char *why, size_t why_cap) {
     LLVMErrorRef err;
     const char *bytes = obj;
-    int parts = 1;
+    *parts = 1;
     if (n >= 8 && memcmp(bytes, GJ_MULTI_MAGIC, 4) == 0) { /* several objects */
         uint32_t cnt;
         memcpy(&cnt, bytes + 4, 4);
         size_t off = 8 + 8 * (size_t)cnt;
         if (cnt < 1 || cnt > GJ_JIT_MAX_SHARDS || off > n) {
             snprintf(why, why_cap, "LLVM error (add object): malformed multi-object code");
-            goto fail;
+            return -1;
         }
         for (uint32_t i = 0; i < cnt; i++) {
             uint64_t sz;
             memcpy(&sz, bytes + 8 + 8 * (size_t)i, 8);
             if (sz > n - off) {
                 snprintf(why, why_cap, "LLVM error (add object): malformed multi-object code");
-                goto fail;
+                return -1;
             }
             LLVMMemoryBufferRef mb =
                 LLVMCreateMemoryBufferWithMemoryRangeCopy(bytes + off, (size_t)sz, prefix);
             err = LLVMOrcLLJITAddObjectFileWithRT(g.jit, rt, mb); /* consumes mb */
             if (err) {
                 take_error(err, "add object", why, why_cap);
-                goto fail;
+                return -1;
             }
             off += (size_t)sz;
         }
-        parts = (int)cnt;
+        *parts = (int)cnt;
     } else {
         LLVMMemoryBufferRef mb = LLVMCreateMemoryBufferWithMemoryRangeCopy(bytes, n, prefix);
         err = LLVMOrcLLJITAddObjectFileWithRT(g.jit, rt, mb); /* consumes mb */
         if (err) {
             take_error(err, "add object", why, why_cap);
-            goto fail;
+            return -1;
         }
     }
-    g.session_error[0] = '\0';
-    if (p && lookup_kernels(p, prefix, why, why_cap) != 0) goto fail;
-    if (fail_llvm_requested()) {
-        LLVMOrcExecutorAddress addr = 0;
-        err = LLVMOrcLLJITLookup(g.jit, &addr, "gradjit_test_forced_llvm_failure");
-        if (err) {
-            take_error(err, "lookup", why, why_cap);
-            goto fail;
+    return 0;
+}
+
+/* The tests' forced LLVM failure (fail_llvm_requested): a lookup of a
+ * symbol no object defines. 0 when not asked, else -1 with why[] set. */
+static int forced_failure(char *why, size_t why_cap) {
+    if (!fail_llvm_requested()) return 0;
+    LLVMOrcExecutorAddress addr = 0;
+    LLVMErrorRef err = LLVMOrcLLJITLookup(g.jit, &addr, "gradjit_test_forced_llvm_failure");
+    if (err) {
+        take_error(err, "lookup", why, why_cap);
+        return -1;
+    }
+    snprintf(why, why_cap, "LLVM error: forced failure did not fail");
+    return -1;
+}
+
+/* Adds object code obj (copied; a further copy kept in the code when
+ * `keep`) to the JIT under a new resource tracker and, when p is not NULL,
+ * looks up every kernel of p (`<prefix>_<name>`). Object code whose prefix
+ * a live code object already has is that code's (the same kernels, lent to
+ * another program's disk entry): it is not added twice, the live one gets a
+ * reference instead. Lock held. Returns the code or NULL with why[] set. */
+static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *obj, size_t n,
+                               bool keep, char *why, size_t why_cap) {
+    if (strlen(prefix) >= GJ_JIT_PREFIX_MAX) {
+        snprintf(why, why_cap, "LLVM error (add object): symbol prefix too long");
+        return NULL;
+    }
+    gj_jit_code *live = live_find(prefix);
+    if (live) {
+        if (p && lookup_kernels(p, prefix, why, why_cap) != 0) {
+            unset_kernels(p);
+            return NULL;
         }
-        snprintf(why, why_cap, "LLVM error: forced failure did not fail");
-        goto fail;
+        if (keep && !live->obj && n > 0) { /* the same bytes: keep them now */
+            live->obj = gj_rt_malloc(n);
+            if (live->obj) memcpy(live->obj, obj, n);
+        }
+        atomic_fetch_add(&live->refs, 1);
+        return live;
+    }
+    gj_jit_code *code = new_code(prefix, obj, n, keep, why, why_cap);
+    if (!code) return NULL;
+    LLVMOrcResourceTrackerRef rt =
+        LLVMOrcJITDylibCreateResourceTracker(LLVMOrcLLJITGetMainJITDylib(g.jit));
+    int parts = 1;
+    int rc = add_objects_rt(rt, prefix, obj, n, &parts, why, why_cap);
+    if (rc == 0) {
+        g.session_error[0] = '\0';
+        if (p && lookup_kernels(p, prefix, why, why_cap) != 0) rc = -1;
+    }
+    if (rc == 0) rc = forced_failure(why, why_cap);
+    if (rc != 0) { /* the tracker removes what was added */
+        LLVMErrorRef e2 = LLVMOrcResourceTrackerRemove(rt);
+        if (e2) LLVMConsumeError(e2);
+        LLVMOrcReleaseResourceTracker(rt);
+        gj_rt_free(code->obj);
+        gj_rt_free(code);
+        if (p) unset_kernels(p);
+        return NULL;
     }
     code->rt = rt;
     code->obj_bytes = n;
@@ -357,17 +397,6 @@ static gj_jit_code *add_object(gj_jit_plan *p, const char *prefix, const void *o
     if (g.live) g.live->live_prev = code;
     g.live = code;
     return code;
-fail: {
-    LLVMErrorRef e2 = LLVMOrcResourceTrackerRemove(rt);
-    if (e2) LLVMConsumeError(e2);
-    LLVMOrcReleaseResourceTracker(rt);
-    gj_rt_free(code->obj);
-    gj_rt_free(code);
-    if (p)
-        for (int s = 0; s < p->n_instrs; s++)
-            if (!p->instrs[s].k.shared) p->instrs[s].k.fn = NULL;
-    return NULL;
-}
 }
 
 /* --------------------------------------------------- parallel compile */
