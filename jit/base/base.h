@@ -4,9 +4,9 @@
  * stage: the settings (GRADJIT_* variables and their setters, settings.c),
  * the counters of gj_ca_stats and the fallbacks (fallback.c), the log
  * flags and the GRADJIT_LOG=prof tables (logsum.c), hashing and fresh
- * names (hash.c), the clock, and the byte writer (base/wbuf.h). Nothing here
- * calls up: the exit-time summary that needs the caches is registered by
- * jit/jit.c, above every stage.
+ * names (hash.c), the clock, array growth (gj_jit_grow) and the byte
+ * writer (base/wbuf.h). Nothing here calls up: the exit-time summary that
+ * needs the caches is registered by jit/jit.c, above every stage.
  *
  * The counters of gj_ca_stats and the fallbacks are shared by every
  * compiled path (the backward and the training step).
@@ -132,6 +132,21 @@ int gj_jit_parse_bytes(const char *s, int64_t *out);
  * Callers read it once per process. */
 int64_t gj_jit_env_bytes(const char *var, int64_t dflt);
 
+
+/* ------------------------------------------------------ growable arrays */
+
+/* Makes room for one more element of size sz in *arr, of which n are used
+ * and *cap allocated: doubles *cap (16 at first) through gj_rt_realloc when
+ * full. 0, or -1 with *arr and *cap unchanged (the old array still valid). */
+static inline int gj_jit_grow(void **arr, int n, int *cap, size_t sz) {
+    if (n < *cap) return 0;
+    int nc = *cap ? *cap * 2 : 16;
+    void *q = gj_rt_realloc(*arr, (size_t)nc * sz);
+    if (!q) return -1;
+    *arr = q;
+    *cap = nc;
+    return 0;
+}
 
 /* ------------------------------------------------------------ hashing */
 

@@ -3,7 +3,7 @@
  * ir.c - the graph IR: building, printing, instruction equality, and the
  * GRADJIT_LOG switches of jit/.
  *
- * Invariants: see ir.h. Arrays grow by doubling through gj_rt_realloc; a
+ * Invariants: see ir.h. Arrays grow by doubling (gj_jit_grow, base.h); a
  * failed growth leaves the graph unchanged (and consistent) and reports -1.
  */
 #include "jit/ir/ir.h"
@@ -24,19 +24,8 @@ void gj_jit_graph_free(gj_jit_graph *g) {
     memset(g, 0, sizeof *g);
 }
 
-/* Makes room for one more element of size sz in *arr (n used, *cap). */
-static int grow(void **arr, int n, int *cap, size_t sz) {
-    if (n < *cap) return 0;
-    int nc = *cap ? *cap * 2 : 16;
-    void *p = gj_rt_realloc(*arr, (size_t)nc * sz);
-    if (!p) return -1;
-    *arr = p;
-    *cap = nc;
-    return 0;
-}
-
 static int add_value(gj_jit_graph *g, const gj_rt_meta *m, int node, int index) {
-    if (grow((void **)&g->values, g->n_values, &g->cap_values, sizeof *g->values) != 0)
+    if (gj_jit_grow((void **)&g->values, g->n_values, &g->cap_values, sizeof *g->values) != 0)
         return -1;
     gj_jit_value *v = &g->values[g->n_values];
     memset(v, 0, sizeof *v);
@@ -48,7 +37,7 @@ static int add_value(gj_jit_graph *g, const gj_rt_meta *m, int node, int index) 
 
 int gj_jit_graph_add_input(gj_jit_graph *g, const gj_rt_meta *m, gj_jit_role role, int node,
                            int slot) {
-    if (grow((void **)&g->inputs, g->n_inputs, &g->cap_inputs, sizeof *g->inputs) != 0)
+    if (gj_jit_grow((void **)&g->inputs, g->n_inputs, &g->cap_inputs, sizeof *g->inputs) != 0)
         return -1;
     int v = add_value(g, m, -1, g->n_inputs);
     if (v < 0) return -1;
@@ -81,7 +70,7 @@ bool gj_jit_strides_contiguous(const gj_rt_meta *m, const int64_t *strides) {
  * failure leaves no half node); returns the next node slot, zeroed, with
  * no origin (rt_node, hook, custom = -1), or NULL on OOM. */
 static gj_jit_node *node_reserve(gj_jit_graph *g, int n_out) {
-    if (grow((void **)&g->nodes, g->n_nodes, &g->cap_nodes, sizeof *g->nodes) != 0) return NULL;
+    if (gj_jit_grow((void **)&g->nodes, g->n_nodes, &g->cap_nodes, sizeof *g->nodes) != 0) return NULL;
     if (g->n_values + n_out > g->cap_values) {
         int nc = g->cap_values ? g->cap_values : 16;
         while (nc < g->n_values + n_out) nc *= 2;
@@ -160,7 +149,7 @@ int gj_jit_graph_add_custom(gj_jit_graph *g, int rt_node, int tape, uint32_t arg
 }
 
 int gj_jit_graph_add_output(gj_jit_graph *g, int value, int acc_node, int grad_input) {
-    if (grow((void **)&g->outputs, g->n_outputs, &g->cap_outputs, sizeof *g->outputs) != 0)
+    if (gj_jit_grow((void **)&g->outputs, g->n_outputs, &g->cap_outputs, sizeof *g->outputs) != 0)
         return -1;
     gj_jit_output *o = &g->outputs[g->n_outputs++];
     o->value = value;
@@ -319,7 +308,7 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
 }
 
 int gj_jit_graph_add_hook(gj_jit_graph *g, const gj_jit_hookref *h) {
-    if (grow((void **)&g->hooks, g->n_hooks, &g->cap_hooks, sizeof *g->hooks) != 0) return -1;
+    if (gj_jit_grow((void **)&g->hooks, g->n_hooks, &g->cap_hooks, sizeof *g->hooks) != 0) return -1;
     g->hooks[g->n_hooks] = *h;
     return g->n_hooks++;
 }

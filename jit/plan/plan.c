@@ -31,7 +31,7 @@ int gj_jit_pl_no_lowering(planner *pl, const gj_jit_node *n, const char *detail)
 /* New buffer; returns its id or -1. */
 int gj_jit_pl_new_buf(planner *pl, gj_jit_buf_kind kind, int index, gj_dtype dt, int64_t numel) {
     gj_jit_plan *p = pl->p;
-    if (grow((void **)&p->bufs, p->n_bufs, &p->cap_bufs, sizeof *p->bufs) != 0) return -1;
+    if (gj_jit_grow((void **)&p->bufs, p->n_bufs, &p->cap_bufs, sizeof *p->bufs) != 0) return -1;
     gj_jit_buffer *b = &p->bufs[p->n_bufs];
     memset(b, 0, sizeof *b);
     b->kind = kind;

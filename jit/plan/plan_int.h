@@ -123,16 +123,6 @@ typedef struct planner {
 
 /* ---------------------------------------------------- small helpers */
 
-static inline int grow(void **arr, int n, int *cap, size_t sz) {
-    if (n < *cap) return 0;
-    int nc = *cap ? *cap * 2 : 16;
-    void *q = gj_rt_realloc(*arr, (size_t)nc * sz);
-    if (!q) return -1;
-    *arr = q;
-    *cap = nc;
-    return 0;
-}
-
 static inline void contig_strides(int nd, const int64_t *shape, int64_t *st) {
     int64_t s = 1;
     for (int k = nd - 1; k >= 0; k--) {

@@ -23,7 +23,7 @@ static int kadd_access(gj_jit_kernel *k, int buf, gj_dtype dt, int64_t off, cons
             memcmp(x->strides, st, (size_t)nd * sizeof *st) == 0)
             return a;
     }
-    if (grow((void **)&k->acc, k->n_acc, &k->cap_acc, sizeof *k->acc) != 0) return -1;
+    if (gj_jit_grow((void **)&k->acc, k->n_acc, &k->cap_acc, sizeof *k->acc) != 0) return -1;
     gj_jit_access *x = &k->acc[k->n_acc];
     memset(x, 0, sizeof *x);
     x->buf = buf;
@@ -34,13 +34,13 @@ static int kadd_access(gj_jit_kernel *k, int buf, gj_dtype dt, int64_t off, cons
 }
 
 static int kadd_expr(gj_jit_kernel *k, const gj_jit_expr *e) {
-    if (grow((void **)&k->ex, k->n_ex, &k->cap_ex, sizeof *k->ex) != 0) return -1;
+    if (gj_jit_grow((void **)&k->ex, k->n_ex, &k->cap_ex, sizeof *k->ex) != 0) return -1;
     k->ex[k->n_ex] = *e;
     return k->n_ex++;
 }
 
 static int kadd_store(gj_jit_kernel *k, int access, int expr, bool reduce, bool max) {
-    if (grow((void **)&k->st, k->n_st, &k->cap_st, sizeof *k->st) != 0) return -1;
+    if (gj_jit_grow((void **)&k->st, k->n_st, &k->cap_st, sizeof *k->st) != 0) return -1;
     gj_jit_store *s = &k->st[k->n_st++];
     memset(s, 0, sizeof *s);
     s->access = access;

@@ -25,7 +25,7 @@
 /* New pinstr; returns its id or -1 (OOM). */
 static int new_pinstr(planner *pl, pinstr_kind kind, int idx, int64_t pos) {
     int old_cap = pl->cap_ps;
-    if (grow((void **)&pl->ps, pl->n_ps, &pl->cap_ps, sizeof *pl->ps) != 0) return -1;
+    if (gj_jit_grow((void **)&pl->ps, pl->n_ps, &pl->cap_ps, sizeof *pl->ps) != 0) return -1;
     if (pl->cap_ps != old_cap || !pl->stack) {
         int *st = gj_rt_realloc(pl->stack, (size_t)pl->cap_ps * sizeof *st);
         if (!st) return -1;
@@ -45,7 +45,7 @@ static int add_dep(planner *pl, int s, int d) {
     pinstr *x = &pl->ps[s];
     for (int k = 0; k < x->n_deps; k++)
         if (x->deps[k] == d) return 0;
-    if (grow((void **)&x->deps, x->n_deps, &x->cap_deps, sizeof *x->deps) != 0) return -1;
+    if (gj_jit_grow((void **)&x->deps, x->n_deps, &x->cap_deps, sizeof *x->deps) != 0) return -1;
     x->deps[x->n_deps++] = d;
     return 0;
 }
@@ -179,7 +179,7 @@ static int add_recomp(planner *pl, int gi, int v) {
         if (u->kind == V_FUSED && u->buf < 0 && add_recomp(pl, gi, n->in[k]) != 0) return -1;
     }
     pgroup *G = &pl->groups[gi];
-    if (grow((void **)&G->recomp, G->n_recomp, &G->cap_recomp, sizeof *G->recomp) != 0)
+    if (gj_jit_grow((void **)&G->recomp, G->n_recomp, &G->cap_recomp, sizeof *G->recomp) != 0)
         return gj_jit_pl_oom(pl);
     G->recomp[G->n_recomp++] = v;
     return 0;
@@ -197,7 +197,7 @@ static int need_value(planner *pl, int gi, int v) {
 }
 
 static int new_group(planner *pl, int ndim, const int64_t *shape, int first, int64_t pos) {
-    if (grow((void **)&pl->groups, pl->n_groups, &pl->cap_groups, sizeof *pl->groups) != 0)
+    if (gj_jit_grow((void **)&pl->groups, pl->n_groups, &pl->cap_groups, sizeof *pl->groups) != 0)
         return -1;
     pgroup *G = &pl->groups[pl->n_groups];
     memset(G, 0, sizeof *G);
@@ -213,7 +213,7 @@ static int new_group(planner *pl, int ndim, const int64_t *shape, int first, int
 }
 
 static int group_add(pgroup *G, int node) {
-    if (grow((void **)&G->nodes, G->n, &G->cap, sizeof *G->nodes) != 0) return -1;
+    if (gj_jit_grow((void **)&G->nodes, G->n, &G->cap, sizeof *G->nodes) != 0) return -1;
     G->nodes[G->n++] = node;
     return 0;
 }
@@ -325,7 +325,7 @@ static int merge_groups(planner *pl, int a, int b) {
     B->dead = true;
     for (int k = 0; k < B->n_recomp; k++) { /* what B computed again, A now does */
         if (recomputes(pl, a, B->recomp[k])) continue;
-        if (grow((void **)&A->recomp, A->n_recomp, &A->cap_recomp, sizeof *A->recomp) != 0)
+        if (gj_jit_grow((void **)&A->recomp, A->n_recomp, &A->cap_recomp, sizeof *A->recomp) != 0)
             return gj_jit_pl_oom(pl);
         A->recomp[A->n_recomp++] = B->recomp[k];
     }
@@ -544,7 +544,7 @@ static int plan_matmul(planner *pl, int i) {
     }
     mm.c_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (mm.c_buf < 0) return gj_jit_pl_oom(pl);
-    if (grow((void **)&pl->mms, pl->n_mm, &pl->cap_mm, sizeof *pl->mms) != 0) return gj_jit_pl_oom(pl);
+    if (gj_jit_grow((void **)&pl->mms, pl->n_mm, &pl->cap_mm, sizeof *pl->mms) != 0) return gj_jit_pl_oom(pl);
     int sid = new_pinstr(pl, PS_MATMUL, pl->n_mm, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->mms[pl->n_mm++] = mm;
@@ -643,7 +643,7 @@ static int plan_index(planner *pl, int i) {
     if (contiguous_operand(pl, n->in[1], i, &ix.idx_buf) != 0) return -1;
     ix.out_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (ix.out_buf < 0) return gj_jit_pl_oom(pl);
-    if (grow((void **)&pl->ixs, pl->n_ix, &pl->cap_ix, sizeof *pl->ixs) != 0) return gj_jit_pl_oom(pl);
+    if (gj_jit_grow((void **)&pl->ixs, pl->n_ix, &pl->cap_ix, sizeof *pl->ixs) != 0) return gj_jit_pl_oom(pl);
     int sid = new_pinstr(pl, PS_INDEX, pl->n_ix, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->ixs[pl->n_ix++] = ix;
@@ -680,7 +680,7 @@ static int plan_fold(planner *pl, int i) {
     }
     fd.out_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (fd.out_buf < 0) return gj_jit_pl_oom(pl);
-    if (grow((void **)&pl->fds, pl->n_fd, &pl->cap_fd, sizeof *pl->fds) != 0) return gj_jit_pl_oom(pl);
+    if (gj_jit_grow((void **)&pl->fds, pl->n_fd, &pl->cap_fd, sizeof *pl->fds) != 0) return gj_jit_pl_oom(pl);
     int sid = new_pinstr(pl, PS_FOLD, pl->n_fd, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->fds[pl->n_fd++] = fd;
@@ -702,7 +702,7 @@ static int plan_hook(planner *pl, int i) {
     hk.out_buf = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, hk.meta.dtype,
                          numel_of(hk.meta.ndim, hk.meta.shape));
     if (hk.out_buf < 0) return gj_jit_pl_oom(pl);
-    if (grow((void **)&pl->hks, pl->n_hk, &pl->cap_hk, sizeof *pl->hks) != 0) return gj_jit_pl_oom(pl);
+    if (gj_jit_grow((void **)&pl->hks, pl->n_hk, &pl->cap_hk, sizeof *pl->hks) != 0) return gj_jit_pl_oom(pl);
     int sid = new_pinstr(pl, PS_HOOK, pl->n_hk, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->hks[pl->n_hk++] = hk;
@@ -742,7 +742,7 @@ static int plan_custom(planner *pl, int i) {
                                 numel_of(cs.out_meta[k].ndim, cs.out_meta[k].shape));
         if (cs.out_buf[k] < 0) return gj_jit_pl_oom(pl);
     }
-    if (grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return gj_jit_pl_oom(pl);
+    if (gj_jit_grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return gj_jit_pl_oom(pl);
     int sid = new_pinstr(pl, PS_CALL, pl->n_cl, 2 * (int64_t)i + 1);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->cls[pl->n_cl++] = cs;
