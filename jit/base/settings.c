@@ -20,10 +20,26 @@ static atomic_bool g_flags_told;
 
 static atomic_int g_recompile_limit = 8;
 static atomic_int g_dynamic = -1; /* gj_ca_dynamic; -1: GRADJIT_DYNAMIC not read yet */
-static pthread_once_t g_mem_limit_once = PTHREAD_ONCE_INIT;
-static _Atomic int64_t g_mem_limit;
-static pthread_once_t g_limit_once = PTHREAD_ONCE_INIT;
-static _Atomic int64_t g_limit;
+
+/* A size limit in bytes (< 0: none): its variable read once, by whichever
+ * of the getter and the setter comes first (pthread_once, so a value that
+ * does not parse is reported once), and a setter wins over it. read_env
+ * is the limit's own once-function (pthread_once takes no argument): it
+ * calls limit_read on this limit. */
+typedef struct size_limit {
+    pthread_once_t once;
+    void (*read_env)(void);
+    const char *var;
+    int64_t dflt;
+    _Atomic int64_t bytes;
+} size_limit;
+
+static void mem_limit_read(void);
+static void disk_limit_read(void);
+static size_limit g_mem_limit = {PTHREAD_ONCE_INIT, mem_limit_read, "GRADJIT_CACHE_MEM_LIMIT",
+                                 GJ_JIT_MEM_LIMIT_DEFAULT, 0};
+static size_limit g_disk_limit = {PTHREAD_ONCE_INIT, disk_limit_read, "GRADJIT_CACHE_DISK_LIMIT",
+                                  GJ_JIT_DISK_LIMIT_DEFAULT, 0};
 
 /* GRADJIT_LOG, parsed once per process: comma/space separated words,
  * matched whole and in any case. An unknown word is reported once on
@@ -159,34 +175,28 @@ gj_ca_dynamic gj_jit_dynamic(void) {
 
 int gj_jit_recompile_limit(void) { return atomic_load(&g_recompile_limit); }
 
-/* Reads GRADJIT_CACHE_MEM_LIMIT (once). */
-static void mem_limit_from_env(void) {
-    atomic_store(&g_mem_limit,
-                 gj_jit_env_bytes("GRADJIT_CACHE_MEM_LIMIT", GJ_JIT_MEM_LIMIT_DEFAULT));
+/* Reads limit l's variable (once: its read_env, through pthread_once). */
+static void limit_read(size_limit *l) {
+    atomic_store(&l->bytes, gj_jit_env_bytes(l->var, l->dflt));
 }
 
-int64_t gj_jit_mem_limit(void) {
-    pthread_once(&g_mem_limit_once, mem_limit_from_env);
-    return atomic_load(&g_mem_limit);
+static void mem_limit_read(void) { limit_read(&g_mem_limit); }
+static void disk_limit_read(void) { limit_read(&g_disk_limit); }
+
+/* Limit l: its variable's value until a setter ran, then the setter's. */
+static int64_t limit_get(size_limit *l) {
+    pthread_once(&l->once, l->read_env);
+    return atomic_load(&l->bytes);
 }
 
-void gj_jit_store_mem_limit(int64_t bytes) {
-    pthread_once(&g_mem_limit_once, mem_limit_from_env); /* the setter wins over the env */
-    atomic_store(&g_mem_limit, bytes < 0 ? -1 : bytes);
+/* Sets limit l (< 0: none), after its variable is read: the setter wins. */
+static void limit_set(size_limit *l, int64_t bytes) {
+    pthread_once(&l->once, l->read_env); /* the setter wins over the env */
+    atomic_store(&l->bytes, bytes < 0 ? -1 : bytes);
 }
 
-/* Reads GRADJIT_CACHE_DISK_LIMIT (once). */
-static void limit_from_env(void) {
-    atomic_store(&g_limit, gj_jit_env_bytes("GRADJIT_CACHE_DISK_LIMIT", GJ_JIT_DISK_LIMIT_DEFAULT));
-}
-
-int64_t gj_jit_disk_limit(void) {
-    pthread_once(&g_limit_once, limit_from_env);
-    return atomic_load(&g_limit);
-}
-
-void gj_jit_set_disk_limit(int64_t bytes) {
-    pthread_once(&g_limit_once, limit_from_env); /* the setter wins over the env */
-    atomic_store(&g_limit, bytes < 0 ? -1 : bytes);
-}
+int64_t gj_jit_mem_limit(void) { return limit_get(&g_mem_limit); }
+void gj_jit_store_mem_limit(int64_t bytes) { limit_set(&g_mem_limit, bytes); }
+int64_t gj_jit_disk_limit(void) { return limit_get(&g_disk_limit); }
+void gj_jit_set_disk_limit(int64_t bytes) { limit_set(&g_disk_limit, bytes); }
 
