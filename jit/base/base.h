@@ -4,9 +4,10 @@
  * stage: the settings (GRADJIT_* variables and their setters, settings.c),
  * the counters of gj_ca_stats and the fallbacks (fallback.c), the log
  * flags and the GRADJIT_LOG=prof tables (logsum.c), hashing and fresh
- * names (hash.c), the clock, array growth (gj_jit_grow) and the byte
- * writer (base/wbuf.h). Nothing here calls up: the exit-time summary that
- * needs the caches is registered by jit/jit.c, above every stage.
+ * names (hash.c), the clock, array growth (gj_jit_grow), the text writer
+ * (text.c) and the byte writer (base/wbuf.h). Nothing here calls up: the
+ * exit-time summary that needs the caches is registered by jit/jit.c,
+ * above every stage.
  *
  * The counters of gj_ca_stats and the fallbacks are shared by every
  * compiled path (the backward and the training step).
@@ -147,6 +148,21 @@ static inline int gj_jit_grow(void **arr, int n, int *cap, size_t sz) {
     *cap = nc;
     return 0;
 }
+
+/* -------------------------------------------------------------- text */
+
+/* A growable text: p[0..n) written (not NUL-terminated), cap allocated;
+ * starts zeroed, p freed by its owner (gj_rt_free). Invariant: after a
+ * failure (allocation or format) `oom` is set and every later put is a
+ * no-op; p[0..n) is what was written before it. */
+typedef struct gj_jit_text {
+    char *p;
+    size_t n, cap;
+    bool oom;
+} gj_jit_text;
+
+/* Appends printf-style text to t. */
+void gj_jit_text_put(gj_jit_text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ------------------------------------------------------------ hashing */
 

@@ -41,7 +41,6 @@
 #include "jit/run/run.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -148,49 +147,15 @@ void gj_jit_cstep_free(gj_jit_cstep *s) {
 
 /* ---------------------------------------------------------------- key */
 
-typedef struct text {
-    char *p;
-    size_t n, cap;
-    bool oom;
-} text;
-
-static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(text *t, const char *fmt, ...) {
-    if (t->oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        size_t room = t->cap - t->n;
-        int k = vsnprintf(t->p ? t->p + t->n : NULL, t->p ? room : 0, fmt, ap);
-        va_end(ap);
-        if (k < 0) {
-            t->oom = true;
-            return;
-        }
-        if (t->p && (size_t)k < room) {
-            t->n += (size_t)k;
-            return;
-        }
-        size_t nc = (t->cap ? t->cap * 2 : 4096) + (size_t)k;
-        char *q = gj_rt_realloc(t->p, nc);
-        if (!q) {
-            t->oom = true;
-            return;
-        }
-        t->p = q;
-        t->cap = nc;
-    }
-}
-
-static void put_meta(text *t, const gj_rt_meta *m, bool sizes) {
-    put(t, " %s", gj_rt_dtype_name(m->dtype));
+static void put_meta(gj_jit_text *t, const gj_rt_meta *m, bool sizes) {
+    gj_jit_text_put(t, " %s", gj_rt_dtype_name(m->dtype));
     if (!sizes) {
-        put(t, "/%d", m->ndim);
+        gj_jit_text_put(t, "/%d", m->ndim);
         return;
     }
-    put(t, "[");
-    for (int k = 0; k < m->ndim; k++) put(t, k ? ",%lld" : "%lld", (long long)m->shape[k]);
-    put(t, "]");
+    gj_jit_text_put(t, "[");
+    for (int k = 0; k < m->ndim; k++) gj_jit_text_put(t, k ? ",%lld" : "%lld", (long long)m->shape[k]);
+    gj_jit_text_put(t, "]");
 }
 
 /* What prepare learns of a trace besides its ops: the constants (by
@@ -289,72 +254,72 @@ static int writer_alias(const trace_info *ti, int n_in, int n_params) {
     return -1;
 }
 
-/* The key text of a step (sizes) or of its call site (!sizes). *//* The key text of a step (sizes) or of its call site (!sizes). */
-static void step_text(text *t, const gj_ag_trace *tr, int loss_slot, const gj_jit_step_call *call,
+/* The key text of a step (sizes) or of its call site (!sizes). */
+static void step_text(gj_jit_text *t, const gj_ag_trace *tr, int loss_slot, const gj_jit_step_call *call,
                       const trace_info *ti, const gj_jit_walk *w, bool sizes) {
     const gj_jit_opt *o = call->opt;
-    put(t, "gradjit step v3 opt %s s %u clip %d keep %d eval %d in %d params %d rng %llu "
+    gj_jit_text_put(t, "gradjit step v3 opt %s s %u clip %d keep %d eval %d in %d params %d rng %llu "
            "variant %llu\n",
         o->def ? o->def->name : "none", (unsigned)o->structure, o->clip > 0, call->keep_grads,
         call->eval,
         tr->n_inputs, o->n, sizes ? (unsigned long long)(tr->rng1 - tr->rng0) : 0ull,
         (unsigned long long)call->variant);
-    put(t, "alias");
-    for (int i = 0; i < ti->nb; i++) put(t, " %d", (int)ti->alias[i]);
-    put(t, "\ngrad");
-    for (int g = 0; g < call->n_in + ti->n_consts; g++) put(t, " %d", (int)ti->gstate[g]);
-    put(t, "\nextra");
-    for (int e = 0; e < ti->n_extra; e++) put(t, " %d", ti->extra[e]);
-    put(t, "\n");
+    gj_jit_text_put(t, "alias");
+    for (int i = 0; i < ti->nb; i++) gj_jit_text_put(t, " %d", (int)ti->alias[i]);
+    gj_jit_text_put(t, "\ngrad");
+    for (int g = 0; g < call->n_in + ti->n_consts; g++) gj_jit_text_put(t, " %d", (int)ti->gstate[g]);
+    gj_jit_text_put(t, "\nextra");
+    for (int e = 0; e < ti->n_extra; e++) gj_jit_text_put(t, " %d", ti->extra[e]);
+    gj_jit_text_put(t, "\n");
     for (int p = 0; p < o->n; p++) {
         gj_ag_tensor_meta *m = o->params[p]->ag;
-        put(t, "p%d rg %d", p, m && m->requires_grad);
+        gj_jit_text_put(t, "p%d rg %d", p, m && m->requires_grad);
         gj_rt_meta pm;
         gj_rt_meta_of(o->params[p], &pm);
         put_meta(t, &pm, sizes);
-        put(t, "\n");
+        gj_jit_text_put(t, "\n");
     }
     for (int s = 0; s < tr->n_slots; s++) {
         const gj_ag_trace_slot *sl = &tr->slots[s];
-        put(t, "s%d %d %d", s, (int)sl->kind,
+        gj_jit_text_put(t, "s%d %d %d", s, (int)sl->kind,
             sl->kind == GJ_AG_SLOT_ALIAS ? sl->alias_of
                                          : sl->kind == GJ_AG_SLOT_OUTPUT ? sl->out : sl->index);
         put_meta(t, &sl->meta, sizes);
         if (sizes && sl->kind != GJ_AG_SLOT_OUTPUT && sl->kind != GJ_AG_SLOT_ALIAS) {
             int64_t st[GJ_MAX_DIMS];
             gj_jit_input_strides(sl->t, st);
-            put(t, " st");
-            for (int k = 0; k < sl->meta.ndim; k++) put(t, " %lld", (long long)st[k]);
+            gj_jit_text_put(t, " st");
+            for (int k = 0; k < sl->meta.ndim; k++) gj_jit_text_put(t, " %lld", (long long)st[k]);
         }
-        put(t, "\n");
+        gj_jit_text_put(t, "\n");
     }
     for (int j = 0; j < tr->n_entries; j++) {
         const gj_ag_trace_entry *e = &tr->entries[j];
-        put(t, "e%d %s in", j, e->op->name);
-        for (int i = 0; i < e->n_in; i++) put(t, " %d", e->in[i]);
-        put(t, " out");
-        for (int k = 0; k < e->n_out; k++) put(t, " %d", e->out[k]);
-        put(t, " grad %d", e->node != NULL);
+        gj_jit_text_put(t, "e%d %s in", j, e->op->name);
+        for (int i = 0; i < e->n_in; i++) gj_jit_text_put(t, " %d", e->in[i]);
+        gj_jit_text_put(t, " out");
+        for (int k = 0; k < e->n_out; k++) gj_jit_text_put(t, " %d", e->out[k]);
+        gj_jit_text_put(t, " grad %d", e->node != NULL);
         if (sizes) {
             uint32_t rt = gj_jit_runtime_attrs(e->op);
-            put(t, " i");
+            gj_jit_text_put(t, " i");
             for (int k = 0; k < e->attrs.ni; k++) {
                 if (e->op == &gj_ag_op_dropout && k == 1) /* its place in the step's draws */
-                    put(t, " @%llu", (unsigned long long)((uint64_t)e->attrs.i[1] - tr->rng0));
+                    gj_jit_text_put(t, " @%llu", (unsigned long long)((uint64_t)e->attrs.i[1] - tr->rng0));
                 else if (rt & (1u << k))
-                    put(t, " *");
+                    gj_jit_text_put(t, " *");
                 else
-                    put(t, " %lld", (long long)e->attrs.i[k]);
+                    gj_jit_text_put(t, " %lld", (long long)e->attrs.i[k]);
             }
-            put(t, " f");
-            for (int k = 0; k < e->attrs.nf; k++) put(t, " %a", e->attrs.f[k]);
+            gj_jit_text_put(t, " f");
+            for (int k = 0; k < e->attrs.nf; k++) gj_jit_text_put(t, " %a", e->attrs.f[k]);
         }
-        put(t, "\n");
+        gj_jit_text_put(t, "\n");
     }
-    put(t, "loss %d\n", loss_slot);
+    gj_jit_text_put(t, "loss %d\n", loss_slot);
     if (w) {
-        if (sizes) put(t, "backward\n%.*s", (int)w->key_len, w->key);
-        else put(t, "backward site %016llx%016llx\n", (unsigned long long)w->site[0],
+        if (sizes) gj_jit_text_put(t, "backward\n%.*s", (int)w->key_len, w->key);
+        else gj_jit_text_put(t, "backward site %016llx%016llx\n", (unsigned long long)w->site[0],
                  (unsigned long long)w->site[1]);
     }
 }
@@ -417,7 +382,7 @@ int gj_jit_cstep_variants(const gj_jit_cstep *st, int64_t *bytes) {
 
 /* Keeps what the new variant v needs of the trace besides its program. */
 static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_call *call,
-                        trace_info *ti, const text *kt) {
+                        trace_info *ti, const gj_jit_text *kt) {
     const gj_jit_opt *opt = call->opt;
     v->n_in = tr->n_inputs;
     v->n_params = opt->n;
@@ -463,7 +428,7 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
 /* Appends the variant of program prog (the step's reference, taken over:
  * released on failure) and bounds the variants. 0, or -1 on OOM. */
 static int variant_add(gj_jit_cstep *st, gj_jit_program *prog, const gj_ag_trace *tr,
-                       const gj_jit_step_call *call, trace_info *ti, const text *tt) {
+                       const gj_jit_step_call *call, trace_info *ti, const gj_jit_text *tt) {
     if (st->n_v == st->cap_v) {
         int nc = st->cap_v ? 2 * st->cap_v : 4;
         variant *v = gj_rt_realloc(st->v, (size_t)nc * sizeof *v);
@@ -499,7 +464,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     memset(&src, 0, sizeof src);
     gj_jit_walk w;
     bool have_walk = false;
-    text kt = {0}, stx = {0}, tt = {0};
+    gj_jit_text kt = {0}, stx = {0}, tt = {0};
     int rc = 1;
     gj_tensor **req = NULL;
     trace_info ti;
@@ -813,7 +778,7 @@ int gj_jit_cstep_check(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *loss,
         return 1;
     }
     trace_info ti;
-    text tt = {0};
+    gj_jit_text tt = {0};
     rc = -1;
     if (trace_info_make(tr, call, &ti) != 0) goto out;
     int loss_slot = gj_ag_trace_slot_of(tr, loss);
