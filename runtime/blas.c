@@ -26,6 +26,10 @@
  *     whatever the block: a 256x1024x10 sgemm split into two column halves
  *     differs from one call in about 3% of its elements.) A GEMM called
  *     from inside a pool task runs as one call on that thread.
+ *   - Every f32 block first asks gemm_provider.c, which may compute it with
+ *     oneDNN's matmul (single-threaded too) when that provider is chosen
+ *     for the GEMM's shape; the choice is per GEMM shape and process-wide,
+ *     so eager and compiled GEMMs of one shape use the same provider.
  */
 #include "runtime/rt.h"
 
@@ -256,6 +260,10 @@ void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int 
                         (float *)(void *)(C + co * el), c->ldc);
         return;
     }
+    if (!c->f64 && gj_rt_gemm_alt_block(c, M, N, (const float *)(const void *)(A + ao * el),
+                                        (const float *)(const void *)(B + bo * el),
+                                        (float *)(void *)(C + co * el)))
+        return; /* oneDNN computed it (gemm_provider.c) */
     if (c->f64)
         g_dgemm(GJ_CBLAS_ROW_MAJOR, ta, tb, (int)M, (int)N, (int)c->K, c->alpha,
                 (const double *)(const void *)(A + ao * el), (int)c->lda,
@@ -266,6 +274,14 @@ void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int 
                 (const float *)(const void *)(A + ao * el), (int)c->lda,
                 (const float *)(const void *)(B + bo * el), (int)c->ldb, (float)c->beta,
                 (float *)(void *)(C + co * el), (int)c->ldc);
+}
+
+void gj_rt_sgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float *A,
+                            int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                            int64_t ldc) {
+    g_sgemm(GJ_CBLAS_ROW_MAJOR, ta ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS,
+            tb ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS, (int)M, (int)N, (int)K, 1.0f, A, (int)lda, B,
+            (int)ldb, beta, C, (int)ldc);
 }
 
 typedef struct gemm_split_ctx {

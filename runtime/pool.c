@@ -26,6 +26,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -223,10 +224,21 @@ static void gj_rt_pool_resize(int want) {
     g_start_gen = atomic_load(&g_gen);
     g_job.nchunks = 0;
     for (int i = 0; i < want - 1; i++) {
-        if (pthread_create(&g_workers[i], NULL, gj_rt_worker_main, (void *)(intptr_t)(i + 1)) != 0)
+        if (gj_rt_thread_start(&g_workers[i], gj_rt_worker_main, (void *)(intptr_t)(i + 1)) != 0)
             break;
         g_nworkers++;
     }
+}
+
+int gj_rt_thread_start(pthread_t *t, void *(*fn)(void *), void *arg) {
+    sigset_t all, old;
+    sigfillset(&all);
+    static const int sync[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT};
+    for (size_t i = 0; i < sizeof sync / sizeof sync[0]; i++) sigdelset(&all, sync[i]);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* the new thread inherits it */
+    int rc = pthread_create(t, NULL, fn, arg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
 }
 
 void gj_rt_parallel_for(int64_t n, int64_t grain, gj_rt_range_fn fn, void *ctx) {

@@ -23,7 +23,9 @@
 #include "gradjit.h"
 
 #include <stdarg.h>
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 
 /* ------------------------------------------------------------ errors */
 
@@ -163,6 +165,14 @@ bool gj_rt_check_indices(const char *op, const char *arg, const gj_tensor *idx, 
 
 /* -------------------------------------------------------- thread pool */
 
+/* Starts a thread of gradjit's own (the pool's workers, a stream's thread)
+ * with every asynchronous signal blocked, so that a signal sent to the
+ * process is handled on one of the application's threads, never inside a
+ * kernel on a thread the application cannot set up (an alternate signal
+ * stack, a mask). Synchronous signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL,
+ * SIGTRAP, SIGSYS, SIGABRT) stay deliverable. As pthread_create. */
+int gj_rt_thread_start(pthread_t *t, void *(*fn)(void *), void *arg);
+
 /* Calls fn(ctx, begin, end) over [0, n) split in chunks of at least grain,
  * on the pool threads and the caller. Runs inline when n < 2*grain or one
  * thread is configured. Not reentrant from within fn (runs inline there). */
@@ -262,6 +272,57 @@ void gj_rt_gemm_run(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp);
 /* Whether the calling thread is running a task of gj_rt_parallel_for (work
  * it starts then runs inline). */
 bool gj_rt_in_pool_task(void);
+
+/* ----------------------------------------- GEMM providers (gemm_provider.c) */
+
+/* Who computes an f32 GEMM block: OpenBLAS, or oneDNN's matmul primitive
+ * (when gradjit was built with libdnnl-dev and libdnnl.so.2 loads). AUTO
+ * (default; GRADJIT_GEMM=auto) measures both once per block shape and keeps
+ * the faster; OPENBLAS / ONEDNN (GRADJIT_GEMM=openblas|onednn) pin one.
+ * f64 GEMMs, alpha != 1 and beta other than 0 or 1 are always OpenBLAS's. */
+typedef enum gj_rt_gemm_provider {
+    GJ_RT_GEMM_AUTO = 0,
+    GJ_RT_GEMM_OPENBLAS = 1,
+    GJ_RT_GEMM_ONEDNN = 2,
+} gj_rt_gemm_provider;
+/* Sets the provider for every later GEMM (wins over GRADJIT_GEMM). 0, or -1
+ * with an error: not a provider, or ONEDNN without oneDNN (then OpenBLAS is
+ * pinned). */
+int gj_rt_set_gemm_provider(int p);
+/* The setting in force (GRADJIT_GEMM until gj_rt_set_gemm_provider). */
+int gj_rt_gemm_provider_setting(void);
+const char *gj_rt_gemm_provider_name(int p); /* "auto", "openblas", "onednn" */
+bool gj_rt_onednn_available(void);
+const char *gj_rt_onednn_version(void); /* "2.6.3 (OpenMP)" or "unavailable" */
+/* Called by gj_rt_gemm_block for block [M, N] of GEMM c (A, B, C: the
+ * block's operands; arguments checked, OpenBLAS loaded): computes it with
+ * oneDNN and returns true, or returns false for OpenBLAS to compute it. The
+ * auto choice is made per GEMM c (not per block), so a GEMM uses one
+ * provider whatever the thread count splits it into. */
+bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const float *A,
+                          const float *B, float *C);
+/* The single-threaded OpenBLAS sgemm of a block (alpha 1; OpenBLAS loaded). */
+void gj_rt_sgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float *A,
+                            int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                            int64_t ldc);
+/* The auto mode's decision for a GEMM: 0 none yet, 1 OpenBLAS, 2 oneDNN. */
+int gj_rt_gemm_choice(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                      int64_t ldc, bool beta1);
+typedef struct gj_rt_gemm_stats {
+    int64_t openblas_blocks, onednn_blocks; /* f32 blocks computed by each */
+    int64_t measured, loaded, refused;      /* keys measured, read from the file, refused */
+    int64_t entries;                        /* keys in the table */
+} gj_rt_gemm_stats;
+void gj_rt_gemm_get_stats(gj_rt_gemm_stats *s);
+/* Tests: forgets every choice and primitive and zeroes the counters (no
+ * GEMM may run meanwhile); makes oneDNN look missing (on) or not. */
+void gj_rt_gemm_provider_reset(void);
+void gj_rt_gemm_simulate_no_onednn(bool on);
+/* Where the measured choices are kept: dir, or NULL for the default
+ * (GRADJIT_CACHE_DIR's rules), or "" for nowhere. */
+void gj_rt_gemm_set_cache_dir(const char *dir);
+/* Lists the table (one line per key) on f. */
+void gj_rt_gemm_dump(FILE *f);
 
 /* ------------------------------------------------------- math bitcode */
 

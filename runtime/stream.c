@@ -111,7 +111,7 @@ gj_stream *gj_stream_new(void) {
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work, NULL);
     pthread_cond_init(&s->done, NULL);
-    if (pthread_create(&s->thread, NULL, stream_main, s) != 0) {
+    if (gj_rt_thread_start(&s->thread, stream_main, s) != 0) {
         gj_rt_set_error("gj_stream_new: cannot start the stream's thread");
         gj_rt_stream_release(s);
         return NULL;

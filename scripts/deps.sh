@@ -3,7 +3,7 @@
 # Installs the Debian 12 packages gradjit needs (as root, or through sudo).
 # Idempotent: does nothing when everything is already installed.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config llvm-19-dev clang-19 libopenblas-dev libffi-dev
+pkgs=(build-essential cmake pkg-config llvm-19-dev clang-19 libopenblas-dev libdnnl-dev libffi-dev
       libcmocka-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin python3-numpy)
 missing=()
 for p in "${pkgs[@]}"; do

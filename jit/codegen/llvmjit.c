@@ -660,7 +660,7 @@ gj_jit_code *gj_jit_code_compile(gj_jit_plan *p, const char *prefix, bool keep, 
         job[i] = (shard_job){p, prefix, nshards > 1 ? shard_of_instr : NULL, i, NULL, {0}, ""};
         /* shards 1.. on their own threads; if one cannot start, the caller
          * runs it after its own */
-        if (i > 0) started[i] = pthread_create(&tid[i], NULL, compile_shard, &job[i]) == 0;
+        if (i > 0) started[i] = gj_rt_thread_start(&tid[i], compile_shard, &job[i]) == 0;
     }
     compile_shard(&job[0]);
     for (int i = 1; i < nshards; i++) {
