@@ -11,7 +11,9 @@
  *   gradjit-bench --paired N [--symbolic | --step] [--workload ...] [--json FILE]
  *
  * --paired N interleaves eager and compiled backwards (paired.c); with
- * --step, whole training steps through gj_step, eager and compiled
+ * --step, whole training steps through gj_step, eager and compiled (with
+ * --gemm-pair: compiled steps, OpenBLAS pinned against the per-shape GEMM
+ * provider choice; --gemm P pins the provider of a whole run)
  * (step.c). "all" is every workload but G2 (GPT-2 124M: name it).
  *
  * --compare torch also runs the same workloads in PyTorch eager mode
@@ -66,6 +68,8 @@ typedef struct bench_opts {
     int pairs;  /* --paired N: interleaved eager/compiled pairs (0: off) */
     bool symbolic; /* --symbolic: the pairs are specialised / symbolic compiled */
     bool step;     /* --step: the pairs are whole steps (gj_step), eager / compiled */
+    bool gemm_pair; /* --gemm-pair (with --step): compiled steps, OpenBLAS / the per-shape choice */
+    const char *gemm; /* --gemm P: pin the GEMM provider (openblas, onednn, auto) */
     int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
 
@@ -656,7 +660,11 @@ static void usage(FILE *f) {
                "                     with --symbolic: specialised / symbolic compiled program "
                "(dynamic shapes) of the same size;\n"
                "                     with --step: whole training steps (forward, backward, "
-               "AdamW update; gj_step) eager / compiled, and the step's bound\n"
+               "AdamW update; gj_step) eager / compiled, and the step's bound;\n"
+               "                     with --step --gemm-pair: compiled steps with OpenBLAS "
+               "pinned / with the GEMM provider chosen per shape (auto)\n"
+               "  --gemm openblas|onednn|auto: the GEMM provider of the whole run (default: "
+               "GRADJIT_GEMM, else openblas)\n"
                "  --compare torch: one side-by-side table, then R (default 5) rounds "
                "alternating gradjit and PyTorch, median ratio\n"
                "  workloads: W1 W2 W3 W4 W4n W5 F1 G1 (all), G2 (GPT-2 124M, only when named); "
@@ -722,6 +730,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         }
         if (!strcmp(a, "--step")) { /* takes no value */
             o->step = true;
+            continue;
+        }
+        if (!strcmp(a, "--gemm-pair")) { /* takes no value */
+            o->gemm_pair = true;
             continue;
         }
         if (!v) {
@@ -798,6 +810,12 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
             o->python = v;
         } else if (!strcmp(a, "--torch-script")) {
             o->torch_script = v;
+        } else if (!strcmp(a, "--gemm")) {
+            if (strcmp(v, "openblas") && strcmp(v, "onednn") && strcmp(v, "auto")) {
+                fprintf(stderr, "gradjit-bench: --gemm takes openblas, onednn or auto, not %s\n", v);
+                return -1;
+            }
+            o->gemm = v;
         } else {
             fprintf(stderr, "gradjit-bench: unknown option %s\n", a);
             return -1;
@@ -805,6 +823,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
     }
     if (o->step && (!o->pairs || o->symbolic)) {
         fprintf(stderr, "gradjit-bench: --step goes with --paired N (and not --symbolic)\n");
+        return -1;
+    }
+    if (o->gemm_pair && (!o->step || o->gemm)) {
+        fprintf(stderr, "gradjit-bench: --gemm-pair goes with --paired N --step (and not --gemm)\n");
         return -1;
     }
     if (o->compare_torch && !o->json_path)
@@ -976,8 +998,17 @@ int main(int argc, char **argv) {
     if (o.ddp) /* W1 and W4n unless --workload says otherwise */
         return bench_ddp_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
                               o.pairs ? o.pairs : 30, o.bucket_mb > 0 ? o.bucket_mb : 25.0, cpu);
+    if (o.gemm) {
+        gj_gemm_provider gp = !strcmp(o.gemm, "openblas") ? GJ_GEMM_OPENBLAS
+                              : !strcmp(o.gemm, "onednn") ? GJ_GEMM_ONEDNN
+                                                          : GJ_GEMM_AUTO;
+        if (gj_set_gemm_provider(gp) != 0) {
+            fprintf(stderr, "gradjit-bench: --gemm %s: %s\n", o.gemm, gj_last_error());
+            return 1;
+        }
+    }
     if (o.pairs > 0 && o.step)
-        return bench_step_main(o.workloads, o.pairs, o.warmup, o.json_path, cpu);
+        return bench_step_main(o.workloads, o.pairs, o.warmup, o.json_path, cpu, o.gemm_pair);
     if (o.pairs > 0)
         return paired_main(&o, cpu, &info);
     print_header(cpu, &info, &o);

@@ -192,12 +192,14 @@ void bench_ceiling_free(bench_ceiling *c);
  * alone and the two together per workload, eager and compiled. 0 or 1. */
 int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char *cpu);
 
-/* gradjit-bench --paired N --step (step.c): eager and compiled training
- * steps (gj_step: forward, backward, AdamW update) of each workload
- * interleaved ABBA, with the step's bound; JSON to json_path (NULL: none).
- * 0, or 1 if a workload failed. */
+/* gradjit-bench --paired N --step (paired_step.c): eager and compiled
+ * training steps (gj_step: forward, backward, AdamW update) of each
+ * workload interleaved ABBA, with the step's bound; gemm_pair: both sides
+ * compiled, the first with OpenBLAS pinned, the second with the GEMM
+ * provider chosen per shape. JSON to json_path (NULL: none). 0, or 1 if a
+ * workload failed. */
 int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
-                    const char *cpu);
+                    const char *cpu, bool gemm_pair);
 
 /* The bandwidth of `threads` threads over a working set of `bytes`
  * (ceiling.c): what bytes that fit a cache level move at. GB/s: *read_gbs

@@ -849,13 +849,13 @@ int gj_rt_gemm_provider_setting(void) {
 int gj_rt_set_gemm_provider(int p) {
     pthread_once(&g_env_once, env_read); /* the call wins over the environment */
     if (p != GJ_RT_GEMM_AUTO && p != GJ_RT_GEMM_OPENBLAS && p != GJ_RT_GEMM_ONEDNN) {
-        gj_rt_set_error("set_gemm_provider: %d is not a provider (auto 0, openblas 1, onednn 2)",
+        gj_rt_set_error("gj_set_gemm_provider: %d is not a provider (auto 0, openblas 1, onednn 2)",
                         p);
         return -1;
     }
     if (p == GJ_RT_GEMM_ONEDNN && !gj_rt_onednn_available()) {
         atomic_store(&g_setting, GJ_RT_GEMM_OPENBLAS);
-        gj_rt_set_error("set_gemm_provider: onednn: %s: OpenBLAS computes every GEMM", dnnl_why());
+        gj_rt_set_error("gj_set_gemm_provider: onednn: %s: OpenBLAS computes every GEMM", dnnl_why());
         return -1;
     }
     atomic_store(&g_setting, p);

@@ -744,6 +744,24 @@ static void gemms_under_signals(bool alt) {
     free(C1);
 }
 
+/* The public switch (gradjit.h) is the runtime's setting. */
+static void test_public_switch(void **state) {
+    (void)state;
+    assert_int_equal(gj_set_gemm_provider(GJ_GEMM_OPENBLAS), 0);
+    assert_int_equal(gj_get_gemm_provider(), GJ_GEMM_OPENBLAS);
+    assert_int_equal(gj_rt_gemm_provider_setting(), GJ_RT_GEMM_OPENBLAS);
+    assert_int_equal(gj_set_gemm_provider(GJ_GEMM_AUTO), 0);
+    assert_int_equal(gj_get_gemm_provider(), GJ_GEMM_AUTO);
+    gj_clear_error();
+    assert_int_equal(gj_set_gemm_provider((gj_gemm_provider)7), -1);
+    assert_non_null(strstr(gj_last_error(), "gj_set_gemm_provider: 7 is not a provider"));
+    assert_int_equal(gj_get_gemm_provider(), GJ_GEMM_AUTO); /* unchanged */
+    if (!gj_rt_onednn_available()) {
+        assert_int_equal(gj_set_gemm_provider(GJ_GEMM_ONEDNN), -1);
+        assert_int_equal(gj_get_gemm_provider(), GJ_GEMM_OPENBLAS);
+    }
+}
+
 static void test_signals(void **state) {
     (void)state;
     gj_rt_gemm_provider_reset();
@@ -774,6 +792,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test_teardown(test_auto_once, restore),
         cmocka_unit_test_teardown(test_file, restore),
         cmocka_unit_test_teardown(test_no_extra_threads, restore),
+        cmocka_unit_test_teardown(test_public_switch, restore),
         cmocka_unit_test_teardown(test_signals, restore),
     };
     return cmocka_run_group_tests(tests, group_setup, NULL);
