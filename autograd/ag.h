@@ -430,6 +430,9 @@ int64_t gj_ag_hook_register(gj_tensor *t, gj_ag_hook_kind kind, gj_grad_hook_fn 
 int gj_ag_hook_remove(int64_t handle); /* 0, or -1 if unknown/removed (no error set) */
 /* Whether leaf t has a live tensor or post-accumulate hook. */
 bool gj_ag_leaf_has_hooks(const gj_tensor *t);
+/* The live hooks of leaf t (tensor hooks, then post-accumulate hooks):
+ * up to cap written to out; returns how many there are. */
+int gj_ag_leaf_hooks(const gj_tensor *t, const gj_ag_hook **out, int cap);
 /* Sets the `early` flag of live hook handle. 0, or -1 if unknown/removed. */
 int gj_ag_hook_set_early(int64_t handle);
 /* Frees a list (node and meta destruction). */

@@ -386,6 +386,12 @@ bool gj_ag_leaf_has_hooks(const gj_tensor *t) {
     return false;
 }
 
+int gj_ag_leaf_hooks(const gj_tensor *t, const gj_ag_hook **out, int cap) {
+    const gj_ag_tensor_meta *m = t->ag;
+    if (!m) return 0;
+    return list_live(m->post_hooks, out, cap, list_live(m->hooks, out, cap, 0));
+}
+
 /* ------------------------------------------------------------ anomaly */
 
 void gj_ag_set_anomaly(bool on) { atomic_store(&g_anomaly, on); }

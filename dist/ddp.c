@@ -57,6 +57,8 @@ struct gj_ddp {
     gj_ddp_stats st;
     pthread_mutex_t lock;
     char err[320];       /* first failure inside a hook this step */
+    gj_jit_reducer red;  /* the calls a gj_step's program makes instead of the hooks */
+    uint64_t layout;     /* the hash of parameters and buckets all ranks agreed */
 };
 
 static size_t wire_bytes(gj_dtype d) { return d == GJ_F64 ? 8 : d == GJ_F32 ? 4 : 2; }
@@ -64,6 +66,23 @@ static size_t wire_bytes(gj_dtype d) { return d == GJ_F64 ? 8 : d == GJ_F32 ? 4 
 static gj_dtype wire_of(gj_dtype param, bool bf16) {
     if (param == GJ_F64) return GJ_F64;
     return bf16 ? GJ_BF16 : GJ_F32; /* bf16 params are reduced in f32 unless asked otherwise */
+}
+
+/* Copies n contiguous values of dtype dt at src into wire buffer dst, as
+ * pack does for a tensor of that dtype. */
+static void pack_raw(gj_dtype dt, const void *src, int64_t n, gj_dtype wire, void *dst) {
+    if (dt == wire) {
+        memcpy(dst, src, (size_t)n * wire_bytes(wire));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        double v = dt == GJ_F64 ? ((const double *)src)[i]
+                   : dt == GJ_F32 ? ((const float *)src)[i]
+                                  : gj_m_bf16_to_f32(((const uint16_t *)src)[i]);
+        if (wire == GJ_F64) ((double *)dst)[i] = v;
+        else if (wire == GJ_F32) ((float *)dst)[i] = (float)v;
+        else ((uint16_t *)dst)[i] = gj_m_f32_to_bf16((float)v);
+    }
 }
 
 /* Copies tensor g (any layout; f32/f64/bf16) into wire buffer dst. */
@@ -90,6 +109,20 @@ static double wire_at(const void *src, gj_dtype wire, int64_t i) {
     return gj_m_bf16_to_f32(((const uint16_t *)src)[i]);
 }
 
+/* Writes n wire values at src into dst (contiguous, dtype gd). */
+static void unpack_raw(gj_dtype wire, const void *src, int64_t n, gj_dtype gd, void *dst) {
+    if (gd == wire) {
+        memcpy(dst, src, (size_t)n * wire_bytes(wire));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        double v = wire_at(src, wire, i);
+        if (gd == GJ_F64) ((double *)dst)[i] = v;
+        else if (gd == GJ_F32) ((float *)dst)[i] = (float)v;
+        else ((uint16_t *)dst)[i] = gj_m_f32_to_bf16((float)v);
+    }
+}
+
 /* Writes n wire values into param p's .grad (made, in p's dtype, when p
  * has none or a non-contiguous one). */
 static int unpack(gj_tensor *p, gj_dtype wire, const void *src) {
@@ -101,18 +134,7 @@ static int unpack(gj_tensor *p, gj_dtype wire, const void *src) {
         if (!fresh) return -1;
         g = fresh;
     }
-    void *dst = gj_tensor_data(g);
-    gj_dtype gd = gj_tensor_dtype(g);
-    if (gd == wire && (wire == GJ_F64 || wire == GJ_F32 || wire == GJ_BF16)) {
-        memcpy(dst, src, (size_t)n * wire_bytes(wire));
-    } else {
-        for (int64_t i = 0; i < n; i++) {
-            double v = wire_at(src, wire, i);
-            if (gd == GJ_F64) ((double *)dst)[i] = v;
-            else if (gd == GJ_F32) ((float *)dst)[i] = (float)v;
-            else ((uint16_t *)dst)[i] = gj_m_f32_to_bf16((float)v);
-        }
-    }
+    unpack_raw(wire, src, n, gj_tensor_dtype(g), gj_tensor_data(g));
     int rc = 0;
     if (fresh) {
         rc = gj_tensor_set_grad(p, fresh);
@@ -172,6 +194,90 @@ static void on_grad(gj_tensor *leaf, void *user) {
     pthread_mutex_unlock(&d->lock);
 }
 
+/* ------------------------------------------ the compiled step's calls */
+
+/* gj_jit_reducer.give: parameter i's final gradient (NULL: zeros) into its
+ * bucket, which starts, in order, once complete (as on_grad). */
+static int red_give(void *ctx, int i, gj_dtype dt, const void *grad) {
+    gj_ddp *d = ctx;
+    pthread_mutex_lock(&d->lock);
+    int rc = -1;
+    ddp_bucket *b = &d->b[d->bucket_of[i]];
+    if (d->ready[i]) {
+        gj_rt_set_error("gj_ddp: parameter %d got a second gradient before its bucket was "
+                        "reduced (another backward or step of the same parameters in between)",
+                        i);
+        goto out;
+    }
+    void *dst = (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire);
+    int64_t n = gj_tensor_numel(d->params[i]);
+    if (grad) pack_raw(dt, grad, n, b->wire, dst);
+    else memset(dst, 0, (size_t)n * wire_bytes(b->wire));
+    d->ready[i] = true;
+    d->any_ready = true;
+    b->ready++;
+    rc = start_ready(d, true);
+out:
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+/* gj_jit_reducer.take: waits for parameter i's bucket (once) and writes its
+ * average. */
+static int red_take(void *ctx, int i, gj_dtype dt, void *out) {
+    gj_ddp *d = ctx;
+    double t0 = gj_dist_now_ms();
+    pthread_mutex_lock(&d->lock);
+    int rc = 0;
+    ddp_bucket *b = &d->b[d->bucket_of[i]];
+    if (b->ready < 0) {
+        gj_rt_set_error("gj_ddp: the allreduce of bucket %d failed", d->bucket_of[i]);
+        rc = -1;
+    } else if (b->started) { /* the first take of this bucket */
+        rc = gj_dist_wait(&b->job);
+        d->st.comm_ms += b->job.ms;
+        b->started = false;
+        if (rc != 0) b->ready = -1; /* (failed: every take of it fails) */
+    } else if (b->ready != b->n) {
+        gj_rt_set_error("gj_step_run: internal: the gradient of parameter %d was taken before "
+                        "its bucket %d was complete", i, d->bucket_of[i]);
+        rc = -1;
+    }
+    if (rc == 0)
+        unpack_raw(b->wire, (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire),
+                   gj_tensor_numel(d->params[i]), dt, out);
+    d->st.wait_ms += gj_dist_now_ms() - t0;
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+/* gj_jit_reducer.end: after a compiled step, whatever its result. */
+static int red_end(void *ctx) {
+    gj_ddp *d = ctx;
+    pthread_mutex_lock(&d->lock);
+    int rc = 0;
+    bool all = d->any_ready;
+    for (int k = 0; k < d->nb; k++) {
+        ddp_bucket *b = &d->b[k];
+        if (b->started) { /* (a run that failed between give and take) */
+            if (gj_dist_wait(&b->job) != 0) rc = -1;
+            d->st.comm_ms += b->job.ms;
+            b->started = false;
+        }
+        all &= b->ready == b->n;
+        b->ready = 0;
+    }
+    memset(d->ready, 0, (size_t)d->n * sizeof *d->ready);
+    d->next_start = 0;
+    d->any_ready = false;
+    d->err[0] = 0;
+    if (rc == 0 && all) d->st.steps++;
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+static int red_wait(void *ctx) { return gj_ddp_wait(ctx); }
+
 /* The gj_ddp whose group agrees compiled keys (the newest one). */
 static pthread_mutex_t g_agree_lock = PTHREAD_MUTEX_INITIALIZER;
 static gj_ddp *g_agreeing;
@@ -216,6 +322,7 @@ static int agree_key(void *ctx, const uint64_t hash[2]) {
 
 static void ddp_destroy(gj_ddp *d) {
     if (!d) return;
+    gj_jit_reducer_unregister(d);
     pthread_mutex_lock(&g_agree_lock);
     if (g_agreeing == d) {
         gj_jit_set_agreement(NULL, NULL);
@@ -336,6 +443,7 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
             h = (h ^ (uint64_t)gj_tensor_numel(params[i])) * 1099511628211ull;
             h = (h ^ (uint64_t)gj_tensor_dtype(params[i])) * 1099511628211ull;
         }
+        d->layout = h;
         int64_t mine[2] = {(int64_t)h, n_params};
         if (same_on_all_ranks(pg, mine, 2, "gj_ddp_new",
                               "a hash of each rank's parameter sizes, dtypes and bucket options, "
@@ -351,6 +459,10 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
                                                                GJ_HOOK_NO_GRAPH_WRITES);
         if (d->hooks[i] <= 0) goto fail;
     }
+    d->red = (gj_jit_reducer){.ctx = d, .n = n_params, .params = d->params, .order = d->order,
+                              .hooks = d->hooks, .layout = d->layout, .give = red_give,
+                              .take = red_take, .wait = red_wait, .end = red_end};
+    if (gj_jit_reducer_register(d, &d->red) != 0) goto fail;
     pthread_mutex_lock(&g_agree_lock);
     g_agreeing = d;
     gj_jit_set_agreement(agree_key, d);

@@ -855,6 +855,15 @@ typedef struct gj_step_opts {
                         with the first difference from the program's trace (ops,
                         attributes, shapes, captured tensors and their values,
                         a value read). 0: GRADJIT_STEP_CHECK=N if set, else off */
+    struct gj_ddp *ddp; /* data parallel (gj_ddp_new over the optimizer's parameters
+                        or some of them; it outlives the step): the gradients
+                        are averaged over its ranks between the backward and the
+                        clip and update. The eager step runs gj_ddp_wait there;
+                        the compiled step gives each bucket its gradients as
+                        soon as they are final (its allreduce runs while the
+                        backward goes on) and updates each parameter once its
+                        bucket is back: the same buckets, the same reduction,
+                        the same bits as the eager step */
 } gj_step_opts;
 /* opts NULL: all false (0). fn and ctx are borrowed for the step's life; so is
  * opt, whose parameters are the step's. NULL with an error. */

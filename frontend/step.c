@@ -52,7 +52,44 @@ struct gj_step {
     char why[320];
     uint64_t variant;        /* this run's variant key */
     int64_t compiled_runs;   /* runs that took the compiled path (check mode counts them) */
+    const gj_jit_reducer *red; /* o.ddp's reducer, or NULL */
+    int *red_of;             /* with red: per parameter, its index in red or -1 */
 };
+
+/* o.ddp: its reducer (registered while the gj_ddp lives), and per
+ * parameter its index there; every parameter of the reducer must be one of
+ * the optimizer's. 0, or -1 with an error. */
+static int reducer_bind(gj_step *s) {
+    const char *op = "gj_step_new";
+    if (s->o.eval) {
+        gj_rt_set_error("%s: an eval step has no backward for opts.ddp to average", op);
+        return -1;
+    }
+    s->red = gj_jit_reducer_find(s->o.ddp);
+    if (!s->red) {
+        gj_rt_set_error("%s: opts.ddp is no live gj_ddp (freed, or not made by gj_ddp_new)", op);
+        return -1;
+    }
+    s->red_of = gj_rt_malloc(((size_t)s->n + 1) * sizeof *s->red_of);
+    if (!s->red_of) return -1;
+    for (int k = 0; k < s->n; k++) {
+        s->red_of[k] = -1;
+        for (int i = 0; i < s->red->n; i++)
+            if (s->red->params[i] == s->params[k]) s->red_of[k] = i;
+    }
+    for (int i = 0; i < s->red->n; i++) {
+        int k = 0;
+        while (k < s->n && s->red_of[k] != i) k++;
+        if (k == s->n) {
+            char nm[160];
+            gj_rt_set_error("%s: parameter %d%s of opts.ddp is not one of the optimizer's %d "
+                            "parameters: the step updates only those", op, i,
+                            gj_rt_tensor_label(s->red->params[i], nm, sizeof nm), s->n);
+            return -1;
+        }
+    }
+    return 0;
+}
 
 gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts *opts) {
     const char *op = "gj_step_new";
@@ -104,6 +141,10 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
         return NULL;
     }
     for (int k = 0; k < s->n; k++) s->params[k] = gj_fe_optim_param(opt, k);
+    if (o.ddp && reducer_bind(s) != 0) {
+        gj_step_free(s);
+        return NULL;
+    }
     return s;
 }
 
@@ -116,6 +157,7 @@ void gj_step_free(gj_step *s) {
     gj_rt_free(s->hyper);
     gj_rt_free(s->updated);
     gj_rt_free(s->grads);
+    gj_rt_free(s->red_of);
     gj_rt_free(s);
 }
 
@@ -197,6 +239,7 @@ static bool proxies_ok(int n_in, gj_tensor **px) {
 static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out,
                      bool trace) {
     int rc = -1;
+    bool reducing = false;
     gj_ag_trace *tr = NULL;
     gj_tensor *keep = NULL, **px = NULL;
     if (trace) {
@@ -230,7 +273,7 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
             gj_jit_opt jo;
             describe(s, &jo);
             gj_jit_step_call call = {n_in, in, &jo, s->variant, s->o.keep_grads, s->o.eval,
-                                     s->o.check_every > 0};
+                                     s->o.check_every > 0, s->red, s->red_of};
             gj_ca_reason code;
             char jwhy[300];
             if (gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy) < 0)
@@ -238,7 +281,10 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
         }
     }
     if (!s->o.eval) {
+        reducing = s->red != NULL; /* (the backward's hooks start the reducer's buckets) */
         if (gj_backward(loss, NULL) != 0) goto done;
+        reducing = false;
+        if (s->red && s->red->wait(s->red->ctx) != 0) goto done;
         if (s->o.clip_norm > 0 && gj_clip_grad_norm(s->n, s->params, s->o.clip_norm, NULL) != 0)
             goto done;
         if (gj_optim_step(s->opt) != 0) goto done;
@@ -251,6 +297,12 @@ done:
     if (s->o.eval) gj_no_grad_pop();
     gj_scope_pop();
     proxies_free(n_in, px);
+    if (reducing) { /* a failed backward: nothing of the reducer's left in flight */
+        char err[512];
+        snprintf(err, sizeof err, "%s", gj_last_error());
+        (void)s->red->end(s->red->ctx);
+        gj_rt_set_error("%s", err);
+    }
     if (rc == 0 && loss_out && !(*loss_out = gj_fe_own(keep))) rc = -1;
     return rc;
 }
@@ -340,7 +392,7 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     gj_jit_opt jo;
     describe(s, &jo);
     gj_jit_step_call call = {n_in, in, &jo, variant, s->o.keep_grads, s->o.eval,
-                             s->o.check_every > 0};
+                             s->o.check_every > 0, s->red, s->red_of};
     s->compiled_runs++;
     if (s->o.check_every > 0 && s->compiled_runs % s->o.check_every == 0 &&
         check_trace(s, &call) != 0)

@@ -121,12 +121,57 @@ void gj_jit_cstep_free(gj_jit_cstep *s);
  * the optimizer, the caller's variant key (gj_step_run_variant: C state
  * that selects the graph, part of the key and of the guards), the options,
  * and whether variants keep their trace's text for checks (check mode). */
+/* A gradient reducer between a step's backward and its update (dist/'s
+ * gj_ddp is one: it registers itself while it lives). The step gives it
+ * every parameter's gradient once that gradient is final, in the reducer's
+ * order, and takes each reduced gradient back before that parameter's
+ * update; a compiled step does both as call instructions of its program
+ * (the reducer's collectives then run while the backward goes on). */
+typedef struct gj_jit_reducer {
+    void *ctx;
+    int n;                     /* parameters it reduces */
+    gj_tensor *const *params;  /* [n], borrowed */
+    const int *order;          /* [n]: the order it takes gradients (order[k]: an index) */
+    const int64_t *hooks;      /* [n]: the hook each parameter carries for it (the step's
+                                  own calls replace it), 0 if none */
+    uint64_t layout;           /* a hash of its buckets and wire dtypes (in a program's key) */
+    /* Takes parameter i's final gradient (contiguous, dtype dt; NULL: no
+     * gradient this step, zeros), and starts what is complete. 0 or -1. */
+    int (*give)(void *ctx, int i, gj_dtype dt, const void *grad);
+    /* Waits for parameter i's reduced gradient and writes it to out
+     * (contiguous, dt). 0 or -1. */
+    int (*take)(void *ctx, int i, gj_dtype dt, void *out);
+    /* The eager step's reduction: every parameter's .grad (or zeros)
+     * reduced into its .grad. 0 or -1. */
+    int (*wait)(void *ctx);
+    /* After a compiled run, whatever its result: nothing left in flight,
+     * ready for the next step. 0, or -1 if something in flight failed. */
+    int (*end)(void *ctx);
+} gj_jit_reducer;
+
+/* The event log of this thread's last compiled step run with a reducer:
+ * out[k] = the program instruction at which the k-th give ran, *n_instrs
+ * the program's instruction count, *last_gemm the last GEMM instruction
+ * (-1: none). Returns the number of gives (up to cap written). For tests:
+ * a give before the last GEMM started its bucket while the backward still
+ * computed. */
+int gj_jit_last_reducer_gives(int *out, int cap, int *n_instrs, int *last_gemm);
+
+/* The reducers' registry: dist/ registers each reducer under its owner
+ * (the gj_ddp) while it lives; the frontend finds the reducer of the
+ * owner a step was given (NULL: not registered). Thread-safe. */
+int gj_jit_reducer_register(const void *owner, const gj_jit_reducer *r);
+void gj_jit_reducer_unregister(const void *owner);
+const gj_jit_reducer *gj_jit_reducer_find(const void *owner);
+
 typedef struct gj_jit_step_call {
     int n_in;
     gj_tensor *const *in;
     const gj_jit_opt *opt;
     uint64_t variant;
     bool keep_grads, eval, keep_text;
+    const gj_jit_reducer *red; /* NULL, or the reducer between backward and update */
+    const int *red_of;         /* with red: per parameter of opt, its index in red or -1 */
 } gj_jit_step_call;
 
 /* After the traced (eager) forward of a step, before its backward: makes

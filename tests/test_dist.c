@@ -587,6 +587,187 @@ static void test_user_zero_hook(void **state) {
     free_params(p);
 }
 
+/* ------------------------------------------------- DDP in the step */
+
+typedef struct step_ctx {
+    gj_tensor **p;
+    bool skip_b1; /* b1 unused */
+} step_ctx;
+
+static gj_tensor *ddp_step_fn(void *ctx, int n_in, gj_tensor *const *in) {
+    step_ctx *c = ctx;
+    (void)n_in;
+    return model_loss(c->p, in[0], c->skip_b1);
+}
+
+typedef struct step_case {
+    const char *name;
+    gj_dtype dt;
+    int opt;               /* 0 AdamW, 1 SGD with momentum and weight decay, 2 Lion */
+    double clip;
+    bool keep_grads, bf16_buckets, unused; /* unused: b1 gets no gradient (zeros reduced) */
+    int64_t bucket_bytes;  /* 0: the default (one bucket here) */
+} step_case;
+
+static gj_optim *make_opt(int kind, gj_tensor **p) {
+    if (kind == 0) return gj_adamw_new(NP, p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
+    if (kind == 1) return gj_sgd_new(NP, p, 5e-2, 0.9, 1e-3);
+    return gj_lion_new(NP, p, 1e-3, 0.9, 0.99, 0.01);
+}
+
+/* One model trained by the eager step with opts.ddp and one by the
+ * compiled step with opts.ddp, from the same values on the same shards:
+ * the losses, the parameters (and with keep_grads the .grads) equal bit
+ * for bit after every step, on every rank alike; the compiled step falls
+ * back never after its first (traced) run; at step 0 the kept .grads are
+ * the whole-batch average. */
+static void run_step_case(const step_case *c) {
+    gj_tensor *pe[NP], *pc[NP];
+    make_params(c->dt, 31, pe);
+    make_params(c->dt, 31, pc);
+    gj_ddp_options o = {.bucket_bytes = c->bucket_bytes, .bf16_buckets = c->bf16_buckets};
+    gj_ddp *de = gj_ddp_new(g_pg, NP, pe, &o), *dc = gj_ddp_new(g_pg, NP, pc, &o);
+    assert_non_null(de);
+    assert_non_null(dc);
+    gj_optim *oe = make_opt(c->opt, pe), *oc = make_opt(c->opt, pc);
+    step_ctx ce = {pe, c->unused}, cc = {pc, c->unused};
+    gj_step_opts so = {.eager = true, .ddp = de, .clip_norm = c->clip, .keep_grads = c->keep_grads};
+    gj_step *se = gj_step_new(ddp_step_fn, &ce, oe, &so);
+    so.eager = false;
+    so.ddp = dc;
+    gj_step *sc = gj_step_new(ddp_step_fn, &cc, oc, &so);
+    assert_non_null(se);
+    assert_non_null(sc);
+    gj_step_reset_stats();
+    const int steps = 4;
+    for (int s = 0; s < steps; s++) {
+        gj_tensor *x = shard(c->dt, s, g_rank, 5), *le = NULL, *lc = NULL;
+        assert_int_equal(gj_step_run(se, 1, &x, &le), 0);
+        if (gj_step_run(sc, 1, &x, &lc) != 0) {
+            fprintf(stderr, "%s: compiled step %d: %s\n", c->name, s, gj_last_error());
+            fail();
+        }
+        double a = gj_tensor_item(le), b = gj_tensor_item(lc);
+        if (memcmp(&a, &b, sizeof a) != 0) {
+            fprintf(stderr, "%s: step %d: loss %.17g eager, %.17g compiled\n", c->name, s, a, b);
+            fail();
+        }
+        for (int i = 0; i < NP; i++) {
+            char what[128];
+            snprintf(what, sizeof what, "%s: step %d param %d", c->name, s, i);
+            double *ve = gjt_values(pe[i]), *vc = gjt_values(pc[i]);
+            if (memcmp(ve, vc, sizeof(double) * (size_t)gj_tensor_numel(pe[i])) != 0) {
+                fprintf(stderr, "%s differs: eager %.17g compiled %.17g (first value)\n", what,
+                        ve[0], vc[0]);
+                fail();
+            }
+            free(ve);
+            free(vc);
+            assert_same_on_all_ranks(what, pc[i]);
+            gj_tensor *ge = gj_tensor_grad(pe[i]), *gc = gj_tensor_grad(pc[i]);
+            assert_true((ge != NULL) == c->keep_grads && (gc != NULL) == c->keep_grads);
+            if (ge) {
+                double *we = gjt_values(ge), *wc = gjt_values(gc);
+                assert_memory_equal(we, wc, sizeof(double) * (size_t)gj_tensor_numel(ge));
+                free(we);
+                free(wc);
+            }
+        }
+        if (s == 0 && c->keep_grads && c->clip == 0 && !c->unused) { /* the global batch's */
+            double *want[NP];
+            reference_grads(c->dt, 31, 0, 5, false, want);
+            check_grads(c->name, pc, want, c->dt == GJ_F64 ? 1e-14 : c->bf16_buckets ? 1.0 / 64 : 1e-6);
+            free_want(want);
+        }
+        gj_release(x);
+        gj_release(le);
+        gj_release(lc);
+    }
+    gj_ca_stats st;
+    gj_step_stats(&st);
+    assert_int_equal(st.fallbacks, 0);
+    assert_int_equal(st.backwards, steps); /* (the eager step's runs are not counted) */
+    gj_ddp_stats de_st, dc_st;
+    gj_ddp_stats_get(de, &de_st);
+    gj_ddp_stats_get(dc, &dc_st);
+    assert_int_equal(dc_st.allreduces, de_st.allreduces); /* the same collectives */
+    assert_int_equal(dc_st.steps, steps);
+    if (c->bucket_bytes > 0 && c->bucket_bytes < 100) { /* one bucket per parameter */
+        int at[8], n_instrs = 0, last_gemm = -1;
+        int gives = gj_jit_last_reducer_gives(at, 8, &n_instrs, &last_gemm);
+        assert_int_equal(gives, NP);
+        for (int k = 1; k < gives; k++) assert_true(at[k] > at[k - 1]);
+        if (!(at[0] < last_gemm)) { /* the first bucket left while GEMMs were still to run */
+            fprintf(stderr, "%s: first give at instruction %d, last GEMM %d of %d\n", c->name,
+                    at[0], last_gemm, n_instrs);
+            fail();
+        }
+    }
+    gj_step_free(se);
+    gj_step_free(sc);
+    gj_optim_free(oe);
+    gj_optim_free(oc);
+    gj_ddp_free(de);
+    gj_ddp_free(dc);
+    free_params(pe);
+    free_params(pc);
+}
+
+static void test_ddp_step(void **state) {
+    (void)state;
+    const step_case cases[] = {
+        {"f64 AdamW, 3 buckets", GJ_F64, 0, 0.0, true, false, false, 64},
+        {"f32 SGD, clipped, 1 bucket", GJ_F32, 1, 0.5, false, false, false, 0},
+        {"f32 Lion, b1 unused", GJ_F32, 2, 0.0, true, false, true, 64},
+        {"f32 AdamW, bf16 buckets", GJ_F32, 0, 0.0, true, true, false, 0},
+        {"bf16 AdamW, 3 buckets", GJ_BF16, 0, 0.0, false, false, false, 64},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) run_step_case(&cases[k]);
+}
+
+/* What a step cannot take as opts.ddp. */
+static void test_ddp_step_errors(void **state) {
+    (void)state;
+    gj_tensor *p[NP];
+    make_params(GJ_F32, 3, p);
+    gj_ddp *d = gj_ddp_new(g_pg, NP, p, NULL);
+    assert_non_null(d);
+    step_ctx c = {p, false};
+    gj_optim *two = gj_sgd_new(2, p, 0.1, 0, 0); /* without p[2] */
+    gj_step_opts so = {.ddp = d};
+    assert_null(gj_step_new(ddp_step_fn, &c, two, &so));
+    assert_true(gjt_error_has("parameter 2"));
+    assert_true(gjt_error_has("is not one of the optimizer's 2 parameters"));
+    so = (gj_step_opts){.ddp = (gj_ddp *)p[0]}; /* no gj_ddp */
+    gj_optim *all = gj_sgd_new(NP, p, 0.1, 0, 0);
+    assert_null(gj_step_new(ddp_step_fn, &c, all, &so));
+    assert_true(gjt_error_has("opts.ddp is no live gj_ddp"));
+    so = (gj_step_opts){.ddp = d, .eval = true};
+    assert_null(gj_step_new(ddp_step_fn, &c, all, &so));
+    assert_true(gjt_error_has("an eval step has no backward"));
+    /* the hooks of a gj_ddp not given to the step: that step runs eagerly
+     * with the reason saying so */
+    gj_step_reset_stats();
+    gj_step *s = gj_step_new(ddp_step_fn, &c, all, NULL);
+    gj_compiled_autograd_set_quiet(true);
+    for (int k = 0; k < 2; k++) {
+        gj_tensor *x = shard(GJ_F32, k, g_rank, 4);
+        assert_int_equal(gj_step_run(s, 1, &x, NULL), 0);
+        assert_int_equal(gj_ddp_wait(d), 0); /* (the step did not: its hooks started buckets) */
+        gj_release(x);
+    }
+    gj_compiled_autograd_set_quiet(false);
+    gj_ca_stats st;
+    gj_step_stats(&st);
+    assert_int_equal(st.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 2);
+    assert_true(strstr(gj_compiled_autograd_last_fallback(), "gj_step_opts.ddp") != NULL);
+    gj_step_free(s);
+    gj_optim_free(two);
+    gj_optim_free(all);
+    gj_ddp_free(d);
+    free_params(p);
+}
+
 static void test_ddp_errors(void **state) {
     (void)state;
     gj_tensor *p[NP];
@@ -653,6 +834,8 @@ int main(void) {
         cmocka_unit_test(test_ddp_agreement),
         cmocka_unit_test(test_user_zero_hook),
         cmocka_unit_test(test_ddp_errors),
+        cmocka_unit_test(test_ddp_step),
+        cmocka_unit_test(test_ddp_step_errors),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_pg_free(g_pg);

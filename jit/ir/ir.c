@@ -275,7 +275,10 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         const gj_jit_node *n = &g->nodes[i];
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
-        if (n->custom >= 0) {
+        if (n->custom >= 0 && n->custom_tape <= GJ_JIT_CALL_GIVE) {
+            fprintf(f, " = reduce_%s[param %d](", n->custom_tape == GJ_JIT_CALL_GIVE ? "give" : "take",
+                    n->custom);
+        } else if (n->custom >= 0) {
             fprintf(f, " = call_custom%s[node %d tape %d](", n->custom_fwd ? "_fwd" : "",
                     n->custom, n->custom_tape);
         } else if (n->hook >= 0) {

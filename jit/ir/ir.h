@@ -186,5 +186,11 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed);
 /* The most tensor inputs an opaque call node (a custom op's forward or
  * backward) takes: what a plan's CALL instruction holds. */
 #define GJ_JIT_CALL_MAX_IN 10
+/* custom_tape of a training step's reducer calls (jit.h, gj_jit_reducer):
+ * node.custom is then the optimizer's parameter index. GIVE reads that
+ * parameter's gradient (or nothing: no gradient) and has no output; TAKE
+ * has no input and outputs the reduced gradient. */
+#define GJ_JIT_CALL_GIVE (-2)
+#define GJ_JIT_CALL_TAKE (-3)
 
 #endif /* GJ_JIT_IR_H */

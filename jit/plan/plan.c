@@ -324,8 +324,12 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     for (int s = 0; s < p->n_instrs; s++) {
         const gj_jit_instr *st = &p->instrs[s];
         if (st->kind == GJ_JIT_INSTR_CALL) {
-            fprintf(f, "  instr %d: custom %s call of node %d tape %d (", s,
-                    st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);
+            if (st->cs.tape <= GJ_JIT_CALL_GIVE)
+                fprintf(f, "  instr %d: reducer %s of parameter %d (", s,
+                        st->cs.tape == GJ_JIT_CALL_GIVE ? "give" : "take", st->cs.node);
+            else
+                fprintf(f, "  instr %d: custom %s call of node %d tape %d (", s,
+                        st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);
             for (int k = 0; k < st->cs.n_in; k++) fprintf(f, "%sb%d", k ? ", " : "", st->cs.src_buf[k]);
             fprintf(f, ") ->");
             for (int k = 0; k < st->cs.n_out; k++) fprintf(f, " b%d", st->cs.out_buf[k]);

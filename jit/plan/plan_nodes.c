@@ -743,7 +743,19 @@ static int plan_custom(planner *pl, int i) {
         if (cs.out_buf[k] < 0) return gj_jit_pl_oom(pl);
     }
     if (gj_jit_grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return gj_jit_pl_oom(pl);
-    int sid = new_pinstr(pl, PS_CALL, pl->n_cl, 2 * (int64_t)i + 1);
+    int64_t pos = 2 * (int64_t)i + 1;
+    if (cs.tape == GJ_JIT_CALL_GIVE) {
+        /* a reducer's give goes as soon as its gradient is final (its
+         * collective then runs while the backward goes on): the position of
+         * the latest instruction it waits for */
+        pos = 0;
+        int dep[GJ_JIT_CALL_MAX_IN + 1], nd = 0;
+        for (int k = 0; k < cs.n_in; k++) dep[nd++] = pl->p->bufs[cs.src_buf[k]].writer;
+        dep[nd++] = pl->last_hook_instr;
+        for (int k = 0; k < nd; k++)
+            if (dep[k] >= 0 && pl->ps[dep[k]].pos > pos) pos = pl->ps[dep[k]].pos;
+    }
+    int sid = new_pinstr(pl, PS_CALL, pl->n_cl, pos);
     if (sid < 0) return gj_jit_pl_oom(pl);
     pl->cls[pl->n_cl++] = cs;
     for (int k = 0; k < cs.n_in; k++)

@@ -388,6 +388,76 @@ static int emit_clip(scap *c, gj_val **g, int n, gj_val **ok, gj_val **norm) {
     return 0;
 }
 
+/* ----------------------------------------------------------- reducer */
+
+/* Hooks on the step's graph that its program cannot call: every live hook
+ * but the ones the reducer's calls replace. */
+static int foreign_hooks(const gj_jit_walk *w, const gj_jit_reducer *red) {
+    int n = 0;
+    for (int i = 0; w && i < w->n; i++)
+        for (int k = 0; k < GJ_AG_MAX_OUT; k++) {
+            const gj_ag_hook *hs[64];
+            int c = gj_ag_node_hooks(w->nodes[i], k, hs, 64);
+            for (int j = 0; j < c; j++) {
+                bool own = false;
+                for (int r = 0; red && j < 64 && r < red->n && !own; r++)
+                    own = red->hooks[r] == hs[j]->handle;
+                n += !own;
+            }
+        }
+    return n;
+}
+
+/* Gives every parameter of the reducer its gradient g[p] (NULL: none), in
+ * the reducer's order: one GIVE call each, which the plan places as soon
+ * as that gradient is final. 0 or -1 (reason set). */
+static int emit_gives(scap *c, gj_val **g) {
+    const gj_jit_reducer *red = c->s->red;
+    const gj_jit_opt *o = c->s->opt;
+    for (int k = 0; k < red->n; k++) {
+        int p = 0;
+        while (p < o->n && c->s->red_of[p] != red->order[k]) p++;
+        if (p == o->n) {
+            fail(c, true, "internal: the reducer's parameter %d is not the optimizer's",
+                 red->order[k]);
+            return -1;
+        }
+        int in = g[p] ? gj_jit_rec_id(g[p]) : -1;
+        if (gj_jit_graph_add_custom(&c->r.cap->g, p, GJ_JIT_CALL_GIVE, 0, g[p] ? 1 : 0, &in, 0,
+                                    NULL, NULL) < 0) {
+            fail(c, false, "out of memory");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Parameter p's reduced gradient (a TAKE call: a new contiguous value of
+ * the parameter's meta), or NULL (reason set). */
+static gj_val *emit_take(scap *c, int p) {
+    gj_rt_meta m;
+    gj_rt_meta_of(c->s->opt->params[p], &m);
+    int out = -1;
+    if (gj_jit_graph_add_custom(&c->r.cap->g, p, GJ_JIT_CALL_TAKE, 0, 0, NULL, 1, &m, &out) < 0) {
+        fail(c, false, "out of memory");
+        return NULL;
+    }
+    return gj_jit_rec_val(out);
+}
+
+/* The order of the updates: with a reducer, its parameters in its order
+ * (each right after its gradient comes back), then the others. */
+static void update_order(const scap *c, int *ord) {
+    const gj_jit_opt *o = c->s->opt;
+    const gj_jit_reducer *red = c->s->red;
+    int n = 0;
+    for (int k = 0; red && k < red->n; k++)
+        for (int p = 0; p < o->n; p++)
+            if (c->s->red_of[p] == red->order[k]) ord[n++] = p;
+    for (int p = 0; p < o->n; p++)
+        if (!red || c->s->red_of[p] < 0) ord[n++] = p;
+}
+
 /* The backward and the updates (a training step that is not eval). */
 static int capture_train(scap *c, const gj_jit_walk *w) {
     const gj_jit_step_spec *s = c->s;
@@ -398,8 +468,9 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
     int n_ret0 = 2 * o->n + 1; /* the extra leaves' entries follow */
     gj_val **gv = gj_rt_calloc((size_t)w->n_req + 1, sizeof *gv);
     gj_val **g = gj_rt_calloc((size_t)o->n + 1, sizeof *g);
+    int *ord = gj_rt_calloc((size_t)o->n + 1, sizeof *ord);
     gj_val *ok = NULL, *norm = NULL;
-    if (!gv || !g) goto oom;
+    if (!gv || !g || !ord) goto oom;
     const gj_rt_meta *lm = &s->tr->slots[s->loss_slot].meta;
     gj_val *seed = gj_ag_fill(b, lm->dtype, lm->ndim, lm->shape, 1.0);
     if (!seed) goto oom;
@@ -424,8 +495,16 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
         g[p] = cast_to(b, gv[q], o->params[p]->dtype); /* what a fresh .grad holds */
         if (!g[p]) goto oom;
     }
+    if (s->red && emit_gives(c, g) != 0) goto done;
+    for (int k = 0; k < o->n; k++) ord[k] = k;
+    if (s->red) update_order(c, ord);
+    if (s->red && o->clip > 0) /* the norm is the reduced gradients' */
+        for (int k = 0; k < o->n; k++)
+            if (s->red_of[ord[k]] >= 0 && !(g[ord[k]] = emit_take(c, ord[k]))) goto done;
     if (o->clip > 0 && emit_clip(c, g, o->n, &ok, &norm) != 0) goto oom;
-    for (int p = 0; p < o->n; p++) {
+    for (int k = 0; k < o->n; k++) {
+        int p = ord[k];
+        if (s->red && o->clip <= 0 && s->red_of[p] >= 0 && !(g[p] = emit_take(c, p))) goto done;
         if (!g[p]) continue;
         if (s->keep_grads) {
             cap->ret[p] = cap->g.n_outputs;
@@ -445,6 +524,7 @@ oom:
 done:
     gj_rt_free(gv);
     gj_rt_free(g);
+    gj_rt_free(ord);
     return rc;
 }
 
@@ -476,9 +556,11 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
         cap->ret[n + p] = 0;
     }
     for (int k = 2 * n; k < n_ret; k++) cap->ret[k] = -1;
-    if (w && w->n_hooks > 0) { /* (the program calls no user code) */
+    int nh = w && w->n_hooks > 0 ? foreign_hooks(w, s->red) : 0;
+    if (nh > 0) { /* (the program calls no user code) */
         fail(&c, true, "the step's graph has %d hook%s (on a parameter, or registered before the "
-             "step): a step with hooks runs eagerly", w->n_hooks, w->n_hooks == 1 ? "" : "s");
+             "step): a step with hooks runs eagerly%s", nh, nh == 1 ? "" : "s",
+             s->red ? "" : " (a gj_ddp's hooks: give it to the step, gj_step_opts.ddp)");
         cap->code = GJ_CA_HOOK_GUARD;
         goto done;
     }

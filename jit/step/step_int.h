@@ -44,12 +44,16 @@ typedef struct gj_jit_step_spec {
     bool keep_grads, eval;
     int n_extra;               /* leaves outside the optimizer that require grad */
     gj_tensor *const *extra;   /* (step inputs or constants): their gradients are outputs */
+    const gj_jit_reducer *red; /* NULL, or the reducer between backward and update */
+    const int *red_of;         /* with red: per parameter, its index in red or -1 */
 } gj_jit_step_spec;
 
 /* Builds the step's graph into cap (initialised here): the trace's forward
  * replayed, the loss, the gradients of the parameters (w: the gj_grad walk
  * of the loss with respect to the parameters that require grad; NULL for
- * an eval step) and their update. cap->ret receives 2 * n + 1 + n_extra
+ * an eval step), with a reducer each given to it (GJ_JIT_CALL_GIVE, in its
+ * order, as soon as final) and taken back reduced (GJ_JIT_CALL_TAKE, right
+ * before that parameter's update), and their update. cap->ret receives 2 * n + 1 + n_extra
  * ints: per parameter the output holding its kept gradient (or -1), then 1
  * if the program updates it, then the output holding the gradients' norm
  * of a clipping step (or -1), then per extra leaf the output holding its

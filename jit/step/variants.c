@@ -41,6 +41,7 @@
 #include "jit/run/run.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -62,6 +63,9 @@ typedef struct variant {
     bool clip, keep_grads, eval;
     uint64_t rng;        /* numbers the step draws from the generator */
     uint64_t key;        /* the caller's variant key */
+    bool reduced;        /* made with a reducer (of this layout and map): */
+    uint64_t red_layout;
+    int *red_of;         /* per parameter: its index in the reducer, or -1 */
     bool *requires_grad; /* per parameter, when traced */
     int32_t *alias;      /* per bound tensor (inputs, parameters, constants): alias_code */
     uint8_t *gstate;     /* per input, then per constant: grad_state */
@@ -87,6 +91,7 @@ static void variant_free(variant *v) {
     for (int c = 0; c < v->n_consts; c++) gj_rt_tensor_release(v->consts[c]);
     gj_rt_free(v->consts);
     gj_rt_free(v->requires_grad);
+    gj_rt_free(v->red_of);
     gj_rt_free(v->alias);
     gj_rt_free(v->gstate);
     gj_rt_free(v->extra);
@@ -264,6 +269,12 @@ static void step_text(gj_jit_text *t, const gj_ag_trace *tr, int loss_slot, cons
         call->eval,
         tr->n_inputs, o->n, sizes ? (unsigned long long)(tr->rng1 - tr->rng0) : 0ull,
         (unsigned long long)call->variant);
+    if (call->red) {
+        gj_jit_text_put(t, "reducer %016llx n %d of", (unsigned long long)call->red->layout,
+                        call->red->n);
+        for (int p = 0; p < o->n; p++) gj_jit_text_put(t, " %d", call->red_of[p]);
+        gj_jit_text_put(t, "\n");
+    }
     gj_jit_text_put(t, "alias");
     for (int i = 0; i < ti->nb; i++) gj_jit_text_put(t, " %d", (int)ti->alias[i]);
     gj_jit_text_put(t, "\ngrad");
@@ -393,6 +404,13 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
     v->eval = call->eval;
     v->rng = tr->rng1 - tr->rng0;
     v->key = call->variant;
+    v->reduced = call->red != NULL;
+    if (call->red) {
+        v->red_layout = call->red->layout;
+        v->red_of = gj_rt_malloc(((size_t)opt->n + 1) * sizeof *v->red_of);
+        if (!v->red_of) return -1;
+        memcpy(v->red_of, call->red_of, (size_t)opt->n * sizeof *v->red_of);
+    }
     v->consts = gj_rt_calloc((size_t)ti->n_consts + 1, sizeof *v->consts);
     v->requires_grad = gj_rt_calloc((size_t)opt->n + 1, sizeof *v->requires_grad);
     if (!v->consts || !v->requires_grad) return -1;
@@ -505,7 +523,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     gj_jit_hash128(kt.p, kt.n, key.hash);
     gj_jit_hash128(stx.p, stx.n, key.site);
     src.spec = (gj_jit_step_spec){tr, loss_slot, loss, opt, call->keep_grads, eval,
-                                  ti.n_extra, ti.extra_t};
+                                  ti.n_extra, ti.extra_t, eval ? NULL : call->red, call->red_of};
     src.w = have_walk ? &w : NULL;
     gj_jit_source source = {step_capture, step_finish, &src, GJ_JIT_PATH_STEP};
     gj_jit_got got = {0};
@@ -557,6 +575,17 @@ static gj_tensor *bound_tensor(const variant *v, int kind, int k, const gj_jit_s
     }
 }
 
+/* Whether parameter p has a live hook other than the one the reducer of
+ * v's program replaces with its calls. */
+static bool foreign_hooks(const variant *v, const gj_jit_step_call *call, int p) {
+    gj_tensor *t = call->opt->params[p];
+    if (!gj_ag_leaf_has_hooks(t)) return false;
+    if (!v->reduced || v->red_of[p] < 0) return true;
+    const gj_ag_hook *hs[8];
+    int n = gj_ag_leaf_hooks(t, hs, 8);
+    return n != 1 || hs[0]->handle != call->red->hooks[v->red_of[p]];
+}
+
 /* Whether v's structure, aliasing, gradient states and hooks hold for this
  * call (the guards that need no program input). */
 static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
@@ -564,9 +593,13 @@ static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
     if (v->n_in != call->n_in || v->n_params != o->n || v->def != o->def ||
         v->structure != o->structure || v->clip != (o->clip > 0) || v->key != call->variant)
         return false;
+    if (v->reduced != (call->red != NULL) ||
+        (v->reduced && (v->red_layout != call->red->layout ||
+                        memcmp(v->red_of, call->red_of, (size_t)o->n * sizeof *v->red_of) != 0)))
+        return false;
     for (int p = 0; p < o->n; p++) { /* the graph's structure: what needs a gradient, hooks */
         gj_ag_tensor_meta *m = o->params[p]->ag;
-        if ((m && m->requires_grad) != v->requires_grad[p] || gj_ag_leaf_has_hooks(o->params[p]))
+        if ((m && m->requires_grad) != v->requires_grad[p] || foreign_hooks(v, call, p))
             return false;
     }
     int ng = call->n_in + v->n_consts;
@@ -649,6 +682,48 @@ static int select_variant(gj_jit_cstep *st, const gj_jit_step_call *call, gj_ten
     return 0;
 }
 
+/* This thread's last run with a reducer: where its gives ran. */
+static _Thread_local int t_gives[GJ_JIT_MAX_POST_LOG], t_n_gives, t_n_instrs, t_last_gemm;
+
+int gj_jit_last_reducer_gives(int *out, int cap, int *n_instrs, int *last_gemm) {
+    for (int k = 0; k < t_n_gives && k < cap; k++) out[k] = t_gives[k];
+    *n_instrs = t_n_instrs;
+    *last_gemm = t_last_gemm;
+    return t_n_gives;
+}
+
+typedef struct red_run {
+    const gj_jit_step_call *call;
+    const gj_jit_plan *p;
+} red_run;
+
+/* gj_jit_custom_call of a step program's reducer calls: a GIVE hands the
+ * reducer its parameter's final gradient (none: no input), a TAKE writes
+ * the reduced one into the program's buffer. */
+static int reducer_call(void *ctx, const gj_jit_call_instr *cs, void *const *src,
+                        void *const *dst) {
+    const red_run *rr = ctx;
+    const gj_jit_step_call *call = rr->call;
+    const gj_jit_reducer *red = call->red;
+    int p = cs->node;
+    bool give = cs->tape == GJ_JIT_CALL_GIVE, take = cs->tape == GJ_JIT_CALL_TAKE;
+    if (!red || p < 0 || p >= call->opt->n || call->red_of[p] < 0 || !(give || take) ||
+        (take && cs->n_out != 1) || (give && cs->n_in > 1)) {
+        gj_rt_set_error("gj_step_run: internal: a call instruction of the step program that is "
+                        "no reducer call (parameter %d, kind %d)", p, cs->tape);
+        return -1;
+    }
+    int i = call->red_of[p];
+    if (give && t_n_gives < GJ_JIT_MAX_POST_LOG) /* (cs is its instruction's) */
+        t_gives[t_n_gives++] =
+            (int)((const gj_jit_instr *)((const char *)cs - offsetof(gj_jit_instr, cs)) -
+                  rr->p->instrs);
+    if (give)
+        return red->give(red->ctx, i, cs->n_in ? cs->in_meta[0].dtype : call->opt->params[p]->dtype,
+                         cs->n_in ? src[0] : NULL);
+    return red->take(red->ctx, i, cs->out_meta[0].dtype, dst[0]);
+}
+
 int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor **loss_out,
                      bool *updated, gj_tensor **grads_out) {
     const gj_jit_opt *opt = call->opt;
@@ -698,7 +773,20 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
         (void)gj_rt_rng_reserve(v->rng); /* (draws no program step reads: keep eager's stream) */
     }
     gj_jit_outs ac = {p, news};
-    int er = gj_jit_plan_exec(p, data, params, out, gj_jit_alloc_output, &ac);
+    int er;
+    if (v->reduced) {
+        red_run rr = {call, p};
+        t_n_gives = 0;
+        t_n_instrs = p->n_instrs;
+        t_last_gemm = -1;
+        for (int k = 0; k < p->n_instrs; k++)
+            if (p->instrs[k].kind == GJ_JIT_INSTR_MATMUL) t_last_gemm = k;
+        er = gj_jit_plan_exec_calls(p, data, params, out, gj_jit_alloc_output, &ac, NULL,
+                                    reducer_call, NULL, &rr);
+        if (call->red->end(call->red->ctx) != 0 && er == 0) er = -1;
+    } else {
+        er = gj_jit_plan_exec(p, data, params, out, gj_jit_alloc_output, &ac);
+    }
     gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
     if (er != 0) goto done;
     int no = pr->ret[2 * opt->n];

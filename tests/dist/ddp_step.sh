@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# The compiled step under --ddp: the 2-rank Fashion-MNIST trainer run with
+# the eager step and with the compiled step (its gradients averaged inside
+# the program) prints the same loss at every step of an epoch, and the
+# compiled run never falls back.
+#   ddp_step.sh <mpiexec> <train_fashion_mnist>
+set -uo pipefail
+mpiexec=$1 exe=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+run() { # <csv> [flags]
+  local csv=$1; shift
+  GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 2 --oversubscribe \
+    "$exe" --ddp --epochs 1 --batch 256 --quiet --csv "$csv" --png - "$@" 2>&1
+}
+eager=$(run "$dir/eager.csv") || fail "the eager run failed: $eager"
+compiled=$(run "$dir/compiled.csv" --compiled-step) || fail "the compiled run failed: $compiled"
+echo "$compiled" | grep "compiled step:"
+echo "$compiled" | grep -q "compiled step: 234 steps, .* 0 fallbacks" ||
+  fail "the compiled step did not run all 234 steps without a fallback"
+[ "$(wc -l <"$dir/eager.csv")" -eq 235 ] || fail "the eager run wrote $(wc -l <"$dir/eager.csv") lines"
+cmp "$dir/eager.csv" "$dir/compiled.csv" || fail "the losses differ: $(diff "$dir/eager.csv" "$dir/compiled.csv" | head -4)"
+echo "PASS: 234 steps on 2 ranks, the compiled step's losses are the eager step's"
