@@ -654,7 +654,9 @@ static void usage(FILE *f) {
                "                     [--grads none|keep] "
                "[--compare torch [--rounds R] [--python PATH] [--torch-script PATH]]\n"
                "                     [--ddp [--bucket-mb X]]   under mpirun: allreduce/backward "
-               "overlap of gj_ddp, eager and compiled (W1, W4n by default; --paired N rounds)\n"
+               "overlap of gj_ddp, eager and compiled (W1, W4n by default; --paired N rounds);\n"
+               "                     with --step: the eager vs the compiled DDP training step "
+               "(gj_step_opts.ddp), paired\n"
                "                     [--paired N [--symbolic | --step]]   N >= 30 interleaved "
                "eager/compiled pairs (ABBA), median ratio and IQR;\n"
                "                     with --symbolic: specialised / symbolic compiled program "
@@ -821,8 +823,9 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
             return -1;
         }
     }
-    if (o->step && (!o->pairs || o->symbolic)) {
-        fprintf(stderr, "gradjit-bench: --step goes with --paired N (and not --symbolic)\n");
+    if (o->step && ((!o->pairs && !o->ddp) || o->symbolic)) {
+        fprintf(stderr, "gradjit-bench: --step goes with --paired N or --ddp (and not "
+                        "--symbolic)\n");
         return -1;
     }
     if (o->gemm_pair && (!o->step || o->gemm)) {
@@ -995,7 +998,10 @@ int main(int argc, char **argv) {
     gj_get_info(&info);
     char cpu[256];
     cpu_model(cpu, sizeof cpu);
-    if (o.ddp) /* W1 and W4n unless --workload says otherwise */
+    if (o.ddp && o.step) /* W1 and W4n unless --workload says otherwise */
+        return bench_ddp_step_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
+                                   o.pairs ? o.pairs : 30, cpu);
+    if (o.ddp)
         return bench_ddp_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
                               o.pairs ? o.pairs : 30, o.bucket_mb > 0 ? o.bucket_mb : 25.0, cpu);
     if (o.gemm) {

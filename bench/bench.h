@@ -192,6 +192,35 @@ void bench_ceiling_free(bench_ceiling *c);
  * alone and the two together per workload, eager and compiled. 0 or 1. */
 int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char *cpu);
 
+/* One side of paired training steps (paired_step.c): a copy of the
+ * workload (set up from BENCH_SEED), its AdamW (the workload's step_lr
+ * and step_wd, betas 0.9/0.999, eps 1e-8) and its gj_step, eager or
+ * compiled; with a process group also its gj_ddp (opts.ddp: gradients
+ * averaged over the ranks inside the step). */
+typedef struct bench_side {
+    const bench_workload *wl;
+    bool eager;
+    bench_state s;
+    gj_optim *opt;
+    gj_ddp *ddp; /* NULL without a group */
+    gj_step *step;
+    double loss; /* of its last step */
+} bench_side;
+/* 0, or -1 with err (the side is then freed by bench_side_free). */
+int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *pg, char *err,
+                    size_t cap);
+/* One step of d, timed (*ms): 0, or -1 with err. */
+int bench_side_run(bench_side *d, double *ms, char *err, size_t cap);
+void bench_side_free(bench_side *d);
+/* Whether a's and b's parameters hold the same bits (as f64: exact for
+ * every float dtype). */
+bool bench_same_params(bench_state *a, bench_state *b);
+
+/* gradjit-bench --ddp --step (ddp.c), under mpirun: the eager and the
+ * compiled DDP training step (gj_step_opts.ddp) of each workload, paired
+ * ABBA, and whether both sides end with the same bits. 0 or 1. */
+int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu);
+
 /* gradjit-bench --paired N --step (paired_step.c): eager and compiled
  * training steps (gj_step: forward, backward, AdamW update) of each
  * workload interleaved ABBA, with the step's bound; gemm_pair: both sides

@@ -16,6 +16,15 @@
  * allreduce hid behind the backward, 0 when none did. Medians over rounds.
  * "comm ms": the mean time per reducing step the communication thread spent
  * in collectives (from issue to completion, gj_ddp_stats.comm_ms).
+ *
+ * --ddp --step (bench_ddp_step_main): the whole DDP training step, eager
+ * (gj_step with opts.ddp: backward, gj_ddp_wait, AdamW) against compiled
+ * (the same step as one program whose reducer calls start each bucket as
+ * its gradients are final), each side its own copy of the model and its
+ * own gj_ddp, interleaved ABBA with a barrier before every timed step so
+ * no timing includes waiting for a slower rank. The ratio is eager /
+ * compiled (> 1: compiled faster), median over rounds with its IQR; both
+ * sides must end with the same parameters and loss bits.
  */
 #include "bench.h"
 #include "clock.h"
@@ -169,6 +178,86 @@ int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char 
         }
         gj_ddp_free(d);
         bench_state_free(&s);
+    }
+    gj_pg_free(pg);
+    return failed;
+}
+
+/* ------------------------------------------------- the DDP training step */
+
+/* One timed step of side d, after the ranks line up. */
+static int timed_step(gj_pg *pg, bench_side *d, double *ms, char *err, size_t cap) {
+    if (gj_pg_barrier(pg) != 0) {
+        snprintf(err, cap, "barrier: %s", gj_last_error());
+        return -1;
+    }
+    return bench_side_run(d, ms, err, cap);
+}
+
+int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
+    gj_pg *pg = gj_pg_init();
+    if (!pg) {
+        fprintf(stderr, "gradjit-bench --ddp --step: %s\n", gj_last_error());
+        return 1;
+    }
+    int rank = gj_pg_rank(pg), size = gj_pg_size(pg), failed = 0;
+    if (rank == 0) {
+        gj_info info;
+        gj_get_info(&info);
+        printf("gradjit-bench --ddp --step: %d ranks, %d compute thread(s) each, BLAS %s, CPU %s\n"
+               "the DDP training step (forward, backward, the gradients averaged, AdamW), eager "
+               "vs compiled (gj_step_opts.ddp), %d rounds ABBA after 3 warm-up steps per side; "
+               "ratio = eager / compiled\n\n",
+               size, info.num_threads, info.blas_core ? info.blas_core : "?", cpu, rounds);
+        printf("%-4s %8s %19s %19s %24s %9s\n", "wl", "buckets", "eager ms [IQR]",
+               "compiled ms [IQR]", "eager/compiled [IQR]", "same bits");
+    }
+    for (int w = 0; w < bench_n_workloads; w++) {
+        if (!(workloads & (1u << w))) continue;
+        const bench_workload *wl = &bench_workloads[w];
+        bench_side side[2]; /* eager, compiled */
+        char err[384] = "";
+        double *t[2] = {calloc((size_t)rounds, sizeof(double)),
+                        calloc((size_t)rounds, sizeof(double))};
+        double *ratio = calloc((size_t)rounds, sizeof(double));
+        int ok = t[0] && t[1] && ratio &&
+                 bench_side_init(&side[0], wl, true, pg, err, sizeof err) == 0 &&
+                 bench_side_init(&side[1], wl, false, pg, err, sizeof err) == 0;
+        for (int r = -3; ok && r < rounds; r++) {
+            double ms[2];
+            for (int k = 0; k < 2 && ok; k++) {
+                int m = (r & 1) ? 1 - k : k; /* ABBA */
+                ok = timed_step(pg, &side[m], &ms[m], err, sizeof err) == 0;
+            }
+            if (ok && r >= 0) {
+                t[0][r] = ms[0];
+                t[1][r] = ms[1];
+                ratio[r] = ms[0] / ms[1];
+            }
+        }
+        if (ok) {
+            gj_ddp_stats st;
+            gj_ddp_stats_get(side[1].ddp, &st);
+            bool same = bench_same_params(&side[0].s, &side[1].s) && side[0].loss == side[1].loss;
+            if (rank == 0)
+                printf("%-4s %8d %7.2f [%.2f-%.2f] %7.2f [%.2f-%.2f] %10.3f [%.3f-%.3f] %9s\n",
+                       wl->id, st.n_buckets, bench_quantile(t[0], rounds, 0.5),
+                       bench_quantile(t[0], rounds, 0.25), bench_quantile(t[0], rounds, 0.75),
+                       bench_quantile(t[1], rounds, 0.5), bench_quantile(t[1], rounds, 0.25),
+                       bench_quantile(t[1], rounds, 0.75), bench_quantile(ratio, rounds, 0.5),
+                       bench_quantile(ratio, rounds, 0.25), bench_quantile(ratio, rounds, 0.75),
+                       same ? "yes" : "NO");
+            if (!same) failed = 1;
+        } else {
+            fprintf(stderr, "%s: %s\n", wl->id, err[0] ? err : "out of memory");
+            failed = 1;
+        }
+        fflush(stdout);
+        bench_side_free(&side[0]);
+        bench_side_free(&side[1]);
+        free(t[0]);
+        free(t[1]);
+        free(ratio);
     }
     gj_pg_free(pg);
     return failed;

@@ -73,36 +73,27 @@ typedef struct step_result {
     bool leak;
 } step_result;
 
-/* One side of the pairs: the workload's copy, its AdamW and its gj_step. */
-typedef struct step_side {
-    const bench_workload *wl;
-    bool eager;
-    bench_state s;
-    gj_optim *opt;
-    gj_step *step;
-    double loss; /* of its last step */
-} step_side;
-
-/* The step function: the workload's forward on its own inputs, which are
- * the step's in[0..n_in) (the same tensors). */
+/* The step function of a side: the workload's forward on its own inputs,
+ * which are the step's in[0..n_in) (the same tensors). */
 static gj_tensor *step_fn(void *ctx, int n_in, gj_tensor *const *in) {
-    step_side *d = ctx;
+    bench_side *d = ctx;
     (void)n_in;
     (void)in;
     return d->wl->forward(&d->s);
 }
 
-static void side_free(step_side *d) {
+void bench_side_free(bench_side *d) {
     gj_step_free(d->step);
     gj_optim_free(d->opt);
+    gj_ddp_free(d->ddp);
     bench_state_free(&d->s);
     d->step = NULL;
     d->opt = NULL;
+    d->ddp = NULL;
 }
 
-/* A fresh copy of wl (seeded as every mode) with its AdamW and its step,
- * eager or compiled. 0, or -1 with err. */
-static int side_init(step_side *d, const bench_workload *wl, bool eager, char *err, size_t cap) {
+int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *pg, char *err,
+                    size_t cap) {
     memset(d, 0, sizeof *d);
     d->wl = wl;
     d->eager = eager;
@@ -111,7 +102,11 @@ static int side_init(step_side *d, const bench_workload *wl, bool eager, char *e
         snprintf(err, cap, "setup failed: %s", gj_last_error());
         return -1;
     }
-    gj_step_opts so = {.eager = eager};
+    if (pg && !(d->ddp = gj_ddp_new(pg, d->s.n_params, d->s.params, NULL))) {
+        snprintf(err, cap, "gj_ddp_new: %s", gj_last_error());
+        return -1;
+    }
+    gj_step_opts so = {.eager = eager, .ddp = d->ddp};
     d->opt = gj_adamw_new(d->s.n_params, d->s.params, wl->step_lr, 0.9, 0.999, 1e-8, wl->step_wd);
     d->step = d->opt ? gj_step_new(step_fn, d, d->opt, &so) : NULL;
     if (!d->step) {
@@ -121,8 +116,7 @@ static int side_init(step_side *d, const bench_workload *wl, bool eager, char *e
     return 0;
 }
 
-/* One step of side d, timed (*ms). 0, or -1 with err. */
-static int side_run(step_side *d, double *ms, char *err, size_t cap) {
+int bench_side_run(bench_side *d, double *ms, char *err, size_t cap) {
     gj_scope_push();
     gj_tensor *loss = NULL;
     double t0 = bench_now_ms();
@@ -145,9 +139,7 @@ static double bytes_of(gj_tensor *t) {
     return (double)gj_tensor_numel(t) * (double)dtype_size(gj_tensor_dtype(t));
 }
 
-/* Whether a's and b's parameters hold the same bits (as f64: exact for
- * every float dtype). */
-static bool same_params(bench_state *a, bench_state *b) {
+bool bench_same_params(bench_state *a, bench_state *b) {
     for (int k = 0; k < a->n_params; k++) {
         int64_t n = gj_tensor_numel(a->params[k]);
         double *x = malloc((size_t)n * sizeof *x), *y = malloc((size_t)n * sizeof *y);
@@ -165,7 +157,7 @@ static bool same_params(bench_state *a, bench_state *b) {
 /* GEMM FLOPs of the compiled backward of wl's forward on d's copy (one
  * compiled-autograd backward, untimed; the grads are cleared after), or
  * NaN when that backward did not run compiled. */
-static double backward_flops(step_side *d) {
+static double backward_flops(bench_side *d) {
     gj_ca_stats a, b;
     gj_compiled_autograd_stats(&a);
     gj_set_compiled_autograd(true);
@@ -219,12 +211,12 @@ static bool step_beaten(const step_result *r) {
  * 1 with the per-shape choice (GJ_GEMM_AUTO), set before each run. */
 static bool g_gemm_pair;
 
-static int side_run_as(step_side *d, int m, double *ms, char *err, size_t cap) {
+static int side_run_as(bench_side *d, int m, double *ms, char *err, size_t cap) {
     if (g_gemm_pair && gj_set_gemm_provider(m ? GJ_GEMM_AUTO : GJ_GEMM_OPENBLAS) != 0) {
         snprintf(err, cap, "%s", gj_last_error());
         return -1;
     }
-    return side_run(d, ms, err, cap);
+    return bench_side_run(d, ms, err, cap);
 }
 
 static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceiling *c,
@@ -237,7 +229,7 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
         r->skipped = wl->no_step;
         return;
     }
-    step_side e, k; /* eager, compiled */
+    bench_side e, k; /* eager, compiled */
     bool ie = false, ik = false;
     double *ratio = calloc((size_t)pairs, sizeof *ratio);
     double *em = calloc((size_t)pairs, sizeof *em), *cm = calloc((size_t)pairs, sizeof *cm);
@@ -247,10 +239,10 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
         goto done;
     }
     gj_step_reset_stats();
-    if (side_init(&e, wl, !g_gemm_pair, r->error, sizeof r->error) != 0)
+    if (bench_side_init(&e, wl, !g_gemm_pair, NULL, r->error, sizeof r->error) != 0)
         goto done;
     ie = true;
-    if (side_init(&k, wl, false, r->error, sizeof r->error) != 0)
+    if (bench_side_init(&k, wl, false, NULL, r->error, sizeof r->error) != 0)
         goto done;
     ik = true;
     double ms[2];
@@ -283,7 +275,7 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
     r->compiled_ms = bench_quantile(cm, pairs, 0.5);
     r->eager_min_ms = em[0]; /* sorted by bench_quantile */
     r->compiled_min_ms = cm[0];
-    r->same_bits = e.loss == k.loss && same_params(&e.s, &k.s);
+    r->same_bits = e.loss == k.loss && bench_same_params(&e.s, &k.s);
 
     /* the bound */
     double params = 0, in = 0;
@@ -307,9 +299,9 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
     r->ok = true;
 done:
     if (ie)
-        side_free(&e);
+        bench_side_free(&e);
     if (ik)
-        side_free(&k);
+        bench_side_free(&k);
     r->leak = r->ok && live_bytes() != live0;
     free(ratio);
     free(em);

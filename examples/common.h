@@ -181,7 +181,7 @@ static inline bool print_curves(const char *what, const double *a, const double 
  *                  calls with compiled autograd off, so forward and backward
  *                  are timed apart (the eager side of --both with compiled
  *                  autograd) and a hook can run between backward and update
- *                  (--ddp's gj_ddp_wait)
+ *                  (a split --ddp's gj_ddp_wait)
  *   STEP_SPLIT_CA  the same with compiled autograd on (--compiled-autograd;
  *                  gj_step cannot serve it: it replaces the backward)
  * gj_step's modes time the whole step only. */
@@ -215,6 +215,23 @@ static inline int stepper_init(stepper *s, step_mode mode, gj_step_fn fn, void *
     if (step_mode_split(mode)) return 0;
     gj_step_opts so = {.eager = mode == STEP_EAGER};
     return (s->step = gj_step_new(fn, ctx, opt, &so)) ? 0 : -1;
+}
+
+static inline int stepper_ddp_wait(void *ddp) { return gj_ddp_wait(ddp); }
+
+/* Data parallel (--ddp): the gradients averaged over d's ranks between
+ * backward and update. The split modes call gj_ddp_wait there; gj_step's
+ * modes are made again with d as opts.ddp (the compiled step then reduces
+ * inside its program). 0, or -1 with gj_last_error() set. */
+static inline int stepper_set_ddp(stepper *s, gj_ddp *d) {
+    if (step_mode_split(s->mode)) {
+        s->between = stepper_ddp_wait;
+        s->between_user = d;
+        return 0;
+    }
+    gj_step_free(s->step);
+    gj_step_opts so = {.eager = s->mode == STEP_EAGER, .ddp = d};
+    return (s->step = gj_step_new(s->fn, s->ctx, s->opt, &so)) ? 0 : -1;
 }
 
 static inline void stepper_free(stepper *s) {

@@ -17,8 +17,10 @@
  * batch's labels), run by examples/common.h's stepper: eagerly through gj_step (the default), through gj_step compiled
  * (--compiled-step: forward, backward and the AdamW update as one program
  * after the first step), or as forward, gj_backward with compiled autograd
- * and gj_optim_step (--compiled-autograd; and --ddp, whose gradients are
- * averaged between backward and update). Every mode gives the same bits.
+ * and gj_optim_step (--compiled-autograd). With --ddp the gradients are
+ * averaged over the ranks between backward and update in every mode (the
+ * compiled step does it inside its program, while the backward goes on).
+ * Every mode gives the same bits.
  *
  * Checkpoints (not with --both): --save FILE writes a safetensors file at
  * the end of the run, and when the run is interrupted: on SIGINT (Ctrl-C)
@@ -133,9 +135,6 @@ typedef struct mlp_run {
     gj_ddp *ddp; /* --ddp: gradients averaged over the ranks */
 } mlp_run;
 
-/* --ddp: the averaged gradients are complete before the update. */
-static int ddp_wait(void *ddp) { return gj_ddp_wait(ddp); }
-
 /* The run's model from the seed, its AdamW, the classifier's part (the
  * step: fashion_loss of model_forward) and with --ddp the averaging
  * (train_def's init). */
@@ -154,9 +153,8 @@ static int mlp_init(train_run *r) {
     if (o->ddp && !(t->ddp = gj_ddp_new(o->pg, 6, params, NULL)))
         return -1;
     int rc = fashion_run_init(&t->fr, o->rank, o->size, EVAL_CHUNK, model_forward, &t->m);
-    if (rc == 0 && t->ddp) { /* a split mode (main): backward, the average, then the update */
-        r->st.between = ddp_wait;
-        r->st.between_user = t->ddp;
+    if (rc == 0 && t->ddp) { /* the gradients averaged before the update */
+        rc = stepper_set_ddp(&r->st, t->ddp);
         r->pg = o->pg; /* and the loss averaged too */
     }
     return rc;
@@ -324,12 +322,6 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->size = 1;
     if (train_flags_check(PROG, f) != 0)
         return -1;
-    if (o->ddp && f->compiled_step) {
-        fprintf(stderr, PROG ": --ddp averages the gradients between backward and update, which "
-                        "the compiled step runs as one program; use --ddp eagerly or with "
-                        "--compiled-autograd\n");
-        return -1;
-    }
     return train_flags_check_one_run(PROG, f);
 }
 
@@ -338,9 +330,6 @@ int main(int argc, char **argv) {
     step_mode mode;
     int rc = train_start(parse_opts(argc, argv, &o), &o.f, &mode);
     if (rc >= 0) return rc;
-    /* --ddp runs split: its gradients are averaged between backward and update */
-    if (o.ddp && mode == STEP_EAGER)
-        mode = STEP_SPLIT;
     if (o.ddp) {
         if (!(o.pg = gj_pg_init())) {
             fprintf(stderr, PROG " --ddp: %s\n", gj_last_error());

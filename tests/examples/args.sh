@@ -34,8 +34,6 @@ for p in train_fashion_mnist train_charlm train_fashion_cnn; do
   check "$p --both --compiled-step --compiled-autograd" 2 "two compiled modes" \
         "$b/$p" --both --compiled-step --compiled-autograd
 done
-check "fashion --ddp --compiled-step" 2 "--ddp averages the gradients between backward and update" \
-      "$b/train_fashion_mnist" --ddp --compiled-step
 check "fashion --both --compiled-step --save" 2 "are for one run, not --both" \
       "$b/train_fashion_mnist" --both --compiled-step --save x.st
 check "charlm --both --compiled-step --resume" 2 "are for one run, not --both" \
