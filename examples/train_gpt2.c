@@ -12,6 +12,7 @@
  *              [--shuffle] [--sample 63] [--tokenizer gpt2_tokenizer.bin]
  *              [--seed 1337] [--save FILE.bin | FILE.safetensors]
  *              [--resume FILE.safetensors] [--stop-after N]
+ *   mpirun -np N train_gpt2 --ddp ...   (data parallel: --batch per rank)
  *   train_gpt2 --init-model FILE.bin [--layers 12 --channels 768 --heads 12
  *              --vocab 50257 --padded-vocab 50304 --max-seq 1024 --seed S]
  *   train_gpt2 --make-tokens IN.txt OUT.bin     (byte values as token ids)
@@ -49,6 +50,14 @@
  * The flags' checks and mode, stopping, and the checkpoint's common part
  * and metadata helpers are examples/trainer.h's (the loop is llm.c's, so
  * this program keeps its own).
+ *
+ * --ddp (under mpirun): every rank holds the model, reads its slice of each
+ * chunk of N x B x T tokens in llm.c's DDP order (gj_llmc_loader_new_rank),
+ * and the gradients are averaged over the ranks before AdamW (gj_ddp; in
+ * every mode, inside the program with --compiled-step); printed train and
+ * val losses are the means over the ranks. Unshuffled, N ranks at --batch B
+ * train what one process at --batch N*B trains. Rank 0 prints, samples and
+ * saves.
  *
  * Checkpoints: --save FILE.bin writes llm.c's checkpoint format (llm.c can
  * continue from it); --save FILE.safetensors writes the parameters under
@@ -95,6 +104,9 @@ typedef struct opts {
     int seq, sample;
     int64_t steps;
     bool shuffle, sample_given;
+    bool ddp;       /* data parallel over the MPI ranks of mpirun */
+    gj_pg *pg;      /* --ddp: the world group */
+    int rank, size; /* 0 and 1 without --ddp */
 } opts;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -298,6 +310,7 @@ typedef struct run {
     gj_optim *opt;
     stepper st; /* gpt2_loss, backward and AdamW in the run's mode */
     gj_llmc_loader *train, *val;
+    gj_ddp *ddp; /* --ddp: the gradients averaged over the ranks */
     gj_llmc_tokenizer *tok;
     uint64_t sample_rng;
     int64_t step; /* the next step to run */
@@ -308,6 +321,7 @@ typedef struct run {
 
 static void run_free(run *r) {
     stepper_free(&r->st);
+    gj_ddp_free(r->ddp);
     free(r->step_ms);
     gj_optim_free(r->opt);
     gpt2_free(&r->m);
@@ -316,7 +330,22 @@ static void run_free(run *r) {
     gj_llmc_tokenizer_free(r->tok);
 }
 
-/* Mean loss of VAL_BATCHES batches from the val file's start, summed in
+/* --ddp: the mean of v over the ranks (in f32, as llm.c's
+ * multi_gpu_cpu_float_sum / num_processes); v itself without. NaN on
+ * error. */
+static double mean_over_ranks(run *r, double v) {
+    if (!r->o->pg || isnan(v))
+        return v;
+    int64_t one = 1;
+    float f = (float)v;
+    gj_tensor *t = gj_from_data(GJ_F32, 1, &one, &f);
+    double m = t && gj_allreduce(r->o->pg, t, GJ_REDUCE_AVG) == 0 ? gj_tensor_item(t) : NAN;
+    gj_release(t);
+    return m;
+}
+
+/* Mean loss of VAL_BATCHES batches from the val file's start (with --ddp
+ * each rank its slice of them, then the mean over the ranks), summed in
  * f32 as llm.c. NaN on error. */
 static double val_loss(run *r) {
     float total = 0.0f;
@@ -336,7 +365,7 @@ static double val_loss(run *r) {
         total += (float)v;
     }
     gj_no_grad_pop();
-    return total / VAL_BATCHES;
+    return mean_over_ranks(r, total / VAL_BATCHES);
 }
 
 /* One training step (batch, then forward, backward and AdamW through the
@@ -349,7 +378,9 @@ static int train_step(run *r, double *loss) {
              stepper_run(&r->st, 2, in, &l, &tm) == 0;
     *loss = ok ? gj_tensor_item(l) : NAN;
     gj_scope_pop();
-    return ok ? 0 : -1;
+    if (ok)
+        *loss = mean_over_ranks(r, *loss); /* the global batch's mean */
+    return ok && !isnan(*loss) ? 0 : -1;
 }
 
 /* The state dict of a checkpoint: llm.c's 16 tensors as "model.<name>",
@@ -526,15 +557,16 @@ static int train(const opts *o, step_mode mode) {
            "num_heads: %d\nchannels: %d\nnum_parameters: %" PRId64 "\n",
            c->max_seq_len, c->vocab_size, c->padded_vocab_size, c->num_layers, c->num_heads,
            c->channels, gj_llmc_num_parameters(c));
-    if (!(r.train = gj_llmc_loader_new(o->train, o->f.batch, o->seq, c->vocab_size, o->shuffle)))
+    if (!(r.train = gj_llmc_loader_new_rank(o->train, o->f.batch, o->seq, c->vocab_size,
+                                            o->shuffle, o->rank, o->size)))
         goto gj_fail;
-    if (o->val && !(r.val = gj_llmc_loader_new(o->val, o->f.batch, o->seq, c->vocab_size, false)))
+    if (o->val && !(r.val = gj_llmc_loader_new_rank(o->val, o->f.batch, o->seq, c->vocab_size,
+                                                    false, o->rank, o->size)))
         goto gj_fail;
-    printf("train dataset num_batches: %" PRId64 "\n",
-           gj_llmc_loader_num_tokens(r.train) / ((int64_t)o->f.batch * o->seq));
+    int64_t global = (int64_t)o->size * o->f.batch * o->seq; /* tokens of a step, all ranks */
+    printf("train dataset num_batches: %" PRId64 "\n", gj_llmc_loader_num_tokens(r.train) / global);
     if (r.val)
-        printf("val dataset num_batches: %" PRId64 "\n",
-               gj_llmc_loader_num_tokens(r.val) / ((int64_t)o->f.batch * o->seq));
+        printf("val dataset num_batches: %" PRId64 "\n", gj_llmc_loader_num_tokens(r.val) / global);
     if (o->tokenizer && !(r.tok = gj_llmc_tokenizer_load(o->tokenizer)))
         goto gj_fail;
     int64_t eot = r.tok ? gj_llmc_tokenizer_eot(r.tok) : c->vocab_size - 1;
@@ -554,6 +586,9 @@ static int train(const opts *o, step_mode mode) {
         goto gj_fail;
     if (stepper_init(&r.st, mode, gpt2_loss, &r.m, r.opt) != 0)
         goto gj_fail;
+    if (o->pg && (!(r.ddp = gj_ddp_new(o->pg, r.m.n_leaves, r.m.leaf, NULL)) ||
+                  stepper_set_ddp(&r.st, r.ddp) != 0))
+        goto gj_fail;
     if (!(r.step_ms = calloc((size_t)o->steps, sizeof *r.step_ms))) {
         fprintf(stderr, PROG ": out of memory\n");
         goto done;
@@ -572,6 +607,11 @@ static int train(const opts *o, step_mode mode) {
            : mode == STEP_COMPILED ? "compiled step"
                                    : "eager autograd",
            o->f.batch, o->seq, o->f.lr, o->shuffle ? ", shuffled" : "");
+    if (o->pg)
+        printf("DDP over %d MPI ranks: %d sequences per rank, %d per step, rank r reading its "
+               "slice of every %d x %d x %d token chunk (llm.c's order); gradients and printed "
+               "losses averaged over the ranks\n",
+               o->size, o->f.batch, o->size * o->f.batch, o->size, o->f.batch, o->seq);
     if (o->f.resume)
         printf("resumed from %s at step %lld\n", o->f.resume, (long long)r.step);
     fflush(stdout);
@@ -656,6 +696,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 "tokens generated at steps 20, 40, ... (at most --seq - 1; 0: none)"),
         ARG_OPT("tokenizer", ARG_FILE, &o->tokenizer, 0, 0,
                 "llm.c tokenizer to print samples with (else token ids)"),
+        ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
+                "data parallel over MPI ranks (mpirun -np N ... --ddp): --batch sequences per "
+                "rank, gradients and losses averaged"),
         ARG_OPT("seed", ARG_U64, &f->seed, 0, 0,
                 "sampler seed (llm.c: 1337); --init-model's seed"),
         ARG_OPT("save", ARG_FILE, &f->save, 0, 0,
@@ -729,6 +772,26 @@ int main(int argc, char **argv) {
     }
     step_mode mode = train_mode(&o.f); /* GRADJIT_COMPILED_AUTOGRAD=1 like the flag */
     gj_set_num_threads(o.f.threads);
+    o.size = 1;
+    if (o.ddp) {
+        if (!(o.pg = gj_pg_init())) {
+            fprintf(stderr, PROG " --ddp: %s\n", gj_last_error());
+            return 1;
+        }
+        o.rank = gj_pg_rank(o.pg);
+        o.size = gj_pg_size(o.pg);
+        if (o.rank != 0) { /* rank 0 prints, samples and saves; the others only train */
+            o.sample = 0;
+            o.sample_given = true;
+            o.f.save = NULL;
+            if (!freopen("/dev/null", "w", stdout)) {
+                gj_pg_free(o.pg);
+                return 1;
+            }
+        }
+    }
     catch_sigint();
-    return train(&o, mode);
+    int rc = train(&o, mode);
+    gj_pg_free(o.pg);
+    return rc;
 }

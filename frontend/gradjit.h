@@ -624,6 +624,17 @@ GJ_API int gj_llmc_save_tokens(const char *path, const uint16_t *tokens, int64_t
 typedef struct gj_llmc_loader gj_llmc_loader;
 GJ_API gj_llmc_loader *gj_llmc_loader_new(const char *path, int64_t B, int64_t T,
                                           int64_t vocab_size, bool shuffle);
+/* The loader of process `rank` of `ranks` in data-parallel training, as
+ * llm.c's DataLoader with process_rank and num_processes: an epoch has
+ * (n - 1) / (ranks B T) batches; batch k of this rank holds tokens
+ * [(k ranks + rank) B T, (k ranks + rank + 1) B T], its slice of the k-th
+ * chunk of ranks B T tokens. Unshuffled, the ranks together read what one
+ * process with batch ranks * B reads (its rows rank B .. rank B + B - 1);
+ * shuffled, each rank draws its own chunk order (Mersenne Twister seeded
+ * 42 + rank, as llm.c). gj_llmc_loader_new is rank 0 of 1. */
+GJ_API gj_llmc_loader *gj_llmc_loader_new_rank(const char *path, int64_t B, int64_t T,
+                                               int64_t vocab_size, bool shuffle, int rank,
+                                               int ranks);
 /* The next batch: *inputs, *targets receive new references (i64 [B, T]).
  * 0, or -1 with an error (both NULL). */
 GJ_API int gj_llmc_loader_next(gj_llmc_loader *l, gj_tensor **inputs, gj_tensor **targets);

@@ -667,6 +667,7 @@ struct gj_llmc_loader {
     char *path;
     int fd;
     int64_t B, T, vocab, n_tokens, n_batches;
+    int rank, ranks;      /* this process's slice of every ranks * B * T chunk */
     bool shuffle;
     int64_t epoch, batch; /* epochs started - 1; batches served in this epoch */
     llmc_mt mt;           /* shuffle: draws the permutations */
@@ -690,8 +691,17 @@ static void llmc_loader_permute(gj_llmc_loader *l) {
 
 gj_llmc_loader *gj_llmc_loader_new(const char *path, int64_t B, int64_t T, int64_t vocab_size,
                                    bool shuffle) {
-    const char *op = "gj_llmc_loader_new";
-    if (B < 1 || T < 1 || B > INT32_MAX / T) {
+    return gj_llmc_loader_new_rank(path, B, T, vocab_size, shuffle, 0, 1);
+}
+
+gj_llmc_loader *gj_llmc_loader_new_rank(const char *path, int64_t B, int64_t T,
+                                        int64_t vocab_size, bool shuffle, int rank, int ranks) {
+    const char *op = ranks == 1 && rank == 0 ? "gj_llmc_loader_new" : "gj_llmc_loader_new_rank";
+    if (ranks < 1 || rank < 0 || rank >= ranks) {
+        gj_rt_set_error("%s(%s): rank %d of %d ranks", op, path ? path : "NULL", rank, ranks);
+        return NULL;
+    }
+    if (B < 1 || T < 1 || B > INT32_MAX / T || B * T > INT64_MAX / 4 / ranks) {
         gj_rt_set_error("%s(%s): batch %" PRId64 " x sequence %" PRId64 " must be positive "
                         "and fit in an int32",
                         op, path ? path : "NULL", B, T);
@@ -712,14 +722,16 @@ gj_llmc_loader *gj_llmc_loader_new(const char *path, int64_t B, int64_t T, int64
     l->vocab = vocab_size;
     l->n_tokens = n;
     l->shuffle = shuffle;
-    /* llm.c asserts at least one batch and the token after it */
-    if (n < B * T + 1) {
-        gj_rt_set_error("%s(%s): %" PRId64 " tokens, fewer than one batch of %" PRId64 " x %" PRId64
-                        " plus the last target (%" PRId64 ")",
-                        op, path, n, B, T, B * T + 1);
+    l->rank = rank;
+    l->ranks = ranks;
+    /* llm.c asserts at least one batch (of every rank) and the token after it */
+    if (n < ranks * B * T + 1) {
+        gj_rt_set_error("%s(%s): %" PRId64 " tokens, fewer than one batch of %d x %" PRId64
+                        " x %" PRId64 " plus the last target (%" PRId64 ")",
+                        op, path, n, ranks, B, T, ranks * B * T + 1);
         goto fail;
     }
-    l->n_batches = (n - 1) / (B * T);
+    l->n_batches = (n - 1) / (ranks * B * T);
     size_t plen = strlen(path) + 1;
     if (!(l->path = gj_rt_malloc(plen)) ||
         !(l->raw = gj_rt_malloc((size_t)(B * T + 1) * sizeof *l->raw)) ||
@@ -753,7 +765,8 @@ int gj_llmc_loader_next(gj_llmc_loader *l, gj_tensor **inputs, gj_tensor **targe
     if (l->batch >= l->n_batches) /* past the last batch: the next epoch */
         gj_llmc_loader_reset(l);
     int64_t BT = l->B * l->T, k = l->shuffle ? l->perm[l->batch] : l->batch;
-    if (llmc_tokens_read(op, l->path, l->fd, k * BT, BT + 1, l->vocab, l->ids, l->raw) != 0)
+    if (llmc_tokens_read(op, l->path, l->fd, (k * l->ranks + l->rank) * BT, BT + 1, l->vocab,
+                         l->ids, l->raw) != 0)
         return -1;
     int64_t shape[2] = {l->B, l->T};
     gj_tensor *x = gj_from_data(GJ_I64, 2, shape, l->ids);
@@ -803,7 +816,7 @@ int gj_llmc_loader_set_position(gj_llmc_loader *l, int64_t epoch, int64_t batch)
         return -1;
     }
     if (l->shuffle) {
-        llmc_mt_seed(&l->mt, 42); /* llm.c: 42 + process rank */
+        llmc_mt_seed(&l->mt, 42 + (uint32_t)l->rank); /* llm.c: 42 + process rank */
         for (int64_t e = 0; e <= epoch; e++)
             llmc_loader_permute(l);
     }

@@ -428,6 +428,46 @@ static void test_loader_order(void **state) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+/* Data-parallel reading (llm.c's DataLoader with process_rank and
+ * num_processes): rank r of N takes its B T slice of every N B T chunk, so
+ * the ranks together read one process's batches of N B rows. */
+static void test_loader_ranks(void **state) {
+    (void)state;
+    int64_t live0 = gjt_live_bytes();
+    /* 40 tokens, B 2, T 3, 3 ranks: (40 - 1) / 18 = 2 batches */
+    const char *p = counting_file("ranks.bin", 40);
+    gj_llmc_loader *l[3];
+    for (int r = 0; r < 3; r++) {
+        l[r] = gj_llmc_loader_new_rank(p, 2, 3, 100, false, r, 3);
+        assert_non_null(l[r]);
+        assert_int_equal(gj_llmc_loader_num_batches(l[r]), 2);
+    }
+    for (int k = 0; k < 3; k++) /* the third is the next epoch's first */
+        for (int r = 0; r < 3; r++) expect_batch(l[r], 2, 3, (k % 2) * 18 + r * 6);
+    for (int r = 0; r < 3; r++) gj_llmc_loader_free(l[r]);
+    /* one process of batch 6 reads what the three read, row block by row block */
+    gj_llmc_loader *one = gj_llmc_loader_new_rank(p, 6, 3, 100, false, 0, 1);
+    assert_non_null(one);
+    expect_batch(one, 6, 3, 0);
+    expect_batch(one, 6, 3, 18);
+    gj_llmc_loader_free(one);
+    assert_null(gj_llmc_loader_new_rank(p, 2, 3, 100, false, 3, 3));
+    GJT_ASSERT_ERROR("rank 3 of 3 ranks");
+    assert_null(gj_llmc_loader_new_rank(p, 2, 3, 100, false, 0, 0));
+    GJT_ASSERT_ERROR("rank 0 of 0 ranks");
+    assert_null(gj_llmc_loader_new_rank(p, 2, 10, 100, false, 0, 2)); /* 41 tokens needed */
+    assert_error_has(p, "fewer than one batch of 2 x 2 x 10");
+    /* shuffled: each rank draws its own order from 42 + rank, as llm.c */
+    gj_llmc_loader *a = gj_llmc_loader_new_rank(p, 1, 3, 100, true, 0, 2);
+    gj_llmc_loader *b = gj_llmc_loader_new(p, 1, 6, 100, true);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_int_equal(gj_llmc_loader_num_batches(a), gj_llmc_loader_num_batches(b));
+    gj_llmc_loader_free(a);
+    gj_llmc_loader_free(b);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 /* llm.c's shuffled train loader. The reference orders were printed by a
  * program built on llm.c's own llmc/rand.h (commit f1e2ace, not part of
  * this repository): manual_seed(&s, 42), then per epoch
@@ -805,6 +845,7 @@ int main(void) {
         cmocka_unit_test(test_model_bad_files),
         cmocka_unit_test(test_tokens),
         cmocka_unit_test(test_loader_order),
+        cmocka_unit_test(test_loader_ranks),
         cmocka_unit_test(test_loader_shuffle),
         cmocka_unit_test(test_tokenizer),
         cmocka_unit_test(test_fuzz),
