@@ -86,6 +86,14 @@ struct gj_ag_builder {
     int (*call_custom_fwd)(gj_ag_builder *b, const struct gj_ag_opdef *op,
                            const struct gj_ag_attrs *a, int n_in, gj_val *const *in,
                            gj_val **outs);
+    /* Appended for the compiled step. In gj_grad mode (nothing accumulated),
+     * called once for each node an input's gradient is taken from (a
+     * requested leaf's accumulate node) when its gradients are complete,
+     * after its tensor hooks: the moment an eager backward writes the
+     * leaf's .grad and runs its post-accumulate hooks. grads: the node's
+     * output gradients (entries NULL: none reached it). NULL: not called.
+     * 0, or -1 (error set: the traversal fails). */
+    int (*captured)(gj_ag_builder *b, gj_ag_node *n, gj_val *const *grads);
 };
 
 /* Emit helpers: one output each; NULL on error. */

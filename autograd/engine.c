@@ -416,6 +416,7 @@ int gj_ag_run_backward(gj_ag_builder *b, int n_roots, gj_tensor *const *roots,
         /* the gradients of n's outputs are complete: tensor hooks first */
         for (int k = 0; k < n->n_out; k++)
             if (t->buf[k] && gj_ag_run_tensor_hooks(b, n, k, &t->buf[k]) != 0) goto done;
+        if (t->capture && !accumulate && b->captured && b->captured(b, n, t->buf) != 0) goto done;
         if (t->needed) {
             if (run_node(b, &g, t, accumulate) != 0) goto done;
             t->executed = true;

@@ -49,9 +49,12 @@ struct gj_step {
     bool *updated;
     gj_tensor **grads;
     bool eager_only;         /* fn cannot be traced: every run is eager */
+    gj_ca_reason why_code;   /* ... for this reason (why) */
     char why[320];
     uint64_t variant;        /* this run's variant key */
     int64_t compiled_runs;   /* runs that took the compiled path (check mode counts them) */
+    gj_rt_meta *pmeta;       /* a traced run: each parameter's meta ... */
+    void **pdata;            /* ... and data before its backward */
     const gj_jit_reducer *red; /* o.ddp's reducer, or NULL */
     int *red_of;             /* with red: per parameter, its index in red or -1 */
 };
@@ -135,8 +138,11 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
     s->hyper = gj_rt_calloc(n1 * GJ_AG_OPT_MAX_HYPER + 1, sizeof *s->hyper);
     s->updated = gj_rt_calloc(n1, sizeof *s->updated);
     s->grads = gj_rt_calloc(n1, sizeof *s->grads);
+    s->pmeta = gj_rt_calloc(n1, sizeof *s->pmeta);
+    s->pdata = gj_rt_calloc(n1, sizeof *s->pdata);
     s->jit = gj_jit_cstep_new();
-    if (!s->params || !s->s1 || !s->s2 || !s->hyper || !s->updated || !s->grads || !s->jit) {
+    if (!s->params || !s->s1 || !s->s2 || !s->hyper || !s->updated || !s->grads || !s->pmeta ||
+        !s->pdata || !s->jit) {
         gj_step_free(s);
         return NULL;
     }
@@ -158,6 +164,8 @@ void gj_step_free(gj_step *s) {
     gj_rt_free(s->updated);
     gj_rt_free(s->grads);
     gj_rt_free(s->red_of);
+    gj_rt_free(s->pmeta);
+    gj_rt_free(s->pdata);
     gj_rt_free(s);
 }
 
@@ -233,6 +241,49 @@ static bool proxies_ok(int n_in, gj_tensor **px) {
     return true;
 }
 
+/* Marks the step eager from now on for reason code (printed once; this
+ * run counted as a fallback unless it was counted already). */
+static void make_eager(gj_step *s, gj_ca_reason code, const char *why, bool counted) {
+    s->eager_only = true;
+    s->why_code = code;
+    snprintf(s->why, sizeof s->why, "%s", why);
+    if (counted) gj_jit_cstep_note_eager(code, why);
+    else gj_jit_cstep_note_fallback(code, why, true);
+}
+
+/* The parameters' metas and data before a traced step's backward. */
+static void params_note(gj_step *s) {
+    for (int k = 0; k < s->n; k++) {
+        gj_rt_meta_of(s->params[k], &s->pmeta[k]);
+        s->pdata[k] = gj_rt_data_ptr(s->params[k]);
+    }
+}
+
+/* After a traced step's backward: what its hooks did that a program cannot
+ * follow (record_stream; set_ on a parameter) makes the step eager from
+ * now on, with that reason (the program made before the backward stays
+ * unused). */
+static void backward_check(gj_step *s, uint64_t rs1) {
+    char why[300];
+    if (gj_rt_record_stream_calls() != rs1) {
+        make_eager(s, GJ_CA_RECORD_STREAM,
+                   "a hook called gj_tensor_record_stream during the step's backward", true);
+        return;
+    }
+    for (int k = 0; k < s->n; k++) {
+        gj_rt_meta m;
+        gj_rt_meta_of(s->params[k], &m);
+        if (m.dtype != s->pmeta[k].dtype || m.ndim != s->pmeta[k].ndim ||
+            memcmp(m.shape, s->pmeta[k].shape, (size_t)m.ndim * sizeof m.shape[0]) != 0 ||
+            gj_rt_data_ptr(s->params[k]) != s->pdata[k]) {
+            snprintf(why, sizeof why, "a hook changed parameter %d (set_: %s, another storage) "
+                     "during the step's backward", k, gj_rt_dtype_name(m.dtype));
+            make_eager(s, GJ_CA_SET_MISMATCH, why, true);
+            return;
+        }
+    }
+}
+
 /* The eager step; with trace, the trace records fn and the compiler makes
  * the program before the backward. The loss goes to the scope open when
  * the run started (a detached alias: no history). */
@@ -267,6 +318,7 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
                   "cannot replay";
         if (why[0]) { /* eager from now on */
             s->eager_only = true;
+            s->why_code = GJ_CA_UNTRACEABLE;
             snprintf(s->why, sizeof s->why, "%s", why);
             gj_jit_cstep_note_fallback(GJ_CA_UNTRACEABLE, why, true);
         } else {
@@ -282,8 +334,11 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
     }
     if (!s->o.eval) {
         reducing = s->red != NULL; /* (the backward's hooks start the reducer's buckets) */
+        uint64_t rs1 = gj_rt_record_stream_calls();
+        if (tr) params_note(s);
         if (gj_backward(loss, NULL) != 0) goto done;
         reducing = false;
+        if (tr && !s->eager_only) backward_check(s, rs1);
         if (s->red && s->red->wait(s->red->ctx) != 0) goto done;
         if (s->o.clip_norm > 0 && gj_clip_grad_norm(s->n, s->params, s->o.clip_norm, NULL) != 0)
             goto done;
@@ -348,6 +403,25 @@ done:
     return rc;
 }
 
+/* A parameter carrying a gj_ddp's hooks in a step not given that gj_ddp
+ * would be updated with its own rank's gradient, the average coming after
+ * the update: refused in both modes. 0, or -1 with the error. */
+static int reducer_hooks_check(gj_step *s) {
+    for (int k = 0; k < s->n; k++) {
+        const gj_ag_hook *hs[16];
+        int nh = gj_ag_leaf_hooks(s->params[k], hs, 16);
+        for (int j = 0; j < nh && j < 16; j++)
+            if (hs[j]->kind == GJ_AG_HOOK_POST_ACCUMULATE && gj_jit_reducer_owns_hook(hs[j]->handle)) {
+                gj_rt_set_error("gj_step_run: parameter %d carries a gj_ddp's hooks, but the "
+                                "step was made without it: its update would use this rank's "
+                                "gradient before the average; give the gj_ddp to the step "
+                                "(gj_step_opts.ddp)", k);
+                return -1;
+            }
+    }
+    return 0;
+}
+
 int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out) {
     return gj_step_run_variant(s, 0, n_in, in, loss_out);
 }
@@ -370,6 +444,7 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
         if (!gj_rt_check_tensor(in[k], op, arg)) return -1;
     }
     s->variant = variant;
+    if (!s->red && !s->o.eval && reducer_hooks_check(s) != 0) return -1;
     if (gj_ag_trace_active()) { /* a step inside a step function being traced */
         gj_ag_trace_untraceable("the step function ran a step (gj_step_run), which a compiled "
                                 "step cannot replay");
@@ -386,7 +461,7 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
         return run_eager(s, n_in, in, loss_out, false);
     }
     if (s->eager_only) {
-        gj_jit_cstep_note_fallback(GJ_CA_UNTRACEABLE, s->why, false);
+        gj_jit_cstep_note_fallback(s->why_code, s->why, false);
         return run_eager(s, n_in, in, loss_out, false);
     }
     gj_jit_opt jo;
@@ -404,6 +479,16 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     int r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
     if (r < 0) return -1;
     if (r == 1) return run_eager(s, n_in, in, loss_out, true); /* trace (a new variant) */
+    if (r == 3) { /* user code in the program tripped a guard: nothing updated */
+        gj_ca_reason code;
+        bool permanent;
+        char why[320];
+        gj_jit_cstep_last_trip(s->jit, &code, &permanent, why, sizeof why);
+        if (permanent) make_eager(s, code, why, false);
+        else gj_jit_cstep_note_fallback(code, why, false);
+        gj_rng_set_state(seed, counter);
+        return run_eager(s, n_in, in, loss_out, false);
+    }
     if (r == 2) { /* a non-finite clip norm: eager leaves its .grads; the program left nothing */
         gj_rng_set_state(seed, counter);
         if (run_eager(s, n_in, in, loss_out, false) == 0) { /* (cannot: the same bits) */
@@ -413,6 +498,7 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
         return -1;
     }
     if (s->opt) gj_fe_optim_updated(s->opt, s->updated);
+    if (!s->o.eval && !s->o.keep_grads) gj_optim_zero_grad(s->opt); /* (post hooks set some) */
     for (int k = 0; k < s->n && s->o.keep_grads; k++) {
         gj_ag_tensor_meta *m = gj_ag_meta_get(s->params[k], s->grads[k] != NULL);
         if (m) gj_ag_meta_set_grad(m, s->grads[k]); /* the slot takes the reference */

@@ -163,6 +163,8 @@ int gj_jit_last_reducer_gives(int *out, int cap, int *n_instrs, int *last_gemm);
 int gj_jit_reducer_register(const void *owner, const gj_jit_reducer *r);
 void gj_jit_reducer_unregister(const void *owner);
 const gj_jit_reducer *gj_jit_reducer_find(const void *owner);
+/* Whether hook `handle` is one a registered reducer's calls replace. */
+bool gj_jit_reducer_owns_hook(int64_t handle);
 
 typedef struct gj_jit_step_call {
     int n_in;
@@ -196,10 +198,20 @@ int gj_jit_cstep_prepare(gj_jit_cstep *s, const gj_ag_trace *tr, gj_tensor *loss
  * leaves outside the optimizer accumulated into their .grad as the eager
  * backward does), 1 (no variant matches: trace the step again; nothing
  * changed), 2 (a clipping step whose norm was not finite: nothing changed,
- * error set; the caller runs the step eagerly to leave eager's .grads) or
- * -1 (error set; nothing updated when a check failed). */
+ * error set; the caller runs the step eagerly to leave eager's .grads), 3
+ * (user code in the program tripped a guard before any update:
+ * gj_jit_cstep_last_trip says why; the caller runs the step eagerly from
+ * the same generator position) or -1 (error set; nothing updated when a
+ * check failed). */
 int gj_jit_cstep_run(gj_jit_cstep *s, const gj_jit_step_call *call, gj_tensor **loss_out,
                      bool *updated, gj_tensor **grads_out);
+
+/* Why the last gj_jit_cstep_run that returned 3 stopped: user code in its
+ * program (a hook) failed (transient) or did what a program cannot follow
+ * (record_stream, set_ on a tensor of the step, a .grad removed or of
+ * another shape: permanent, the step should run eagerly from then on). */
+void gj_jit_cstep_last_trip(const gj_jit_cstep *s, gj_ca_reason *code, bool *permanent,
+                            char *why, size_t cap);
 
 /* Check mode: whether the trace tr of the step function, made again on
  * this call's inputs, is the trace the variant this call selects was made
@@ -219,5 +231,8 @@ int gj_jit_cstep_variants(const gj_jit_cstep *s, int64_t *bytes);
 void gj_jit_cstep_stats(gj_ca_stats *out);
 void gj_jit_cstep_reset_stats(void);
 void gj_jit_cstep_note_fallback(gj_ca_reason reason, const char *detail, bool first);
+/* A step that ran (and was counted) turns eager from its next run for
+ * reason: the last fallback's message and its one print, no count. */
+void gj_jit_cstep_note_eager(gj_ca_reason reason, const char *detail);
 
 #endif /* GJ_JIT_H */

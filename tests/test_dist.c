@@ -607,7 +607,18 @@ typedef struct step_case {
     double clip;
     bool keep_grads, bf16_buckets, unused; /* unused: b1 gets no gradient (zeros reduced) */
     int64_t bucket_bytes;  /* 0: the default (one bucket here) */
+    bool user_hooks;       /* a post hook of the user's before the ddp's, a tensor hook after */
 } step_case;
+
+static void halve_grad(gj_tensor *leaf, void *u) { /* in place, before the average */
+    (void)u;
+    gj_mul_scalar_(gj_tensor_grad(leaf), 0.5);
+}
+
+static gj_tensor *plus_one(gj_tensor *g, void *u) {
+    (void)u;
+    return gj_add_scalar(g, 1.0);
+}
 
 static gj_optim *make_opt(int kind, gj_tensor **p) {
     if (kind == 0) return gj_adamw_new(NP, p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
@@ -626,6 +637,11 @@ static void run_step_case(const step_case *c) {
     make_params(c->dt, 31, pe);
     make_params(c->dt, 31, pc);
     gj_ddp_options o = {.bucket_bytes = c->bucket_bytes, .bf16_buckets = c->bf16_buckets};
+    for (int k = 0; c->user_hooks && k < 2; k++) {
+        gj_tensor *q = k ? pc[1] : pe[1];
+        assert_true(gj_register_post_accumulate_grad_hook(q, halve_grad, NULL) > 0);
+        assert_true(gj_register_hook(k ? pc[2] : pe[2], plus_one, NULL) > 0);
+    }
     gj_ddp *de = gj_ddp_new(g_pg, NP, pe, &o), *dc = gj_ddp_new(g_pg, NP, pc, &o);
     assert_non_null(de);
     assert_non_null(dc);
@@ -673,7 +689,8 @@ static void run_step_case(const step_case *c) {
                 free(wc);
             }
         }
-        if (s == 0 && c->keep_grads && c->clip == 0 && !c->unused) { /* the global batch's */
+        if (s == 0 && c->keep_grads && c->clip == 0 && !c->unused && !c->user_hooks) {
+            /* the global batch's average */
             double *want[NP];
             reference_grads(c->dt, 31, 0, 5, false, want);
             check_grads(c->name, pc, want, c->dt == GJ_F64 ? 1e-14 : c->bf16_buckets ? 1.0 / 64 : 1e-6);
@@ -716,11 +733,12 @@ static void run_step_case(const step_case *c) {
 static void test_ddp_step(void **state) {
     (void)state;
     const step_case cases[] = {
-        {"f64 AdamW, 3 buckets", GJ_F64, 0, 0.0, true, false, false, 64},
-        {"f32 SGD, clipped, 1 bucket", GJ_F32, 1, 0.5, false, false, false, 0},
-        {"f32 Lion, b1 unused", GJ_F32, 2, 0.0, true, false, true, 64},
-        {"f32 AdamW, bf16 buckets", GJ_F32, 0, 0.0, true, true, false, 0},
-        {"bf16 AdamW, 3 buckets", GJ_BF16, 0, 0.0, false, false, false, 64},
+        {"f64 AdamW, 3 buckets", GJ_F64, 0, 0.0, true, false, false, 64, false},
+        {"f32 SGD, clipped, 1 bucket", GJ_F32, 1, 0.5, false, false, false, 0, false},
+        {"f32 Lion, b1 unused", GJ_F32, 2, 0.0, true, false, true, 64, false},
+        {"f32 AdamW, bf16 buckets", GJ_F32, 0, 0.0, true, true, false, 0, false},
+        {"bf16 AdamW, 3 buckets", GJ_BF16, 0, 0.0, false, false, false, 64, false},
+        {"f32 AdamW, the user's hooks", GJ_F32, 0, 0.0, true, false, false, 64, true},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) run_step_case(&cases[k]);
 }
@@ -745,23 +763,20 @@ static void test_ddp_step_errors(void **state) {
     so = (gj_step_opts){.ddp = d, .eval = true};
     assert_null(gj_step_new(ddp_step_fn, &c, all, &so));
     assert_true(gjt_error_has("an eval step has no backward"));
-    /* the hooks of a gj_ddp not given to the step: that step runs eagerly
-     * with the reason saying so */
-    gj_step_reset_stats();
-    gj_step *s = gj_step_new(ddp_step_fn, &c, all, NULL);
-    gj_compiled_autograd_set_quiet(true);
-    for (int k = 0; k < 2; k++) {
-        gj_tensor *x = shard(GJ_F32, k, g_rank, 4);
-        assert_int_equal(gj_step_run(s, 1, &x, NULL), 0);
-        assert_int_equal(gj_ddp_wait(d), 0); /* (the step did not: its hooks started buckets) */
+    /* the hooks of a gj_ddp not given to the step: refused in both modes
+     * (the update would use this rank's gradient), nothing run */
+    for (int eager = 0; eager < 2; eager++) {
+        so = (gj_step_opts){.eager = eager};
+        gj_step *s = gj_step_new(ddp_step_fn, &c, all, &so);
+        gj_tensor *x = shard(GJ_F32, 0, g_rank, 4);
+        double before = gj_tensor_item_at(p[0], 0);
+        assert_int_equal(gj_step_run(s, 1, &x, NULL), -1);
+        assert_true(gjt_error_has("parameter 0 carries a gj_ddp's hooks"));
+        assert_true(gjt_error_has("gj_step_opts.ddp"));
+        assert_true(gj_tensor_item_at(p[0], 0) == before);
         gj_release(x);
+        gj_step_free(s);
     }
-    gj_compiled_autograd_set_quiet(false);
-    gj_ca_stats st;
-    gj_step_stats(&st);
-    assert_int_equal(st.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 2);
-    assert_true(strstr(gj_compiled_autograd_last_fallback(), "gj_step_opts.ddp") != NULL);
-    gj_step_free(s);
     gj_optim_free(two);
     gj_optim_free(all);
     gj_ddp_free(d);

@@ -123,15 +123,29 @@ void gj_jit_cstep_note_fallback(gj_ca_reason reason, const char *detail, bool fi
     gj_jit_fallback(GJ_JIT_PATH_STEP, reason, detail ? detail : "", first);
 }
 
+static void fallback(gj_jit_path path, gj_ca_reason code, const char *reason, bool first_for_key,
+                     bool count);
+
+void gj_jit_cstep_note_eager(gj_ca_reason reason, const char *detail) {
+    fallback(GJ_JIT_PATH_STEP, reason, detail ? detail : "", true, false);
+}
+
 void gj_jit_fallback(gj_jit_path path, gj_ca_reason code, const char *reason,
                      bool first_for_key) {
+    fallback(path, code, reason, first_for_key, true);
+}
+
+static void fallback(gj_jit_path path, gj_ca_reason code, const char *reason, bool first_for_key,
+                     bool count) {
     if ((unsigned)code >= GJ_CA_N_REASONS) code = GJ_CA_OTHER;
     snprintf(g_last_reason, sizeof g_last_reason, "%s%s: %s",
              path == GJ_JIT_PATH_STEP ? "step: " : "", gj_jit_reason_name(code), reason);
     pthread_mutex_lock(&g_stats_lock);
-    g_stats[path].fallbacks++;
-    g_stats[path].fallbacks_by_reason[code]++;
-    if (path == GJ_JIT_PATH_STEP) g_stats[path].backwards++;
+    if (count) {
+        g_stats[path].fallbacks++;
+        g_stats[path].fallbacks_by_reason[code]++;
+        if (path == GJ_JIT_PATH_STEP) g_stats[path].backwards++;
+    }
     g_last_gen = g_reset_gen;
     snprintf(g_process_reason, sizeof g_process_reason, "%s", g_last_reason);
     pthread_mutex_unlock(&g_stats_lock);

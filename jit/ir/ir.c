@@ -276,7 +276,10 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
         if (n->custom >= 0 && n->custom_tape <= GJ_JIT_CALL_GIVE) {
-            fprintf(f, " = reduce_%s[param %d](", n->custom_tape == GJ_JIT_CALL_GIVE ? "give" : "take",
+            fprintf(f, " = %s[param %d](",
+                    n->custom_tape == GJ_JIT_CALL_GIVE   ? "reduce_give"
+                    : n->custom_tape == GJ_JIT_CALL_TAKE ? "reduce_take"
+                                                         : "post_hooks",
                     n->custom);
         } else if (n->custom >= 0) {
             fprintf(f, " = call_custom%s[node %d tape %d](", n->custom_fwd ? "_fwd" : "",

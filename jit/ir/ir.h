@@ -192,5 +192,9 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed);
  * has no input and outputs the reduced gradient. */
 #define GJ_JIT_CALL_GIVE (-2)
 #define GJ_JIT_CALL_TAKE (-3)
+/* ... and of its call of a parameter's post-accumulate hooks: node.custom
+ * the parameter; its input the gradient as .grad holds it, its output the
+ * .grad the hooks leave (the reducer's own hook among them is a give). */
+#define GJ_JIT_CALL_POST (-4)
 
 #endif /* GJ_JIT_IR_H */

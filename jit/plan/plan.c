@@ -325,8 +325,11 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
         const gj_jit_instr *st = &p->instrs[s];
         if (st->kind == GJ_JIT_INSTR_CALL) {
             if (st->cs.tape <= GJ_JIT_CALL_GIVE)
-                fprintf(f, "  instr %d: reducer %s of parameter %d (", s,
-                        st->cs.tape == GJ_JIT_CALL_GIVE ? "give" : "take", st->cs.node);
+                fprintf(f, "  instr %d: %s of parameter %d (", s,
+                        st->cs.tape == GJ_JIT_CALL_GIVE   ? "reducer give"
+                        : st->cs.tape == GJ_JIT_CALL_TAKE ? "reducer take"
+                                                          : "post-accumulate hooks",
+                        st->cs.node);
             else
                 fprintf(f, "  instr %d: custom %s call of node %d tape %d (", s,
                         st->cs.fwd ? "forward" : "backward", st->cs.node, st->cs.tape);

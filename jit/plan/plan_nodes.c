@@ -744,10 +744,11 @@ static int plan_custom(planner *pl, int i) {
     }
     if (gj_jit_grow((void **)&pl->cls, pl->n_cl, &pl->cap_cl, sizeof *pl->cls) != 0) return gj_jit_pl_oom(pl);
     int64_t pos = 2 * (int64_t)i + 1;
-    if (cs.tape == GJ_JIT_CALL_GIVE) {
-        /* a reducer's give goes as soon as its gradient is final (its
-         * collective then runs while the backward goes on): the position of
-         * the latest instruction it waits for */
+    if (cs.tape == GJ_JIT_CALL_GIVE || cs.tape == GJ_JIT_CALL_POST) {
+        /* a reducer's give (or the post-accumulate hooks, which may give)
+         * goes as soon as its gradient is final (its collective then runs
+         * while the backward goes on): the position of the latest
+         * instruction it waits for */
         pos = 0;
         int dep[GJ_JIT_CALL_MAX_IN + 1], nd = 0;
         for (int k = 0; k < cs.n_in; k++) dep[nd++] = pl->p->bufs[cs.src_buf[k]].writer;

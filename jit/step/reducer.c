@@ -64,6 +64,15 @@ void gj_jit_reducer_unregister(const void *owner) {
     pthread_mutex_unlock(&g_lock);
 }
 
+bool gj_jit_reducer_owns_hook(int64_t handle) {
+    bool own = false;
+    pthread_mutex_lock(&g_lock);
+    for (int k = 0; k < g_n && !own; k++)
+        for (int i = 0; i < g_e[k].r->n && !own; i++) own = g_e[k].r->hooks[i] == handle;
+    pthread_mutex_unlock(&g_lock);
+    return own;
+}
+
 const gj_jit_reducer *gj_jit_reducer_find(const void *owner) {
     const gj_jit_reducer *r = NULL;
     pthread_mutex_lock(&g_lock);

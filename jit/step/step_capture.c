@@ -48,6 +48,8 @@ typedef struct scap {
     gj_tensor **made; /* state stand-ins for a step whose state does not exist yet */
     int n_made;
     int (*esaved)[GJ_AG_MAX_SAVED]; /* per trace entry: the values its formula saved */
+    int *post;       /* per parameter: the value its post-accumulate hooks leave, or -1 */
+    bool *gave;      /* per parameter: the post hooks' call gives it to the reducer */
 } scap;
 
 static void fail(scap *c, bool permanent, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -388,24 +390,73 @@ static int emit_clip(scap *c, gj_val **g, int n, gj_val **ok, gj_val **norm) {
     return 0;
 }
 
-/* ----------------------------------------------------------- reducer */
+/* ------------------------------------------------- hooks and reducer */
 
-/* Hooks on the step's graph that its program cannot call: every live hook
- * but the ones the reducer's calls replace. */
-static int foreign_hooks(const gj_jit_walk *w, const gj_jit_reducer *red) {
-    int n = 0;
-    for (int i = 0; w && i < w->n; i++)
+/* The handle of the hook the reducer's calls replace on parameter p, or 0. */
+static int64_t reducer_hook(const scap *c, int p) {
+    const gj_jit_step_spec *s = c->s;
+    return s->red && s->red_of[p] >= 0 ? s->red->hooks[s->red_of[p]] : 0;
+}
+
+/* What the step's program cannot call, or NULL: a hook on a node that is
+ * not a leaf's, or a post-accumulate hook on a leaf outside the optimizer
+ * (its .grad accumulates: the hook would see eager's sum). The program
+ * calls tensor hooks on leaves where the engine runs them, and each
+ * parameter's post-accumulate hooks where its gradient is final. */
+static const char *hooks_refused(const scap *c, const gj_jit_walk *w) {
+    for (int i = 0; w && i < w->n; i++) {
+        const gj_ag_node *n = w->nodes[i];
         for (int k = 0; k < GJ_AG_MAX_OUT; k++) {
             const gj_ag_hook *hs[64];
-            int c = gj_ag_node_hooks(w->nodes[i], k, hs, 64);
-            for (int j = 0; j < c; j++) {
-                bool own = false;
-                for (int r = 0; red && j < 64 && r < red->n && !own; r++)
-                    own = red->hooks[r] == hs[j]->handle;
-                n += !own;
-            }
+            int nh = gj_ag_node_hooks(n, k, hs, 64);
+            if (nh <= 0) continue;
+            if (n->kind != GJ_AG_ACCUMULATE || !n->leaf)
+                return "a hook on a tensor the step function did not make (with autograd history)";
+            int p = 0;
+            while (p < c->s->opt->n && c->s->opt->params[p] != n->leaf) p++;
+            for (int j = 0; j < nh && j < 64; j++)
+                if (hs[j]->kind == GJ_AG_HOOK_POST_ACCUMULATE && p == c->s->opt->n)
+                    return "a post-accumulate hook on a leaf outside the optimizer";
         }
-    return n;
+    }
+    return NULL;
+}
+
+/* gj_ag_builder.captured: the gradient of the leaf of accumulate node n
+ * is complete (after its tensor hooks). A parameter with post-accumulate
+ * hooks of the user's gets one call of them here, where eager runs them:
+ * its input the gradient as .grad holds it (the parameter's dtype), its
+ * output the .grad they leave (the reducer's own hook among them gives
+ * the gradient to it in their order). */
+static int step_captured(gj_ag_builder *b, gj_ag_node *n, gj_val *const *grads) {
+    scap *c = (scap *)(void *)b;
+    const gj_jit_opt *o = c->s->opt;
+    if (n->kind != GJ_AG_ACCUMULATE || !grads[0]) return 0;
+    for (int p = 0; p < o->n; p++) {
+        if (o->params[p] != n->leaf || c->post[p] >= 0) continue;
+        const gj_ag_hook *hs[64];
+        int nh = gj_ag_leaf_hooks(n->leaf, hs, 64), users = 0;
+        bool own = false;
+        for (int j = 0; j < nh && j < 64; j++) {
+            if (hs[j]->kind != GJ_AG_HOOK_POST_ACCUMULATE) continue;
+            if (hs[j]->handle == reducer_hook(c, p)) own = true;
+            else users++;
+        }
+        if (users == 0) return 0;
+        gj_val *g = cast_to(b, grads[0], o->params[p]->dtype);
+        gj_rt_meta m;
+        gj_rt_meta_of(o->params[p], &m);
+        int in = g ? gj_jit_rec_id(g) : -1, out = -1;
+        if (!g || gj_jit_graph_add_custom(&c->r.cap->g, p, GJ_JIT_CALL_POST, 0, 1, &in, 1, &m,
+                                          &out) < 0) {
+            fail(c, false, "out of memory");
+            return -1;
+        }
+        c->post[p] = out;
+        c->gave[p] = own;
+        return 0;
+    }
+    return 0;
 }
 
 /* Gives every parameter of the reducer its gradient g[p] (NULL: none), in
@@ -422,6 +473,7 @@ static int emit_gives(scap *c, gj_val **g) {
                  red->order[k]);
             return -1;
         }
+        if (c->gave[p]) continue; /* (its post hooks' call gave it) */
         int in = g[p] ? gj_jit_rec_id(g[p]) : -1;
         if (gj_jit_graph_add_custom(&c->r.cap->g, p, GJ_JIT_CALL_GIVE, 0, g[p] ? 1 : 0, &in, 0,
                                     NULL, NULL) < 0) {
@@ -492,7 +544,8 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
             continue;
         }
         if (p == o->n || !gv[q]) continue; /* no gradient reaches it: not updated */
-        g[p] = cast_to(b, gv[q], o->params[p]->dtype); /* what a fresh .grad holds */
+        g[p] = c->post[p] >= 0 ? gj_jit_rec_val(c->post[p]) /* what its post hooks left */
+                               : cast_to(b, gv[q], o->params[p]->dtype); /* a fresh .grad's */
         if (!g[p]) goto oom;
     }
     if (s->red && emit_gives(c, g) != 0) goto done;
@@ -546,21 +599,23 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
     cap->ret = gj_rt_malloc(((size_t)n_ret + 1) * sizeof *cap->ret);
     c.made = gj_rt_calloc((size_t)2 * n + 1, sizeof *c.made);
     c.esaved = gj_rt_calloc((size_t)s->tr->n_entries + 1, sizeof *c.esaved);
-    if (!c.slot_val || !cap->ret || !c.made || !c.esaved) {
+    c.post = gj_rt_malloc(((size_t)n + 1) * sizeof *c.post);
+    c.gave = gj_rt_calloc((size_t)n + 1, sizeof *c.gave);
+    if (!c.slot_val || !cap->ret || !c.made || !c.esaved || !c.post || !c.gave) {
         fail(&c, false, "out of memory");
         goto done;
     }
     for (int k = 0; k < s->tr->n_slots; k++) c.slot_val[k] = -1;
+    for (int p = 0; p < n; p++) c.post[p] = -1;
+    c.r.b.captured = step_captured;
     for (int p = 0; p < n; p++) {
         cap->ret[p] = -1;
         cap->ret[n + p] = 0;
     }
     for (int k = 2 * n; k < n_ret; k++) cap->ret[k] = -1;
-    int nh = w && w->n_hooks > 0 ? foreign_hooks(w, s->red) : 0;
-    if (nh > 0) { /* (the program calls no user code) */
-        fail(&c, true, "the step's graph has %d hook%s (on a parameter, or registered before the "
-             "step): a step with hooks runs eagerly%s", nh, nh == 1 ? "" : "s",
-             s->red ? "" : " (a gj_ddp's hooks: give it to the step, gj_step_opts.ddp)");
+    const char *refused = w && w->n_hooks > 0 ? hooks_refused(&c, w) : NULL;
+    if (refused) {
+        fail(&c, true, "the step's graph has %s: that step runs eagerly", refused);
         cap->code = GJ_CA_HOOK_GUARD;
         goto done;
     }
@@ -583,5 +638,7 @@ done:
     for (int k = 0; k < c.n_made; k++) gj_rt_tensor_release(c.made[k]);
     gj_rt_free(c.made);
     gj_rt_free(c.esaved);
+    gj_rt_free(c.post);
+    gj_rt_free(c.gave);
     return rc;
 }

@@ -17,6 +17,7 @@
 
 #include "jit/cache/cache.h"
 #include "jit/jit.h"
+#include "jit/run/run.h"
 
 enum {
     GJ_JIT_STEPIN_INPUT = 0,  /* step input #slot */
@@ -60,5 +61,28 @@ typedef struct gj_jit_step_spec {
  * gradient as the backward made it (or -1: none reaches it). 0, or -1 with
  * cap->reason (and cap->permanent) set. */
 int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_step_spec *s);
+
+/* ------------------------------------------------ a run's calls (calls.c) */
+
+/* One run of a step program with call instructions: user code (tensor
+ * hooks on leaves, parameters' post-accumulate hooks) or a reducer's gives
+ * and takes. What the guards after each user call compare against, and
+ * the first trip. */
+typedef struct gj_jit_step_run {
+    const gj_jit_step_call *call;
+    const gj_jit_program *pr;
+    gj_tensor *const *bound;     /* per program input: its tensor in this run */
+    void *const *data;           /* per program input: its data when the run started */
+    gj_tensor *const *hook_leaf; /* per hook of the program: the leaf it is on */
+    bool tripped, permanent;     /* a guard tripped; for good (the step turns eager) */
+    gj_ca_reason code;
+    char why[320];
+} gj_jit_step_run;
+
+/* Runs the plan of sr->pr (data: sr->data) with its calls: 0, 1 (user
+ * code tripped a guard: the run stopped before any update, sr says why;
+ * the caller runs the step eagerly) or -1 (error set). With a reducer, its
+ * end() is called whatever the result. */
+int gj_jit_step_exec(gj_jit_step_run *sr, const uint64_t *params, void **out, gj_jit_outs *ac);
 
 #endif /* GJ_JIT_STEP_H */

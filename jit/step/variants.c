@@ -41,7 +41,6 @@
 #include "jit/run/run.h"
 
 #include <math.h>
-#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -66,6 +65,8 @@ typedef struct variant {
     bool reduced;        /* made with a reducer (of this layout and map): */
     uint64_t red_layout;
     int *red_of;         /* per parameter: its index in the reducer, or -1 */
+    uint64_t *hook_sig;  /* per parameter, then per extra leaf: its hooks (hook_sig) */
+    int *hook_bound;     /* per hook of the program: the bound tensor (a leaf) it is on */
     bool *requires_grad; /* per parameter, when traced */
     int32_t *alias;      /* per bound tensor (inputs, parameters, constants): alias_code */
     uint8_t *gstate;     /* per input, then per constant: grad_state */
@@ -82,6 +83,10 @@ struct gj_jit_cstep {
     variant *v;
     int n_v, cap_v;
     uint64_t runs;
+    /* the last run abandoned by user code (gj_jit_cstep_last_trip) */
+    gj_ca_reason trip_code;
+    bool trip_permanent;
+    char trip_why[320];
 };
 
 gj_jit_cstep *gj_jit_cstep_new(void) { return gj_rt_calloc(1, sizeof(gj_jit_cstep)); }
@@ -92,6 +97,8 @@ static void variant_free(variant *v) {
     gj_rt_free(v->consts);
     gj_rt_free(v->requires_grad);
     gj_rt_free(v->red_of);
+    gj_rt_free(v->hook_sig);
+    gj_rt_free(v->hook_bound);
     gj_rt_free(v->alias);
     gj_rt_free(v->gstate);
     gj_rt_free(v->extra);
@@ -132,6 +139,25 @@ static void alias_codes(int n, int n_in, gj_tensor *const *in, const gj_jit_opt 
             else if (u == t || gj_jit_views_overlap(u, t)) code[i] = 2 * j;
         }
     }
+}
+
+/* The hooks of leaf t as a guard sees them: how many, their kinds and
+ * order, and which is `own` (the hook a reducer's calls replace; 0:
+ * none). */
+static uint64_t hook_sig(const gj_tensor *t, int64_t own) {
+    const gj_ag_hook *hs[64];
+    int n = gj_ag_leaf_hooks(t, hs, 64);
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)n;
+    for (int j = 0; j < n && j < 64; j++)
+        h = (h ^ (uint64_t)(1 + (int)hs[j]->kind + 2 * (own && hs[j]->handle == own))) *
+            1099511628211ull;
+    return h;
+}
+
+/* The handle of the hook the reducer of this call replaces on parameter
+ * p (red_of: v's map), or 0. */
+static int64_t own_hook(const gj_jit_step_call *call, const int *red_of, int p) {
+    return call->red && red_of && red_of[p] >= 0 ? call->red->hooks[red_of[p]] : 0;
 }
 
 /* 0: no gradient; 1: a leaf that requires grad; 2: a tensor with autograd
@@ -391,9 +417,42 @@ int gj_jit_cstep_variants(const gj_jit_cstep *st, int64_t *bytes) {
     return st ? st->n_v : 0;
 }
 
+/* The hooks of new variant v: the signature of every parameter's and
+ * extra leaf's hooks (the guards), and the leaf each hook of its program
+ * is on (the program names it by its node in the backward's walk w). */
+static int variant_hooks(variant *v, const gj_jit_step_call *call, const gj_jit_walk *w) {
+    const gj_jit_opt *opt = call->opt;
+    v->hook_sig = gj_rt_calloc((size_t)(opt->n + v->n_extra) + 1, sizeof *v->hook_sig);
+    if (!v->hook_sig) return -1;
+    for (int p = 0; p < opt->n; p++)
+        v->hook_sig[p] = hook_sig(opt->params[p], own_hook(call, v->red_of, p));
+    for (int e = 0; e < v->n_extra; e++)
+        v->hook_sig[opt->n + e] =
+            hook_sig(bound_at(v->extra[e], call->n_in, call->in, opt, v->consts), 0);
+    const gj_jit_program *pr = v->prog;
+    if (pr->n_hooks == 0) return 0;
+    v->hook_bound = gj_rt_malloc((size_t)pr->n_hooks * sizeof *v->hook_bound);
+    if (!v->hook_bound) return -1;
+    int nb = n_bound(call->n_in, opt->n, v->n_consts);
+    for (int i = 0; i < pr->n_hooks; i++) {
+        const gj_jit_hookref *ref = &pr->hooks[i];
+        const gj_tensor *leaf = w && ref->node >= 0 && ref->node < w->n ? w->nodes[ref->node]->leaf
+                                                                        : NULL;
+        v->hook_bound[i] = -1;
+        for (int b = 0; leaf && b < nb && v->hook_bound[i] < 0; b++)
+            if (bound_at(b, call->n_in, call->in, opt, v->consts) == leaf) v->hook_bound[i] = b;
+        if (v->hook_bound[i] < 0) {
+            gj_rt_set_error("gj_step_run: internal: hook #%d of the step's program is on no "
+                            "leaf of the step", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Keeps what the new variant v needs of the trace besides its program. */
 static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_call *call,
-                        trace_info *ti, const gj_jit_text *kt) {
+                        trace_info *ti, const gj_jit_text *kt, const gj_jit_walk *w) {
     const gj_jit_opt *opt = call->opt;
     v->n_in = tr->n_inputs;
     v->n_params = opt->n;
@@ -433,6 +492,7 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
     ti->gstate = NULL;
     ti->extra = NULL;
     ti->checks = NULL;
+    if (variant_hooks(v, call, w) != 0) return -1;
     if (call->keep_text) {
         v->text = gj_rt_malloc(kt->n + 1);
         if (!v->text) return -1;
@@ -446,7 +506,8 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
 /* Appends the variant of program prog (the step's reference, taken over:
  * released on failure) and bounds the variants. 0, or -1 on OOM. */
 static int variant_add(gj_jit_cstep *st, gj_jit_program *prog, const gj_ag_trace *tr,
-                       const gj_jit_step_call *call, trace_info *ti, const gj_jit_text *tt) {
+                       const gj_jit_step_call *call, trace_info *ti, const gj_jit_text *tt,
+                       const gj_jit_walk *w) {
     if (st->n_v == st->cap_v) {
         int nc = st->cap_v ? 2 * st->cap_v : 4;
         variant *v = gj_rt_realloc(st->v, (size_t)nc * sizeof *v);
@@ -461,7 +522,7 @@ static int variant_add(gj_jit_cstep *st, gj_jit_program *prog, const gj_ag_trace
     memset(v, 0, sizeof *v);
     v->prog = prog;
     v->last_use = st->runs;
-    if (variant_fill(v, tr, call, ti, tt) != 0) {
+    if (variant_fill(v, tr, call, ti, tt, w) != 0) {
         variant_free(v);
         return -1;
     }
@@ -538,7 +599,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
         if (g == GJ_JIT_FELL) rc = 2; /* counted and reported already */
         goto out;
     }
-    if (variant_add(st, got.prog, tr, call, &ti, &tt) != 0) goto oom;
+    if (variant_add(st, got.prog, tr, call, &ti, &tt, have_walk ? &w : NULL) != 0) goto oom;
     gj_jit_count_run(GJ_JIT_PATH_STEP, got.made, 0.0); /* this step ran eagerly while tracing */
     rc = 0;
     goto out;
@@ -575,17 +636,6 @@ static gj_tensor *bound_tensor(const variant *v, int kind, int k, const gj_jit_s
     }
 }
 
-/* Whether parameter p has a live hook other than the one the reducer of
- * v's program replaces with its calls. */
-static bool foreign_hooks(const variant *v, const gj_jit_step_call *call, int p) {
-    gj_tensor *t = call->opt->params[p];
-    if (!gj_ag_leaf_has_hooks(t)) return false;
-    if (!v->reduced || v->red_of[p] < 0) return true;
-    const gj_ag_hook *hs[8];
-    int n = gj_ag_leaf_hooks(t, hs, 8);
-    return n != 1 || hs[0]->handle != call->red->hooks[v->red_of[p]];
-}
-
 /* Whether v's structure, aliasing, gradient states and hooks hold for this
  * call (the guards that need no program input). */
 static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
@@ -599,7 +649,8 @@ static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
         return false;
     for (int p = 0; p < o->n; p++) { /* the graph's structure: what needs a gradient, hooks */
         gj_ag_tensor_meta *m = o->params[p]->ag;
-        if ((m && m->requires_grad) != v->requires_grad[p] || foreign_hooks(v, call, p))
+        if ((m && m->requires_grad) != v->requires_grad[p] ||
+            hook_sig(o->params[p], own_hook(call, v->red_of, p)) != v->hook_sig[p])
             return false;
     }
     int ng = call->n_in + v->n_consts;
@@ -609,7 +660,8 @@ static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
         if (grad_state(t) != v->gstate[g]) return false;
     }
     for (int e = 0; e < v->n_extra; e++)
-        if (gj_ag_leaf_has_hooks(bound_at(v->extra[e], call->n_in, call->in, o, v->consts)))
+        if (hook_sig(bound_at(v->extra[e], call->n_in, call->in, o, v->consts), 0) !=
+            v->hook_sig[o->n + e])
             return false;
     int nb = n_bound(call->n_in, o->n, v->n_consts); /* the aliasing the trace saw */
     int32_t stack[64], *code = nb <= 64 ? stack : gj_rt_malloc((size_t)nb * sizeof *code);
@@ -682,48 +734,6 @@ static int select_variant(gj_jit_cstep *st, const gj_jit_step_call *call, gj_ten
     return 0;
 }
 
-/* This thread's last run with a reducer: where its gives ran. */
-static _Thread_local int t_gives[GJ_JIT_MAX_POST_LOG], t_n_gives, t_n_instrs, t_last_gemm;
-
-int gj_jit_last_reducer_gives(int *out, int cap, int *n_instrs, int *last_gemm) {
-    for (int k = 0; k < t_n_gives && k < cap; k++) out[k] = t_gives[k];
-    *n_instrs = t_n_instrs;
-    *last_gemm = t_last_gemm;
-    return t_n_gives;
-}
-
-typedef struct red_run {
-    const gj_jit_step_call *call;
-    const gj_jit_plan *p;
-} red_run;
-
-/* gj_jit_custom_call of a step program's reducer calls: a GIVE hands the
- * reducer its parameter's final gradient (none: no input), a TAKE writes
- * the reduced one into the program's buffer. */
-static int reducer_call(void *ctx, const gj_jit_call_instr *cs, void *const *src,
-                        void *const *dst) {
-    const red_run *rr = ctx;
-    const gj_jit_step_call *call = rr->call;
-    const gj_jit_reducer *red = call->red;
-    int p = cs->node;
-    bool give = cs->tape == GJ_JIT_CALL_GIVE, take = cs->tape == GJ_JIT_CALL_TAKE;
-    if (!red || p < 0 || p >= call->opt->n || call->red_of[p] < 0 || !(give || take) ||
-        (take && cs->n_out != 1) || (give && cs->n_in > 1)) {
-        gj_rt_set_error("gj_step_run: internal: a call instruction of the step program that is "
-                        "no reducer call (parameter %d, kind %d)", p, cs->tape);
-        return -1;
-    }
-    int i = call->red_of[p];
-    if (give && t_n_gives < GJ_JIT_MAX_POST_LOG) /* (cs is its instruction's) */
-        t_gives[t_n_gives++] =
-            (int)((const gj_jit_instr *)((const char *)cs - offsetof(gj_jit_instr, cs)) -
-                  rr->p->instrs);
-    if (give)
-        return red->give(red->ctx, i, cs->n_in ? cs->in_meta[0].dtype : call->opt->params[p]->dtype,
-                         cs->n_in ? src[0] : NULL);
-    return red->take(red->ctx, i, cs->out_meta[0].dtype, dst[0]);
-}
-
 int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor **loss_out,
                      bool *updated, gj_tensor **grads_out) {
     const gj_jit_opt *opt = call->opt;
@@ -741,7 +751,7 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     memcpy(gj_rt_data_ptr(hyper), opt->hyper, (size_t)nh * sizeof(double));
     int rc = 1;
     void **data = NULL, **out = NULL;
-    gj_tensor **news = NULL;
+    gj_tensor **news = NULL, **bound = NULL;
     uint64_t *params = NULL;
     variant *v = NULL;
     if (select_variant(st, call, hyper, &v, &data) != 0) {
@@ -774,21 +784,29 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     }
     gj_jit_outs ac = {p, news};
     int er;
-    if (v->reduced) {
-        red_run rr = {call, p};
-        t_n_gives = 0;
-        t_n_instrs = p->n_instrs;
-        t_last_gemm = -1;
-        for (int k = 0; k < p->n_instrs; k++)
-            if (p->instrs[k].kind == GJ_JIT_INSTR_MATMUL) t_last_gemm = k;
-        er = gj_jit_plan_exec_calls(p, data, params, out, gj_jit_alloc_output, &ac, NULL,
-                                    reducer_call, NULL, &rr);
-        if (call->red->end(call->red->ctx) != 0 && er == 0) er = -1;
+    if (pr->n_hooks > 0 || pr->n_calls > 0) { /* user code, or the reducer, inside */
+        gj_jit_step_run sr = {.call = call, .pr = pr, .data = data};
+        bound = gj_rt_calloc((size_t)(pr->n_inputs + pr->n_hooks) + 1, sizeof *bound);
+        if (!bound) goto done;
+        for (int i = 0; i < pr->n_inputs; i++)
+            bound[i] = bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, hyper);
+        for (int i = 0; i < pr->n_hooks; i++)
+            bound[pr->n_inputs + i] = bound_at(v->hook_bound[i], call->n_in, call->in, opt, v->consts);
+        sr.bound = bound;
+        sr.hook_leaf = bound + pr->n_inputs;
+        er = gj_jit_step_exec(&sr, params, out, &ac);
+        if (er == 1) { /* user code tripped a guard: nothing updated, rerun eagerly */
+            st->trip_code = sr.code;
+            st->trip_permanent = sr.permanent;
+            snprintf(st->trip_why, sizeof st->trip_why, "%s", sr.why);
+            rc = 3;
+            goto done;
+        }
     } else {
         er = gj_jit_plan_exec(p, data, params, out, gj_jit_alloc_output, &ac);
     }
-    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
     if (er != 0) goto done;
+    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
     int no = pr->ret[2 * opt->n];
     if (no >= 0 && news[no]) { /* a clipping step: its norm must be finite, as eager's */
         double norm = *(const double *)gj_rt_data_ptr(news[no]);
@@ -824,8 +842,16 @@ done:
     gj_rt_free(data);
     gj_rt_free(out);
     gj_rt_free(news);
+    gj_rt_free(bound);
     gj_rt_free(params);
     return rc;
+}
+
+void gj_jit_cstep_last_trip(const gj_jit_cstep *st, gj_ca_reason *code, bool *permanent,
+                            char *why, size_t cap) {
+    *code = st->trip_code;
+    *permanent = st->trip_permanent;
+    snprintf(why, cap, "%s", st->trip_why);
 }
 
 /* -------------------------------------------------------------- check */
