@@ -848,7 +848,12 @@ GJ_API int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * (gj_step_stats, GJ_CA_UNTRACEABLE) and printed once. C state fn reads
  * (a train flag, a scalar in ctx) is invisible to the library: name it
  * with gj_step_run_variant's key, and find what was missed with
- * check_every (GRADJIT_STEP_CHECK). */
+ * check_every (GRADJIT_STEP_CHECK). Hooks registered before the step on
+ * its leaves run inside the program where the eager step runs them (tensor
+ * hooks; a parameter's post-accumulate hooks with its .grad set, the .grad
+ * they leave being what the update uses); one that fails fails the step as
+ * eagerly, one that calls gj_tensor_record_stream or set_s a tensor of the
+ * step turns it eager (the reason counted). */
 typedef struct gj_step gj_step;
 /* Returns the step's loss: a 0-d float tensor (a new reference, as any op's
  * result), or NULL with an error. in[0..n_in) are borrowed. */
