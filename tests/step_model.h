@@ -41,6 +41,7 @@ typedef struct sm_model {
     bool null_loss;        /* returns NULL without an error */
     gj_step *inner;        /* runs this step inside the function (on in[]) */
     gj_tensor *cmask;      /* captured [HID] tensor the hidden layer is multiplied by */
+    gj_custom_op *custom;  /* h = custom(h, 0.75): "(Tensor x, float alpha) -> Tensor" */
 } sm_model;
 
 static inline void sm_init(sm_model *m, uint64_t seed) {
@@ -72,6 +73,12 @@ static inline gj_tensor *sm_loss(void *ctx, int n_in, gj_tensor *const *in) {
     if (m->shift) x = gj_add(x, m->shift);
     gj_tensor *h = gj_gelu(gj_linear(x, m->in1_weight ? in[1] : m->p[0], m->p[1]));
     if (m->cmask) h = gj_mul(h, m->cmask);
+    if (m->custom) {
+        double alpha = 0.75;
+        gj_tensor *o = NULL;
+        if (gj_custom_op_call(m->custom, &h, &alpha, &o) != 0) return NULL;
+        h = o;
+    }
     if (m->scale) h = gj_mul_scalar(h, gj_tensor_item(m->scale));
     if (m->cscale != 0) h = gj_mul_scalar(h, m->cscale);
     if (m->branch) h = gj_tanh(h);

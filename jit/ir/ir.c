@@ -275,7 +275,9 @@ void gj_jit_graph_print(const gj_jit_graph *g, FILE *f) {
         const gj_jit_node *n = &g->nodes[i];
         fprintf(f, " ");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s %%%d", k ? "," : "", n->out[k]);
-        if (n->custom >= 0 && n->custom_tape <= GJ_JIT_CALL_GIVE) {
+        if (n->custom >= 0 && n->custom_tape == GJ_JIT_CALL_STEP_FWD) {
+            fprintf(f, " = call_custom_fwd[trace entry %d](", n->custom);
+        } else if (n->custom >= 0 && n->custom_tape <= GJ_JIT_CALL_GIVE) {
             fprintf(f, " = %s[param %d](",
                     n->custom_tape == GJ_JIT_CALL_GIVE   ? "reduce_give"
                     : n->custom_tape == GJ_JIT_CALL_TAKE ? "reduce_take"

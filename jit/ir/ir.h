@@ -196,5 +196,8 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed);
  * the parameter; its input the gradient as .grad holds it, its output the
  * .grad the hooks leave (the reducer's own hook among them is a give). */
 #define GJ_JIT_CALL_POST (-4)
+/* ... and of its call of a custom op's forward (the step function called
+ * it): node.custom the op's entry in the step's trace. */
+#define GJ_JIT_CALL_STEP_FWD (-5)
 
 #endif /* GJ_JIT_IR_H */

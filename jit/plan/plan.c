@@ -324,7 +324,9 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
     for (int s = 0; s < p->n_instrs; s++) {
         const gj_jit_instr *st = &p->instrs[s];
         if (st->kind == GJ_JIT_INSTR_CALL) {
-            if (st->cs.tape <= GJ_JIT_CALL_GIVE)
+            if (st->cs.tape == GJ_JIT_CALL_STEP_FWD)
+                fprintf(f, "  instr %d: custom forward call of trace entry %d (", s, st->cs.node);
+            else if (st->cs.tape <= GJ_JIT_CALL_GIVE)
                 fprintf(f, "  instr %d: %s of parameter %d (", s,
                         st->cs.tape == GJ_JIT_CALL_GIVE   ? "reducer give"
                         : st->cs.tape == GJ_JIT_CALL_TAKE ? "reducer take"

@@ -1,13 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * calls.c - what a step program calls outside itself (step_int.h): the
- * tensor hooks on its leaves, each parameter's post-accumulate hooks, and
- * a gradient reducer's gives and takes (jit.h, gj_jit_reducer), with the
- * guards that check, after each user call, that the program still
- * computes what the eager step would.
+ * tensor hooks on its leaves, each parameter's post-accumulate hooks,
+ * custom ops' forward and backward C functions, and a gradient reducer's
+ * gives and takes (jit.h, gj_jit_reducer), with the guards that check,
+ * after each user call, that the program still computes what the eager
+ * step would.
  *
  * Invariants:
- *   - User code never sees a buffer of the plan: a tensor hook gets a fresh
+ *   - User code never sees a buffer of the plan: a custom op's function
+ *     gets fresh tensors holding copies of its arguments, and its results
+ *     are copied back; a tensor hook gets a fresh
  *     tensor holding a copy of the gradient, and what it returns is copied
  *     back; a parameter's post-accumulate hooks see its .grad set to a
  *     fresh tensor holding the gradient (as the eager backward leaves it),
@@ -183,11 +186,90 @@ static int call_post_hooks(gj_jit_step_run *sr, int p, const gj_rt_meta *m, cons
     return 0;
 }
 
-/* gj_jit_custom_call of a step program: the reducer's gives and takes and
- * the parameters' post-accumulate hooks. */
+/* Fresh contiguous tensors ts[0..cs->n_in) holding copies of src (of
+ * cs->in_meta). 0, or -1 on OOM (those made are in ts). */
+static int copies_of(const gj_jit_call_instr *cs, void *const *src, gj_tensor **ts) {
+    for (int k = 0; k < cs->n_in; k++) {
+        const gj_rt_meta *m = &cs->in_meta[k];
+        if (!(ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape))) return -1;
+        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
+        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
+    }
+    return 0;
+}
+
+/* Copies tensor t (of meta m) into dst. 0 or -1 (OOM). */
+static int copy_out(gj_tensor *t, void *dst) {
+    gj_tensor *c = gj_rt_is_contiguous(t) ? t : gj_rt_contiguous(t);
+    if (!c) return -1;
+    size_t nb = (size_t)gj_rt_numel(c->ndim, c->shape) * gj_rt_dtype_size(c->dtype);
+    if (nb) memcpy(dst, gj_rt_data_ptr(c), nb);
+    if (c != t) gj_rt_tensor_release(c);
+    return 0;
+}
+
+/* A custom op's forward (the step function's call, or a checkpoint
+ * region's recomputation) or backward C function on copies of src; dst
+ * receives its outputs, or the gradients of the arguments in cs->args. A
+ * failure is transient (eager fails the step the same way); an output of
+ * another meta than the program's, permanent. 0, 1 or -1. */
+static int call_custom(gj_jit_step_run *sr, const gj_jit_call_instr *cs, void *const *src,
+                       void *const *dst) {
+    const gj_jit_step_custom *sc = NULL;
+    for (int k = 0; k < sr->n_customs && !sc; k++)
+        if (sr->customs[k].tape == cs->tape && sr->customs[k].node == cs->node) sc = &sr->customs[k];
+    const gj_custom_op *op = sc ? gj_ag_custom_of(sc->op) : NULL;
+    if (!op) {
+        gj_rt_set_error("gj_step_run: internal: no custom op for call (node %d, tape %d)",
+                        cs->node, cs->tape);
+        return -1;
+    }
+    int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
+    gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *res[GJ_JIT_CALL_MAX_IN] = {0};
+    int rc = -1;
+    if (copies_of(cs, src, ts) != 0) goto done;
+    uint64_t rs0 = gj_rt_record_stream_calls();
+    int r = cs->fwd ? gj_ag_custom_run_forward(op, &sc->attrs, ts, res)
+                    : gj_ag_custom_run_backward(op, &sc->attrs, cs->in_meta, ts, ts + no, res);
+    if (r != 0) {
+        trip(sr, GJ_CA_HOOK_GUARD, false, "custom op %s: its %s failed during a compiled step: %s",
+             sc->op->name, cs->fwd ? "forward" : "backward", gj_last_error());
+        rc = 1;
+        goto done;
+    }
+    for (int i = 0, j = 0; i < (cs->fwd ? no : nt) && j < cs->n_out; i++) {
+        if (!cs->fwd && !(cs->args & (1u << i))) continue; /* no gradient wanted */
+        gj_rt_meta m;
+        if (res[i]) gj_rt_meta_of(res[i], &m);
+        if (!res[i] || !gj_jit_meta_equal(&m, &cs->out_meta[j])) {
+            char a[96];
+            trip(sr, GJ_CA_HOOK_GUARD, true, "custom op %s: its %s gave %s for %s %d where the "
+                 "program has %s", sc->op->name, cs->fwd ? "forward" : "backward",
+                 res[i] ? gj_jit_fmt_meta(a, sizeof a, &m) : "nothing",
+                 cs->fwd ? "output" : "argument", i, gj_jit_fmt_meta((char[96]){0}, 96,
+                                                                       &cs->out_meta[j]));
+            rc = 1;
+            goto done;
+        }
+        if (copy_out(res[i], dst[j++]) != 0) goto done;
+    }
+    char who[160];
+    snprintf(who, sizeof who, "custom op %s", sc->op->name);
+    rc = guards_after(sr, who, rs0);
+done:
+    for (int k = 0; k < GJ_JIT_CALL_MAX_IN; k++) {
+        if (ts[k]) gj_rt_tensor_release(ts[k]);
+        if (res[k]) gj_rt_tensor_release(res[k]);
+    }
+    return rc;
+}
+
+/* gj_jit_custom_call of a step program: custom ops, the reducer's gives
+ * and takes and the parameters' post-accumulate hooks. */
 static int call_instr(void *ctx, const gj_jit_call_instr *cs, void *const *src,
                       void *const *dst) {
     gj_jit_step_run *sr = ctx;
+    if (cs->tape == GJ_JIT_CALL_STEP_FWD || cs->tape >= -1) return call_custom(sr, cs, src, dst);
     const gj_jit_step_call *call = sr->call;
     const gj_jit_reducer *red = call->red;
     int p = cs->node;

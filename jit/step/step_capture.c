@@ -49,6 +49,9 @@ typedef struct scap {
     int n_made;
     int (*esaved)[GJ_AG_MAX_SAVED]; /* per trace entry: the values its formula saved */
     int *post;       /* per parameter: the value its post-accumulate hooks leave, or -1 */
+    int cur_entry;   /* the trace entry being replayed, or -1 (the backward) */
+    int (*rec_custom_fwd)(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a,
+                          int n_in, gj_val *const *in, gj_val **outs); /* the recorder's */
     bool *gave;      /* per parameter: the post hooks' call gives it to the reducer */
 } scap;
 
@@ -193,6 +196,36 @@ static int region_done(scap *c, int j) {
     return 0;
 }
 
+/* gj_ag_builder.call_custom_fwd: a custom op the step function called
+ * becomes one call of its forward C function (the program runs it on
+ * copies of its tensor arguments), named by its trace entry; a custom op
+ * a checkpoint region recomputes in the backward is the recorder's own
+ * call, named by its tape. */
+static int step_custom_fwd(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a,
+                           int n_in, gj_val *const *in, gj_val **outs) {
+    scap *c = (scap *)(void *)b;
+    if (c->cur_entry < 0) return c->rec_custom_fwd(b, op, a, n_in, in, outs);
+    const gj_ag_trace_entry *e = &c->s->tr->entries[c->cur_entry];
+    if (n_in != e->n_in || n_in > GJ_JIT_CALL_MAX_IN || e->n_out > GJ_RT_MAX_OUTPUTS) {
+        fail(c, true, "custom op %s: %d tensor arguments and %d outputs exceed a call "
+             "instruction (%d, %d)", op->name, n_in, e->n_out, GJ_JIT_CALL_MAX_IN,
+             GJ_RT_MAX_OUTPUTS);
+        gj_rt_set_error("jit step capture: %s", c->r.cap->reason);
+        return -1;
+    }
+    int ids[GJ_JIT_CALL_MAX_IN], out_ids[GJ_RT_MAX_OUTPUTS];
+    gj_rt_meta om[GJ_RT_MAX_OUTPUTS];
+    for (int i = 0; i < n_in; i++) ids[i] = gj_jit_rec_id(in[i]);
+    for (int k = 0; k < e->n_out; k++) om[k] = c->s->tr->slots[e->out[k]].meta;
+    gj_jit_graph *g = &c->r.cap->g;
+    if (gj_jit_graph_add_custom(g, c->cur_entry, GJ_JIT_CALL_STEP_FWD, 0, n_in, ids, e->n_out,
+                                om, out_ids) < 0)
+        return -1;
+    g->nodes[g->n_nodes - 1].custom_fwd = true;
+    for (int k = 0; k < e->n_out; k++) outs[k] = gj_jit_rec_val(out_ids[k]);
+    return e->n_out;
+}
+
 /* Replays entry j of the trace: its outputs' values, and the values its
  * formula saved (for resolve_saved through its node, or through the
  * region whose tape holds it). 0 or -1 (reason set). */
@@ -200,10 +233,7 @@ static int replay_entry(scap *c, int j) {
     const gj_ag_trace_entry *e = &c->s->tr->entries[j];
     gj_ag_builder *b = &c->r.b;
     if (e->op == &gj_ag_op_checkpoint) return region_done(c, j);
-    if (gj_ag_custom_of(e->op)) {
-        fail(c, true, "a custom op in the step function");
-        return -1;
-    }
+    c->cur_entry = j; /* (a custom op's forward call names it) */
     gj_val *in[GJ_AG_MAX_IN], *out[GJ_AG_MAX_OUT] = {0}, *saved[GJ_AG_MAX_SAVED];
     for (int i = 0; i < e->n_in; i++) {
         int v = slot_value(c, e->in[i]);
@@ -212,6 +242,7 @@ static int replay_entry(scap *c, int j) {
     }
     int n_saved = 0;
     int n = gj_ag_forward_vals(b, e->op, &e->attrs, e->n_in, in, out, &n_saved, saved);
+    c->cur_entry = -1;
     if (n != e->n_out) {
         fail(c, false, "replaying op %s of the step: %s", e->op->name,
              n < 0 ? gj_last_error() : "another number of outputs");
@@ -608,6 +639,9 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
     for (int k = 0; k < s->tr->n_slots; k++) c.slot_val[k] = -1;
     for (int p = 0; p < n; p++) c.post[p] = -1;
     c.r.b.captured = step_captured;
+    c.cur_entry = -1;
+    c.rec_custom_fwd = c.r.b.call_custom_fwd;
+    c.r.b.call_custom_fwd = step_custom_fwd;
     for (int p = 0; p < n; p++) {
         cap->ret[p] = -1;
         cap->ret[n + p] = 0;

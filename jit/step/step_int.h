@@ -68,8 +68,20 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
  * hooks on leaves, parameters' post-accumulate hooks) or a reducer's gives
  * and takes. What the guards after each user call compare against, and
  * the first trip. */
+/* A custom op call instruction of a step program and the op it calls:
+ * tape GJ_JIT_CALL_STEP_FWD (the forward of trace entry `node`), -1 (the
+ * backward of the walk's node `node`) or >= 0 (the forward of op `tape` of
+ * checkpoint node `node`'s tape, recomputed). */
+typedef struct gj_jit_step_custom {
+    int tape, node;
+    const gj_ag_opdef *op; /* (custom ops live until exit) */
+    gj_ag_attrs attrs;
+} gj_jit_step_custom;
+
 typedef struct gj_jit_step_run {
     const gj_jit_step_call *call;
+    const gj_jit_step_custom *customs; /* the program's custom op calls */
+    int n_customs;
     const gj_jit_program *pr;
     gj_tensor *const *bound;     /* per program input: its tensor in this run */
     void *const *data;           /* per program input: its data when the run started */

@@ -67,6 +67,8 @@ typedef struct variant {
     int *red_of;         /* per parameter: its index in the reducer, or -1 */
     uint64_t *hook_sig;  /* per parameter, then per extra leaf: its hooks (hook_sig) */
     int *hook_bound;     /* per hook of the program: the bound tensor (a leaf) it is on */
+    gj_jit_step_custom *customs; /* the custom ops its program calls */
+    int n_customs;
     bool *requires_grad; /* per parameter, when traced */
     int32_t *alias;      /* per bound tensor (inputs, parameters, constants): alias_code */
     uint8_t *gstate;     /* per input, then per constant: grad_state */
@@ -99,6 +101,7 @@ static void variant_free(variant *v) {
     gj_rt_free(v->red_of);
     gj_rt_free(v->hook_sig);
     gj_rt_free(v->hook_bound);
+    gj_rt_free(v->customs);
     gj_rt_free(v->alias);
     gj_rt_free(v->gstate);
     gj_rt_free(v->extra);
@@ -450,6 +453,43 @@ static int variant_hooks(variant *v, const gj_jit_step_call *call, const gj_jit_
     return 0;
 }
 
+/* The custom ops the program of new variant v calls, found where its
+ * call instructions name them: the trace (the step function's calls) or
+ * the backward's walk w (a backward, a checkpoint region's recomputation). */
+static int variant_customs(variant *v, const gj_ag_trace *tr, const gj_jit_walk *w) {
+    const gj_jit_plan *p = &v->prog->plan;
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_call_instr *cs = &p->instrs[s].cs;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_CALL ||
+            (cs->tape != GJ_JIT_CALL_STEP_FWD && cs->tape < -1))
+            continue;
+        const gj_ag_opdef *op = NULL;
+        const gj_ag_attrs *at = NULL;
+        if (cs->tape == GJ_JIT_CALL_STEP_FWD && cs->node >= 0 && cs->node < tr->n_entries) {
+            op = tr->entries[cs->node].op;
+            at = &tr->entries[cs->node].attrs;
+        } else if (cs->tape != GJ_JIT_CALL_STEP_FWD && w && cs->node >= 0 && cs->node < w->n) {
+            const gj_ag_node *n = w->nodes[cs->node];
+            if (cs->tape < 0) {
+                op = n->op;
+                at = &n->attrs;
+            } else {
+                op = gj_ag_ckpt_op(n, cs->tape, &at);
+            }
+        }
+        if (!op || !at || !gj_ag_custom_of(op)) {
+            gj_rt_set_error("gj_step_run: internal: call instruction %d of the step's program "
+                            "names no custom op", s);
+            return -1;
+        }
+        gj_jit_step_custom *c = gj_rt_realloc(v->customs, (size_t)(v->n_customs + 1) * sizeof *c);
+        if (!c) return -1;
+        v->customs = c;
+        v->customs[v->n_customs++] = (gj_jit_step_custom){cs->tape, cs->node, op, *at};
+    }
+    return 0;
+}
+
 /* Keeps what the new variant v needs of the trace besides its program. */
 static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_call *call,
                         trace_info *ti, const gj_jit_text *kt, const gj_jit_walk *w) {
@@ -492,7 +532,7 @@ static int variant_fill(variant *v, const gj_ag_trace *tr, const gj_jit_step_cal
     ti->gstate = NULL;
     ti->extra = NULL;
     ti->checks = NULL;
-    if (variant_hooks(v, call, w) != 0) return -1;
+    if (variant_hooks(v, call, w) != 0 || variant_customs(v, tr, w) != 0) return -1;
     if (call->keep_text) {
         v->text = gj_rt_malloc(kt->n + 1);
         if (!v->text) return -1;
@@ -785,7 +825,8 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     gj_jit_outs ac = {p, news};
     int er;
     if (pr->n_hooks > 0 || pr->n_calls > 0) { /* user code, or the reducer, inside */
-        gj_jit_step_run sr = {.call = call, .pr = pr, .data = data};
+        gj_jit_step_run sr = {.call = call, .pr = pr, .data = data, .customs = v->customs,
+                              .n_customs = v->n_customs};
         bound = gj_rt_calloc((size_t)(pr->n_inputs + pr->n_hooks) + 1, sizeof *bound);
         if (!bound) goto done;
         for (int i = 0; i < pr->n_inputs; i++)

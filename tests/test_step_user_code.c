@@ -1,11 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * test_step_hooks.c - user code inside the compiled training step: tensor
- * hooks on parameters and on other leaves, post-accumulate hooks on
+ * test_step_user_code.c - user code inside the compiled training step:
+ * tensor hooks on parameters and on other leaves, post-accumulate hooks on
  * parameters (reading, scaling in place, replacing .grad), hooks added and
- * removed between steps, a hook that fails, and what a program cannot
- * follow (record_stream, set_ during the backward, a post hook on a leaf
- * outside the optimizer). Every case runs the same script eagerly and
+ * removed between steps, a hook that fails, what a program cannot follow
+ * (record_stream, set_ during the backward, a post hook on a leaf outside
+ * the optimizer), and custom ops the step function calls (their forward
+ * and backward C functions, one failing). Every case runs the same script eagerly and
  * compiled (step_model.h) and compares everything a step leaves, bit for
  * bit, and the hooks' calls; the compiled run's counters say which steps
  * ran as programs and why the others did not.
@@ -103,6 +104,10 @@ static void reset_hooks(void) {
     memset(g_seen, 0, sizeof g_seen);
 }
 
+/* Calls the compiled run makes beyond eager's, per hook (a run stopped by
+ * a failure is run again eagerly: the user code before it runs twice). */
+static int64_t g_extra[8];
+
 /* Runs sc both ways from fresh hooks' records; the records must agree. */
 static gj_ca_stats check_both(const char *what, sm_script *sc, const sm_model *flags) {
     int64_t calls[2][8];
@@ -117,10 +122,10 @@ static gj_ca_stats check_both(const char *what, sm_script *sc, const sm_model *f
     }
     sm_same(what, sc, &r[0], &r[1]);
     for (int k = 0; k < 8; k++) {
-        if (calls[0][k] != calls[1][k])
+        if (calls[0][k] + g_extra[k] != calls[1][k])
             fail_msg("%s: hook %d called %lld times eager, %lld compiled", what, k,
                      (long long)calls[0][k], (long long)calls[1][k]);
-        if (memcmp(&seen[0][k], &seen[1][k], sizeof seen[0][k]) != 0)
+        if (!g_extra[k] && memcmp(&seen[0][k], &seen[1][k], sizeof seen[0][k]) != 0)
             fail_msg("%s: hook %d saw %.17g eager, %.17g compiled", what, k, seen[0][k],
                      seen[1][k]);
     }
@@ -270,10 +275,13 @@ static void test_a_failing_hook(void **st) {
     sm_script sc = {.steps = 6, .batch = 4, .adamw = true, .before = failing_hook};
     gj_compiled_autograd_set_quiet(true);
     sm_result r[2];
+    int64_t calls[2];
     for (int mode = 0; mode < 2; mode++) {
         reset_hooks();
         r[mode] = sm_run(&sc, &(sm_model){0}, mode == 0);
+        calls[mode] = g_calls[0];
     }
+    assert_int_equal(calls[1], calls[0] + 1); /* the failing call twice: program, then eager */
     for (int mode = 0; mode < 2; mode++) { /* the same error but for the hook's number */
         assert_int_equal(r[mode].rc[3], -1);
         assert_true(strstr(r[mode].err[3], "with an error set inside it") != NULL);
@@ -334,6 +342,76 @@ static void test_set_in_a_hook(void **st) {
     assert_int_equal(g_calls[0], 4);
 }
 
+/* ---------------------------------------------------------- custom ops */
+
+/* xtanh(x, alpha) = alpha * x * tanh(x); its backward fails at g_fail_step
+ * (its forward at g_fail_step + 100). */
+static int ss_fwd(gj_tensor *x, double alpha, gj_tensor **out) {
+    g_calls[5]++;
+    if (g_step == g_fail_step + 100) return 7;
+    *out = gj_mul_scalar(gj_mul(x, gj_tanh(x)), alpha);
+    return *out ? 0 : 1;
+}
+
+static int ss_bwd(gj_tensor *g, gj_tensor *x, double alpha, gj_tensor **gx) {
+    g_calls[6]++;
+    if (g_step == g_fail_step) return 9;
+    gj_tensor *t = gj_tanh(x); /* (x tanh x)' = tanh x + x (1 - tanh^2 x) */
+    gj_tensor *d = gj_add(t, gj_mul(x, gj_add_scalar(gj_neg(gj_mul(t, t)), 1.0)));
+    *gx = gj_mul_scalar(gj_mul(g, d), alpha);
+    return *gx ? 0 : 1;
+}
+
+static gj_custom_op *softsign_op(void) {
+    static gj_custom_op *op;
+    if (!op) op = gj_custom_op_define("steptest::xtanh(Tensor x, float alpha) -> Tensor",
+                                      (void *)ss_fwd, (void *)ss_bwd);
+    assert_non_null(op);
+    return op;
+}
+
+static void count_steps(const sm_script *sc, sm_model *m, int i, gj_tensor **in, bool eager) {
+    (void)sc, (void)m, (void)in, (void)eager;
+    g_step = i;
+}
+
+/* A custom op in the step function: the program calls its forward and
+ * backward C functions (on copies) where eager does, every run. */
+static void test_custom_op_in_the_step(void **st) {
+    (void)st;
+    sm_model flags = {.custom = softsign_op()};
+    for (int variant = 0; variant < 2; variant++) {
+        sm_script sc = {.steps = 6, .batch = 5, .adamw = variant == 0, .keep_grads = variant == 1,
+                        .before = count_steps};
+        gj_ca_stats s = check_both("a custom op in the step", &sc, &flags);
+        assert_int_equal(s.fallbacks, 0);
+        assert_int_equal(programs(&s), 6);
+        assert_int_equal(g_calls[5], 6);
+        assert_int_equal(g_calls[6], 6);
+    }
+}
+
+/* Its backward fails at step 2, its forward at step 4: both modes fail
+ * those steps with the same error and update nothing; each failure is
+ * transient (the next step runs compiled). */
+static void test_custom_op_that_fails(void **st) {
+    (void)st;
+    g_fail_step = 2; /* forward: step 102 never comes; then 4 via the loop below */
+    sm_model flags = {.custom = softsign_op()};
+    sm_script sc = {.steps = 6, .batch = 4, .adamw = true, .before = count_steps};
+    g_extra[5] = g_extra[6] = 1; /* the program's forward and failing backward, then eager's */
+    gj_ca_stats s = check_both("a custom op whose backward fails", &sc, &flags);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 1);
+    assert_int_equal(programs(&s), 5);
+    g_fail_step = -96; /* the forward fails at step 4 */
+    g_extra[6] = 0;    /* (the failing forward twice; no backward that step) */
+    s = check_both("a custom op whose forward fails", &sc, &flags);
+    assert_int_equal(s.fallbacks_by_reason[GJ_CA_HOOK_GUARD], 1);
+    assert_int_equal(programs(&s), 5);
+    g_fail_step = -1;
+    g_extra[5] = 0;
+}
+
 int main(void) {
     gjt_setup();
     const struct CMUnitTest tests[] = {
@@ -345,6 +423,8 @@ int main(void) {
         cmocka_unit_test(test_a_failing_hook),
         cmocka_unit_test(test_record_stream_in_a_hook),
         cmocka_unit_test(test_set_in_a_hook),
+        cmocka_unit_test(test_custom_op_in_the_step),
+        cmocka_unit_test(test_custom_op_that_fails),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
