@@ -352,6 +352,10 @@ done:
     if (s->o.eval) gj_no_grad_pop();
     gj_scope_pop();
     proxies_free(n_in, px);
+    /* A traced run is an eager step: the blocks it freed, cached for reuse,
+     * are the eager step's sizes, which the program's buffers mostly are
+     * not; returned now, the step holds no more than the eager step does */
+    if (trace) gj_rt_alloc_release_cache();
     if (reducing) { /* a failed backward: nothing of the reducer's left in flight */
         char err[512];
         snprintf(err, sizeof err, "%s", gj_last_error());

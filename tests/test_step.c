@@ -745,6 +745,37 @@ static void test_checkpoint_policies(void **st) {
 
 /* ---------------------------------------------------------- bad input */
 
+/* A traced run is an eager step: the blocks it freed go back to the
+ * system when it ends (the program's buffers are other sizes), so the
+ * compiled step does not hold the eager step's cache beside its own. */
+static void test_traced_run_returns_the_cache(void **st) {
+    (void)st;
+    model m;
+    model_init(&m, GJ_F32, 5);
+    gj_tensor *ps[NP] = {m.p[0], m.p[1], m.p[2], m.p[3]};
+    gj_optim *o = gj_adamw_new(NP, ps, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+    gj_step *s = gj_step_new(mlp_loss, &m, o, NULL);
+    gjt_rng r;
+    gjt_rng_seed(&r, 4);
+    for (int i = 0; i < 2; i++) {
+        gj_scope_push();
+        int64_t b = 6;
+        gj_tensor *in[2] = {gjt_uniform(&r, GJ_F32, 2, (int64_t[]){b, IN}, -1, 1),
+                            gjt_labels(&r, 1, &b, OUT)};
+        gj_mem before;
+        gj_mem_stats(&before);
+        assert_int_equal(gj_step_run(s, 2, in, NULL), 0);
+        gj_mem after;
+        gj_mem_stats(&after);
+        if (i == 0) assert_int_equal(after.cached_bytes, 0); /* the traced run */
+        else assert_true(after.cached_bytes > 0);            /* (a program run caches) */
+        gj_scope_pop();
+    }
+    gj_step_free(s);
+    gj_optim_free(o);
+    model_free(&m);
+}
+
 static void test_bad_input(void **st) {
     (void)st;
     model m;
@@ -791,6 +822,7 @@ int main(void) {
         cmocka_unit_test(test_guard_set_dtype),
         cmocka_unit_test(test_constant_read_at_run_time),
         cmocka_unit_test(test_disk),
+        cmocka_unit_test(test_traced_run_returns_the_cache),
         cmocka_unit_test(test_bad_input),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
