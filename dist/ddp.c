@@ -278,6 +278,14 @@ static int red_end(void *ctx) {
 
 static int red_wait(void *ctx) { return gj_ddp_wait(ctx); }
 
+static int same_on_all_ranks(gj_pg *pg, const int64_t *mine, int n, const char *what,
+                             const char *detail);
+
+static int red_agree(void *ctx, const int64_t *v, int n, const char *what, const char *detail) {
+    gj_ddp *d = ctx;
+    return same_on_all_ranks(d->pg, v, n, what, detail);
+}
+
 /* The gj_ddp whose group agrees compiled keys (the newest one). */
 static pthread_mutex_t g_agree_lock = PTHREAD_MUTEX_INITIALIZER;
 static gj_ddp *g_agreeing;
@@ -461,7 +469,8 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
     }
     d->red = (gj_jit_reducer){.ctx = d, .n = n_params, .params = d->params, .order = d->order,
                               .hooks = d->hooks, .layout = d->layout, .give = red_give,
-                              .take = red_take, .wait = red_wait, .end = red_end};
+                              .take = red_take, .wait = red_wait, .end = red_end,
+                              .agree = red_agree};
     if (gj_jit_reducer_register(d, &d->red) != 0) goto fail;
     pthread_mutex_lock(&g_agree_lock);
     g_agreeing = d;

@@ -59,6 +59,39 @@ struct gj_step {
     int *red_of;             /* with red: per parameter, its index in red or -1 */
 };
 
+static void describe(gj_step *s, gj_jit_opt *jo);
+
+static int64_t fnv(int64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    uint64_t x = (uint64_t)h;
+    for (size_t i = 0; i < n; i++) x = (x ^ b[i]) * 1099511628211ull;
+    return (int64_t)x;
+}
+
+/* Every rank of o.ddp's group makes the same step: the same optimizer
+ * (rule, configuration, hyperparameters), clipping and options; else the
+ * ranks' updates would differ silently. One comparison each, so the error
+ * says which differs. 0, or -1 with the error. */
+static int reducer_agree(gj_step *s) {
+    gj_jit_opt jo;
+    describe(s, &jo);
+    const int64_t seed = 1469598103934665603;
+    int64_t rule = fnv(seed, jo.def ? jo.def->name : "", jo.def ? strlen(jo.def->name) : 0);
+    rule = fnv(rule, &jo.structure, sizeof jo.structure);
+    int64_t hyper = fnv(seed, s->hyper, (size_t)s->n * GJ_AG_OPT_MAX_HYPER * sizeof *s->hyper);
+    int64_t clip = fnv(seed, &s->o.clip_norm, sizeof s->o.clip_norm);
+    int64_t opts[2] = {s->o.keep_grads, s->n};
+    const char *op = "gj_step_new (opts.ddp)";
+    if (s->red->agree(s->red->ctx, &rule, 1, op, "the optimizer's rule and configuration") != 0 ||
+        s->red->agree(s->red->ctx, &hyper, 1, op, "the optimizer's hyperparameters: learning "
+                      "rate, betas or momentum, eps, weight decay") != 0 ||
+        s->red->agree(s->red->ctx, &clip, 1, op, "opts.clip_norm") != 0 ||
+        s->red->agree(s->red->ctx, opts, 2, op, "opts.keep_grads, then the optimizer's "
+                      "parameter count") != 0)
+        return -1;
+    return 0;
+}
+
 /* o.ddp: its reducer (registered while the gj_ddp lives), and per
  * parameter its index there; every parameter of the reducer must be one of
  * the optimizer's. 0, or -1 with an error. */
@@ -80,6 +113,7 @@ static int reducer_bind(gj_step *s) {
         for (int i = 0; i < s->red->n; i++)
             if (s->red->params[i] == s->params[k]) s->red_of[k] = i;
     }
+    if (reducer_agree(s) != 0) return -1;
     for (int i = 0; i < s->red->n; i++) {
         int k = 0;
         while (k < s->n && s->red_of[k] != i) k++;

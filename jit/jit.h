@@ -147,6 +147,10 @@ typedef struct gj_jit_reducer {
     /* After a compiled run, whatever its result: nothing left in flight,
      * ready for the next step. 0, or -1 if something in flight failed. */
     int (*end)(void *ctx);
+    /* Whether every rank has the same values v[0..n) (a collective: every
+     * rank calls it in the same order). 0, or -1 with an error naming
+     * `what`, `detail` and each rank's values. */
+    int (*agree)(void *ctx, const int64_t *v, int n, const char *what, const char *detail);
 } gj_jit_reducer;
 
 /* The event log of this thread's last compiled step run with a reducer:

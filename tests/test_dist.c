@@ -763,6 +763,26 @@ static void test_ddp_step_errors(void **state) {
     so = (gj_step_opts){.ddp = d, .eval = true};
     assert_null(gj_step_new(ddp_step_fn, &c, all, &so));
     assert_true(gjt_error_has("an eval step has no backward"));
+    /* ranks whose steps differ are refused at setup, on every rank, naming
+     * what differs */
+    gj_optim *own = gj_sgd_new(NP, p, 0.1 + 0.01 * g_rank, 0, 0); /* a rank's own lr */
+    so = (gj_step_opts){.ddp = d};
+    gj_step *mixed = gj_step_new(ddp_step_fn, &c, own, &so);
+    if (g_size > 1) {
+        assert_null(mixed);
+        assert_true(gjt_error_has("the ranks differ (the optimizer's hyperparameters"));
+    } else {
+        assert_non_null(mixed);
+    }
+    gj_step_free(mixed);
+    gj_optim_free(own);
+    so = (gj_step_opts){.ddp = d, .clip_norm = g_rank == 0 ? 1.0 : 0.0};
+    mixed = gj_step_new(ddp_step_fn, &c, all, &so);
+    if (g_size > 1) {
+        assert_null(mixed);
+        assert_true(gjt_error_has("the ranks differ (opts.clip_norm)"));
+    }
+    gj_step_free(mixed);
     /* the hooks of a gj_ddp not given to the step: refused in both modes
      * (the update would use this rank's gradient), nothing run */
     for (int eager = 0; eager < 2; eager++) {
