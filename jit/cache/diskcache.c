@@ -3,14 +3,15 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC08"                     magic and format version (bumped whenever
+ *   "GJJITC09"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index instructions, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
  *                                  05: dropout parameters read from checkpoint tapes;
  *                                  06: fold instructions, IM2COL / COL2IM;
  *                                  07: generic (symbolic) plans;
- *                                  08: hook and custom call instructions, lent kernels)
+ *                                  08: hook and custom call instructions, lent kernels;
+ *                                  09: generic kernels in plans that are not)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -82,7 +83,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '8'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '9'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -441,6 +442,7 @@ static void put_kernel(wbuf *b, const gj_jit_kernel *k) {
     wbuf_i64(b, k->grain);
     put_ints(b, k->param_buf, k->n_params);
     put_blob(b, k->name, strnlen(k->name, sizeof k->name));
+    wbuf_u64(b, k->generic); /* (its integer table then comes from this process's plan) */
 }
 
 static void put_matmul(wbuf *b, const gj_jit_matmul *m) {

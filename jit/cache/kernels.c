@@ -99,7 +99,7 @@ int gj_jit_kernels_register(const gj_jit_plan *p, gj_jit_code *code, gj_jit_code
         gj_jit_code *c = k->shared ? lender_of(k->lent, lent, n_lent) : code;
         if (!c) continue;
         wbuf d = {0};
-        gj_jit_kernel_describe(p, k, p->generic, &d);
+        gj_jit_kernel_describe(p, k, gj_jit_kernel_generic(p, k), &d);
         uint64_t h[2];
         gj_jit_hash128(d.p, d.n, h);
         if (d.oom) rc = -1;
@@ -152,12 +152,12 @@ int gj_jit_kernels_bind(gj_jit_plan *p, bool partial, gj_jit_code ***codes_out, 
             first = !(p->instrs[t].kind == GJ_JIT_INSTR_KERNEL && strcmp(p->instrs[t].k.name, k->name) == 0);
         if (!first) continue;
         wbuf d = {0};
-        gj_jit_kernel_describe(p, k, p->generic, &d);
+        gj_jit_kernel_describe(p, k, gj_jit_kernel_generic(p, k), &d);
         uint64_t h[2];
         gj_jit_hash128(d.p, d.n, h);
         int i = d.oom ? -2 : find_locked(&d, h);
         gj_rt_free(d.p);
-        if (i >= 0 && p->generic && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan_kernel.c) */
+        if (i >= 0 && gj_jit_kernel_generic(p, k) && !gj_jit_generic_block_ok(k)) i = -1; /* cannot happen (plan_kernel.c) */
         if (i == -2) {
             rc = -1;
         } else if (i < 0) {

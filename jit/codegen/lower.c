@@ -856,7 +856,7 @@ static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const
     snprintf(l.name, sizeof l.name, "%s_%s", prefix, k->name);
     snprintf(l.bname, sizeof l.bname, "%s.body", l.name);
     l.np = k->n_params;
-    g->generic = g->p->generic;
+    g->generic = gj_jit_kernel_generic(g->p, k);
     l.nx = g->generic ? 1 : 0; /* the ints table after the buffers */
     if (lk_check(g, k) != 0) return -1;
     int rc = lk_tables(g, &l);

@@ -80,7 +80,7 @@ int gj_jit_dedupe_kernels(gj_jit_plan *p) {
     if (!d) return -1;
     for (int s = 0; s < n; s++) {
         if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL) continue;
-        gj_jit_kernel_describe(p, &p->instrs[s].k, p->generic, &d[s]);
+        gj_jit_kernel_describe(p, &p->instrs[s].k, gj_jit_kernel_generic(p, &p->instrs[s].k), &d[s]);
         if (d[s].oom) goto done;
         for (int t = 0; t < s; t++)
             if (p->instrs[t].kind == GJ_JIT_INSTR_KERNEL && d[t].n == d[s].n &&

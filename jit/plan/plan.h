@@ -113,6 +113,7 @@ typedef struct gj_jit_kernel {
      * bufs[n_params] = ints (see gj_jit_kint_acc); NULL otherwise. */
     int64_t *ints;
     int n_ints;
+    bool generic; /* generic in a plan that is not (gj_jit_plan_make_kernels_generic) */
     /* fn is another program's compiled kernel of the same description
      * (cache/kernels.c's registry): not lowered or compiled with this plan; lent
      * is its symbol in that program's code ("<prefix>_<name>"), what the
@@ -269,6 +270,11 @@ typedef struct gj_jit_plan {
     bool generic;
 } gj_jit_plan;
 
+/* Whether kernel k of plan p reads its integers at run time. */
+static inline bool gj_jit_kernel_generic(const gj_jit_plan *p, const gj_jit_kernel *k) {
+    return p->generic || k->generic;
+}
+
 /* schedule.c: pairs independent GEMM instructions when that costs no memory (see
  * its contract). order runs once before the memory plan; groups sets
  * group_end from the order. Each returns 0, or -1 on OOM. */
@@ -309,9 +315,14 @@ void gj_jit_test_no_lowering(int prim);
 /* Makes p generic: fills every kernel's integer table (plan.h) and gives
  * kernels with one generic description one name. 0, or -1 on OOM. */
 int gj_jit_plan_make_generic(gj_jit_plan *p);
-/* Undoes gj_jit_plan_make_generic (the plan compiles specialised). 0, or
- * -1 on OOM. */
+/* Undoes gj_jit_plan_make_generic (the plan compiles specialised; kernels
+ * made generic one by one stay so). 0, or -1 on OOM. */
 int gj_jit_plan_make_specific(gj_jit_plan *p);
+/* Makes the kernels of instructions s with pick[s] generic in a plan that
+ * is not (a training step's updates: one compiled kernel serves every
+ * parameter whose update has the same generic description, whatever its
+ * length and hyperparameter slot). 0, or -1 on OOM. */
+int gj_jit_plan_make_kernels_generic(gj_jit_plan *p, const bool *pick);
 /* Whether generic kernel code has room for k's column accumulators
  * (its block at most GJ_JIT_MAX_RED_BLOCK when it has reduce stores). */
 bool gj_jit_generic_block_ok(const gj_jit_kernel *k);

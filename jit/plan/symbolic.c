@@ -90,12 +90,27 @@ int gj_jit_plan_make_generic(gj_jit_plan *p) {
     return 0;
 }
 
+int gj_jit_plan_make_kernels_generic(gj_jit_plan *p, const bool *pick) {
+    if (p->generic) return 0;
+    bool any = false;
+    for (int s = 0; s < p->n_instrs; s++) {
+        gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || !pick[s] || k->generic ||
+            !gj_jit_generic_block_ok(k))
+            continue;
+        if (fill_kernel(k) != 0) return -1;
+        k->generic = any = true;
+        snprintf(k->name, sizeof k->name, "k%d", s);
+    }
+    return any ? gj_jit_dedupe_kernels(p) : 0;
+}
+
 int gj_jit_plan_make_specific(gj_jit_plan *p) {
     if (!p->generic) return 0;
     p->generic = false;
     for (int s = 0; s < p->n_instrs; s++) {
         gj_jit_kernel *k = &p->instrs[s].k;
-        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL) continue;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || k->generic) continue;
         gj_rt_free(k->ints);
         k->ints = NULL;
         k->n_ints = 0;

@@ -304,13 +304,15 @@ static gj_val *hyper(scap *c, int p, int j, gj_dtype dt) {
 }
 
 /* The graph input of parameter p's state tensor t (kind STATE1/STATE2):
- * before the optimizer's first update t does not exist yet, and a zero
- * tensor of the meta the optimizer will give it (its compute type,
- * contiguous) stands in for it. Value id, or -1. */
+ * before the optimizer's first update t does not exist yet, and a tensor
+ * of the meta the optimizer will give it (its compute type, contiguous)
+ * stands in for it: only its meta is read (the program reads the real
+ * state at run time), so its memory is left untouched -- zeroing the state
+ * of a large model cost most of its step's capture. Value id, or -1. */
 static int state_input(scap *c, gj_tensor *t, int kind, int p, int *input) {
     if (!t) {
         const gj_tensor *pt = c->s->opt->params[p];
-        t = gj_rt_tensor_new(gj_ag_opt_dtype(pt->dtype), pt->ndim, pt->shape);
+        t = gj_rt_tensor_empty(gj_ag_opt_dtype(pt->dtype), pt->ndim, pt->shape);
         if (!t) return -1;
         c->made[c->n_made++] = t;
     }

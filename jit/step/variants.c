@@ -384,8 +384,29 @@ static gj_jit_graph *step_capture(void *ctx, char *why, size_t why_cap, gj_ca_re
     return NULL;
 }
 
+/* The kernels of a step's updates: one dimension, no reduction, every
+ * store into an input (a parameter or its state, in place). Generic, one
+ * compiled kernel serves every parameter of an optimizer and dtype. */
+static int generic_updates(gj_jit_plan *p) {
+    bool *pick = gj_rt_calloc((size_t)p->n_instrs + 1, sizeof *pick);
+    if (!pick) return -1;
+    for (int s = 0; s < p->n_instrs; s++) {
+        const gj_jit_kernel *k = &p->instrs[s].k;
+        if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || k->nd != 1 || k->red || k->n_st == 0)
+            continue;
+        bool in_place = true;
+        for (int t = 0; t < k->n_st && in_place; t++)
+            in_place = p->bufs[k->acc[k->st[t].access].buf].kind == GJ_JIT_BUF_INPUT;
+        pick[s] = in_place;
+    }
+    int rc = gj_jit_plan_make_kernels_generic(p, pick);
+    gj_rt_free(pick);
+    return rc;
+}
+
 static int step_finish(void *ctx, gj_jit_program *prog) {
     step_src *s = ctx;
+    if (generic_updates(&prog->plan) != 0) return -1;
     int n = gj_jit_step_n_ret(s->spec.opt->n, s->spec.n_extra);
     prog->ret = gj_rt_malloc(((size_t)n + 1) * sizeof *prog->ret);
     if (!prog->ret) return -1;
