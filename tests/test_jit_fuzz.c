@@ -54,9 +54,11 @@
  * no compile (the registry lives across seeds until the cache is cleared).
  * Whole training steps (test_fuzz_steps): further seeds build their model
  * inside a gj_step's step function (regions and dropout included) with a
- * random SGD or AdamW, and three steps compiled must leave the losses and
- * parameters of three eager steps; with hooks or custom ops in the step
- * function every compiled step must run eagerly instead (untraceable).
+ * random SGD, AdamW or Lion, and three steps compiled must leave the losses
+ * and parameters of three eager steps; custom ops in the step function and
+ * hooks registered on the leaves before the steps run compiled, hooks
+ * registered inside the step function make every compiled step run eagerly
+ * instead (untraceable).
  * GJT_FUZZ_STEPS=n runs n such models per dtype (default 80 f64, 100 f32,
  * 40 bf16; a fifth under ASan; GJT_FUZZ_GRAPHS runs a tenth of its graphs
  * as steps).
@@ -1198,7 +1200,24 @@ static void test_fuzz_bf16(void **st) {
  * of range at some step (both modes must then fail with the same error);
  * a first input that requires grad on some steps (its .grad is compared);
  * .grads set on the leaves before a step (the step clears them). */
-enum { XS_ALIAS = 1, XS_LABELS = 2, XS_LEAF = 4, XS_GRADS = 8 };
+enum { XS_ALIAS = 1, XS_LABELS = 2, XS_LEAF = 4, XS_GRADS = 8, XS_HOOKS = 16 };
+
+/* XS_HOOKS: hooks the caller registers on the leaves before the steps,
+ * which the program calls: a tensor hook that scales the gradient, a
+ * post-accumulate hook that scales .grad in place, one that reads it. */
+static double g_xs_read;
+static gj_tensor *xs_scale(gj_tensor *g, void *u) {
+    (void)u;
+    return gj_mul_scalar(g, 0.75);
+}
+static void xs_post_scale(gj_tensor *leaf, void *u) {
+    (void)u;
+    gj_mul_scalar_(gj_tensor_grad(leaf), 0.5);
+}
+static void xs_post_read(gj_tensor *leaf, void *u) {
+    (void)u;
+    g_xs_read += gj_tensor_item_at(gj_tensor_grad(leaf), 0);
+}
 
 typedef struct step_ctx {
     fuzz *f;
@@ -1236,6 +1255,7 @@ typedef struct step_res {
     int rc;
     char err[200];
     char log[LOGCAP];
+    double read; /* XS_HOOKS: what the reading post hooks saw, summed */
 } step_res;
 
 static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compiled,
@@ -1263,7 +1283,20 @@ static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compi
                        gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.1, 0.95),
                        gjt_rng_int(&r, 2) ? 0.0 : gjt_rng_uniform(&r, 0.0, 0.1));
     assert_non_null(o);
-    unsigned xs = (unsigned)gjt_rng_int(&r, 16) & (unsigned)gjt_rng_int(&r, 16);
+    unsigned xs = (unsigned)gjt_rng_int(&r, 32) & (unsigned)gjt_rng_int(&r, 32);
+    int64_t hooks[3 * NLEAF];
+    int n_hooks = 0;
+    for (int k = 0; (xs & XS_HOOKS) && k < f->n_leaves; k++) {
+        int kind = (int)gjt_rng_int(&r, 4); /* none, tensor, post scale, post read */
+        if (kind == 1) hooks[n_hooks++] = gj_register_hook(f->leaves[k], xs_scale, NULL);
+        if (kind == 2)
+            hooks[n_hooks++] = gj_register_post_accumulate_grad_hook(f->leaves[k], xs_post_scale,
+                                                                     NULL);
+        if (kind == 3)
+            hooks[n_hooks++] = gj_register_post_accumulate_grad_hook(f->leaves[k], xs_post_read,
+                                                                     NULL);
+    }
+    g_xs_read = 0;
     int bad_at = (int)gjt_rng_int(&r, 4); /* XS_LABELS: the step whose labels are bad (3: none) */
     step_ctx sc = {f, seed, xs};
     gj_step_opts so = {.eager = !compiled};
@@ -1301,6 +1334,8 @@ static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compi
         drain_jobs(f);
     }
     snprintf(res->log, sizeof res->log, "%s", f->log);
+    res->read = g_xs_read;
+    for (int k = 0; k < n_hooks; k++) assert_int_equal(gj_remove_hook(hooks[k]), 0);
     gj_step_free(st);
     gj_optim_free(o);
     for (int i = 0; i < f->n_leaves; i++) {
@@ -1353,14 +1388,22 @@ static bool check_step_seed(uint64_t seed, gj_dtype dt, double rtol) {
             ok = false;
         }
     }
+    if (ok && !(fabs(e.read - c.read) <= rtol * fmax(1.0, fabs(e.read)))) {
+        print_error("step seed %llu %s: the leaves' post hooks read %.17g eager, %.17g "
+                    "compiled (ops: %s)\n", (unsigned long long)seed, gj_rt_dtype_name(dt),
+                    e.read, c.read, c.log);
+        ok = false;
+    }
     for (int i = 0; i < NLEAF && ok; i++) {
         char what[96];
         snprintf(what, sizeof what, "step seed %llu %s leaf %d", (unsigned long long)seed,
                  gj_rt_dtype_name(dt), i);
         ok = gjt_same_as_eager(what, c.leaf[i], e.leaf[i], e.numel[i], rtol);
     }
-    /* what runs compiled: everything but hooks, custom ops (and what they do) */
-    bool falls = (feat & (F_HOOKS | F_CUSTOM)) != 0;
+    /* what runs compiled: everything but hooks registered inside the step
+     * function (and what they do); custom ops in it and hooks registered on
+     * the leaves before the steps (XS_HOOKS) run in the program */
+    bool falls = (feat & F_HOOKS) != 0;
     int64_t ran = s.compiles + s.mem_hits + s.disk_hits + s.instantiations;
     if (e.rc == 0 && ok && (s.backwards != 3 || ran + s.fallbacks != 3 ||
                             (!falls && s.fallbacks != 0))) {
@@ -1418,7 +1461,7 @@ static void run_step_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, in
     gj_jit_clear_cache();
     clock_gettime(CLOCK_MONOTONIC, &t1);
     print_message("%s: %d models as whole steps (3 steps each: %d compiled, %d eager for hooks "
-                  "or custom ops), %d mismatches or bad fallbacks, %.1f s\n",
+                  "registered in the step function), %d mismatches or bad fallbacks, %.1f s\n",
                   gj_rt_dtype_name(dt), total, g_step_compiled, g_step_eager, bad,
                   (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
     g_step_compiled = g_step_eager = 0;
