@@ -26,6 +26,16 @@
  *     program. If fn did what a replay cannot redo, the step is eager from
  *     then on (the reason counted once here, printed once).
  *   - Anomaly mode runs the step eagerly (counted, GJ_CA_INCOMPATIBLE_MODE).
+ *   - With opts.ddp the gradients are averaged between the backward and the
+ *     clip and update: eagerly by gj_ddp_wait (the reference), compiled by
+ *     the reducer's calls inside the program (jit/step/calls.c). A step
+ *     whose parameters carry a gj_ddp's hooks without it is refused.
+ *   - User code in a program (hooks on leaves, custom ops) runs before any
+ *     update; a run its guards stop is redone eagerly from the same
+ *     generator position, and the step turns eager when the cause recurs
+ *     (record_stream, set_, a .grad removed). A traced run whose backward
+ *     saw record_stream or a parameter's set_ turns the step eager at once.
+ *   - A traced run returns the allocator's cache when it ends.
  */
 #include "fe.h"
 #include "../jit/jit.h"
