@@ -24,7 +24,12 @@
  * own gj_ddp, interleaved ABBA with a barrier before every timed step so
  * no timing includes waiting for a slower rank. The ratio is eager /
  * compiled (> 1: compiled faster), median over rounds with its IQR; both
- * sides must end with the same parameters and loss bits.
+ * sides must end with the same parameters and loss bits. Per side, over
+ * the timed steps: "comm" the time a step's collectives ran (issue to
+ * completion, on the communication thread), "blocked" the time the step
+ * waited for them (gj_ddp_wait, or the program's takes), and hidden = 1 -
+ * blocked / comm, the share of the communication the step's own compute
+ * covered.
  */
 #include "bench.h"
 #include "clock.h"
@@ -209,8 +214,9 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
                "vs compiled (gj_step_opts.ddp), %d rounds ABBA after 3 warm-up steps per side; "
                "ratio = eager / compiled\n\n",
                size, info.num_threads, info.blas_core ? info.blas_core : "?", cpu, rounds);
-        printf("%-4s %8s %19s %19s %24s %9s\n", "wl", "buckets", "eager ms [IQR]",
-               "compiled ms [IQR]", "eager/compiled [IQR]", "same bits");
+        printf("%-4s %8s %19s %19s %24s %9s %28s %28s\n", "wl", "buckets", "eager ms [IQR]",
+               "compiled ms [IQR]", "eager/compiled [IQR]", "same bits",
+               "eager comm/blocked ms hidden", "comp. comm/blocked ms hidden");
     }
     for (int w = 0; w < bench_n_workloads; w++) {
         if (!(workloads & (1u << w))) continue;
@@ -223,7 +229,10 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
         int ok = t[0] && t[1] && ratio &&
                  bench_side_init(&side[0], wl, true, pg, err, sizeof err) == 0 &&
                  bench_side_init(&side[1], wl, false, pg, err, sizeof err) == 0;
+        gj_ddp_stats st0[2], st1[2];
         for (int r = -3; ok && r < rounds; r++) {
+            if (r == 0)
+                for (int m = 0; m < 2; m++) gj_ddp_stats_get(side[m].ddp, &st0[m]);
             double ms[2];
             for (int k = 0; k < 2 && ok; k++) {
                 int m = (r & 1) ? 1 - k : k; /* ABBA */
@@ -236,17 +245,24 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
             }
         }
         if (ok) {
-            gj_ddp_stats st;
-            gj_ddp_stats_get(side[1].ddp, &st);
+            double comm[2], blocked[2];
+            for (int m = 0; m < 2; m++) {
+                gj_ddp_stats_get(side[m].ddp, &st1[m]);
+                double n = (double)(st1[m].steps - st0[m].steps);
+                comm[m] = n > 0 ? (st1[m].comm_ms - st0[m].comm_ms) / n : NAN;
+                blocked[m] = n > 0 ? (st1[m].wait_ms - st0[m].wait_ms) / n : NAN;
+            }
             bool same = bench_same_params(&side[0].s, &side[1].s) && side[0].loss == side[1].loss;
             if (rank == 0)
-                printf("%-4s %8d %7.2f [%.2f-%.2f] %7.2f [%.2f-%.2f] %10.3f [%.3f-%.3f] %9s\n",
-                       wl->id, st.n_buckets, bench_quantile(t[0], rounds, 0.5),
+                printf("%-4s %8d %7.2f [%.2f-%.2f] %7.2f [%.2f-%.2f] %10.3f [%.3f-%.3f] %9s "
+                       "%10.2f / %6.2f %7.2f %10.2f / %6.2f %7.2f\n",
+                       wl->id, st1[1].n_buckets, bench_quantile(t[0], rounds, 0.5),
                        bench_quantile(t[0], rounds, 0.25), bench_quantile(t[0], rounds, 0.75),
                        bench_quantile(t[1], rounds, 0.5), bench_quantile(t[1], rounds, 0.25),
                        bench_quantile(t[1], rounds, 0.75), bench_quantile(ratio, rounds, 0.5),
                        bench_quantile(ratio, rounds, 0.25), bench_quantile(ratio, rounds, 0.75),
-                       same ? "yes" : "NO");
+                       same ? "yes" : "NO", comm[0], blocked[0], 1.0 - blocked[0] / comm[0],
+                       comm[1], blocked[1], 1.0 - blocked[1] / comm[1]);
             if (!same) failed = 1;
         } else {
             fprintf(stderr, "%s: %s\n", wl->id, err[0] ? err : "out of memory");

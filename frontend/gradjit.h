@@ -1144,7 +1144,8 @@ typedef struct gj_ddp_stats {
     int64_t started_by_hook;  /* ... of which started from a hook during backward */
     int64_t bytes;            /* bytes sent into collectives */
     double comm_ms;           /* time in the collectives (on the stream) */
-    double wait_ms;           /* time gj_ddp_wait blocked */
+    double wait_ms;           /* time gj_ddp_wait (or a compiled step's takes of the
+                                 averaged gradients) blocked */
 } gj_ddp_stats;
 /* params borrowed (retained), leaves that require grad. opt may be NULL.
  * Broadcasts rank 0's values into every parameter unless opt->no_broadcast.

@@ -783,6 +783,19 @@ static void test_ddp_step_errors(void **state) {
         assert_true(gjt_error_has("the ranks differ (opts.clip_norm)"));
     }
     gj_step_free(mixed);
+    /* compiled steps whose programs differ across ranks (another batch size
+     * on rank 1): the key agreement fails the traced step on every rank,
+     * before any bucket left; nothing hangs */
+    if (g_size > 1) {
+        so = (gj_step_opts){.ddp = d};
+        gj_step *cs = gj_step_new(ddp_step_fn, &c, all, &so);
+        assert_non_null(cs);
+        gj_tensor *x = shard(GJ_F32, 0, g_rank, g_rank == 1 ? 5 : 4);
+        assert_int_equal(gj_step_run(cs, 1, &x, NULL), -1);
+        assert_true(gjt_error_has("the ranks differ"));
+        gj_release(x);
+        gj_step_free(cs);
+    }
     /* the hooks of a gj_ddp not given to the step: refused in both modes
      * (the update would use this rank's gradient), nothing run */
     for (int eager = 0; eager < 2; eager++) {
