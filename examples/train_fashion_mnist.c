@@ -331,12 +331,8 @@ int main(int argc, char **argv) {
     int rc = train_start(parse_opts(argc, argv, &o), &o.f, &mode);
     if (rc >= 0) return rc;
     if (o.ddp) {
-        if (!(o.pg = gj_pg_init())) {
-            fprintf(stderr, PROG " --ddp: %s\n", gj_last_error());
+        if (train_ddp_start(PROG, &o.pg, &o.rank, &o.size) != 0)
             return 1;
-        }
-        o.rank = gj_pg_rank(o.pg);
-        o.size = gj_pg_size(o.pg);
         if (o.f.batch % o.size != 0) {
             fprintf(stderr, PROG " --ddp: --batch %d is not a multiple of the %d ranks\n",
                     o.f.batch, o.size);
@@ -346,7 +342,6 @@ int main(int argc, char **argv) {
         if (o.rank != 0) { /* rank 0 reports; the others only train */
             o.f.quiet = true;
             o.f.csv = o.f.png = o.f.save = NULL; /* rank 0 writes the files */
-            if (!freopen("/dev/null", "w", stdout)) return 1;
         }
     }
     fashion_splits data = {0};

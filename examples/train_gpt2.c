@@ -774,20 +774,12 @@ int main(int argc, char **argv) {
     gj_set_num_threads(o.f.threads);
     o.size = 1;
     if (o.ddp) {
-        if (!(o.pg = gj_pg_init())) {
-            fprintf(stderr, PROG " --ddp: %s\n", gj_last_error());
+        if (train_ddp_start(PROG, &o.pg, &o.rank, &o.size) != 0)
             return 1;
-        }
-        o.rank = gj_pg_rank(o.pg);
-        o.size = gj_pg_size(o.pg);
         if (o.rank != 0) { /* rank 0 prints, samples and saves; the others only train */
             o.sample = 0;
             o.sample_given = true;
             o.f.save = NULL;
-            if (!freopen("/dev/null", "w", stdout)) {
-                gj_pg_free(o.pg);
-                return 1;
-            }
         }
     }
     catch_sigint();

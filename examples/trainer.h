@@ -140,6 +140,25 @@ static inline bool train_banner(const train_flags *f) {
     return true;
 }
 
+/* --ddp: the process group mpirun started, with this process's rank and
+ * the group's size; on ranks other than 0 stdout goes to /dev/null (rank 0
+ * reports, the others only train). 0, or 1 after a message (nothing left
+ * open). */
+static inline int train_ddp_start(const char *prog, gj_pg **pg, int *rank, int *size) {
+    if (!(*pg = gj_pg_init())) {
+        fprintf(stderr, "%s --ddp: %s\n", prog, gj_last_error());
+        return 1;
+    }
+    *rank = gj_pg_rank(*pg);
+    *size = gj_pg_size(*pg);
+    if (*rank != 0 && !freopen("/dev/null", "w", stdout)) {
+        gj_pg_free(*pg);
+        *pg = NULL;
+        return 1;
+    }
+    return 0;
+}
+
 /* The start of a trainer's main, after parse_opts (whose result prc is):
  * the program's exit status when parse_opts printed --help or --version
  * (0) or refused the command line (2); else -1, with f->tty set and *mode
