@@ -29,7 +29,10 @@ typedef struct ddp_bucket {
     gj_dtype wire;
     int first, n;        /* params order[first .. first+n) */
     int64_t count;       /* elements */
-    void *buf;           /* count wire values */
+    void *buf;           /* count wire values (ZeRO: padded to a multiple of the ranks) */
+    int64_t padded;      /* ZeRO: count rounded up to a multiple of the ranks */
+    int64_t lo, hi;      /* ZeRO: this rank's range [lo, hi) of the bucket's elements */
+    void *shard_buf;     /* ZeRO: padded / ranks values (reduce-scatter, allgather) */
     int ready;           /* params of this bucket marked ready this step */
     bool started;
     gj_dist_job job;
@@ -58,6 +61,11 @@ struct gj_ddp {
     pthread_mutex_t lock;
     char err[320];       /* first failure inside a hook this step */
     gj_jit_reducer red;  /* the calls a gj_step's program makes instead of the hooks */
+    int rank, size;
+    gj_tensor **shard;   /* ZeRO: per param, its part on this rank (a 1-D leaf view) or NULL */
+    int64_t *shard_at;   /* ZeRO: per param, where its shard starts in it */
+    gj_tensor **shards;  /* ZeRO: the non-NULL shards, in parameter order */
+    int n_shards;
     uint64_t layout;     /* the hash of parameters and buckets all ranks agreed */
 };
 
@@ -151,6 +159,10 @@ static int start_ready(gj_ddp *d, bool by_hook) {
         ddp_bucket *b = &d->b[d->next_start];
         b->job = (gj_dist_job){.kind = GJ_DIST_ALLREDUCE, .wire = b->wire, .op = GJ_REDUCE_AVG,
                                .buf = b->buf, .count = b->count};
+        if (d->opt.zero == 2) /* each rank receives its range's averages only */
+            b->job = (gj_dist_job){.kind = GJ_DIST_REDUCE_SCATTER, .wire = b->wire,
+                                   .op = GJ_REDUCE_AVG, .send = b->buf, .buf = b->shard_buf,
+                                   .count = b->padded};
         if (gj_dist_submit(d->pg, &b->job) != 0) return -1;
         b->started = true;
         d->next_start++;
@@ -278,6 +290,8 @@ static int red_end(void *ctx) {
 
 static int red_wait(void *ctx) { return gj_ddp_wait(ctx); }
 
+static int red_after(void *ctx) { return gj_ddp_gather(ctx); }
+
 static int same_on_all_ranks(gj_pg *pg, const int64_t *mine, int n, const char *what,
                              const char *detail);
 
@@ -328,6 +342,117 @@ static int agree_key(void *ctx, const uint64_t hash[2]) {
                              "or hook on some rank; all ranks must run the same backward");
 }
 
+/* ---------------------------------------------------------------- ZeRO */
+
+/* ZeRO: each parameter's part of this rank's range of its bucket, as a 1-D
+ * leaf that requires grad and views the parameter's memory. */
+static int zero_shards(gj_ddp *d) {
+    d->shard = gj_rt_calloc((size_t)d->n + 1, sizeof *d->shard);
+    d->shard_at = gj_rt_calloc((size_t)d->n + 1, sizeof *d->shard_at);
+    d->shards = gj_rt_calloc((size_t)d->n + 1, sizeof *d->shards);
+    if (!d->shard || !d->shard_at || !d->shards) return -1;
+    gj_no_grad_push();
+    int rc = 0;
+    for (int i = 0; i < d->n && rc == 0; i++) {
+        ddp_bucket *b = &d->b[d->bucket_of[i]];
+        int64_t n = gj_tensor_numel(d->params[i]), a = d->offset[i];
+        int64_t lo = b->lo > a ? b->lo : a, hi = b->hi < a + n ? b->hi : a + n;
+        if (hi <= lo) continue;
+        gj_scope_push();
+        gj_tensor *flat = gj_reshape(gj_detach(d->params[i]), 1, &n);
+        gj_tensor *v = flat ? gj_narrow(flat, 0, lo - a, hi - lo) : NULL;
+        if (v) gj_retain(v);
+        gj_scope_pop();
+        if (!v || gj_set_requires_grad(v, true) != 0) {
+            if (v) gj_release(v);
+            rc = -1;
+            break;
+        }
+        d->shard[i] = v;
+        d->shard_at[i] = lo - a;
+        d->shards[d->n_shards++] = v;
+    }
+    gj_no_grad_pop();
+    return rc;
+}
+
+/* ZeRO, after bucket b was reduced: each shard's .grad from the averages
+ * of its range (stage 1: the whole averaged bucket; stage 2: this rank's
+ * range only); the parameters' own .grads are cleared. */
+static int zero_unpack(gj_ddp *d, ddp_bucket *b) {
+    size_t wb = wire_bytes(b->wire);
+    for (int j = 0; j < b->n; j++) {
+        int i = d->order[b->first + j];
+        if (gj_tensor_set_grad(d->params[i], NULL) != 0) return -1;
+        gj_tensor *sh = d->shard[i];
+        if (!sh) continue;
+        int64_t at = d->offset[i] + d->shard_at[i];
+        const char *src = d->opt.zero == 2 ? (const char *)b->shard_buf + (at - b->lo) * (int64_t)wb
+                                           : (const char *)b->buf + at * (int64_t)wb;
+        gj_tensor *g = gj_zeros(gj_tensor_dtype(sh), 1, gj_tensor_shape(sh));
+        if (!g) return -1;
+        unpack_raw(b->wire, src, gj_tensor_numel(sh), gj_tensor_dtype(sh), gj_tensor_data(g));
+        int rc = gj_tensor_set_grad(sh, g);
+        gj_release(g);
+        if (rc != 0) return -1;
+    }
+    return 0;
+}
+
+int gj_ddp_shards(gj_ddp *d, gj_tensor *const **out) {
+    if (!d || !out) {
+        gj_rt_set_error("gj_ddp_shards: %s is NULL", !d ? "ddp" : "out");
+        return -1;
+    }
+    if (!d->opt.zero) {
+        gj_rt_set_error("gj_ddp_shards: the gj_ddp was made without ZeRO (gj_ddp_options.zero)");
+        return -1;
+    }
+    *out = d->shards;
+    return d->n_shards;
+}
+
+int gj_ddp_gather(gj_ddp *d) {
+    if (!d || !d->opt.zero) {
+        gj_rt_set_error("gj_ddp_gather: %s", !d ? "ddp is NULL"
+                                                : "the gj_ddp was made without ZeRO "
+                                                  "(gj_ddp_options.zero)");
+        return -1;
+    }
+    int rc = 0;
+    pthread_mutex_lock(&d->lock);
+    for (int k = 0; k < d->nb && rc == 0; k++) {
+        ddp_bucket *b = &d->b[k];
+        size_t wb = wire_bytes(b->wire);
+        int64_t s = b->padded / d->size;
+        memset(b->shard_buf, 0, (size_t)(s ? s : 1) * wb);
+        for (int j = 0; j < b->n; j++) { /* this rank's range, from the updated parameters */
+            int i = d->order[b->first + j];
+            if (!d->shard[i]) continue;
+            int64_t at = d->offset[i] + d->shard_at[i];
+            memcpy((char *)b->shard_buf + (at - b->lo) * (int64_t)wb,
+                   (const char *)gj_tensor_data(d->params[i]) + d->shard_at[i] * (int64_t)wb,
+                   (size_t)gj_tensor_numel(d->shard[i]) * wb);
+        }
+        b->job = (gj_dist_job){.kind = GJ_DIST_ALLGATHER, .wire = b->wire, .send = b->shard_buf,
+                               .buf = b->buf, .count = s};
+        if (gj_dist_submit(d->pg, &b->job) != 0 || gj_dist_wait(&b->job) != 0) {
+            rc = -1;
+            break;
+        }
+        d->st.comm_ms += b->job.ms;
+        d->st.bytes += s * (int64_t)wb;
+        for (int j = 0; j < b->n; j++) { /* every rank's ranges into the parameters */
+            int i = d->order[b->first + j];
+            memcpy(gj_tensor_data(d->params[i]), (const char *)b->buf + d->offset[i] * (int64_t)wb,
+                   (size_t)gj_tensor_numel(d->params[i]) * wb);
+            gj_rt_bump_version(d->params[i]);
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
 static void ddp_destroy(gj_ddp *d) {
     if (!d) return;
     gj_jit_reducer_unregister(d);
@@ -340,7 +465,13 @@ static void ddp_destroy(gj_ddp *d) {
     for (int k = 0; k < d->nb; k++) {
         if (d->b[k].started) gj_dist_wait(&d->b[k].job);
         gj_rt_free(d->b[k].buf);
+        gj_rt_free(d->b[k].shard_buf);
     }
+    for (int i = 0; i < d->n && d->shard; i++)
+        if (d->shard[i]) gj_release(d->shard[i]);
+    gj_rt_free(d->shard);
+    gj_rt_free(d->shard_at);
+    gj_rt_free(d->shards);
     for (int i = 0; i < d->n; i++) {
         if (d->hooks && d->hooks[i] > 0) gj_remove_hook(d->hooks[i]);
         if (d->params && d->params[i]) gj_release(d->params[i]);
@@ -384,6 +515,18 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
         }
         if (!gj_tensor_is_contiguous(p)) {
             gj_rt_set_error("gj_ddp_new: parameter %d is not contiguous", i);
+            return NULL;
+        }
+        if (opt && (opt->zero < 0 || opt->zero > 2)) {
+            gj_rt_set_error("gj_ddp_new: zero is %d; ZeRO's stages here are 1 and 2 (0: off)",
+                            opt->zero);
+            return NULL;
+        }
+        if (opt && opt->zero && wire_of(dt, opt->bf16_buckets) != dt) {
+            gj_rt_set_error("gj_ddp_new: ZeRO needs parameters that travel as they are, and "
+                            "parameter %d is %s with %s buckets (give bf16 parameters "
+                            "bf16_buckets, or f32 parameters f32 buckets)", i,
+                            dt == GJ_BF16 ? "bf16" : "f32", opt->bf16_buckets ? "bf16" : "f32");
             return NULL;
         }
         for (int j = 0; j < i; j++)
@@ -437,16 +580,25 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
         cur->n++;
         bytes += pb;
     }
+    d->rank = gj_pg_rank(pg);
+    d->size = gj_pg_size(pg);
     for (int k = 0; k < d->nb; k++) {
-        d->b[k].buf = gj_rt_calloc((size_t)(d->b[k].count ? d->b[k].count : 1),
-                                   wire_bytes(d->b[k].wire));
-        if (!d->b[k].buf) goto fail;
+        ddp_bucket *b = &d->b[k];
+        int64_t s = (b->count + d->size - 1) / d->size; /* a range per rank */
+        b->padded = d->opt.zero ? s * d->size : b->count;
+        b->lo = b->count < s * d->rank ? b->count : s * d->rank;
+        b->hi = b->count < s * (d->rank + 1) ? b->count : s * (d->rank + 1);
+        b->buf = gj_rt_calloc((size_t)(b->padded ? b->padded : 1), wire_bytes(b->wire));
+        if (!b->buf) goto fail;
+        if (d->opt.zero && !(b->shard_buf = gj_rt_calloc((size_t)(s ? s : 1), wire_bytes(b->wire))))
+            goto fail;
     }
+    if (d->opt.zero && zero_shards(d) != 0) goto fail;
     d->st.n_buckets = d->nb;
     { /* the same parameters (count, sizes, dtypes) and buckets on every rank */
         uint64_t h = 1469598103934665603ull;
-        int64_t v[4] = {n_params, d->opt.bucket_bytes, d->opt.bf16_buckets, 0};
-        for (int k = 0; k < 3; k++) h = (h ^ (uint64_t)v[k]) * 1099511628211ull;
+        int64_t v[4] = {n_params, d->opt.bucket_bytes, d->opt.bf16_buckets, d->opt.zero};
+        for (int k = 0; k < 4; k++) h = (h ^ (uint64_t)v[k]) * 1099511628211ull;
         for (int i = 0; i < n_params; i++) {
             h = (h ^ (uint64_t)gj_tensor_numel(params[i])) * 1099511628211ull;
             h = (h ^ (uint64_t)gj_tensor_dtype(params[i])) * 1099511628211ull;
@@ -470,7 +622,8 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
     d->red = (gj_jit_reducer){.ctx = d, .n = n_params, .params = d->params, .order = d->order,
                               .hooks = d->hooks, .layout = d->layout, .give = red_give,
                               .take = red_take, .wait = red_wait, .end = red_end,
-                              .agree = red_agree};
+                              .agree = red_agree, .zero = d->opt.zero, .shards = d->shard,
+                              .after = d->opt.zero ? red_after : NULL};
     if (gj_jit_reducer_register(d, &d->red) != 0) goto fail;
     pthread_mutex_lock(&g_agree_lock);
     g_agreeing = d;
@@ -524,6 +677,10 @@ int gj_ddp_wait(gj_ddp *d) {
         d->st.comm_ms += b->job.ms;
         b->started = false;
         if (rc != 0) continue;
+        if (d->opt.zero) {
+            if (zero_unpack(d, b) != 0) rc = -1;
+            continue;
+        }
         for (int j = 0; j < b->n; j++) {
             int i = d->order[b->first + j];
             if (unpack(d->params[i], b->wire,

@@ -1136,6 +1136,19 @@ typedef struct gj_ddp_options {
     int64_t bucket_bytes; /* <= 0: 25 MiB */
     bool bf16_buckets;    /* send f32 gradients as bf16 (halves the bytes; rounds) */
     bool no_broadcast;    /* do not copy rank 0's parameters to every rank at start */
+    /* ZeRO (Rajbhandari et al.): 1 shards the optimizer state, 2 also the
+     * averaged gradients. Each bucket's elements (padded to a multiple of
+     * the ranks) are split into one contiguous range per rank; the range's
+     * part of each parameter is its shard (gj_ddp_shards: 1-D leaves that
+     * are views of the parameters' memory), and the optimizer is made over
+     * the shards, so its state is this rank's share only. gj_ddp_wait then
+     * leaves the average in each shard's .grad (stage 1: from an allreduce,
+     * stage 2: a reduce-scatter: only the shard's averages arrive) and
+     * clears the parameters' .grads; after the optimizer's step,
+     * gj_ddp_gather copies every rank's updated shards into every rank's
+     * parameters (an allgather). Parameters must travel as they are:
+     * f32/f64 (bf16 with bf16_buckets). 0: off. */
+    int zero;
 } gj_ddp_options;
 typedef struct gj_ddp_stats {
     int n_buckets;
@@ -1163,6 +1176,14 @@ GJ_API int gj_ddp_wait(gj_ddp *d);
 GJ_API int gj_ddp_stats_get(const gj_ddp *d, gj_ddp_stats *out);
 /* Which bucket (0-based) parameter i is in, or -1. */
 GJ_API int gj_ddp_bucket_of(const gj_ddp *d, int i);
+/* ZeRO: this rank's shards, the parameters' parts it updates (in parameter
+ * order, parameters with no part on this rank left out): *out receives a
+ * borrowed array. Returns how many, or -1 with an error (not a ZeRO
+ * gj_ddp). */
+GJ_API int gj_ddp_shards(gj_ddp *d, gj_tensor *const **out);
+/* ZeRO, after the optimizer's step over the shards: every rank's updated
+ * shards into every rank's parameters. 0, or -1 with an error. */
+GJ_API int gj_ddp_gather(gj_ddp *d);
 GJ_API void gj_ddp_free(gj_ddp *d);
 
 #ifdef __cplusplus

@@ -90,7 +90,9 @@ static int reducer_agree(gj_step *s) {
     rule = fnv(rule, &jo.structure, sizeof jo.structure);
     int64_t hyper = fnv(seed, s->hyper, (size_t)s->n * GJ_AG_OPT_MAX_HYPER * sizeof *s->hyper);
     int64_t clip = fnv(seed, &s->o.clip_norm, sizeof s->o.clip_norm);
-    int64_t opts[2] = {s->o.keep_grads, s->n};
+    /* (ZeRO: each rank's optimizer has its own shards, as many as it has) */
+    int64_t opts[2] = {s->o.keep_grads, s->red->zero ? 0 : s->n};
+    if (s->red->zero) hyper = 0;
     const char *op = "gj_step_new (opts.ddp)";
     if (s->red->agree(s->red->ctx, &rule, 1, op, "the optimizer's rule and configuration") != 0 ||
         s->red->agree(s->red->ctx, &hyper, 1, op, "the optimizer's hyperparameters: learning "
@@ -99,6 +101,36 @@ static int reducer_agree(gj_step *s) {
         s->red->agree(s->red->ctx, opts, 2, op, "opts.keep_grads, then the optimizer's "
                       "parameter count") != 0)
         return -1;
+    return 0;
+}
+
+/* A ZeRO gj_ddp: the optimizer is over its shards (every one of them, and
+ * nothing else); the step runs eagerly (the program does not shard yet).
+ * 0, or -1 with the error. */
+static int zero_bind(gj_step *s) {
+    const char *op = "gj_step_new";
+    int n = 0;
+    for (int i = 0; i < s->red->n; i++) n += s->red->shards[i] != NULL;
+    for (int k = 0; k < s->n; k++)
+        if (s->red_of[k] < 0) {
+            gj_rt_set_error("%s: parameter %d of the optimizer is not a shard of opts.ddp (with "
+                            "ZeRO the optimizer is made over gj_ddp_shards)", op, k);
+            return -1;
+        }
+    if (n != s->n) {
+        gj_rt_set_error("%s: the optimizer has %d parameters, opts.ddp %d shards on this rank "
+                        "(with ZeRO the optimizer is made over gj_ddp_shards)", op, s->n, n);
+        return -1;
+    }
+    if (s->o.clip_norm > 0) {
+        gj_rt_set_error("%s: clip_norm with ZeRO is not supported (each rank holds a shard of "
+                        "the gradients; the norm is global)", op);
+        return -1;
+    }
+    s->eager_only = true;
+    s->why_code = GJ_CA_OTHER;
+    snprintf(s->why, sizeof s->why, "ZeRO (gj_ddp_options.zero): the compiled step does not "
+             "shard its program yet; every run is eager");
     return 0;
 }
 
@@ -118,12 +150,14 @@ static int reducer_bind(gj_step *s) {
     }
     s->red_of = gj_rt_malloc(((size_t)s->n + 1) * sizeof *s->red_of);
     if (!s->red_of) return -1;
+    gj_tensor *const *mine = s->red->zero ? s->red->shards : s->red->params; /* (ZeRO: shards) */
     for (int k = 0; k < s->n; k++) {
         s->red_of[k] = -1;
         for (int i = 0; i < s->red->n; i++)
-            if (s->red->params[i] == s->params[k]) s->red_of[k] = i;
+            if (mine[i] && mine[i] == s->params[k]) s->red_of[k] = i;
     }
     if (reducer_agree(s) != 0) return -1;
+    if (s->red->zero) return zero_bind(s);
     for (int i = 0; i < s->red->n; i++) {
         int k = 0;
         while (k < s->n && s->red_of[k] != i) k++;
@@ -387,6 +421,7 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
         if (s->o.clip_norm > 0 && gj_clip_grad_norm(s->n, s->params, s->o.clip_norm, NULL) != 0)
             goto done;
         if (gj_optim_step(s->opt) != 0) goto done;
+        if (s->red && s->red->after && s->red->after(s->red->ctx) != 0) goto done;
         if (!s->o.keep_grads) gj_optim_zero_grad(s->opt);
     }
     if (loss_out && !(keep = gj_rt_tensor_alias(loss))) goto done;

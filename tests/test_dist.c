@@ -816,6 +816,119 @@ static void test_ddp_step_errors(void **state) {
     free_params(p);
 }
 
+/* ------------------------------------------------------------------ ZeRO */
+
+/* ZeRO stages 1 and 2 against plain DDP with AdamW, f64, one bucket and
+ * three: after every step the parameters equal DDP's (stage 1: the same
+ * allreduce, the same bits; stage 2: a reduce-scatter, another summation
+ * order, within 1e-14) on every rank; each rank's shards together with the
+ * others' cover every element once (the optimizer state of one rank is
+ * its share), also where the ranks do not divide a bucket; the eager
+ * gj_step with opts.ddp does the same as the hand-written loop, and its
+ * compiled form runs eagerly with the reason said. */
+static void test_zero(void **state) {
+    (void)state;
+    for (int stage = 1; stage <= 2; stage++)
+        for (int bb = 0; bb < 2; bb++) {
+            gj_ddp_options o = {.bucket_bytes = bb ? 64 : 0, .zero = stage};
+            gj_ddp_options o0 = {.bucket_bytes = o.bucket_bytes};
+            gj_tensor *pr[NP], *pz[NP], *ps[NP];
+            make_params(GJ_F64, 41, pr);
+            make_params(GJ_F64, 41, pz);
+            make_params(GJ_F64, 41, ps);
+            gj_ddp *dr = gj_ddp_new(g_pg, NP, pr, &o0), *dz = gj_ddp_new(g_pg, NP, pz, &o),
+                   *ds = gj_ddp_new(g_pg, NP, ps, &o);
+            assert_non_null(dr);
+            assert_non_null(dz);
+            assert_non_null(ds);
+            gj_tensor *const *sz = NULL, *const *ss = NULL;
+            int nz = gj_ddp_shards(dz, &sz), ns = gj_ddp_shards(ds, &ss);
+            assert_true(nz >= 0 && nz == ns);
+            int64_t mine = 0, total = 0;
+            for (int k = 0; k < nz; k++) mine += gj_tensor_numel(sz[k]);
+            for (int i = 0; i < NP; i++) total += gj_tensor_numel(pz[i]);
+            int64_t all[8] = {0};
+            gj_tensor *mt = gj_full(GJ_F64, 1, (int64_t[]){1}, (double)mine);
+            gj_tensor *at = gj_allgather(g_pg, mt);
+            int64_t sum = 0;
+            for (int r = 0; r < g_size; r++) sum += all[r] = (int64_t)gj_tensor_item_at(at, r);
+            assert_int_equal(sum, total); /* every element in one shard */
+            gj_release(mt);
+            gj_release(at);
+            gj_optim *orf = gj_adamw_new(NP, pr, 1e-2, 0.9, 0.999, 1e-8, 0.01);
+            gj_optim *oz = nz ? gj_adamw_new(nz, sz, 1e-2, 0.9, 0.999, 1e-8, 0.01) : NULL;
+            gj_optim *os = nz ? gj_adamw_new(ns, ss, 1e-2, 0.9, 0.999, 1e-8, 0.01) : NULL;
+            step_ctx cs = {ps, false};
+            gj_step_opts so = {.ddp = ds};
+            gj_step *st = os ? gj_step_new(ddp_step_fn, &cs, os, &so) : NULL;
+            if (os && !st) fail_msg("gj_step_new with ZeRO: %s", gj_last_error());
+            gj_step_reset_stats();
+            for (int s = 0; s < 3; s++) {
+                ddp_step(dr, pr, GJ_F64, s, 5, false);
+                assert_int_equal(gj_optim_step(orf), 0);
+                ddp_step(dz, pz, GJ_F64, s, 5, false);
+                for (int i = 0; i < NP; i++) assert_null(gj_tensor_grad(pz[i])); /* cleared */
+                if (oz) assert_int_equal(gj_optim_step(oz), 0);
+                assert_int_equal(gj_ddp_gather(dz), 0);
+                gj_tensor *x = shard(GJ_F64, s, g_rank, 5);
+                if (st) {
+                    assert_int_equal(gj_step_run(st, 1, &x, NULL), 0);
+                } else { /* (no shard on this rank: the collectives still run) */
+                    ddp_step(ds, ps, GJ_F64, s, 5, false);
+                    assert_int_equal(gj_ddp_gather(ds), 0);
+                }
+                gj_release(x);
+                for (int i = 0; i < NP; i++) {
+                    char what[96];
+                    snprintf(what, sizeof what, "ZeRO-%d (%s), step %d, param %d", stage,
+                             bb ? "3 buckets" : "1 bucket", s, i);
+                    double *vr = gjt_values(pr[i]), *vz = gjt_values(pz[i]), *vs = gjt_values(ps[i]);
+                    int64_t n = gj_tensor_numel(pr[i]);
+                    if (stage == 1) {
+                        assert_memory_equal(vr, vz, (size_t)n * sizeof *vr);
+                    } else {
+                        assert_true(gjt_same_as_eager(what, vz, vr, n, 1e-14));
+                    }
+                    assert_memory_equal(vz, vs, (size_t)n * sizeof *vz); /* the step = the loop */
+                    free(vr);
+                    free(vz);
+                    free(vs);
+                    assert_same_on_all_ranks(what, pz[i]);
+                }
+            }
+            if (st) {
+                gj_ca_stats c;
+                gj_step_stats(&c);
+                assert_int_equal(c.fallbacks_by_reason[GJ_CA_OTHER], 3);
+                assert_true(strstr(gj_compiled_autograd_last_fallback(), "ZeRO") != NULL);
+            }
+            gj_step_free(st);
+            gj_optim_free(orf);
+            gj_optim_free(oz);
+            gj_optim_free(os);
+            gj_ddp_free(dr);
+            gj_ddp_free(dz);
+            gj_ddp_free(ds);
+            free_params(pr);
+            free_params(pz);
+            free_params(ps);
+        }
+    /* what ZeRO refuses */
+    gj_tensor *p[NP];
+    make_params(GJ_F32, 43, p);
+    assert_null(gj_ddp_new(g_pg, NP, p, &(gj_ddp_options){.zero = 3}));
+    assert_true(gjt_error_has("ZeRO's stages here are 1 and 2"));
+    assert_null(gj_ddp_new(g_pg, NP, p, &(gj_ddp_options){.zero = 1, .bf16_buckets = true}));
+    assert_true(gjt_error_has("travel as they are"));
+    gj_ddp *d = gj_ddp_new(g_pg, NP, p, NULL);
+    gj_tensor *const *sh = NULL;
+    assert_int_equal(gj_ddp_shards(d, &sh), -1);
+    assert_true(gjt_error_has("without ZeRO"));
+    assert_int_equal(gj_ddp_gather(d), -1);
+    gj_ddp_free(d);
+    free_params(p);
+}
+
 static void test_ddp_errors(void **state) {
     (void)state;
     gj_tensor *p[NP];
@@ -884,6 +997,7 @@ int main(void) {
         cmocka_unit_test(test_ddp_errors),
         cmocka_unit_test(test_ddp_step),
         cmocka_unit_test(test_ddp_step_errors),
+        cmocka_unit_test(test_zero),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_pg_free(g_pg);
