@@ -198,6 +198,8 @@ typedef struct stepper {
     int (*between)(void *user); /* split modes: after backward, before the update; 0 or -1
                                    with gj_last_error() set (NULL: none) */
     void *between_user;
+    int (*after)(void *user);   /* split modes: after the update (ZeRO's gather) */
+    void *after_user;
 } stepper;
 
 /* What one step took, ms: the whole step (fn, backward, update, zero_grad);
@@ -218,6 +220,7 @@ static inline int stepper_init(stepper *s, step_mode mode, gj_step_fn fn, void *
 }
 
 static inline int stepper_ddp_wait(void *ddp) { return gj_ddp_wait(ddp); }
+static inline int stepper_ddp_gather(void *ddp) { return gj_ddp_gather(ddp); }
 
 /* Data parallel (--ddp): the gradients averaged over d's ranks between
  * backward and update. The split modes call gj_ddp_wait there; gj_step's
@@ -225,8 +228,13 @@ static inline int stepper_ddp_wait(void *ddp) { return gj_ddp_wait(ddp); }
  * inside its program). 0, or -1 with gj_last_error() set. */
 static inline int stepper_set_ddp(stepper *s, gj_ddp *d) {
     if (step_mode_split(s->mode)) {
+        gj_tensor *const *sh;
+        bool zero = gj_ddp_shards(d, &sh) >= 0; /* (ZeRO: the updated shards gathered) */
+        gj_clear_error();
         s->between = stepper_ddp_wait;
         s->between_user = d;
+        s->after = zero ? stepper_ddp_gather : NULL;
+        s->after_user = d;
         return 0;
     }
     gj_step_free(s->step);
@@ -263,6 +271,7 @@ static inline int stepper_run(stepper *s, int n_in, gj_tensor *const *in, gj_ten
     if (rc == 0 && s->between) rc = s->between(s->between_user);
     double t2 = now_s();
     if (rc == 0) rc = gj_optim_step(s->opt);
+    if (rc == 0 && s->after) rc = s->after(s->after_user);
     gj_optim_zero_grad(s->opt);
     double t3 = now_s();
     gj_set_compiled_autograd(false);

@@ -123,6 +123,7 @@ static gj_tensor *model_forward(void *ctx, gj_tensor *x) {
 typedef struct opts {
     train_flags f;
     bool ddp;
+    int zero;        /* --zero 1|2: ZeRO's stage (with --ddp) */
     gj_pg *pg;       /* --ddp: the world group (launched with mpirun) */
     int rank, size;  /* 0 and 1 without --ddp */
 } opts;
@@ -134,6 +135,32 @@ typedef struct mlp_run {
     model m;
     gj_ddp *ddp; /* --ddp: gradients averaged over the ranks */
 } mlp_run;
+
+/* --ddp: each rank's model-state bytes on rank 0's stdout: parameters,
+ * the gradient buckets (the parameters' size, padded), the .grads the
+ * optimizer reads after the reduction (ZeRO: the shard's), AdamW's m and v
+ * (ZeRO: the shard's). 0 or -1. */
+static int print_model_state(const opts *o, int n_opt, gj_tensor *const *opt_params,
+                             gj_tensor *const *params) {
+    int64_t full = 0, mine = 0;
+    for (int i = 0; i < 6; i++) full += gj_tensor_numel(params[i]);
+    for (int i = 0; i < n_opt; i++) mine += gj_tensor_numel(opt_params[i]);
+    gj_tensor *t = gj_full(GJ_F64, 1, (int64_t[]){1}, (double)mine);
+    gj_tensor *all = t ? gj_allgather(o->pg, t) : NULL;
+    gj_release(t);
+    if (!all)
+        return -1;
+    for (int r = 0; r < o->size && o->rank == 0; r++) { /* (also with --quiet) */
+        double m = gj_tensor_item_at(all, r), mib = 4.0 / 1048576.0;
+        double g = o->zero ? m : (double)full;
+        printf("rank %d model state: parameters %.2f MiB, gradient buckets %.2f MiB, "
+               "averaged .grads %.2f MiB, AdamW m and v %.2f MiB (%s): %.2f MiB\n", r,
+               full * mib, full * mib, g * mib, 2 * m * mib, o->zero ? "its shard" : "all",
+               (2.0 * full + g + 2 * m) * mib);
+    }
+    gj_release(all);
+    return 0;
+}
 
 /* The run's model from the seed, its AdamW, the classifier's part (the
  * step: fashion_loss of model_forward) and with --ddp the averaging
@@ -148,9 +175,14 @@ static int mlp_init(train_run *r) {
         params[2 * i] = t->m.l[i].weight;
         params[2 * i + 1] = t->m.l[i].bias;
     }
-    if (!(r->opt = gj_adamw_new(6, params, o->f.lr, 0.9, 0.999, 1e-8, 0.01)))
+    gj_ddp_options dopt = {.zero = o->zero};
+    if (o->ddp && !(t->ddp = gj_ddp_new(o->pg, 6, params, &dopt)))
         return -1;
-    if (o->ddp && !(t->ddp = gj_ddp_new(o->pg, 6, params, NULL)))
+    gj_tensor *const *opt_params = params; /* ZeRO: this rank's shards */
+    int n_opt = o->zero ? gj_ddp_shards(t->ddp, &opt_params) : 6;
+    if (n_opt < 0 || !(r->opt = gj_adamw_new(n_opt, opt_params, o->f.lr, 0.9, 0.999, 1e-8, 0.01)))
+        return -1;
+    if (t->ddp && print_model_state(o, n_opt, opt_params, params) != 0)
         return -1;
     int rc = fashion_run_init(&t->fr, o->rank, o->size, EVAL_CHUNK, model_forward, &t->m);
     if (rc == 0 && t->ddp) { /* the gradients averaged before the update */
@@ -312,6 +344,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
          "data parallel over MPI ranks (mpirun -np N ... --ddp): each rank takes 1/N of every "
          "batch, gradients are averaged"),
+        ARG_OPT("zero", ARG_INT, &o->zero, 0, 2,
+         "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks) or 2 (also the averaged "
+         "gradients); 0: off"),
     };
     int rc = args_parse(PROG,
                         "Trains a 784-512-256-10 GELU MLP on Fashion-MNIST (Debian's "
@@ -322,6 +357,15 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->size = 1;
     if (train_flags_check(PROG, f) != 0)
         return -1;
+    if (o->zero && !o->ddp) {
+        fprintf(stderr, PROG ": --zero shards over the ranks of --ddp; give --ddp\n");
+        return -1;
+    }
+    if (o->zero && (f->save || f->resume)) {
+        fprintf(stderr, PROG ": --save and --resume do not take --zero yet (each rank holds "
+                        "only its shard of the optimizer state)\n");
+        return -1;
+    }
     return train_flags_check_one_run(PROG, f);
 }
 

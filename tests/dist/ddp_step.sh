@@ -3,7 +3,8 @@
 # The compiled step under --ddp: the 2-rank Fashion-MNIST trainer run with
 # the eager step and with the compiled step (its gradients averaged inside
 # the program) prints the same loss at every step of an epoch, and the
-# compiled run never falls back.
+# compiled run never falls back; with --zero 1 (AdamW state sharded) the
+# losses are the same again.
 #   ddp_step.sh <mpiexec> <train_fashion_mnist>
 set -uo pipefail
 mpiexec=$1 exe=$2
@@ -22,4 +23,11 @@ echo "$compiled" | grep -q "compiled step: 234 steps, .* 0 fallbacks" ||
   fail "the compiled step did not run all 234 steps without a fallback"
 [ "$(wc -l <"$dir/eager.csv")" -eq 235 ] || fail "the eager run wrote $(wc -l <"$dir/eager.csv") lines"
 cmp "$dir/eager.csv" "$dir/compiled.csv" || fail "the losses differ: $(diff "$dir/eager.csv" "$dir/compiled.csv" | head -4)"
-echo "PASS: 234 steps on 2 ranks, the compiled step's losses are the eager step's"
+# ZeRO stage 1: the same allreduce, AdamW on each rank's shards, the shards
+# gathered: the same losses again, and each rank holds half the AdamW state
+zero=$(run "$dir/zero.csv" --zero 1) || fail "the --zero 1 run failed: $zero"
+echo "$zero" | grep "model state"
+echo "$zero" | grep -q "rank 1 model state: .*AdamW m and v 2.04 MiB (its shard)" ||
+  fail "rank 1 does not hold half of AdamW's 4.09 MiB"
+cmp "$dir/eager.csv" "$dir/zero.csv" || fail "--zero 1 changed the losses: $(diff "$dir/eager.csv" "$dir/zero.csv" | head -4)"
+echo "PASS: 234 steps on 2 ranks, the compiled step's and ZeRO-1's losses are the eager step's"
