@@ -255,9 +255,16 @@ static int red_take(void *ctx, int i, gj_dtype dt, void *out) {
                         "its bucket %d was complete", i, d->bucket_of[i]);
         rc = -1;
     }
-    if (rc == 0)
+    if (rc == 0 && d->opt.zero) { /* this rank's shard of it */
+        int64_t at = d->offset[i] + d->shard_at[i];
+        const char *src = d->opt.zero == 2
+                              ? (const char *)b->shard_buf + (at - b->lo) * (int64_t)wire_bytes(b->wire)
+                              : (const char *)b->buf + at * (int64_t)wire_bytes(b->wire);
+        if (d->shard[i]) unpack_raw(b->wire, src, gj_tensor_numel(d->shard[i]), dt, out);
+    } else if (rc == 0) {
         unpack_raw(b->wire, (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire),
                    gj_tensor_numel(d->params[i]), dt, out);
+    }
     d->st.wait_ms += gj_dist_now_ms() - t0;
     pthread_mutex_unlock(&d->lock);
     return rc;
@@ -625,10 +632,12 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
                               .agree = red_agree, .zero = d->opt.zero, .shards = d->shard,
                               .after = d->opt.zero ? red_after : NULL};
     if (gj_jit_reducer_register(d, &d->red) != 0) goto fail;
-    pthread_mutex_lock(&g_agree_lock);
-    g_agreeing = d;
-    gj_jit_set_agreement(agree_key, d);
-    pthread_mutex_unlock(&g_agree_lock);
+    if (!d->opt.zero) { /* (ZeRO: each rank's programs update its own shards: keys differ) */
+        pthread_mutex_lock(&g_agree_lock);
+        g_agreeing = d;
+        gj_jit_set_agreement(agree_key, d);
+        pthread_mutex_unlock(&g_agree_lock);
+    }
     return d;
 fail:
     ddp_destroy(d);

@@ -1146,8 +1146,12 @@ typedef struct gj_ddp_options {
      * stage 2: a reduce-scatter: only the shard's averages arrive) and
      * clears the parameters' .grads; after the optimizer's step,
      * gj_ddp_gather copies every rank's updated shards into every rank's
-     * parameters (an allgather). Parameters must travel as they are:
-     * f32/f64 (bf16 with bf16_buckets). 0: off. */
+     * parameters (an allgather). A gj_step given such a gj_ddp (its
+     * optimizer over the shards) does all of it, compiled too: its
+     * program gives the parameters' gradients, takes its shards'
+     * averages and updates them; the gather follows the program.
+     * Parameters must travel as they are: f32/f64 (bf16 with
+     * bf16_buckets). No clip_norm. 0: off. */
     int zero;
 } gj_ddp_options;
 typedef struct gj_ddp_stats {

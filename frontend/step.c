@@ -105,7 +105,7 @@ static int reducer_agree(gj_step *s) {
 }
 
 /* A ZeRO gj_ddp: the optimizer is over its shards (every one of them, and
- * nothing else); the step runs eagerly (the program does not shard yet).
+ * nothing else); no clipping (the norm would be of one rank's shards).
  * 0, or -1 with the error. */
 static int zero_bind(gj_step *s) {
     const char *op = "gj_step_new";
@@ -127,10 +127,6 @@ static int zero_bind(gj_step *s) {
                         "the gradients; the norm is global)", op);
         return -1;
     }
-    s->eager_only = true;
-    s->why_code = GJ_CA_OTHER;
-    snprintf(s->why, sizeof s->why, "ZeRO (gj_ddp_options.zero): the compiled step does not "
-             "shard its program yet; every run is eager");
     return 0;
 }
 

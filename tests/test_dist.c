@@ -823,9 +823,10 @@ static void test_ddp_step_errors(void **state) {
  * allreduce, the same bits; stage 2: a reduce-scatter, another summation
  * order, within 1e-14) on every rank; each rank's shards together with the
  * others' cover every element once (the optimizer state of one rank is
- * its share), also where the ranks do not divide a bucket; the eager
- * gj_step with opts.ddp does the same as the hand-written loop, and its
- * compiled form runs eagerly with the reason said. */
+ * its share), also where the ranks do not divide a bucket; the compiled
+ * gj_step with opts.ddp (its program gives the parameters' gradients,
+ * takes its shards' averages, updates the shards; the shards gathered
+ * after it) gives the hand-written loop's bits, without a fallback. */
 static void test_zero(void **state) {
     (void)state;
     for (int stage = 1; stage <= 2; stage++)
@@ -872,7 +873,8 @@ static void test_zero(void **state) {
                 assert_int_equal(gj_ddp_gather(dz), 0);
                 gj_tensor *x = shard(GJ_F64, s, g_rank, 5);
                 if (st) {
-                    assert_int_equal(gj_step_run(st, 1, &x, NULL), 0);
+                    if (gj_step_run(st, 1, &x, NULL) != 0)
+                        fail_msg("ZeRO-%d step %d: %s", stage, s, gj_last_error());
                 } else { /* (no shard on this rank: the collectives still run) */
                     ddp_step(ds, ps, GJ_F64, s, 5, false);
                     assert_int_equal(gj_ddp_gather(ds), 0);
@@ -896,11 +898,13 @@ static void test_zero(void **state) {
                     assert_same_on_all_ranks(what, pz[i]);
                 }
             }
-            if (st) {
+            if (st) { /* compiled: the gives, the shards' takes and updates, the gather */
                 gj_ca_stats c;
                 gj_step_stats(&c);
-                assert_int_equal(c.fallbacks_by_reason[GJ_CA_OTHER], 3);
-                assert_true(strstr(gj_compiled_autograd_last_fallback(), "ZeRO") != NULL);
+                if (c.fallbacks != 0)
+                    fail_msg("ZeRO-%d compiled step fell back: %s", stage,
+                             gj_compiled_autograd_last_fallback());
+                assert_int_equal(c.compiles + c.mem_hits + c.disk_hits + c.instantiations, 3);
             }
             gj_step_free(st);
             gj_optim_free(orf);

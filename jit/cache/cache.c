@@ -630,7 +630,7 @@ int gj_jit_get_program(const gj_jit_key *k, const gj_jit_source *src, gj_jit_got
     got->why[0] = '\0';
     pthread_mutex_lock(&g_lock);
     cache_entry *e = cache_find(k);
-    if (agree(k, e) != 0) { /* the processes run different programs: an error */
+    if (!src->own_program && agree(k, e) != 0) { /* the processes run different programs */
         pthread_mutex_unlock(&g_lock);
         return -1;
     }

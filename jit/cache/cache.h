@@ -42,6 +42,8 @@ typedef struct gj_jit_source {
     int (*finish)(void *ctx, gj_jit_program *prog);
     void *ctx;
     gj_jit_path path; /* whose counters a fallback decided here goes to */
+    bool own_program; /* each process's program is its own by design (a ZeRO step
+                         updates its rank's shards): the key is not agreed */
 } gj_jit_source;
 
 /* The outcome of gj_jit_get_program. */

@@ -94,7 +94,7 @@ enum { BR_ON, BR_FALL, BR_OUT };
  * cache reported already (FELL), or one to report (FALL). */
 static int br_program(bwd_run *b) {
     b->key = gj_jit_walk_key(&b->w);
-    gj_jit_source source = {bwd_capture, bwd_finish, &b->src, GJ_JIT_PATH_BACKWARD};
+    gj_jit_source source = {bwd_capture, bwd_finish, &b->src, GJ_JIT_PATH_BACKWARD, false};
     int g = gj_jit_get_program(&b->key, &source, &b->got);
     if (g < 0) { /* the processes run different programs: an error */
         b->rc = -1;

@@ -275,8 +275,9 @@ static int call_instr(void *ctx, const gj_jit_call_instr *cs, void *const *src,
     int p = cs->node;
     bool give = cs->tape == GJ_JIT_CALL_GIVE, take = cs->tape == GJ_JIT_CALL_TAKE,
          post = cs->tape == GJ_JIT_CALL_POST;
-    if (p < 0 || p >= call->opt->n || !(give || take || post) ||
-        ((give || take) && (!red || call->red_of[p] < 0)) || (take && cs->n_out != 1) ||
+    bool zgive = give && red && red->zero; /* (ZeRO: a give names the reducer's parameter) */
+    if (p < 0 || p >= (zgive ? red->n : call->opt->n) || !(give || take || post) ||
+        ((give || take) && (!red || (!zgive && call->red_of[p] < 0))) || (take && cs->n_out != 1) ||
         (give && cs->n_in > 1) || (post && (cs->n_in != 1 || cs->n_out != 1))) {
         gj_rt_set_error("gj_step_run: internal: call instruction of kind %d on parameter %d is "
                         "none a step program makes", cs->tape, p);
@@ -285,10 +286,10 @@ static int call_instr(void *ctx, const gj_jit_call_instr *cs, void *const *src,
     int instr = (int)((const gj_jit_instr *)((const char *)cs - offsetof(gj_jit_instr, cs)) -
                       sr->pr->plan.instrs); /* (cs is its instruction's) */
     if (post) return call_post_hooks(sr, p, &cs->in_meta[0], src[0], dst[0], instr);
-    int i = call->red_of[p];
+    int i = zgive ? p : call->red_of[p];
     if (take) return red->take(red->ctx, i, cs->out_meta[0].dtype, dst[0]);
     if (t_n_gives < GJ_JIT_MAX_POST_LOG) t_gives[t_n_gives++] = instr;
-    return red->give(red->ctx, i, cs->n_in ? cs->in_meta[0].dtype : call->opt->params[p]->dtype,
+    return red->give(red->ctx, i, cs->n_in ? cs->in_meta[0].dtype : red->params[i]->dtype,
                      cs->n_in ? src[0] : NULL);
 }
 

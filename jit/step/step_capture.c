@@ -431,6 +431,15 @@ static int64_t reducer_hook(const scap *c, int p) {
     return s->red && s->red_of[p] >= 0 ? s->red->hooks[s->red_of[p]] : 0;
 }
 
+/* ZeRO: the reducer's index of parameter t (a leaf the step function
+ * reads, whose shard the optimizer updates), or -1. */
+static int zero_index(const scap *c, const gj_tensor *t) {
+    const gj_jit_reducer *red = c->s->red;
+    for (int i = 0; red && red->zero && i < red->n; i++)
+        if (red->params[i] == t) return i;
+    return -1;
+}
+
 /* What the step's program cannot call, or NULL: a hook on a node that is
  * not a leaf's, or a post-accumulate hook on a leaf outside the optimizer
  * (its .grad accumulates: the hook would see eager's sum). The program
@@ -447,8 +456,11 @@ static const char *hooks_refused(const scap *c, const gj_jit_walk *w) {
                 return "a hook on a tensor the step function did not make (with autograd history)";
             int p = 0;
             while (p < c->s->opt->n && c->s->opt->params[p] != n->leaf) p++;
+            int zi = zero_index(c, n->leaf);
+            int64_t own = zi >= 0 ? c->s->red->hooks[zi] : 0;
             for (int j = 0; j < nh && j < 64; j++)
-                if (hs[j]->kind == GJ_AG_HOOK_POST_ACCUMULATE && p == c->s->opt->n)
+                if (hs[j]->kind == GJ_AG_HOOK_POST_ACCUMULATE && p == c->s->opt->n &&
+                    hs[j]->handle != own)
                     return "a post-accumulate hook on a leaf outside the optimizer";
         }
     }
@@ -494,11 +506,21 @@ static int step_captured(gj_ag_builder *b, gj_ag_node *n, gj_val *const *grads) 
 
 /* Gives every parameter of the reducer its gradient g[p] (NULL: none), in
  * the reducer's order: one GIVE call each, which the plan places as soon
- * as that gradient is final. 0 or -1 (reason set). */
-static int emit_gives(scap *c, gj_val **g) {
+ * as that gradient is final. ZeRO: gz[i], the gradient of the reducer's
+ * parameter i (the optimizer updates its shard), and the GIVE names i.
+ * 0 or -1 (reason set). */
+static int emit_gives(scap *c, gj_val **g, gj_val **gz) {
     const gj_jit_reducer *red = c->s->red;
     const gj_jit_opt *o = c->s->opt;
-    for (int k = 0; k < red->n; k++) {
+    for (int k = 0; k < red->n && red->zero; k++) {
+        int i = red->order[k], in = gz[i] ? gj_jit_rec_id(gz[i]) : -1;
+        if (gj_jit_graph_add_custom(&c->r.cap->g, i, GJ_JIT_CALL_GIVE, 0, gz[i] ? 1 : 0, &in, 0,
+                                    NULL, NULL) < 0) {
+            fail(c, false, "out of memory");
+            return -1;
+        }
+    }
+    for (int k = 0; k < red->n && !red->zero; k++) {
         int p = 0;
         while (p < o->n && c->s->red_of[p] != red->order[k]) p++;
         if (p == o->n) {
@@ -554,8 +576,9 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
     gj_val **gv = gj_rt_calloc((size_t)w->n_req + 1, sizeof *gv);
     gj_val **g = gj_rt_calloc((size_t)o->n + 1, sizeof *g);
     int *ord = gj_rt_calloc((size_t)o->n + 1, sizeof *ord);
+    gj_val **gz = gj_rt_calloc((size_t)(s->red ? s->red->n : 0) + 1, sizeof *gz); /* ZeRO */
     gj_val *ok = NULL, *norm = NULL;
-    if (!gv || !g || !ord) goto oom;
+    if (!gv || !g || !ord || !gz) goto oom;
     const gj_rt_meta *lm = &s->tr->slots[s->loss_slot].meta;
     gj_val *seed = gj_ag_fill(b, lm->dtype, lm->ndim, lm->shape, 1.0);
     if (!seed) goto oom;
@@ -567,6 +590,12 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
     for (int q = 0; q < w->n_req; q++) {
         int p = 0;
         while (p < o->n && o->params[p] != w->req_inputs[q]) p++;
+        int zi = p == o->n ? zero_index(c, w->req_inputs[q]) : -1;
+        if (zi >= 0) { /* ZeRO: a parameter whose shard the optimizer updates: reduced */
+            gz[zi] = gv[q] ? cast_to(b, gv[q], w->req_inputs[q]->dtype) : NULL;
+            if (gv[q] && !gz[zi]) goto oom;
+            continue;
+        }
         if (p == o->n && gv[q]) { /* a leaf outside the optimizer: its gradient as made */
             for (int e = 0; e < s->n_extra; e++) {
                 if (s->extra[e] != w->req_inputs[q] || cap->ret[n_ret0 + e] >= 0) continue;
@@ -581,7 +610,7 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
                                : cast_to(b, gv[q], o->params[p]->dtype); /* a fresh .grad's */
         if (!g[p]) goto oom;
     }
-    if (s->red && emit_gives(c, g) != 0) goto done;
+    if (s->red && emit_gives(c, g, gz) != 0) goto done;
     for (int k = 0; k < o->n; k++) ord[k] = k;
     if (s->red) update_order(c, ord);
     if (s->red && o->clip > 0) /* the norm is the reduced gradients' */
@@ -611,6 +640,7 @@ done:
     gj_rt_free(gv);
     gj_rt_free(g);
     gj_rt_free(ord);
+    gj_rt_free(gz);
     return rc;
 }
 

@@ -163,6 +163,15 @@ static int64_t own_hook(const gj_jit_step_call *call, const int *red_of, int p) 
     return call->red && red_of && red_of[p] >= 0 ? call->red->hooks[red_of[p]] : 0;
 }
 
+/* ZeRO: the hook the reducer's calls replace on leaf t (a parameter the
+ * step function reads, whose shard the optimizer updates), or 0. */
+static int64_t zero_own_hook(const gj_jit_step_call *call, const gj_tensor *t) {
+    const gj_jit_reducer *red = call->red;
+    for (int i = 0; red && red->zero && i < red->n; i++)
+        if (red->params[i] == t) return red->hooks[i];
+    return 0;
+}
+
 /* 0: no gradient; 1: a leaf that requires grad; 2: a tensor with autograd
  * history (the trace makes the step untraceable when the function uses it). */
 static uint8_t grad_state(const gj_tensor *t) {
@@ -275,14 +284,29 @@ static int trace_info_make(const gj_ag_trace *tr, const gj_jit_step_call *call, 
     return 0;
 }
 
+/* ZeRO: whether bound tensor b is the parameter whose shard optimizer
+ * parameter p is. The program reads the parameter (the forward, the
+ * backward) and writes the shard, a view of it, in place: every read comes
+ * before the first update (the backward's instructions are placed before
+ * the updates), and the shards are gathered into the parameters after the
+ * run. */
+static bool zero_pair(const gj_jit_step_call *call, const trace_info *ti, int p, int b) {
+    const gj_jit_reducer *red = call->red;
+    int cb = b - call->n_in - call->opt->n;
+    if (!red || !red->zero || call->red_of[p] < 0 || cb < 0 || cb >= ti->n_consts) return false;
+    return ti->consts[cb] == red->params[call->red_of[p]];
+}
+
 /* The first bound tensor the program would write (a parameter) whose
  * memory overlaps another bound tensor's without being it, or -1. */
-static int writer_alias(const trace_info *ti, int n_in, int n_params) {
+static int writer_alias(const trace_info *ti, const gj_jit_step_call *call) {
+    int n_in = call->n_in, n_params = call->opt->n;
     for (int i = 0; i < ti->nb; i++) {
         int32_t c = ti->alias[i];
         if (c < 0 || (c & 1)) continue;
         int j = c / 2;
         bool pi = i >= n_in && i < n_in + n_params, pj = j >= n_in && j < n_in + n_params;
+        if (pj && !pi && zero_pair(call, ti, j - n_in, i)) continue;
         if (pi || pj) return pi ? i - n_in : j - n_in;
     }
     return -1;
@@ -450,9 +474,10 @@ static int variant_hooks(variant *v, const gj_jit_step_call *call, const gj_jit_
     if (!v->hook_sig) return -1;
     for (int p = 0; p < opt->n; p++)
         v->hook_sig[p] = hook_sig(opt->params[p], own_hook(call, v->red_of, p));
-    for (int e = 0; e < v->n_extra; e++)
-        v->hook_sig[opt->n + e] =
-            hook_sig(bound_at(v->extra[e], call->n_in, call->in, opt, v->consts), 0);
+    for (int e = 0; e < v->n_extra; e++) {
+        gj_tensor *t = bound_at(v->extra[e], call->n_in, call->in, opt, v->consts);
+        v->hook_sig[opt->n + e] = hook_sig(t, zero_own_hook(call, t));
+    }
     const gj_jit_program *pr = v->prog;
     if (pr->n_hooks == 0) return 0;
     v->hook_bound = gj_rt_malloc((size_t)pr->n_hooks * sizeof *v->hook_bound);
@@ -614,7 +639,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
         *code = GJ_CA_UNTRACEABLE;
         goto out;
     }
-    int wp = writer_alias(&ti, call->n_in, opt->n);
+    int wp = writer_alias(&ti, call);
     if (wp >= 0) { /* (this run is eager; a run without the aliasing traces again) */
         snprintf(why, why_cap, "parameter %d shares its memory with another tensor of the step "
                  "(a view of it as an input, a constant or a parameter): the update writes it in "
@@ -647,7 +672,8 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     src.spec = (gj_jit_step_spec){tr, loss_slot, loss, opt, call->keep_grads, eval,
                                   ti.n_extra, ti.extra_t, eval ? NULL : call->red, call->red_of};
     src.w = have_walk ? &w : NULL;
-    gj_jit_source source = {step_capture, step_finish, &src, GJ_JIT_PATH_STEP};
+    gj_jit_source source = {step_capture, step_finish, &src, GJ_JIT_PATH_STEP,
+                            call->red && call->red->zero};
     gj_jit_got got = {0};
     int g = gj_jit_get_program(&key, &source, &got);
     if (g < 0) {
@@ -720,10 +746,10 @@ static bool structure_holds(const variant *v, const gj_jit_step_call *call) {
         gj_tensor *t = bound_at(b, call->n_in, call->in, o, v->consts);
         if (grad_state(t) != v->gstate[g]) return false;
     }
-    for (int e = 0; e < v->n_extra; e++)
-        if (hook_sig(bound_at(v->extra[e], call->n_in, call->in, o, v->consts), 0) !=
-            v->hook_sig[o->n + e])
-            return false;
+    for (int e = 0; e < v->n_extra; e++) {
+        gj_tensor *t = bound_at(v->extra[e], call->n_in, call->in, o, v->consts);
+        if (hook_sig(t, zero_own_hook(call, t)) != v->hook_sig[o->n + e]) return false;
+    }
     int nb = n_bound(call->n_in, o->n, v->n_consts); /* the aliasing the trace saw */
     int32_t stack[64], *code = nb <= 64 ? stack : gj_rt_malloc((size_t)nb * sizeof *code);
     if (!code) return false; /* (out of memory: trace again, which reports it) */
@@ -868,6 +894,8 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
         er = gj_jit_plan_exec(p, data, params, out, gj_jit_alloc_output, &ac);
     }
     if (er != 0) goto done;
+    if (v->reduced && call->red->after && call->red->after(call->red->ctx) != 0)
+        goto done; /* (ZeRO: the updated shards into every rank's parameters) */
     gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
     int no = pr->ret[2 * opt->n];
     if (no >= 0 && news[no]) { /* a clipping step: its norm must be finite, as eager's */
