@@ -136,32 +136,6 @@ typedef struct mlp_run {
     gj_ddp *ddp; /* --ddp: gradients averaged over the ranks */
 } mlp_run;
 
-/* --ddp: each rank's model-state bytes on rank 0's stdout: parameters,
- * the gradient buckets (the parameters' size, padded), the .grads the
- * optimizer reads after the reduction (ZeRO: the shard's), AdamW's m and v
- * (ZeRO: the shard's). 0 or -1. */
-static int print_model_state(const opts *o, int n_opt, gj_tensor *const *opt_params,
-                             gj_tensor *const *params) {
-    int64_t full = 0, mine = 0;
-    for (int i = 0; i < 6; i++) full += gj_tensor_numel(params[i]);
-    for (int i = 0; i < n_opt; i++) mine += gj_tensor_numel(opt_params[i]);
-    gj_tensor *t = gj_full(GJ_F64, 1, (int64_t[]){1}, (double)mine);
-    gj_tensor *all = t ? gj_allgather(o->pg, t) : NULL;
-    gj_release(t);
-    if (!all)
-        return -1;
-    for (int r = 0; r < o->size && o->rank == 0; r++) { /* (also with --quiet) */
-        double m = gj_tensor_item_at(all, r), mib = 4.0 / 1048576.0;
-        double g = o->zero ? m : (double)full;
-        printf("rank %d model state: parameters %.2f MiB, gradient buckets %.2f MiB, "
-               "averaged .grads %.2f MiB, AdamW m and v %.2f MiB (%s): %.2f MiB\n", r,
-               full * mib, full * mib, g * mib, 2 * m * mib, o->zero ? "its shard" : "all",
-               (2.0 * full + g + 2 * m) * mib);
-    }
-    gj_release(all);
-    return 0;
-}
-
 /* The run's model from the seed, its AdamW, the classifier's part (the
  * step: fashion_loss of model_forward) and with --ddp the averaging
  * (train_def's init). */
@@ -182,7 +156,7 @@ static int mlp_init(train_run *r) {
     int n_opt = o->zero ? gj_ddp_shards(t->ddp, &opt_params) : 6;
     if (n_opt < 0 || !(r->opt = gj_adamw_new(n_opt, opt_params, o->f.lr, 0.9, 0.999, 1e-8, 0.01)))
         return -1;
-    if (t->ddp && print_model_state(o, n_opt, opt_params, params) != 0)
+    if (t->ddp && train_print_model_state(o->pg, o->zero, 6, params, n_opt, opt_params) != 0)
         return -1;
     int rc = fashion_run_init(&t->fr, o->rank, o->size, EVAL_CHUNK, model_forward, &t->m);
     if (rc == 0 && t->ddp) { /* the gradients averaged before the update */

@@ -105,6 +105,7 @@ typedef struct opts {
     int64_t steps;
     bool shuffle, sample_given;
     bool ddp;       /* data parallel over the MPI ranks of mpirun */
+    int zero;       /* --zero 1|2: ZeRO's stage (with --ddp) */
     gj_pg *pg;      /* --ddp: the world group */
     int rank, size; /* 0 and 1 without --ddp */
 } opts;
@@ -581,13 +582,22 @@ static int train(const opts *o, step_mode mode) {
                 o->seq - 1);
         goto done;
     }
-    r.opt = gj_adamw_new(r.m.n_leaves, r.m.leaf, (float)o->f.lr, 0.9f, 0.999f, 1e-8f, 0.0f);
+    gj_ddp_options dopt = {.zero = o->zero};
+    if (o->pg && !(r.ddp = gj_ddp_new(o->pg, r.m.n_leaves, r.m.leaf, &dopt)))
+        goto gj_fail;
+    gj_tensor *const *opt_params = r.m.leaf; /* ZeRO: this rank's shards */
+    int n_opt = o->zero ? gj_ddp_shards(r.ddp, &opt_params) : r.m.n_leaves;
+    if (n_opt < 0)
+        goto gj_fail;
+    r.opt = gj_adamw_new(n_opt, opt_params, (float)o->f.lr, 0.9f, 0.999f, 1e-8f, 0.0f);
     if (!r.opt)
+        goto gj_fail;
+    if (r.ddp &&
+        train_print_model_state(o->pg, o->zero, r.m.n_leaves, r.m.leaf, n_opt, opt_params) != 0)
         goto gj_fail;
     if (stepper_init(&r.st, mode, gpt2_loss, &r.m, r.opt) != 0)
         goto gj_fail;
-    if (o->pg && (!(r.ddp = gj_ddp_new(o->pg, r.m.n_leaves, r.m.leaf, NULL)) ||
-                  stepper_set_ddp(&r.st, r.ddp) != 0))
+    if (r.ddp && stepper_set_ddp(&r.st, r.ddp) != 0)
         goto gj_fail;
     if (!(r.step_ms = calloc((size_t)o->steps, sizeof *r.step_ms))) {
         fprintf(stderr, PROG ": out of memory\n");
@@ -699,6 +709,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
                 "data parallel over MPI ranks (mpirun -np N ... --ddp): --batch sequences per "
                 "rank, gradients and losses averaged"),
+        ARG_OPT("zero", ARG_INT, &o->zero, 0, 2,
+                "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks) or 2 (also the "
+                "averaged gradients); 0: off"),
         ARG_OPT("seed", ARG_U64, &f->seed, 0, 0,
                 "sampler seed (llm.c: 1337); --init-model's seed"),
         ARG_OPT("save", ARG_FILE, &f->save, 0, 0,
@@ -745,6 +758,16 @@ static int parse_opts(int argc, char **argv, opts *o) {
     if (f->save && !ends_with(f->save, ".bin") && !ends_with(f->save, ".safetensors")) {
         fprintf(stderr, PROG ": --save %s: name it FILE.bin (llm.c's format) or "
                         "FILE.safetensors (with the optimizer state, for --resume)\n", f->save);
+        return -1;
+    }
+    if (o->zero && !o->ddp) {
+        fprintf(stderr, PROG ": --zero shards over the ranks of --ddp; give --ddp\n");
+        return -1;
+    }
+    if (o->zero && (f->resume || (f->save && !ends_with(f->save, ".bin")))) {
+        fprintf(stderr, PROG ": --resume and --save FILE.safetensors do not take --zero yet "
+                        "(each rank holds only its shard of the optimizer state); --save "
+                        "FILE.bin (the parameters) does\n");
         return -1;
     }
     if (f->resume && !ends_with(f->resume, ".safetensors")) {

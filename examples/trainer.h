@@ -140,6 +140,35 @@ static inline bool train_banner(const train_flags *f) {
     return true;
 }
 
+/* --ddp: each rank's model-state bytes on rank 0's stdout (a collective:
+ * every rank calls it): parameters, the gradient buckets (the parameters'
+ * size), the .grads the optimizer reads after the reduction and AdamW's m
+ * and v (with ZeRO, zero > 0: this rank's shards' only). params[0..n) are
+ * the model's, opt_params[0..n_opt) the optimizer's; f32 bytes counted
+ * from their elements. 0, or -1 with gj_last_error(). */
+static inline int train_print_model_state(gj_pg *pg, int zero, int n,
+                                          gj_tensor *const *params, int n_opt,
+                                          gj_tensor *const *opt_params) {
+    int64_t full = 0, mine = 0;
+    for (int i = 0; i < n; i++) full += gj_tensor_numel(params[i]);
+    for (int i = 0; i < n_opt; i++) mine += gj_tensor_numel(opt_params[i]);
+    gj_tensor *t = gj_full(GJ_F64, 1, (int64_t[]){1}, (double)mine);
+    gj_tensor *all = t ? gj_allgather(pg, t) : NULL;
+    gj_release(t);
+    if (!all)
+        return -1;
+    for (int r = 0; r < gj_pg_size(pg) && gj_pg_rank(pg) == 0; r++) {
+        double m = gj_tensor_item_at(all, r), mib = 4.0 / 1048576.0;
+        double g = zero ? m : (double)full;
+        printf("rank %d model state: parameters %.2f MiB, gradient buckets %.2f MiB, averaged "
+               ".grads %.2f MiB, AdamW m and v %.2f MiB (%s): %.2f MiB\n", r, full * mib,
+               full * mib, g * mib, 2 * m * mib, zero ? "its shard" : "all",
+               (2.0 * full + g + 2 * m) * mib);
+    }
+    gj_release(all);
+    return 0;
+}
+
 /* --ddp: the process group mpirun started, with this process's rank and
  * the group's size; on ranks other than 0 stdout goes to /dev/null (rank 0
  * reports, the others only train). 0, or 1 after a message (nothing left

@@ -41,5 +41,12 @@ paste <(losses one.out | awk '{print $NF}') <(losses eager.out | awk '{print $NF
 diff <(losses eager.out) <(losses compiled.out) || fail "the compiled DDP step's losses differ"
 grep -q "compiled step: 12 steps, .* 0 fallbacks" compiled.out ||
   { grep "compiled step" compiled.out; fail "the compiled DDP step fell back"; }
+# ZeRO-1, compiled: the same allreduce, AdamW on each rank's shards: the
+# DDP step's losses exactly, no fallback
+ddp zero.out --compiled-step --zero 1
+diff <(losses eager.out) <(losses zero.out) || fail "ZeRO-1's compiled step changed the losses"
+grep -q "compiled step: 12 steps, .* 0 fallbacks" zero.out || fail "ZeRO-1's compiled step fell back"
+grep -q "rank 1 model state: .*(its shard)" zero.out || fail "no model-state line for rank 1"
 echo "PASS: 2 ranks at --batch 2 = 1 process at --batch 4 (12 steps, 2 val losses);"
+echo "      ZeRO-1 compiled = DDP eager;"
 echo "      the compiled DDP step printed the eager step's losses, 0 fallbacks"
