@@ -8,6 +8,8 @@
  * the data of every rank's shard is generated from one seed, so a rank can
  * compute what each other rank's local gradient is and their average. A
  * build without MPI checks the "built without MPI" errors instead.
+ * GJT_DIST_KILL=1 (tests/dist/killed.sh) kills rank 1 between two compiled
+ * DDP steps: the others must stop, not hang.
  * GJT_DIST_DIVERGE=1 (tests/dist/diverge.sh) makes rank 1 skip a collective
  * that rank 0 issues: rank 0 must get the timeout error, not hang.
  */
@@ -976,6 +978,24 @@ int main(void) {
     }
     g_rank = gj_pg_rank(g_pg);
     g_size = gj_pg_size(g_pg);
+    if (getenv("GJT_DIST_KILL")) { /* tests/dist/killed.sh: rank 1 dies inside a DDP step */
+        gj_tensor *p[NP];
+        make_params(GJ_F32, 51, p);
+        gj_ddp *d = gj_ddp_new(g_pg, NP, p, &(gj_ddp_options){.bucket_bytes = 64});
+        gj_optim *o = gj_adamw_new(NP, p, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+        step_ctx c = {p, false};
+        gj_step *st = gj_step_new(ddp_step_fn, &c, o, &(gj_step_opts){.ddp = d});
+        for (int s = 0; s < 4; s++) {
+            if (s == 2 && g_rank == 1) _exit(9); /* killed mid-training */
+            gj_tensor *x = shard(GJ_F32, s, g_rank, 4);
+            int rc = gj_step_run(st, 1, &x, NULL);
+            printf("killed: rank %d step %d rc %d%s%s\n", g_rank, s, rc, rc ? ": " : "",
+                   rc ? gj_last_error() : "");
+            fflush(stdout);
+            if (rc != 0) _exit(3); /* the error the survivors report */
+        }
+        _exit(0);
+    }
     if (getenv("GJT_DIST_DIVERGE")) { /* tests/dist/diverge.sh */
         int64_t n = 4;
         gj_tensor *t = gj_ones(GJ_F32, 1, &n);
