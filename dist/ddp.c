@@ -460,6 +460,207 @@ int gj_ddp_gather(gj_ddp *d) {
     return rc;
 }
 
+/* ------------------------------------------------ ZeRO's checkpoints */
+
+/* The optimizer state fields a checkpoint may hold per parameter (those of
+ * SGD, AdamW and Lion, autograd/optim_*.c). */
+static const char *const ZERO_FIELDS[] = {"exp_avg", "exp_avg_sq", "momentum_buffer"};
+enum { ZERO_NF = 3 };
+
+/* The index in d->shards of parameter i's shard, or -1. */
+static int shard_index(const gj_ddp *d, int i) {
+    for (int k = 0; k < d->n_shards; k++)
+        if (d->shards[k] == d->shard[i]) return k;
+    return -1;
+}
+
+static int zero_ckpt_check(gj_ddp *d, gj_optim *opt, const char *op) {
+    if (!d || !opt) {
+        gj_rt_set_error("%s: %s is NULL", op, !d ? "ddp" : "opt");
+        return -1;
+    }
+    if (!d->opt.zero) {
+        gj_rt_set_error("%s: the gj_ddp was made without ZeRO (gj_ddp_options.zero)", op);
+        return -1;
+    }
+    for (int i = 0; i < d->n; i++)
+        if (gj_tensor_dtype(d->params[i]) == GJ_BF16) {
+            gj_rt_set_error("%s: parameter %d is bf16 (its optimizer state is f32, its bucket "
+                            "bf16): ZeRO checkpoints take f32 and f64 parameters", op, i);
+            return -1;
+        }
+    return 0;
+}
+
+int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_ddp_optim_state_dict_add";
+    if (zero_ckpt_check(d, opt, op) != 0) return -1;
+    if (!sd) {
+        gj_rt_set_error("%s: sd is NULL", op);
+        return -1;
+    }
+    if (!prefix) prefix = "optim";
+    int rc = -1, size = d->size;
+    char key[512];
+    gj_state_dict *mine = gj_state_dict_new(); /* this rank's optimizer, under "s" */
+    int64_t *steps = gj_rt_calloc((size_t)d->n + 1, sizeof *steps);
+    int64_t *all = gj_rt_calloc((size_t)d->n * (size_t)size + (size_t)size + 1, sizeof *all);
+    if (!mine || !steps || !all || gj_optim_state_dict_add(opt, mine, "s") != 0) goto done;
+    /* the metadata (kind, hyperparameters) as this rank's optimizer has them */
+    for (int j = 0; j < gj_state_dict_metadata_size(mine); j++) {
+        const char *k = NULL, *v = NULL;
+        if (gj_state_dict_metadata_at(mine, j, &k, &v) != 0) goto done;
+        if (strncmp(k, "s.", 2) != 0 || !strcmp(k, "s.n_params")) continue;
+        snprintf(key, sizeof key, "%s.%s", prefix, k + 2);
+        if (gj_state_dict_set_metadata(sd, key, v) != 0) goto done;
+    }
+    char nv[32];
+    snprintf(nv, sizeof nv, "%d", d->n);
+    snprintf(key, sizeof key, "%s.n_params", prefix);
+    if (gj_state_dict_set_metadata(sd, key, nv) != 0) goto done;
+    /* which fields any rank has, and each parameter's step count */
+    int64_t mask = 0;
+    for (int i = 0; i < d->n; i++) {
+        int k = shard_index(d, i);
+        for (int f = 0; k >= 0 && f < ZERO_NF; f++) {
+            snprintf(key, sizeof key, "s.%d.%s", k, ZERO_FIELDS[f]);
+            if (gj_state_dict_get(mine, key)) mask |= (int64_t)1 << f;
+        }
+        snprintf(key, sizeof key, "s.%d.step", k);
+        gj_tensor *st = k >= 0 ? gj_state_dict_get(mine, key) : NULL;
+        steps[i] = st ? (int64_t)gj_tensor_item(st) : -1;
+    }
+    if (gj_dist_allgather_i64(d->pg, &mask, 1, all, op) != 0) goto done;
+    for (int r = 1; r < size; r++) all[0] |= all[r];
+    mask = all[0];
+    if (gj_dist_allgather_i64(d->pg, steps, d->n, all, op) != 0) goto done;
+    for (int i = 0; i < d->n; i++) {
+        int64_t best = -1;
+        for (int r = 0; r < size; r++) best = all[(size_t)r * (size_t)d->n + (size_t)i] > best
+                                                  ? all[(size_t)r * (size_t)d->n + (size_t)i]
+                                                  : best;
+        if (best < 0) continue; /* no state yet anywhere */
+        gj_tensor *st = gj_full(GJ_I64, 0, NULL, (double)best);
+        snprintf(key, sizeof key, "%s.%d.step", prefix, i);
+        int r2 = st ? gj_state_dict_add(sd, key, st) : -1;
+        gj_release(st);
+        if (r2 != 0) goto done;
+    }
+    /* each field: every rank's range of every bucket gathered */
+    for (int f = 0; f < ZERO_NF; f++) {
+        if (!(mask >> f & 1)) continue;
+        for (int kb = 0; kb < d->nb; kb++) {
+            ddp_bucket *b = &d->b[kb];
+            size_t wb = wire_bytes(b->wire);
+            int64_t sl = b->padded / size;
+            memset(b->shard_buf, 0, (size_t)(sl ? sl : 1) * wb);
+            for (int j = 0; j < b->n; j++) {
+                int i = d->order[b->first + j], k = shard_index(d, i);
+                snprintf(key, sizeof key, "s.%d.%s", k, ZERO_FIELDS[f]);
+                gj_tensor *t = k >= 0 ? gj_state_dict_get(mine, key) : NULL;
+                if (!t) continue;
+                pack_raw(gj_tensor_dtype(t), gj_tensor_data(t), gj_tensor_numel(t), b->wire,
+                         (char *)b->shard_buf +
+                             (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wb);
+            }
+            b->job = (gj_dist_job){.kind = GJ_DIST_ALLGATHER, .wire = b->wire,
+                                   .send = b->shard_buf, .buf = b->buf, .count = sl};
+            if (gj_dist_submit(d->pg, &b->job) != 0 || gj_dist_wait(&b->job) != 0) goto done;
+            for (int j = 0; j < b->n; j++) {
+                int i = d->order[b->first + j];
+                gj_tensor *full = gj_zeros(gj_tensor_dtype(d->params[i]),
+                                           gj_tensor_ndim(d->params[i]),
+                                           gj_tensor_shape(d->params[i]));
+                if (!full) goto done;
+                memcpy(gj_tensor_data(full), (const char *)b->buf + d->offset[i] * (int64_t)wb,
+                       (size_t)gj_tensor_numel(full) * wb);
+                snprintf(key, sizeof key, "%s.%d.%s", prefix, i, ZERO_FIELDS[f]);
+                int r2 = gj_state_dict_add(sd, key, full);
+                gj_release(full);
+                if (r2 != 0) goto done;
+            }
+        }
+    }
+    rc = 0;
+done:
+    gj_state_dict_free(mine);
+    gj_rt_free(steps);
+    gj_rt_free(all);
+    return rc;
+}
+
+int gj_ddp_optim_load_state_dict(gj_ddp *d, gj_optim *opt, const gj_state_dict *sd,
+                                 const char *prefix) {
+    const char *op = "gj_ddp_optim_load_state_dict";
+    if (zero_ckpt_check(d, opt, op) != 0) return -1;
+    if (!sd) {
+        gj_rt_set_error("%s: sd is NULL", op);
+        return -1;
+    }
+    if (!prefix) prefix = "optim";
+    char key[512], nv[32];
+    size_t pl = strlen(prefix);
+    snprintf(key, sizeof key, "%s.n_params", prefix);
+    const char *n = gj_state_dict_get_metadata(sd, key);
+    snprintf(nv, sizeof nv, "%d", d->n);
+    if (!n || strcmp(n, nv) != 0) {
+        gj_rt_set_error("%s: the state is of %s parameters, the gj_ddp has %d", op,
+                        n ? n : "(no count)", d->n);
+        return -1;
+    }
+    gj_state_dict *mine = gj_state_dict_new();
+    int rc = mine ? 0 : -1;
+    for (int j = 0; rc == 0 && j < gj_state_dict_metadata_size(sd); j++) {
+        const char *k = NULL, *v = NULL;
+        if (gj_state_dict_metadata_at(sd, j, &k, &v) != 0) rc = -1;
+        else if (strncmp(k, prefix, pl) == 0 && k[pl] == '.' && strcmp(k + pl, ".n_params") != 0) {
+            snprintf(key, sizeof key, "s%s", k + pl);
+            rc = gj_state_dict_set_metadata(mine, key, v);
+        }
+    }
+    snprintf(nv, sizeof nv, "%d", d->n_shards);
+    if (rc == 0) rc = gj_state_dict_set_metadata(mine, "s.n_params", nv);
+    for (int i = 0; rc == 0 && i < d->n; i++) { /* each shard's part of the full state */
+        int k = shard_index(d, i);
+        if (k < 0) continue;
+        int64_t len = gj_tensor_numel(d->shard[i]), n_full = gj_tensor_numel(d->params[i]);
+        for (int f = 0; rc == 0 && f <= ZERO_NF; f++) {
+            const char *field = f < ZERO_NF ? ZERO_FIELDS[f] : "step";
+            snprintf(key, sizeof key, "%s.%d.%s", prefix, i, field);
+            gj_tensor *full = gj_state_dict_get(sd, key);
+            if (!full) continue;
+            gj_tensor *part = NULL;
+            if (f == ZERO_NF) {
+                part = gj_full(GJ_I64, 0, NULL, gj_tensor_item(full));
+            } else if (gj_tensor_numel(full) != n_full ||
+                       gj_tensor_dtype(full) != gj_tensor_dtype(d->params[i])) {
+                gj_rt_set_error("%s: %s has %lld %s values, parameter %d %lld %s", op, key,
+                                (long long)gj_tensor_numel(full),
+                                gj_rt_dtype_name(gj_tensor_dtype(full)), i, (long long)n_full,
+                                gj_rt_dtype_name(gj_tensor_dtype(d->params[i])));
+                rc = -1;
+                break;
+            } else if ((part = gj_zeros(gj_tensor_dtype(full), 1, &len))) {
+                gj_tensor *c = gj_contiguous(full);
+                size_t eb = gj_tensor_dtype(full) == GJ_F64 ? 8 : 4;
+                if (c)
+                    memcpy(gj_tensor_data(part),
+                           (const char *)gj_tensor_data(c) + d->shard_at[i] * (int64_t)eb,
+                           (size_t)len * eb);
+                else
+                    rc = -1;
+                gj_release(c);
+            }
+            snprintf(key, sizeof key, "s.%d.%s", k, field);
+            if (!part || gj_state_dict_add(mine, key, part) != 0) rc = -1;
+            gj_release(part);
+        }
+    }
+    if (rc == 0) rc = gj_optim_load_state_dict(opt, mine, "s");
+    gj_state_dict_free(mine);
+    return rc;
+}
+
 static void ddp_destroy(gj_ddp *d) {
     if (!d) return;
     gj_jit_reducer_unregister(d);

@@ -1188,6 +1188,19 @@ GJ_API int gj_ddp_shards(gj_ddp *d, gj_tensor *const **out);
 /* ZeRO, after the optimizer's step over the shards: every rank's updated
  * shards into every rank's parameters. 0, or -1 with an error. */
 GJ_API int gj_ddp_gather(gj_ddp *d);
+/* ZeRO checkpoints (collectives: every rank calls them). _add puts into sd
+ * the state of opt (the optimizer over this ddp's shards) as an optimizer
+ * of the same kind over the full parameters holds it -- what
+ * gj_optim_state_dict_add of a plain (DDP or one-process) run writes under
+ * prefix, every rank's shards gathered -- so one file, written by any
+ * rank, is the whole model's. _load does the reverse: from such a state
+ * (written by a ZeRO run on any number of ranks, or by a plain run) each
+ * rank takes its shards' parts into opt. f32/f64 parameters. 0, or -1
+ * with an error. */
+GJ_API int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd,
+                                       const char *prefix);
+GJ_API int gj_ddp_optim_load_state_dict(gj_ddp *d, gj_optim *opt, const gj_state_dict *sd,
+                                        const char *prefix);
 GJ_API void gj_ddp_free(gj_ddp *d);
 
 #ifdef __cplusplus

@@ -965,6 +965,131 @@ static void test_without_mpi(void **state) {
     gj_release(t);
 }
 
+/* tests/dist/zero_ckpt.sh: GJT_ZERO_CKPT=save:PATH trains 2 steps with
+ * ZeRO-1 (f64, 3 buckets, AdamW, compiled steps), writes PATH (parameters
+ * and the consolidated optimizer state, gathered from every rank's
+ * shards), trains 2 more and writes PATH.final (the parameters of the
+ * unbroken run); GJT_ZERO_CKPT=resume:PATH, on another number of ranks
+ * with ZeRO-2, loads PATH (each rank its shards' parts), trains steps 2
+ * and 3 and must reach PATH.final's parameters (f64, 1e-12: the same
+ * global batch of 12 rows, split over the ranks, summed in another
+ * order). Rank 0 also loads PATH into a plain optimizer over the full
+ * parameters: the format is the one-process one. Exit status 0 or 1. */
+static gj_tensor *global_rows(int step) {
+    gjt_rng g;
+    gjt_rng_seed(&g, 7000 + (uint64_t)step);
+    gj_tensor *x = gjt_uniform(&g, GJ_F64, 2, (int64_t[]){12, IN}, -1, 1);
+    gj_tensor *mine = gj_contiguous(gj_narrow(x, 0, 12 / g_size * g_rank, 12 / g_size));
+    gj_retain(mine);
+    return mine;
+}
+
+static int zero_ckpt(const char *how) {
+    bool save = strncmp(how, "save:", 5) == 0;
+    const char *path = how + (save ? 5 : 7);
+    char final[512];
+    snprintf(final, sizeof final, "%s.final", path);
+    gj_scope_push();
+    gj_tensor *p[NP];
+    make_params(GJ_F64, 61, p);
+    gj_state_dict *in = save ? NULL : gj_load_safetensors(path);
+    for (int i = 0; in && i < NP; i++) { /* the parameters of the checkpoint */
+        char nm[32];
+        snprintf(nm, sizeof nm, "p.%d", i);
+        gj_tensor *t = gj_state_dict_get(in, nm);
+        if (!t) return 1;
+        memcpy(gj_tensor_data(p[i]), gj_tensor_data(t), sizeof(double) * (size_t)gj_tensor_numel(t));
+    }
+    gj_ddp_options o = {.bucket_bytes = 64, .zero = save ? 1 : 2, .no_broadcast = true};
+    gj_ddp *d = gj_ddp_new(g_pg, NP, p, &o);
+    gj_tensor *const *sh = NULL;
+    int ns = d ? gj_ddp_shards(d, &sh) : -1;
+    gj_optim *opt = ns > 0 ? gj_adamw_new(ns, sh, 1e-2, 0.9, 0.999, 1e-8, 0.01) : NULL;
+    if (!opt) {
+        fprintf(stderr, "zero_ckpt: setup: %s\n", gj_last_error());
+        return 1;
+    }
+    if (in && gj_ddp_optim_load_state_dict(d, opt, in, "optim") != 0) {
+        fprintf(stderr, "zero_ckpt: load: %s\n", gj_last_error());
+        return 1;
+    }
+    step_ctx c = {p, false};
+    gj_step *st = gj_step_new(ddp_step_fn, &c, opt, &(gj_step_opts){.ddp = d});
+    int rc = st ? 0 : 1;
+    for (int s = save ? 0 : 2; rc == 0 && s < 4; s++) {
+        if (save && s == 2) { /* the checkpoint: every rank gathers, rank 0 writes */
+            gj_state_dict *sd = gj_state_dict_new();
+            for (int i = 0; i < NP; i++) {
+                char nm[32];
+                snprintf(nm, sizeof nm, "p.%d", i);
+                gj_state_dict_add(sd, nm, p[i]);
+            }
+            if (gj_ddp_optim_state_dict_add(d, opt, sd, "optim") != 0 ||
+                (g_rank == 0 && gj_save_safetensors(sd, path) != 0)) {
+                fprintf(stderr, "zero_ckpt: save: %s\n", gj_last_error());
+                rc = 1;
+            }
+            gj_state_dict_free(sd);
+        }
+        gj_tensor *x = global_rows(s);
+        if (rc == 0 && gj_step_run(st, 1, &x, NULL) != 0) {
+            fprintf(stderr, "zero_ckpt: step %d: %s\n", s, gj_last_error());
+            rc = 1;
+        }
+        gj_release(x);
+    }
+    if (rc == 0 && save && g_rank == 0) { /* the unbroken run's parameters */
+        gj_state_dict *sd = gj_state_dict_new();
+        for (int i = 0; i < NP; i++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "p.%d", i);
+            gj_state_dict_add(sd, nm, p[i]);
+        }
+        rc = gj_save_safetensors(sd, final) != 0;
+        gj_state_dict_free(sd);
+    }
+    if (rc == 0 && !save) {
+        gj_state_dict *want = gj_load_safetensors(final);
+        for (int i = 0; want && i < NP && rc == 0; i++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "p.%d", i);
+            double *v = gjt_values(p[i]), *w = gjt_values(gj_state_dict_get(want, nm));
+            for (int64_t j = 0; j < gj_tensor_numel(p[i]); j++)
+                if (fabs(v[j] - w[j]) > 1e-12 * fmax(1.0, fabs(w[j]))) {
+                    fprintf(stderr, "zero_ckpt: rank %d param %d[%lld]: resumed %.17g, unbroken "
+                            "%.17g\n", g_rank, i, (long long)j, v[j], w[j]);
+                    rc = 1;
+                    break;
+                }
+            free(v);
+            free(w);
+        }
+        if (!want) rc = 1;
+        gj_state_dict_free(want);
+        if (rc == 0 && g_rank == 0) { /* the one-process format */
+            gj_tensor *q[NP];
+            make_params(GJ_F64, 61, q);
+            gj_optim *full = gj_adamw_new(NP, q, 1e-2, 0.9, 0.999, 1e-8, 0.01);
+            if (gj_optim_load_state_dict(full, in, "optim") != 0) {
+                fprintf(stderr, "zero_ckpt: a plain optimizer refused it: %s\n", gj_last_error());
+                rc = 1;
+            }
+            gj_optim_free(full);
+            free_params(q);
+        }
+        printf("zero_ckpt: rank %d of %d resumed %s: %s\n", g_rank, g_size, path,
+               rc == 0 ? "the unbroken run's parameters" : "DIFFERENT");
+    }
+    gj_step_free(st);
+    gj_optim_free(opt);
+    gj_ddp_free(d);
+    gj_state_dict_free(in);
+    free_params(p);
+    gj_scope_pop();
+    gj_pg_free(g_pg);
+    return rc;
+}
+
 int main(void) {
     gjt_setup();
     if (!gj_dist_available()) {
@@ -978,6 +1103,7 @@ int main(void) {
     }
     g_rank = gj_pg_rank(g_pg);
     g_size = gj_pg_size(g_pg);
+    if (getenv("GJT_ZERO_CKPT")) return zero_ckpt(getenv("GJT_ZERO_CKPT"));
     if (getenv("GJT_DIST_KILL")) { /* tests/dist/killed.sh: rank 1 dies inside a DDP step */
         gj_tensor *p[NP];
         make_params(GJ_F32, 51, p);
