@@ -158,6 +158,10 @@ static int mlp_init(train_run *r) {
         return -1;
     if (t->ddp && train_print_model_state(o->pg, o->zero, 6, params, n_opt, opt_params) != 0)
         return -1;
+    if (o->zero) {
+        r->zero = t->ddp;
+        r->no_write = o->rank != 0;
+    }
     int rc = fashion_run_init(&t->fr, o->rank, o->size, EVAL_CHUNK, model_forward, &t->m);
     if (rc == 0 && t->ddp) { /* the gradients averaged before the update */
         rc = stepper_set_ddp(&r->st, t->ddp);
@@ -335,11 +339,6 @@ static int parse_opts(int argc, char **argv, opts *o) {
         fprintf(stderr, PROG ": --zero shards over the ranks of --ddp; give --ddp\n");
         return -1;
     }
-    if (o->zero && (f->save || f->resume)) {
-        fprintf(stderr, PROG ": --save and --resume do not take --zero yet (each rank holds "
-                        "only its shard of the optimizer state)\n");
-        return -1;
-    }
     return train_flags_check_one_run(PROG, f);
 }
 
@@ -359,7 +358,9 @@ int main(int argc, char **argv) {
         }
         if (o.rank != 0) { /* rank 0 reports; the others only train */
             o.f.quiet = true;
-            o.f.csv = o.f.png = o.f.save = NULL; /* rank 0 writes the files */
+            o.f.csv = o.f.png = NULL; /* rank 0 writes the files */
+            if (!o.zero) /* (ZeRO: every rank gathers the checkpoint, rank 0 writes it) */
+                o.f.save = NULL;
         }
     }
     fashion_splits data = {0};

@@ -490,6 +490,10 @@ struct train_run {
     step_mode mode;
     const char *tag;       /* mode_tag(mode) */
     gj_optim *opt;         /* made by def->init; owned */
+    gj_ddp *zero;          /* set by def->init when opt is over a ZeRO gj_ddp's shards
+                              (borrowed): checkpoints gather and scatter its state */
+    bool no_write;         /* a rank other than 0 of a ZeRO run: --save gathers, rank 0
+                              writes */
     stepper st;            /* made by def->init; owned */
     gj_pg *pg;             /* set by def->init: each step's loss is averaged over pg's ranks
                               (data parallel); NULL: none. Borrowed */
@@ -681,8 +685,18 @@ static inline gj_state_dict *train_model_dict(train_run *r) {
 static inline int train_save(train_run *r, const char *path) {
     const train_def *d = r->def;
     gj_state_dict *sd = train_model_dict(r);
-    int rc = ckpt_add_common(sd, r->opt, d->prog);
+    int rc = sd ? 0 : -1;
+    if (r->zero) /* every rank's shards of the optimizer state, as one optimizer's */
+        rc = rc || gj_ddp_optim_state_dict_add(r->zero, r->opt, sd, "optim") ||
+             gj_rng_state_dict_add(sd, "rng") || gj_state_dict_set_metadata(sd, "format", "gradjit") ||
+             gj_state_dict_set_metadata(sd, "train.program", d->prog);
+    else
+        rc = ckpt_add_common(sd, r->opt, d->prog);
     rc = rc || d->save(r, sd);
+    if (r->no_write) { /* (gathered for rank 0, which writes) */
+        gj_state_dict_free(sd);
+        return rc ? 1 : 0;
+    }
     return ckpt_write(sd, rc, path, d->prog);
 }
 
@@ -696,7 +710,12 @@ static inline int train_resume(train_run *r, const char *path) {
     gj_state_dict *f = gj_load_safetensors(path), *m = f ? train_model_dict(r) : NULL;
     ckpt_reader rd = {.sd = f};
     int rc = f && m ? d->resume(r, &rd, path) : -1;
-    if (rc == 0 && ckpt_load_common(f, m, r->opt) != 0)
+    if (rc == 0 && !r->zero && ckpt_load_common(f, m, r->opt) != 0)
+        rc = -1;
+    if (rc == 0 && r->zero && /* each rank its shards' parts, whoever wrote the file */
+        (gj_state_dict_copy_into(m, f, false) != 0 ||
+         gj_ddp_optim_load_state_dict(r->zero, r->opt, f, "optim") != 0 ||
+         gj_rng_load_state_dict(f, "rng") != 0))
         rc = -1;
     if (rc < 0)
         fprintf(stderr, "%s: resuming from %s: %s\n", d->prog, path, gj_last_error());
