@@ -418,6 +418,8 @@ static void cfg_values(const gj_llmc_config *c, int *v) {
  * from (.safetensors) before step r->step. 0, or 1 with a message. */
 static int run_save(run *r, const char *path) {
     if (ends_with(path, ".bin")) {
+        if (r->o->rank != 0)
+            return 0; /* (ZeRO keeps the path on every rank: rank 0 writes the parameters) */
         if (gj_llmc_save_model(path, &r->m.cfg, r->m.file) != 0) {
             fprintf(stderr, PROG ": %s\n", gj_last_error());
             return 1;
@@ -429,24 +431,31 @@ static int run_save(run *r, const char *path) {
     int64_t epoch = 0, batch = 0;
     int v[6];
     cfg_values(&r->m.cfg, v);
-    int rc = ckpt_add_common(sd, r->opt, PROG);
+    int rc = ckpt_add_common(sd, r->opt, r->o->zero ? r->ddp : NULL, PROG);
     for (int k = 0; k < 6; k++)
         rc = rc || meta_i64(sd, cfg_keys[k], v[k]);
     rc = rc || meta_i64(sd, "train.step", r->step);
-    rc = rc || meta_i64(sd, "train.batch_size", o->f.batch);
+    /* the global batch (--ddp: all ranks'): a run with another number of
+     * ranks and the same global batch reads the same chunks */
+    rc = rc || meta_i64(sd, "train.batch_size", (int64_t)o->size * o->f.batch);
     rc = rc || meta_i64(sd, "train.seq_len", o->seq);
     rc = rc || meta_i64(sd, "train.shuffle", o->shuffle);
     rc = rc || gj_llmc_loader_get_position(r->train, &epoch, &batch);
     rc = rc || meta_i64(sd, "train.loader_epoch", epoch) ||
          meta_i64(sd, "train.loader_batch", batch);
     rc = rc || meta_u64(sd, "train.sample_rng", r->sample_rng);
+    if (o->zero && o->rank != 0) { /* (gathered with every rank: rank 0 writes it) */
+        gj_state_dict_free(sd);
+        return rc ? 1 : 0;
+    }
     return ckpt_write(sd, rc, path, PROG);
 }
 
 /* Reads back a gradjit checkpoint of --resume path: its complaints name
  * the file and the settings to resume with. */
 static void resume_reader(ckpt_reader *rd, const gj_state_dict *sd, const char *path) {
-    *rd = (ckpt_reader){.sd = sd, .same = "model, --batch, --seq and --shuffle"};
+    *rd = (ckpt_reader){.sd = sd, .same = "model, --batch (times the --ddp ranks), --seq and "
+                                          "--shuffle"};
     snprintf(rd->where, sizeof rd->where, PROG ": --resume %s", path);
 }
 
@@ -477,7 +486,7 @@ static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
     for (int k = 0; k < 6; k++)
         if (ckpt_same(&rd, cfg_keys[k], v[k], NULL))
             return 1;
-    if (ckpt_same(&rd, "train.batch_size", o->f.batch, NULL) ||
+    if (ckpt_same(&rd, "train.batch_size", (int64_t)o->size * o->f.batch, NULL) ||
         ckpt_same(&rd, "train.seq_len", o->seq, NULL) ||
         ckpt_same(&rd, "train.shuffle", o->shuffle, NULL) ||
         ckpt_same(&rd, "train.step", -1, &step) ||
@@ -492,7 +501,7 @@ static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
         return 1;
     }
     gj_state_dict *m = run_dict(r);
-    int rc = !m || ckpt_load_common(sd, m, r->opt) != 0 ||
+    int rc = !m || ckpt_load_common(sd, m, r->opt, r->o->zero ? r->ddp : NULL) != 0 ||
              gj_llmc_loader_set_position(r->train, epoch, batch) != 0;
     gj_state_dict_free(m);
     if (rc) {
@@ -764,12 +773,6 @@ static int parse_opts(int argc, char **argv, opts *o) {
         fprintf(stderr, PROG ": --zero shards over the ranks of --ddp; give --ddp\n");
         return -1;
     }
-    if (o->zero && (f->resume || (f->save && !ends_with(f->save, ".bin")))) {
-        fprintf(stderr, PROG ": --resume and --save FILE.safetensors do not take --zero yet "
-                        "(each rank holds only its shard of the optimizer state); --save "
-                        "FILE.bin (the parameters) does\n");
-        return -1;
-    }
     if (f->resume && !ends_with(f->resume, ".safetensors")) {
         fprintf(stderr, PROG ": --resume %s: takes a FILE.safetensors of --save; an llm.c "
                         "checkpoint (.bin) is a --model\n", f->resume);
@@ -802,7 +805,8 @@ int main(int argc, char **argv) {
         if (o.rank != 0) { /* rank 0 prints, samples and saves; the others only train */
             o.sample = 0;
             o.sample_given = true;
-            o.f.save = NULL;
+            if (!o.zero) /* (ZeRO: every rank gathers the checkpoint, rank 0 writes it) */
+                o.f.save = NULL;
         }
     }
     catch_sigint();

@@ -294,9 +294,13 @@ static inline int meta_get_u64(const gj_state_dict *sd, const char *key, uint64_
  * the optimizer's state ("optim."), the RNG ("rng."), and the metadata
  * format = gradjit and train.program = prog. Adds them to sd (NULL: fails,
  * so a failed dict passes through). 0, or -1 with gj_last_error() set. */
-static inline int ckpt_add_common(gj_state_dict *sd, gj_optim *opt, const char *prog) {
+static inline int ckpt_add_common(gj_state_dict *sd, gj_optim *opt, gj_ddp *zero,
+                                  const char *prog) {
     int rc = sd ? 0 : -1;
-    rc = rc || gj_optim_state_dict_add(opt, sd, "optim");
+    /* ZeRO (zero: the gj_ddp whose shards opt updates; a collective): every
+     * rank's shards of the state, as one optimizer's over the parameters */
+    rc = rc || (zero ? gj_ddp_optim_state_dict_add(zero, opt, sd, "optim")
+                     : gj_optim_state_dict_add(opt, sd, "optim"));
     rc = rc || gj_rng_state_dict_add(sd, "rng");
     rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
     rc = rc || gj_state_dict_set_metadata(sd, "train.program", prog);
@@ -328,9 +332,11 @@ static inline int ckpt_write(gj_state_dict *sd, int rc, const char *path, const 
 /* The common part back from checkpoint f: the model's tensors into model
  * (a dict of the live parameters: names, shapes and dtypes checked), the
  * optimizer's state into opt, the RNG. 0, or -1 with gj_last_error() set. */
-static inline int ckpt_load_common(const gj_state_dict *f, gj_state_dict *model, gj_optim *opt) {
+static inline int ckpt_load_common(const gj_state_dict *f, gj_state_dict *model, gj_optim *opt,
+                                   gj_ddp *zero) {
     return gj_state_dict_copy_into(model, f, false) != 0 ||
-                   gj_optim_load_state_dict(opt, f, "optim") != 0 ||
+                   (zero ? gj_ddp_optim_load_state_dict(zero, opt, f, "optim") /* its shards */
+                         : gj_optim_load_state_dict(opt, f, "optim")) != 0 ||
                    gj_rng_load_state_dict(f, "rng") != 0
                ? -1
                : 0;
@@ -685,13 +691,7 @@ static inline gj_state_dict *train_model_dict(train_run *r) {
 static inline int train_save(train_run *r, const char *path) {
     const train_def *d = r->def;
     gj_state_dict *sd = train_model_dict(r);
-    int rc = sd ? 0 : -1;
-    if (r->zero) /* every rank's shards of the optimizer state, as one optimizer's */
-        rc = rc || gj_ddp_optim_state_dict_add(r->zero, r->opt, sd, "optim") ||
-             gj_rng_state_dict_add(sd, "rng") || gj_state_dict_set_metadata(sd, "format", "gradjit") ||
-             gj_state_dict_set_metadata(sd, "train.program", d->prog);
-    else
-        rc = ckpt_add_common(sd, r->opt, d->prog);
+    int rc = ckpt_add_common(sd, r->opt, r->zero, d->prog);
     rc = rc || d->save(r, sd);
     if (r->no_write) { /* (gathered for rank 0, which writes) */
         gj_state_dict_free(sd);
@@ -710,12 +710,7 @@ static inline int train_resume(train_run *r, const char *path) {
     gj_state_dict *f = gj_load_safetensors(path), *m = f ? train_model_dict(r) : NULL;
     ckpt_reader rd = {.sd = f};
     int rc = f && m ? d->resume(r, &rd, path) : -1;
-    if (rc == 0 && !r->zero && ckpt_load_common(f, m, r->opt) != 0)
-        rc = -1;
-    if (rc == 0 && r->zero && /* each rank its shards' parts, whoever wrote the file */
-        (gj_state_dict_copy_into(m, f, false) != 0 ||
-         gj_ddp_optim_load_state_dict(r->zero, r->opt, f, "optim") != 0 ||
-         gj_rng_load_state_dict(f, "rng") != 0))
+    if (rc == 0 && ckpt_load_common(f, m, r->opt, r->zero) != 0)
         rc = -1;
     if (rc < 0)
         fprintf(stderr, "%s: resuming from %s: %s\n", d->prog, path, gj_last_error());
