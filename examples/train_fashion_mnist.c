@@ -322,9 +322,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
          "data parallel over MPI ranks (mpirun -np N ... --ddp): each rank takes 1/N of every "
          "batch, gradients are averaged"),
-        ARG_OPT("zero", ARG_INT, &o->zero, 0, 2,
-         "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks) or 2 (also the averaged "
-         "gradients); 0: off"),
+        TRAIN_ARG_ZERO(&o->zero),
     };
     int rc = args_parse(PROG,
                         "Trains a 784-512-256-10 GELU MLP on Fashion-MNIST (Debian's "
@@ -335,10 +333,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->size = 1;
     if (train_flags_check(PROG, f) != 0)
         return -1;
-    if (o->zero && !o->ddp) {
-        fprintf(stderr, PROG ": --zero shards over the ranks of --ddp; give --ddp\n");
+    if (train_zero_check(PROG, o->ddp, o->zero) != 0)
         return -1;
-    }
     return train_flags_check_one_run(PROG, f);
 }
 

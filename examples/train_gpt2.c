@@ -718,9 +718,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
                 "data parallel over MPI ranks (mpirun -np N ... --ddp): --batch sequences per "
                 "rank, gradients and losses averaged"),
-        ARG_OPT("zero", ARG_INT, &o->zero, 0, 2,
-                "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks) or 2 (also the "
-                "averaged gradients); 0: off"),
+        TRAIN_ARG_ZERO(&o->zero),
         ARG_OPT("seed", ARG_U64, &f->seed, 0, 0,
                 "sampler seed (llm.c: 1337); --init-model's seed"),
         ARG_OPT("save", ARG_FILE, &f->save, 0, 0,
@@ -769,10 +767,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
                         "FILE.safetensors (with the optimizer state, for --resume)\n", f->save);
         return -1;
     }
-    if (o->zero && !o->ddp) {
-        fprintf(stderr, PROG ": --zero shards over the ranks of --ddp; give --ddp\n");
+    if (train_zero_check(PROG, o->ddp, o->zero) != 0)
         return -1;
-    }
     if (f->resume && !ends_with(f->resume, ".safetensors")) {
         fprintf(stderr, PROG ": --resume %s: takes a FILE.safetensors of --save; an llm.c "
                         "checkpoint (.bin) is a --model\n", f->resume);

@@ -80,6 +80,20 @@ typedef struct train_flags {
             "safetensors checkpoint at the end, on Ctrl-C and at --stop-after")
 #define TRAIN_ARG_STOP_AFTER(f)                                                                \
     ARG_OPT("stop-after", ARG_I64, &(f)->stop_after, 1, 9e18, "stop (and save) after N steps")
+/* --zero N (an int the trainer keeps beside its --ddp flag) */
+#define TRAIN_ARG_ZERO(z)                                                                      \
+    ARG_OPT("zero", ARG_INT, (z), 0, 2,                                                        \
+            "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks) or 2 (also the "   \
+            "averaged gradients); 0: off")
+
+/* --zero needs --ddp. 0, or -1 after a message. */
+static inline int train_zero_check(const char *prog, bool ddp, int zero) {
+    if (zero && !ddp) {
+        fprintf(stderr, "%s: --zero shards over the ranks of --ddp; give --ddp\n", prog);
+        return -1;
+    }
+    return 0;
+}
 
 /* The name of a mode in the trainers' output ("[eager] ...", the column of
  * a --both table). A static string. */
