@@ -979,9 +979,7 @@ static gj_tensor *global_rows(int step) {
     gjt_rng g;
     gjt_rng_seed(&g, 7000 + (uint64_t)step);
     gj_tensor *x = gjt_uniform(&g, GJ_F64, 2, (int64_t[]){12, IN}, -1, 1);
-    gj_tensor *mine = gj_contiguous(gj_narrow(x, 0, 12 / g_size * g_rank, 12 / g_size));
-    gj_retain(mine);
-    return mine;
+    return gj_contiguous(gj_narrow(x, 0, 12 / g_size * g_rank, 12 / g_size)); /* (scoped) */
 }
 
 static int zero_ckpt(const char *how) {
@@ -1031,12 +1029,13 @@ static int zero_ckpt(const char *how) {
             }
             gj_state_dict_free(sd);
         }
+        gj_scope_push(); /* this step's rows */
         gj_tensor *x = global_rows(s);
         if (rc == 0 && gj_step_run(st, 1, &x, NULL) != 0) {
             fprintf(stderr, "zero_ckpt: step %d: %s\n", s, gj_last_error());
             rc = 1;
         }
-        gj_release(x);
+        gj_scope_pop();
     }
     if (rc == 0 && save && g_rank == 0) { /* the unbroken run's parameters */
         gj_state_dict *sd = gj_state_dict_new();
