@@ -34,7 +34,7 @@ typedef struct gj_jit_program {
     bool recapture;
     gj_jit_hookref *hooks; /* tensor hooks (hook instructions) and post-accumulate hooks */
     int n_hooks;
-    int n_calls; /* custom call instructions (the program then lives in memory only) */
+    int n_calls; /* call instructions (custom ops, a step's reducer and post-hook calls) */
     /* A gj_grad's program (its outputs have acc_node -1): per requested
      * input, the output holding its gradient or -1 (none reaches it);
      * cache.c copies it from the capture. NULL, 0 for a backward. */
