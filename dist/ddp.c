@@ -153,6 +153,21 @@ static int unpack(gj_tensor *p, gj_dtype wire, const void *src) {
     return rc;
 }
 
+/* ZeRO: where parameter i's shard sits in bucket b's range buffer
+ * (shard_buf: this rank's range, what a reduce-scatter delivers and an
+ * allgather sends). */
+static char *in_range(const gj_ddp *d, const ddp_bucket *b, int i) {
+    return (char *)b->shard_buf +
+           (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wire_bytes(b->wire);
+}
+
+/* ZeRO: where parameter i's shard's averages are once b was reduced
+ * (stage 2: the range buffer; stage 1: its place in the whole bucket). */
+static const char *reduced_shard(const gj_ddp *d, const ddp_bucket *b, int i) {
+    if (d->opt.zero == 2) return in_range(d, b, i);
+    return (const char *)b->buf + (d->offset[i] + d->shard_at[i]) * (int64_t)wire_bytes(b->wire);
+}
+
 /* Starts every complete bucket from next_start on, in order. Lock held. */
 static int start_ready(gj_ddp *d, bool by_hook) {
     while (d->next_start < d->nb && d->b[d->next_start].ready == d->b[d->next_start].n) {
@@ -256,11 +271,8 @@ static int red_take(void *ctx, int i, gj_dtype dt, void *out) {
         rc = -1;
     }
     if (rc == 0 && d->opt.zero) { /* this rank's shard of it */
-        int64_t at = d->offset[i] + d->shard_at[i];
-        const char *src = d->opt.zero == 2
-                              ? (const char *)b->shard_buf + (at - b->lo) * (int64_t)wire_bytes(b->wire)
-                              : (const char *)b->buf + at * (int64_t)wire_bytes(b->wire);
-        if (d->shard[i]) unpack_raw(b->wire, src, gj_tensor_numel(d->shard[i]), dt, out);
+        if (d->shard[i])
+            unpack_raw(b->wire, reduced_shard(d, b, i), gj_tensor_numel(d->shard[i]), dt, out);
     } else if (rc == 0) {
         unpack_raw(b->wire, (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire),
                    gj_tensor_numel(d->params[i]), dt, out);
@@ -387,18 +399,15 @@ static int zero_shards(gj_ddp *d) {
  * of its range (stage 1: the whole averaged bucket; stage 2: this rank's
  * range only); the parameters' own .grads are cleared. */
 static int zero_unpack(gj_ddp *d, ddp_bucket *b) {
-    size_t wb = wire_bytes(b->wire);
     for (int j = 0; j < b->n; j++) {
         int i = d->order[b->first + j];
         if (gj_tensor_set_grad(d->params[i], NULL) != 0) return -1;
         gj_tensor *sh = d->shard[i];
         if (!sh) continue;
-        int64_t at = d->offset[i] + d->shard_at[i];
-        const char *src = d->opt.zero == 2 ? (const char *)b->shard_buf + (at - b->lo) * (int64_t)wb
-                                           : (const char *)b->buf + at * (int64_t)wb;
         gj_tensor *g = gj_zeros(gj_tensor_dtype(sh), 1, gj_tensor_shape(sh));
         if (!g) return -1;
-        unpack_raw(b->wire, src, gj_tensor_numel(sh), gj_tensor_dtype(sh), gj_tensor_data(g));
+        unpack_raw(b->wire, reduced_shard(d, b, i), gj_tensor_numel(sh), gj_tensor_dtype(sh),
+                   gj_tensor_data(g));
         int rc = gj_tensor_set_grad(sh, g);
         gj_release(g);
         if (rc != 0) return -1;
@@ -436,8 +445,7 @@ int gj_ddp_gather(gj_ddp *d) {
         for (int j = 0; j < b->n; j++) { /* this rank's range, from the updated parameters */
             int i = d->order[b->first + j];
             if (!d->shard[i]) continue;
-            int64_t at = d->offset[i] + d->shard_at[i];
-            memcpy((char *)b->shard_buf + (at - b->lo) * (int64_t)wb,
+            memcpy(in_range(d, b, i),
                    (const char *)gj_tensor_data(d->params[i]) + d->shard_at[i] * (int64_t)wb,
                    (size_t)gj_tensor_numel(d->shard[i]) * wb);
         }
@@ -560,8 +568,7 @@ int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, con
                 gj_tensor *t = k >= 0 ? gj_state_dict_get(mine, key) : NULL;
                 if (!t) continue;
                 pack_raw(gj_tensor_dtype(t), gj_tensor_data(t), gj_tensor_numel(t), b->wire,
-                         (char *)b->shard_buf +
-                             (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wb);
+                         in_range(d, b, i));
             }
             b->job = (gj_dist_job){.kind = GJ_DIST_ALLGATHER, .wire = b->wire,
                                    .send = b->shard_buf, .buf = b->buf, .count = sl};

@@ -261,10 +261,7 @@ int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hook_instr *hs, const void 
     return rc;
 }
 
-/* Fresh contiguous tensors ts[0..cs->n_in) holding copies of the call
- * instruction's input buffers src[] (of cs->in_meta). 0, or -1 on OOM (the ones
- * made so far are in ts for the caller to release). */
-static int call_inputs(const gj_jit_call_instr *cs, void *const *src, gj_tensor **ts) {
+int gj_jit_call_inputs(const gj_jit_call_instr *cs, void *const *src, gj_tensor **ts) {
     for (int k = 0; k < cs->n_in; k++) {
         const gj_rt_meta *m = &cs->in_meta[k];
         ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
@@ -291,7 +288,7 @@ static int call_custom_fwd(gj_jit_runctx *hc, const gj_jit_call_instr *cs, const
     }
     gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *outs[GJ_RT_MAX_OUTPUTS] = {0};
     int rc = -1;
-    if (call_inputs(cs, src, ts) != 0) goto done;
+    if (gj_jit_call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     if (gj_ag_custom_run_forward(op, at, ts, outs) != 0) {
         hc->transient = !hc->tripped;
@@ -360,7 +357,7 @@ int gj_jit_call_custom(void *vctx, const gj_jit_call_instr *cs, void *const *src
     }
     gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *gin[GJ_JIT_CALL_MAX_IN] = {0};
     int rc = -1;
-    if (call_inputs(cs, src, ts) != 0) goto done;
+    if (gj_jit_call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     if (gj_ag_custom_run_backward(op, at, cs->in_meta, ts, ts + no, gin) != 0) {
         hc->transient = !hc->tripped;

@@ -89,6 +89,12 @@ int gj_jit_guard_leaves(gj_jit_runctx *hc, const char *who);
  * -1 (error set). vctx is the gj_jit_runctx. */
 int gj_jit_call_tensor_hook(void *vctx, const gj_jit_hook_instr *hs, const void *src, void *dst);
 
+/* Fresh contiguous tensors ts[0..cs->n_in) holding copies of call
+ * instruction cs's input buffers src[] (of cs->in_meta): what user code
+ * gets instead of a plan's buffers. 0, or -1 on OOM (the ones made so far
+ * are in ts for the caller to release). */
+int gj_jit_call_inputs(const gj_jit_call_instr *cs, void *const *src, gj_tensor **ts);
+
 /* gj_jit_custom_call of a run: runs the custom op's backward (or, for a
  * checkpoint region's recomputation, its forward) C function on fresh
  * tensors holding copies of src and copies its results into dst, then

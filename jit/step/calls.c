@@ -186,18 +186,6 @@ static int call_post_hooks(gj_jit_step_run *sr, int p, const gj_rt_meta *m, cons
     return 0;
 }
 
-/* Fresh contiguous tensors ts[0..cs->n_in) holding copies of src (of
- * cs->in_meta). 0, or -1 on OOM (those made are in ts). */
-static int copies_of(const gj_jit_call_instr *cs, void *const *src, gj_tensor **ts) {
-    for (int k = 0; k < cs->n_in; k++) {
-        const gj_rt_meta *m = &cs->in_meta[k];
-        if (!(ts[k] = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape))) return -1;
-        size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
-        if (nb) memcpy(gj_rt_data_ptr(ts[k]), src[k], nb);
-    }
-    return 0;
-}
-
 /* Copies tensor t (of meta m) into dst. 0 or -1 (OOM). */
 static int copy_out(gj_tensor *t, void *dst) {
     gj_tensor *c = gj_rt_is_contiguous(t) ? t : gj_rt_contiguous(t);
@@ -227,7 +215,7 @@ static int call_custom(gj_jit_step_run *sr, const gj_jit_call_instr *cs, void *c
     int no = gj_ag_custom_n_outputs(op), nt = gj_ag_custom_n_tensor_args(op);
     gj_tensor *ts[GJ_JIT_CALL_MAX_IN] = {0}, *res[GJ_JIT_CALL_MAX_IN] = {0};
     int rc = -1;
-    if (copies_of(cs, src, ts) != 0) goto done;
+    if (gj_jit_call_inputs(cs, src, ts) != 0) goto done;
     uint64_t rs0 = gj_rt_record_stream_calls();
     int r = cs->fwd ? gj_ag_custom_run_forward(op, &sc->attrs, ts, res)
                     : gj_ag_custom_run_backward(op, &sc->attrs, cs->in_meta, ts, ts + no, res);
