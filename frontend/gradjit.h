@@ -101,16 +101,18 @@ GJ_API void gj_get_info(gj_info *out);
 GJ_API void gj_set_num_threads(int n);
 GJ_API int gj_get_num_threads(void);
 
-/* Who computes f32 GEMMs (docs/guide.md, section 8): OpenBLAS (the
- * default), oneDNN's matmul primitive, or the faster of the two measured
- * once per GEMM shape. oneDNN is opt-in: its GEMM kernels are safe only in
- * a process whose signal handlers run on an alternate stack. Wins over
- * GRADJIT_GEMM. 0, or -1 with an error (oneDNN not available: OpenBLAS is
- * then pinned; or an unknown value). */
+/* Who computes f32 and bf16 GEMMs (docs/guide.md, section 8). DEFAULT:
+ * f32 by OpenBLAS, bf16 by oneDNN's matmul where the CPU multiplies bf16
+ * natively (AVX512_BF16, AMX), else converted to f32 for OpenBLAS. AUTO:
+ * the faster of the two, measured once per GEMM shape; OPENBLAS, ONEDNN:
+ * that one for every GEMM it takes. Wins over GRADJIT_GEMM. 0, or -1 with
+ * an error (oneDNN not available: OpenBLAS is then pinned; or an unknown
+ * value). */
 typedef enum gj_gemm_provider {
     GJ_GEMM_AUTO = 0,
     GJ_GEMM_OPENBLAS = 1,
     GJ_GEMM_ONEDNN = 2,
+    GJ_GEMM_DEFAULT = 3,
 } gj_gemm_provider;
 GJ_API int gj_set_gemm_provider(gj_gemm_provider p);
 GJ_API gj_gemm_provider gj_get_gemm_provider(void);

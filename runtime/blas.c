@@ -230,7 +230,7 @@ void gj_rt_gemm_split_of(bool ta, int64_t M, int64_t N, int64_t K, int threads,
 }
 
 void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i) {
-    int64_t el = c->f64 ? 8 : 4;
+    int64_t el = c->f64 ? 8 : 4, ael = c->bf16 ? 2 : el; /* C's, A's and B's element bytes */
     int64_t lo = sp->len * i / sp->parts, hi = sp->len * (i + 1) / sp->parts;
     int64_t M = c->M, N = c->N, ao = 0, bo = 0, co;
     if (sp->by_rows) {
@@ -244,36 +244,38 @@ void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int 
     }
     int ta = c->ta ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS;
     int tb = c->tb ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS;
-    const char *A = c->A, *B = c->B;
-    char *C = c->C;
+    const char *A = (const char *)c->A + ao * ael, *B = (const char *)c->B + bo * ael;
+    char *C = (char *)c->C + co * el;
     if (M == 0 || N == 0)
         return;
-    if (gj_rt_blas_init() != 0) { /* the plain loop of GJ_RT_GEMM_BODY */
-        if (c->f64)
-            gj_rt_dgemm(c->ta, c->tb, M, N, c->K, c->alpha, (const double *)(const void *)(A + ao * el),
-                        c->lda, (const double *)(const void *)(B + bo * el), c->ldb, c->beta,
-                        (double *)(void *)(C + co * el), c->ldc);
-        else
-            gj_rt_sgemm(c->ta, c->tb, M, N, c->K, (float)c->alpha,
-                        (const float *)(const void *)(A + ao * el), c->lda,
-                        (const float *)(const void *)(B + bo * el), c->ldb, (float)c->beta,
-                        (float *)(void *)(C + co * el), c->ldc);
+    if (c->bf16) { /* alpha 1, beta 0 or 1 (gj_rt_bgemm) */
+        if (gj_rt_blas_init() != 0 || !gj_rt_gemm_alt_block(c, M, N, A, B, (float *)(void *)C))
+            gj_rt_bgemm_block_blas(c->ta, c->tb, M, N, c->K, (const uint16_t *)(const void *)A,
+                                   c->lda, (const uint16_t *)(const void *)B, c->ldb,
+                                   (float)c->beta, (float *)(void *)C, c->ldc);
         return;
     }
-    if (!c->f64 && gj_rt_gemm_alt_block(c, M, N, (const float *)(const void *)(A + ao * el),
-                                        (const float *)(const void *)(B + bo * el),
-                                        (float *)(void *)(C + co * el)))
+    if (gj_rt_blas_init() != 0) { /* the plain loop of GJ_RT_GEMM_BODY */
+        if (c->f64)
+            gj_rt_dgemm(c->ta, c->tb, M, N, c->K, c->alpha, (const double *)(const void *)A,
+                        c->lda, (const double *)(const void *)B, c->ldb, c->beta,
+                        (double *)(void *)C, c->ldc);
+        else
+            gj_rt_sgemm(c->ta, c->tb, M, N, c->K, (float)c->alpha, (const float *)(const void *)A,
+                        c->lda, (const float *)(const void *)B, c->ldb, (float)c->beta,
+                        (float *)(void *)C, c->ldc);
+        return;
+    }
+    if (!c->f64 && gj_rt_gemm_alt_block(c, M, N, A, B, (float *)(void *)C))
         return; /* oneDNN computed it (gemm_provider.c) */
     if (c->f64)
         g_dgemm(GJ_CBLAS_ROW_MAJOR, ta, tb, (int)M, (int)N, (int)c->K, c->alpha,
-                (const double *)(const void *)(A + ao * el), (int)c->lda,
-                (const double *)(const void *)(B + bo * el), (int)c->ldb, c->beta,
-                (double *)(void *)(C + co * el), (int)c->ldc);
+                (const double *)(const void *)A, (int)c->lda, (const double *)(const void *)B,
+                (int)c->ldb, c->beta, (double *)(void *)C, (int)c->ldc);
     else
         g_sgemm(GJ_CBLAS_ROW_MAJOR, ta, tb, (int)M, (int)N, (int)c->K, (float)c->alpha,
-                (const float *)(const void *)(A + ao * el), (int)c->lda,
-                (const float *)(const void *)(B + bo * el), (int)c->ldb, (float)c->beta,
-                (float *)(void *)(C + co * el), (int)c->ldc);
+                (const float *)(const void *)A, (int)c->lda, (const float *)(const void *)B,
+                (int)c->ldb, (float)c->beta, (float *)(void *)C, (int)c->ldc);
 }
 
 void gj_rt_sgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float *A,
@@ -282,6 +284,106 @@ void gj_rt_sgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, c
     g_sgemm(GJ_CBLAS_ROW_MAJOR, ta ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS,
             tb ? GJ_CBLAS_TRANS : GJ_CBLAS_NO_TRANS, (int)M, (int)N, (int)K, 1.0f, A, (int)lda, B,
             (int)ldb, beta, C, (int)ldc);
+}
+
+/* ------------------------------------------- bf16 operands through sgemm */
+
+/* The calling thread's f32 scratch for converted bf16 operands, grown on
+ * demand and freed when the thread exits. */
+static pthread_key_t g_conv_key;
+static pthread_once_t g_conv_once = PTHREAD_ONCE_INIT;
+typedef struct conv_buf {
+    float *p;
+    size_t cap; /* floats */
+} conv_buf;
+
+static void conv_free(void *v) {
+    conv_buf *b = v;
+    if (b)
+        free(b->p);
+    free(b);
+}
+
+static void conv_key_make(void) {
+    if (pthread_key_create(&g_conv_key, conv_free) != 0)
+        abort(); /* at start-up, out of keys: nothing sensible to do */
+}
+
+static float *conv_scratch(size_t n) {
+    pthread_once(&g_conv_once, conv_key_make);
+    conv_buf *b = pthread_getspecific(g_conv_key);
+    if (!b) {
+        b = calloc(1, sizeof *b);
+        if (!b || pthread_setspecific(g_conv_key, b) != 0) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (n > b->cap) {
+        float *p = malloc(n * sizeof *p);
+        if (!p)
+            return NULL;
+        free(b->p);
+        b->p = p;
+        b->cap = n;
+    }
+    return b->p;
+}
+
+/* dst[r * cols + c] = src[r * ld + c] widened to f32 (exact). */
+static void bf16_rows_to_f32(int64_t rows, int64_t cols, const uint16_t *src, int64_t ld,
+                             float *dst) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *s = src + r * ld;
+        float *d = dst + r * cols;
+        for (int64_t k = 0; k < cols; k++) {
+            uint32_t u = (uint32_t)s[k] << 16;
+            memcpy(&d[k], &u, sizeof u);
+        }
+    }
+}
+
+void gj_rt_bgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                            int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C,
+                            int64_t ldc) {
+    /* the stored matrices: A is [M, K] (ta: [K, M]), B [K, N] (tb: [N, K]) */
+    int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    float *w = conv_scratch((size_t)(ar * ac + br * bc));
+    if (!w) { /* no memory for the scratch: the exact product, element by element */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                float acc = 0;
+                for (int64_t k = 0; k < K; k++) {
+                    uint32_t ua = (uint32_t)(ta ? A[k * lda + i] : A[i * lda + k]) << 16;
+                    uint32_t ub = (uint32_t)(tb ? B[j * ldb + k] : B[k * ldb + j]) << 16;
+                    float fa, fb;
+                    memcpy(&fa, &ua, sizeof fa);
+                    memcpy(&fb, &ub, sizeof fb);
+                    acc += fa * fb;
+                }
+                C[i * ldc + j] = acc + (beta == 0 ? 0.0f : C[i * ldc + j]);
+            }
+        return;
+    }
+    float *a = w, *b = w + ar * ac;
+    bf16_rows_to_f32(ar, ac, A, lda, a);
+    bf16_rows_to_f32(br, bc, B, ldb, b);
+    if (gj_rt_blas_init() == 0)
+        gj_rt_sgemm_block_blas(ta, tb, M, N, K, a, ac, b, bc, beta, C, ldc);
+    else
+        gj_rt_sgemm(ta, tb, M, N, K, 1.0f, a, ac, b, bc, beta, C, ldc);
+}
+
+bool gj_rt_cpu_native_bf16(void) {
+    static int g_native = -1; /* a pure function of the CPU: racing writers agree */
+    int v = __atomic_load_n(&g_native, __ATOMIC_RELAXED);
+    if (v < 0) {
+        gj_rt_cpu c;
+        gj_rt_cpu_detect(&c);
+        v = c.avx512bf16;
+        __atomic_store_n(&g_native, v, __ATOMIC_RELAXED);
+    }
+    return v != 0;
 }
 
 typedef struct gemm_split_ctx {
@@ -308,8 +410,8 @@ void gj_rt_gemm_run(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp) {
  * when called from a pool task). */
 static void gemm_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
                        const void *A, int64_t lda, const void *B, int64_t ldb, double beta,
-                       void *C, int64_t ldc) {
-    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
+                       void *C, int64_t ldc, bool bf16) {
+    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bf16};
     gj_rt_gemm_split sp;
     gj_rt_gemm_split_of(ta, M, N, K, gj_rt_in_pool_task() ? 1 : gj_rt_num_threads(), &sp);
     gj_rt_gemm_run(&c, &sp);
@@ -327,7 +429,8 @@ static void gemm_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_t
         return;                                                                             \
     }                                                                                       \
     if (gj_rt_blas_init() == 0) {                                                           \
-        gemm_split(sizeof(T) == 8, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  \
+        gemm_split(sizeof(T) == 8, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,   \
+                   false);                                                                  \
         return;                                                                             \
     }                                                                                       \
     for (int64_t i = 0; i < M; i++)                                                         \
@@ -349,4 +452,17 @@ void gj_rt_dgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha
                  const double *A, int64_t lda, const double *B, int64_t ldb, double beta,
                  double *C, int64_t ldc) {
     GJ_RT_GEMM_BODY(double, g_dgemm)
+}
+
+void gj_rt_bgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                 int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (!gj_rt_gemm_args_ok("bgemm", ta, tb, M, N, K, lda, ldb, ldc) || M == 0 || N == 0)
+        return;
+    if (K == 0) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++)
+                C[i * ldc + j] = beta == 0 ? 0.0f : C[i * ldc + j];
+        return;
+    }
+    gemm_split(false, ta, tb, M, N, K, 1.0, A, lda, B, ldb, beta, C, ldc, true);
 }

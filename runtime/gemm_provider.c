@@ -23,21 +23,29 @@
  *     running).
  *   - Signals: oneDNN 2.x's generated f32 GEMM kernels point rsp into the
  *     heap while they run, so a signal delivered to a thread inside one
- *     (Ctrl-C, a profiler's timer) writes its frame into the heap and
- *     corrupts it (oneDNN issue 4845, fixed upstream in 2026; Debian 12
- *     ships 2.6.3). A handler on an alternate stack (sigaltstack,
- *     SA_ONSTACK) is safe. So OpenBLAS is the default (GRADJIT_GEMM unset
- *     or openblas), and auto and onednn are the caller's choice, for a
- *     process whose signal handlers run on an alternate stack.
+ *     (Ctrl-C, a profiler's timer) would write its frame into the heap and
+ *     corrupt it (oneDNN issue 4845, fixed upstream in 2026; Debian 12
+ *     ships 2.6.3). Every primitive therefore runs with the thread's
+ *     asynchronous signals blocked (signals_block: two rt_sigprocmask calls
+ *     per block, well under a microsecond); a signal that arrives meanwhile
+ *     is delivered after the kernel, on the thread's own stack.
+ *   - Settings. GJ_RT_GEMM_DEFAULT (GRADJIT_GEMM unset): f32 GEMMs are
+ *     OpenBLAS's (its bits do not depend on a measurement, so separate
+ *     processes agree without a shared cache file), bf16 GEMMs oneDNN's
+ *     where the CPU has AVX512_BF16 (oneDNN's brgemm kernels, with AMX where
+ *     the CPU has it: several times OpenBLAS's f32 rate, which a bf16 GEMM
+ *     otherwise gets after converting its operands), converted for OpenBLAS
+ *     elsewhere. A rule of the CPU alone: every process on a machine makes
+ *     the same choice.
  *   - Setting GJ_RT_GEMM_AUTO (GRADJIT_GEMM=auto): a new GEMM
  *     (at least GJ_RT_GEMM_ALT_MIN multiply-adds, alpha == 1, beta 0 or 1,
- *     f32) is measured once on the block being computed: 5-21 interleaved
+ *     f32 or bf16) is measured once on the block being computed: 5-21 interleaved
  *     pairs of single-threaded runs of OpenBLAS and oneDNN (about 8 ms in
  *     all, more for a block that takes longer) on the block's own operands
  *     (A, B read; C written into a scratch copy); oneDNN must win the
  *     median pair by GJ_RT_GEMM_ALT_MARGIN. Smaller or other
  *     GEMMs are OpenBLAS's without a look-up. GJ_RT_GEMM_OPENBLAS never
- *     touches oneDNN (nor loads it); GJ_RT_GEMM_ONEDNN sends every f32 GEMM
+ *     touches oneDNN (nor loads it); GJ_RT_GEMM_ONEDNN sends every f32 or bf16 GEMM
  *     with alpha == 1 and beta 0 or 1 that oneDNN accepts to oneDNN,
  *     without measuring.
  *   - Primitives are kept per block shape (KIND_BLOCK: the block's M, N
@@ -96,6 +104,7 @@
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,7 +157,7 @@ static atomic_bool g_simulate_missing;
  * oneDNN primitive): row-major C[M,N] = op(A) op(B) + beta C, beta 0 or 1. */
 typedef struct gemm_key {
     int64_t M, N, K, lda, ldb, ldc;
-    uint8_t ta, tb, beta1, kind;
+    uint8_t ta, tb, beta1, kind, bf16; /* bf16: A and B bf16, C f32 */
 } gemm_key;
 
 enum { KIND_GEMM = 0, KIND_BLOCK = 1 };
@@ -171,14 +180,15 @@ typedef struct gemm_entry {
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic(gemm_entry *) g_buckets[GJ_RT_GEMM_BUCKETS];
 static int g_entries; /* under g_lock */
-static atomic_llong g_n_blas, g_n_dnnl, g_n_measured, g_n_loaded, g_n_refused;
+static atomic_llong g_n_blas, g_n_dnnl, g_n_bf16, g_n_measured, g_n_loaded, g_n_refused;
 static char *g_dir_override; /* gj_rt_gemm_set_cache_dir (malloc'd), under g_lock */
 static int g_dir_mode = -1;  /* -1 environment, 0 off, 1 override */
 
 static uint64_t key_hash(const gemm_key *k) {
     uint64_t h = 1469598103934665603ull;
-    const int64_t v[10] = {k->M, k->N, k->K, k->lda, k->ldb, k->ldc, k->ta, k->tb, k->beta1, k->kind};
-    for (int i = 0; i < 10; i++) {
+    const int64_t v[11] = {k->M,  k->N,  k->K,     k->lda,  k->ldb, k->ldc,
+                           k->ta, k->tb, k->beta1, k->kind, k->bf16};
+    for (int i = 0; i < 11; i++) {
         h ^= (uint64_t)v[i];
         h *= 1099511628211ull;
         h ^= h >> 29;
@@ -189,7 +199,7 @@ static uint64_t key_hash(const gemm_key *k) {
 static bool key_eq(const gemm_key *a, const gemm_key *b) {
     return a->M == b->M && a->N == b->N && a->K == b->K && a->lda == b->lda &&
            a->ldb == b->ldb && a->ldc == b->ldc && a->ta == b->ta && a->tb == b->tb &&
-           a->beta1 == b->beta1 && a->kind == b->kind;
+           a->beta1 == b->beta1 && a->kind == b->kind && a->bf16 == b->bf16;
 }
 
 static gemm_entry *lookup(const gemm_key *k, uint64_t h) {
@@ -446,8 +456,9 @@ static bool key_mds(const gemm_key *k, dnnl_memory_desc_t *a, dnnl_memory_desc_t
     dnnl_dims_t as = {k->ta ? 1 : k->lda, k->ta ? k->lda : 1};
     dnnl_dims_t bs = {k->tb ? 1 : k->ldb, k->tb ? k->ldb : 1};
     dnnl_dims_t cs = {k->ldc, 1};
-    return D.md_init_by_strides(a, 2, ad, dnnl_f32, as) == dnnl_success &&
-           D.md_init_by_strides(b, 2, bd, dnnl_f32, bs) == dnnl_success &&
+    dnnl_data_type_t ab = k->bf16 ? dnnl_bf16 : dnnl_f32;
+    return D.md_init_by_strides(a, 2, ad, ab, as) == dnnl_success &&
+           D.md_init_by_strides(b, 2, bd, ab, bs) == dnnl_success &&
            D.md_init_by_strides(c, 2, cd, dnnl_f32, cs) == dnnl_success;
 }
 
@@ -469,12 +480,13 @@ static dnnl_primitive_t prim_make(const gemm_key *k, size_t *scratch, char *impl
                      D.post_ops_append_sum(po, 1.0f) != dnnl_success ||
                      D.attr_set_post_ops(attr, po) != dnnl_success))
         goto done;
-    /* The first GEMM-based implementation ("gemm:jit") if there is one,
-     * else oneDNN's first choice: see GJ_RT_GEMM_PREFER_GEMM. */
+    /* f32: the first GEMM-based implementation ("gemm:jit") if there is
+     * one, else oneDNN's first choice: see GJ_RT_GEMM_PREFER_GEMM. bf16:
+     * oneDNN's first choice (its brgemm kernels: AMX or AVX512_BF16). */
     dnnl_primitive_desc_iterator_t it = NULL;
     if (D.it_create(&it, &md, attr, g_engine, NULL) != dnnl_success)
         goto done;
-    for (int i = 0; GJ_RT_GEMM_PREFER_GEMM && i < 64; i++) {
+    for (int i = 0; GJ_RT_GEMM_PREFER_GEMM && !k->bf16 && i < 64; i++) {
         dnnl_primitive_desc_t cand = D.it_fetch(it);
         const char *name = NULL;
         if (cand && D.pd_query(cand, dnnl_query_impl_info_str, 0, &name) == dnnl_success &&
@@ -496,6 +508,8 @@ static dnnl_primitive_t prim_make(const gemm_key *k, size_t *scratch, char *impl
     if (D.pd_query(pd, dnnl_query_impl_info_str, 0, &iname) != dnnl_success || !iname)
         iname = "?";
     snprintf(impl, impl_cap, "%s", iname);
+    if (strncmp(iname, "ref", 3) == 0) /* a reference loop: slower than converting */
+        goto done;
     const dnnl_memory_desc_t *sm = D.pd_query_md(pd, dnnl_query_scratchpad_md, 0);
     *scratch = sm ? D.md_get_size(sm) : 0;
     if (D.prim_create(&p, pd) != dnnl_success)
@@ -511,10 +525,25 @@ done:
     return p;
 }
 
+/* Every asynchronous signal is blocked on the calling thread while a
+ * generated kernel runs (see "Signals" above); a signal that arrives meanwhile
+ * is delivered when the mask is restored, on the thread's own stack. Faults
+ * (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP) stay deliverable. */
+static void signals_block(sigset_t *old) {
+    sigset_t all;
+    sigfillset(&all);
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
+    sigdelset(&all, SIGTRAP);
+    pthread_sigmask(SIG_BLOCK, &all, old);
+}
+
 /* Runs primitive p of key k on the given operands on the calling thread.
  * true on success. */
-static bool prim_run(dnnl_primitive_t p, size_t scratch, const gemm_key *k, const float *A,
-                     const float *B, float *C) {
+static bool prim_run(dnnl_primitive_t p, size_t scratch, const gemm_key *k, const void *A,
+                     const void *B, float *C) {
     thread_ctx *t = ctx_get(scratch);
     if (!t)
         return false;
@@ -539,7 +568,10 @@ static bool prim_run(dnnl_primitive_t p, size_t scratch, const gemm_key *k, cons
             goto done;
         args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, ms};
     }
+    sigset_t old;
+    signals_block(&old);
     ok = D.prim_execute(p, t->stream, n, args) == dnnl_success;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
 done:
     if (ms)
         D.memory_destroy(ms);
@@ -559,10 +591,15 @@ static void at_exit(void);
 static const char *cache_dir(char *buf, size_t cap);
 static int open_dir(const char *dir, bool create);
 
-/* The single-threaded OpenBLAS call of key k (blas.c's block call). */
-static void blas_run(const gemm_key *k, const float *A, const float *B, float *C) {
-    gj_rt_sgemm_block_blas(k->ta, k->tb, k->M, k->N, k->K, A, k->lda, B, k->ldb,
-                           k->beta1 ? 1.0f : 0.0f, C, k->ldc);
+/* The single-threaded OpenBLAS call of key k (blas.c's block call; bf16
+ * operands converted first). */
+static void blas_run(const gemm_key *k, const void *A, const void *B, float *C) {
+    if (k->bf16)
+        gj_rt_bgemm_block_blas(k->ta, k->tb, k->M, k->N, k->K, A, k->lda, B, k->ldb,
+                               k->beta1 ? 1.0f : 0.0f, C, k->ldc);
+    else
+        gj_rt_sgemm_block_blas(k->ta, k->tb, k->M, k->N, k->K, A, k->lda, B, k->ldb,
+                               k->beta1 ? 1.0f : 0.0f, C, k->ldc);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -573,7 +610,7 @@ static int cmp_double(const void *a, const void *b) {
 /* Under g_lock: measures the GEMM of decision entry d on its block (the
  * block's entry pe holds the primitive) with the block's own A and B,
  * writing into a scratch C; sets d->choice. */
-static void measure(gemm_entry *d, gemm_entry *pe, const float *A, const float *B,
+static void measure(gemm_entry *d, gemm_entry *pe, const void *A, const void *B,
                     const float *C) {
     const gemm_key *k = &pe->key;
     size_t cn = (size_t)((k->M - 1) * k->ldc + k->N);
@@ -664,7 +701,7 @@ static dnnl_primitive_t ensure_prim(gemm_entry *e) {
  * other process measured meanwhile takes that process's choice, so that
  * the first measurement of a shape on a machine decides it for every later
  * process (their bits agree). Then the merged table is written back. */
-static void measure_shared(gemm_entry *d, gemm_entry *pe, const float *A, const float *B,
+static void measure_shared(gemm_entry *d, gemm_entry *pe, const void *A, const void *B,
                            const float *C) {
     char buf[4096];
     const char *dir = cache_dir(buf, sizeof buf);
@@ -712,7 +749,7 @@ static dnnl_primitive_t block_prim(const gemm_key *bk, size_t *scratch) {
 /* The auto mode's choice for GEMM key gk, whose block bk (operands A, B, C)
  * this call computes: measured on that block the first time (under
  * g_lock; a thread that arrives meanwhile waits for the result). */
-static int auto_choice(const gemm_key *gk, const gemm_key *bk, const float *A, const float *B,
+static int auto_choice(const gemm_key *gk, const gemm_key *bk, const void *A, const void *B,
                        const float *C) {
     uint64_t h = key_hash(gk);
     gemm_entry *d = lookup(gk, h);
@@ -735,11 +772,15 @@ static int auto_choice(const gemm_key *gk, const gemm_key *bk, const float *A, c
     return c;
 }
 
-bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const float *A,
-                          const float *B, float *C) {
+bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const void *A,
+                          const void *B, float *C) {
     int setting = gj_rt_gemm_provider_setting();
     if (setting == GJ_RT_GEMM_OPENBLAS || c->f64 || c->alpha != 1.0 ||
         (c->beta != 0.0 && c->beta != 1.0) || M <= 0 || N <= 0 || c->K <= 0)
+        goto blas;
+    /* the default: f32 stays OpenBLAS's (see "Signals"), bf16 goes to
+     * oneDNN where the CPU multiplies bf16 itself */
+    if (setting == GJ_RT_GEMM_DEFAULT && (!c->bf16 || !gj_rt_cpu_native_bf16()))
         goto blas;
     if (setting == GJ_RT_GEMM_AUTO &&
         (double)c->M * (double)c->N * (double)c->K < (double)GJ_RT_GEMM_ALT_MIN)
@@ -747,9 +788,10 @@ bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const 
     if (!dnnl_ready())
         goto blas;
     bool beta1 = c->beta == 1.0;
-    gemm_key bk = {M, N, c->K, c->lda, c->ldb, c->ldc, c->ta, c->tb, beta1, KIND_BLOCK};
+    gemm_key bk = {M, N, c->K, c->lda, c->ldb, c->ldc, c->ta, c->tb, beta1, KIND_BLOCK, c->bf16};
     if (setting == GJ_RT_GEMM_AUTO) {
-        gemm_key gk = {c->M, c->N, c->K, c->lda, c->ldb, c->ldc, c->ta, c->tb, beta1, KIND_GEMM};
+        gemm_key gk = {c->M,   c->N,   c->K, c->lda,    c->ldb, c->ldc,
+                       c->ta,  c->tb,  beta1, KIND_GEMM, c->bf16};
         if (auto_choice(&gk, &bk, A, B, C) != CHOICE_ONEDNN)
             goto blas;
     }
@@ -761,9 +803,13 @@ bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const 
     if (!p || !prim_run(p, scratch, &bk, A, B, C))
         goto blas;
     atomic_fetch_add_explicit(&g_n_dnnl, 1, memory_order_relaxed);
+    if (c->bf16)
+        atomic_fetch_add_explicit(&g_n_bf16, 1, memory_order_relaxed);
     return true;
 blas:
     atomic_fetch_add_explicit(&g_n_blas, 1, memory_order_relaxed);
+    if (c->bf16)
+        atomic_fetch_add_explicit(&g_n_bf16, 1, memory_order_relaxed);
     return false;
 }
 
@@ -795,10 +841,12 @@ static void at_exit(void) {
 
 #else /* ======================================== built without oneDNN */
 
-bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const float *A,
-                          const float *B, float *C) {
-    (void)c, (void)M, (void)N, (void)A, (void)B, (void)C;
+bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const void *A,
+                          const void *B, float *C) {
+    (void)M, (void)N, (void)A, (void)B, (void)C;
     atomic_fetch_add_explicit(&g_n_blas, 1, memory_order_relaxed);
+    if (c->bf16)
+        atomic_fetch_add_explicit(&g_n_bf16, 1, memory_order_relaxed);
     return false;
 }
 
@@ -821,9 +869,11 @@ static const char *entry_impl(const gemm_entry *e) {
 
 static void env_read(void) {
     const char *v = getenv("GRADJIT_GEMM");
-    int s = GJ_RT_GEMM_OPENBLAS; /* the default: see the file comment, "Signals" */
+    int s = GJ_RT_GEMM_DEFAULT; /* see the file comment, "Signals" */
     if (v && *v) {
-        if (strcasecmp(v, "openblas") == 0)
+        if (strcasecmp(v, "default") == 0)
+            s = GJ_RT_GEMM_DEFAULT;
+        else if (strcasecmp(v, "openblas") == 0)
             s = GJ_RT_GEMM_OPENBLAS;
         else if (strcasecmp(v, "onednn") == 0)
             s = GJ_RT_GEMM_ONEDNN;
@@ -831,7 +881,8 @@ static void env_read(void) {
             s = GJ_RT_GEMM_AUTO;
         else
             fprintf(stderr,
-                    "gradjit: GRADJIT_GEMM='%s' is not openblas, onednn or auto: using openblas\n",
+                    "gradjit: GRADJIT_GEMM='%s' is not default, openblas, onednn or auto: using "
+                    "the default\n",
                     v);
     }
     if (s == GJ_RT_GEMM_ONEDNN && !gj_rt_onednn_available()) {
@@ -848,8 +899,10 @@ int gj_rt_gemm_provider_setting(void) {
 
 int gj_rt_set_gemm_provider(int p) {
     pthread_once(&g_env_once, env_read); /* the call wins over the environment */
-    if (p != GJ_RT_GEMM_AUTO && p != GJ_RT_GEMM_OPENBLAS && p != GJ_RT_GEMM_ONEDNN) {
-        gj_rt_set_error("gj_set_gemm_provider: %d is not a provider (auto 0, openblas 1, onednn 2)",
+    if (p != GJ_RT_GEMM_AUTO && p != GJ_RT_GEMM_OPENBLAS && p != GJ_RT_GEMM_ONEDNN &&
+        p != GJ_RT_GEMM_DEFAULT) {
+        gj_rt_set_error("gj_set_gemm_provider: %d is not a provider (auto 0, openblas 1, onednn 2, "
+                        "default 3)",
                         p);
         return -1;
     }
@@ -863,7 +916,10 @@ int gj_rt_set_gemm_provider(int p) {
 }
 
 const char *gj_rt_gemm_provider_name(int p) {
-    return p == GJ_RT_GEMM_OPENBLAS ? "openblas" : p == GJ_RT_GEMM_ONEDNN ? "onednn" : "auto";
+    return p == GJ_RT_GEMM_OPENBLAS ? "openblas"
+           : p == GJ_RT_GEMM_ONEDNN ? "onednn"
+           : p == GJ_RT_GEMM_DEFAULT ? "default"
+                                      : "auto";
 }
 
 void gj_rt_gemm_simulate_no_onednn(bool on) {
@@ -873,8 +929,8 @@ void gj_rt_gemm_simulate_no_onednn(bool on) {
 }
 
 int gj_rt_gemm_choice(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                      int64_t ldc, bool beta1) {
-    gemm_key k = {M, N, K, lda, ldb, ldc, ta, tb, beta1, KIND_GEMM};
+                      int64_t ldc, bool beta1, bool bf16) {
+    gemm_key k = {M, N, K, lda, ldb, ldc, ta, tb, beta1, KIND_GEMM, bf16};
     gemm_entry *e = lookup(&k, key_hash(&k));
     if (!e)
         return CHOICE_NONE;
@@ -884,6 +940,7 @@ int gj_rt_gemm_choice(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t
 void gj_rt_gemm_get_stats(gj_rt_gemm_stats *s) {
     s->openblas_blocks = atomic_load(&g_n_blas);
     s->onednn_blocks = atomic_load(&g_n_dnnl);
+    s->bf16_blocks = atomic_load(&g_n_bf16);
     s->measured = atomic_load(&g_n_measured);
     s->loaded = atomic_load(&g_n_loaded);
     s->refused = atomic_load(&g_n_refused);
@@ -906,6 +963,7 @@ void gj_rt_gemm_provider_reset(void) {
     g_entries = 0;
     atomic_store(&g_n_blas, 0);
     atomic_store(&g_n_dnnl, 0);
+    atomic_store(&g_n_bf16, 0);
     atomic_store(&g_n_measured, 0);
     atomic_store(&g_n_loaded, 0);
     atomic_store(&g_n_refused, 0);
@@ -931,8 +989,9 @@ void gj_rt_gemm_dump(FILE *f) {
         for (gemm_entry *e = atomic_load(&g_buckets[b]); e; e = e->next) {
             const gemm_key *k = &e->key;
             int c = atomic_load(&e->choice);
-            fprintf(f, "%s %c%c M=%lld N=%lld K=%lld lda=%lld ldb=%lld ldc=%lld beta=%d: ",
-                    k->kind == KIND_GEMM ? "gemm" : "block", k->ta ? 'T' : 'N', k->tb ? 'T' : 'N',
+            fprintf(f, "%s%s %c%c M=%lld N=%lld K=%lld lda=%lld ldb=%lld ldc=%lld beta=%d: ",
+                    k->kind == KIND_GEMM ? "gemm" : "block", k->bf16 ? " bf16" : "",
+                    k->ta ? 'T' : 'N', k->tb ? 'T' : 'N',
                     (long long)k->M, (long long)k->N, (long long)k->K, (long long)k->lda,
                     (long long)k->ldb, (long long)k->ldc, k->beta1);
             if (k->kind == KIND_GEMM && e->us_blas > 0)
@@ -959,7 +1018,7 @@ typedef struct file_rec {
     int64_t M, N, K, lda, ldb, ldc;
     uint8_t ta, tb, beta1, choice;
     float us_blas, us_dnnl;
-    uint32_t pad;
+    uint8_t bf16, pad[3];
 } file_rec;
 
 static uint64_t fnv64(const void *p, size_t n, uint64_t h) {
@@ -1057,7 +1116,8 @@ static void file_name(char out[40], const char *id) {
 
 /* A record that could have come from gj_rt_gemm_alt_block's keys. */
 static bool rec_ok(const file_rec *r) {
-    if (r->ta > 1 || r->tb > 1 || r->beta1 > 1 || r->pad != 0 ||
+    if (r->ta > 1 || r->tb > 1 || r->beta1 > 1 || r->bf16 > 1 || r->pad[0] || r->pad[1] ||
+        r->pad[2] ||
         (r->choice != CHOICE_OPENBLAS && r->choice != CHOICE_ONEDNN))
         return false;
     if (r->M < 1 || r->N < 1 || r->K < 1 || r->M > INT_MAX || r->N > INT_MAX || r->K > INT_MAX ||
@@ -1113,7 +1173,7 @@ static void load_file(int dfd) {
     for (uint32_t i = 0; i < count; i++) {
         file_rec r;
         memcpy(&r, data + off + i * sizeof r, sizeof r);
-        gemm_key k = {r.M, r.N, r.K, r.lda, r.ldb, r.ldc, r.ta, r.tb, r.beta1, KIND_GEMM};
+        gemm_key k = {r.M, r.N, r.K, r.lda, r.ldb, r.ldc, r.ta, r.tb, r.beta1, KIND_GEMM, r.bf16};
         gemm_entry *e = lookup_or_add(&k, key_hash(&k));
         if (!e || atomic_load(&e->choice) != CHOICE_NONE)
             continue; /* this process decided already */
@@ -1152,7 +1212,7 @@ static void save_file(int dfd) {
                 continue;
             const gemm_key *k = &e->key;
             file_rec r = {k->M, k->N, k->K, k->lda, k->ldb, k->ldc, k->ta, k->tb, k->beta1,
-                          (uint8_t)atomic_load(&e->choice), e->us_blas, e->us_dnnl, 0};
+                          (uint8_t)atomic_load(&e->choice), e->us_blas, e->us_dnnl, k->bf16, {0}};
             memcpy(data + off, &r, sizeof r);
             off += sizeof r;
             e->saved = true;

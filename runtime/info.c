@@ -24,7 +24,8 @@ int gj_get_num_threads(void) { return gj_rt_num_threads(); }
 
 /* (gj_gemm_provider's values are gj_rt_gemm_provider's.) */
 _Static_assert(GJ_GEMM_AUTO == (int)GJ_RT_GEMM_AUTO && GJ_GEMM_OPENBLAS == (int)GJ_RT_GEMM_OPENBLAS &&
-                   GJ_GEMM_ONEDNN == (int)GJ_RT_GEMM_ONEDNN,
+                   GJ_GEMM_ONEDNN == (int)GJ_RT_GEMM_ONEDNN &&
+                   GJ_GEMM_DEFAULT == (int)GJ_RT_GEMM_DEFAULT,
                "gj_gemm_provider and gj_rt_gemm_provider disagree");
 
 int gj_set_gemm_provider(gj_gemm_provider p) { return gj_rt_set_gemm_provider((int)p); }

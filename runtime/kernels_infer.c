@@ -399,9 +399,12 @@ int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out) {
             IERR("output rank %d exceeds %d", nb + 2, GJ_MAX_DIMS);
         sh[nb] = M;
         sh[nb + 1] = N;
-        if (!gj_rt_check_shape(nb + 2, sh, x->dtype, gj_rt_prim_name(inst->prim)))
+        if (inst->wide && x->dtype != GJ_BF16)
+            IERR("a wide product needs bf16 operands, got %s", dn);
+        gj_dtype odt = inst->wide ? GJ_F32 : x->dtype;
+        if (!gj_rt_check_shape(nb + 2, sh, odt, gj_rt_prim_name(inst->prim)))
             return -1;
-        gj_rt_k_set_meta(out, x->dtype, nb + 2, sh);
+        gj_rt_k_set_meta(out, odt, nb + 2, sh);
         return 1;
     }
 

@@ -13,8 +13,11 @@
  *   - When y is shared by the whole batch (no batch dims or all broadcast)
  *     and x's batch and row dims collapse into one strided dim, the batch is
  *     one GEMM with M' = batch*M; otherwise one GEMM per batch element.
- *   - bf16 computes in f32: both operands converted to contiguous f32, f32
- *     GEMM into a scratch tensor, rounded once into the bf16 output.
+ *   - bf16 operands go to gj_rt_bgemm as they are (bf16 products summed in
+ *     f32: oneDNN's bf16 matmul, or both converted to f32 for OpenBLAS, as
+ *     the GEMM provider decides) into an f32 scratch tensor, rounded once
+ *     into the bf16 output. A `wide` MATMUL (the compiled programs' legal
+ *     form) returns that f32 result itself, unrounded.
  *   - The output is contiguous; GEMM writes it with beta = 0, and K == 0
  *     zero-fills it.
  */
@@ -80,10 +83,11 @@ static int gj_k_mm_prepare(gj_tensor *t, bool tr, int nb, const int64_t *bs, gj_
     return 0;
 }
 
-/* C[batch] = op(A) op(B) for f32 or f64 operands already prepared. */
+/* C[batch] = op(A) op(B) for f32, f64 or bf16 operands (dt) already
+ * prepared; C is f64 for f64 operands, else f32. */
 static void gj_k_mm_run(gj_dtype dt, int nb, const int64_t *bs, const gj_k_mm_op *a,
                         const gj_k_mm_op *b, int64_t M, int64_t N, int64_t K, char *c) {
-    int64_t el = (int64_t)gj_rt_dtype_size(dt);
+    int64_t el = (int64_t)gj_rt_dtype_size(dt), cel = dt == GJ_F64 ? 8 : 4;
     int64_t nbatch = gj_rt_numel(nb, bs);
     /* Collapse the batch into M when B is shared and A is plain row-major
      * with batch strides chaining onto its row stride. */
@@ -110,8 +114,12 @@ static void gj_k_mm_run(gj_dtype dt, int nb, const int64_t *bs, const gj_k_mm_op
             ao += idx[k] * a->bst[k];
             bo += idx[k] * b->bst[k];
         }
-        char *cp = c + bi * M * N * el;
-        if (dt == GJ_F32)
+        char *cp = c + bi * M * N * cel;
+        if (dt == GJ_BF16)
+            gj_rt_bgemm(a->trans, b->trans, M, N, K, (const uint16_t *)(const void *)(a->data + ao * el),
+                        a->ld, (const uint16_t *)(const void *)(b->data + bo * el), b->ld, 0.0f,
+                        (float *)(void *)cp, N);
+        else if (dt == GJ_F32)
             gj_rt_sgemm(a->trans, b->trans, M, N, K, 1.0f, (const float *)(const void *)(a->data + ao * el),
                         a->ld, (const float *)(const void *)(b->data + bo * el), b->ld, 0.0f,
                         (float *)(void *)cp, N);
@@ -139,31 +147,25 @@ int gj_rt_k_matmul(const gj_rt_inst *inst, gj_tensor *x, gj_tensor *y, gj_tensor
         return 0;
     }
     int rc = -1;
-    gj_tensor *xf = NULL, *yf = NULL, *of = NULL;
+    gj_tensor *of = NULL;
     gj_k_mm_op a = {0}, b = {0};
-    gj_tensor *xx = x, *yy = y, *oo = out;
-    if (x->dtype == GJ_BF16) {
-        xf = gj_rt_tensor_empty(GJ_F32, x->ndim, x->shape);
-        yf = gj_rt_tensor_empty(GJ_F32, y->ndim, y->shape);
+    gj_tensor *oo = out;
+    if (x->dtype == GJ_BF16 && out->dtype == GJ_BF16) { /* the f32 result, then rounded */
         of = gj_rt_tensor_empty(GJ_F32, out->ndim, out->shape);
-        if (!xf || !yf || !of || gj_rt_copy_into(xf, x) != 0 || gj_rt_copy_into(yf, y) != 0)
+        if (!of)
             goto fail;
-        xx = xf;
-        yy = yf;
         oo = of;
     }
-    if (gj_k_mm_prepare(xx, inst->ta, nb, bs, &a) != 0 ||
-        gj_k_mm_prepare(yy, inst->tb, nb, bs, &b) != 0)
+    if (gj_k_mm_prepare(x, inst->ta, nb, bs, &a) != 0 ||
+        gj_k_mm_prepare(y, inst->tb, nb, bs, &b) != 0)
         goto fail;
-    gj_k_mm_run(oo->dtype, nb, bs, &a, &b, M, N, K, gj_rt_data_ptr(oo));
+    gj_k_mm_run(x->dtype, nb, bs, &a, &b, M, N, K, gj_rt_data_ptr(oo));
     if (of && gj_rt_copy_into(out, of) != 0)
         goto fail;
     rc = 0;
 fail:
     gj_rt_tensor_release(a.t);
     gj_rt_tensor_release(b.t);
-    gj_rt_tensor_release(xf);
-    gj_rt_tensor_release(yf);
     gj_rt_tensor_release(of);
     return rc;
 }

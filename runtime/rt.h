@@ -195,6 +195,12 @@ void gj_rt_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
 void gj_rt_dgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
                  const double *A, int64_t lda, const double *B, int64_t ldb, double beta,
                  double *C, int64_t ldc);
+/* C[M,N] = op(A) op(B) + beta * C with bf16 operands and an f32 result
+ * (beta 0 or 1), accumulated in f32: oneDNN's bf16 matmul where the
+ * provider setting gives it the GEMM (gj_rt_gemm_alt_block), else both
+ * operands converted to f32 (exactly) for OpenBLAS's sgemm. */
+void gj_rt_bgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                 int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
 
 #include "rt_prim.h"
 
@@ -239,7 +245,8 @@ const char *gj_rt_blas_pick_coretype(void);
 /* Sets OpenBLAS's thread count if it is loaded (gj_rt_set_num_threads calls
  * it; gj_rt_blas_init applies gj_rt_num_threads() after loading). */
 void gj_rt_blas_set_num_threads(int n);
-/* A GEMM as gj_rt_sgemm/dgemm take it (row-major; alpha, beta in double). */
+/* A GEMM as gj_rt_sgemm/dgemm/bgemm take it (row-major; alpha, beta in
+ * double). bf16: A and B are bf16 (uint16_t), C is f32 (gj_rt_bgemm). */
 typedef struct gj_rt_gemm_call {
     bool f64, ta, tb;
     int64_t M, N, K;
@@ -251,6 +258,7 @@ typedef struct gj_rt_gemm_call {
     double beta;
     void *C;
     int64_t ldc;
+    bool bf16;
 } gj_rt_gemm_call;
 /* How gj_rt_sgemm/dgemm split a GEMM (ta: A stored transposed) on
  * `threads` threads: `parts` blocks of rows (by_rows) or of columns of C,
@@ -275,15 +283,19 @@ bool gj_rt_in_pool_task(void);
 
 /* ----------------------------------------- GEMM providers (gemm_provider.c) */
 
-/* Who computes an f32 GEMM block: OpenBLAS, or oneDNN's matmul primitive
- * (when gradjit was built with libdnnl-dev and libdnnl.so.2 loads). AUTO
- * (default; GRADJIT_GEMM=auto) measures both once per block shape and keeps
- * the faster; OPENBLAS / ONEDNN (GRADJIT_GEMM=openblas|onednn) pin one.
- * f64 GEMMs, alpha != 1 and beta other than 0 or 1 are always OpenBLAS's. */
+/* Who computes an f32 or bf16 GEMM block: OpenBLAS (bf16 operands
+ * converted to f32), or oneDNN's matmul primitive (when gradjit was built
+ * with libdnnl-dev and libdnnl.so.2 loads). DEFAULT (GRADJIT_GEMM unset):
+ * f32 to OpenBLAS, bf16 to oneDNN where the CPU multiplies bf16 natively
+ * (AVX512_BF16); AUTO (GRADJIT_GEMM=auto) measures both once per GEMM shape
+ * and keeps the faster; OPENBLAS / ONEDNN (GRADJIT_GEMM=openblas|onednn)
+ * pin one. f64 GEMMs, alpha != 1 and beta other than 0 or 1 are always
+ * OpenBLAS's. */
 typedef enum gj_rt_gemm_provider {
     GJ_RT_GEMM_AUTO = 0,
     GJ_RT_GEMM_OPENBLAS = 1,
     GJ_RT_GEMM_ONEDNN = 2,
+    GJ_RT_GEMM_DEFAULT = 3,
 } gj_rt_gemm_provider;
 /* Sets the provider for every later GEMM (wins over GRADJIT_GEMM). 0, or -1
  * with an error: not a provider, or ONEDNN without oneDNN (then OpenBLAS is
@@ -291,7 +303,7 @@ typedef enum gj_rt_gemm_provider {
 int gj_rt_set_gemm_provider(int p);
 /* The setting in force (GRADJIT_GEMM until gj_rt_set_gemm_provider). */
 int gj_rt_gemm_provider_setting(void);
-const char *gj_rt_gemm_provider_name(int p); /* "auto", "openblas", "onednn" */
+const char *gj_rt_gemm_provider_name(int p); /* "auto", "openblas", "onednn", "default" */
 bool gj_rt_onednn_available(void);
 const char *gj_rt_onednn_version(void); /* "2.6.3 (OpenMP)" or "unavailable" */
 /* Called by gj_rt_gemm_block for block [M, N] of GEMM c (A, B, C: the
@@ -299,17 +311,27 @@ const char *gj_rt_onednn_version(void); /* "2.6.3 (OpenMP)" or "unavailable" */
  * oneDNN and returns true, or returns false for OpenBLAS to compute it. The
  * auto choice is made per GEMM c (not per block), so a GEMM uses one
  * provider whatever the thread count splits it into. */
-bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const float *A,
-                          const float *B, float *C);
+bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const void *A,
+                          const void *B, float *C);
 /* The single-threaded OpenBLAS sgemm of a block (alpha 1; OpenBLAS loaded). */
 void gj_rt_sgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float *A,
                             int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                             int64_t ldc);
+/* The same for bf16 operands: both converted to f32 (exactly) into the
+ * calling thread's scratch, then that sgemm (the plain loop without
+ * OpenBLAS). */
+void gj_rt_bgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                            int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C,
+                            int64_t ldc);
+/* Whether the CPU multiplies bf16 natively (AVX512_BF16): where the default
+ * setting sends bf16 GEMMs to oneDNN. */
+bool gj_rt_cpu_native_bf16(void);
 /* The auto mode's decision for a GEMM: 0 none yet, 1 OpenBLAS, 2 oneDNN. */
 int gj_rt_gemm_choice(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                      int64_t ldc, bool beta1);
+                      int64_t ldc, bool beta1, bool bf16);
 typedef struct gj_rt_gemm_stats {
-    int64_t openblas_blocks, onednn_blocks; /* f32 blocks computed by each */
+    int64_t openblas_blocks, onednn_blocks; /* f32 and bf16 blocks computed by each */
+    int64_t bf16_blocks;                    /* of which bf16 */
     int64_t measured, loaded, refused;      /* keys measured, read from the file, refused */
     int64_t entries;                        /* keys in the table */
 } gj_rt_gemm_stats;

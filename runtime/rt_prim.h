@@ -85,6 +85,8 @@ typedef struct gj_rt_inst {
     uint32_t axes;   /* SUM/MAX: bitmask of reduced input axes */
     bool keepdim;    /* SUM/MAX */
     bool ta, tb;     /* MATMUL */
+    bool wide;       /* MATMUL of bf16 operands: the f32 result, not rounded
+                        to bf16 (the compiled programs' legal form) */
     int axis;        /* SLICE/PAD/CAT */
     int64_t start;   /* SLICE/PAD */
     int64_t len;     /* SLICE: length taken; PAD: output length; SCATTER_ADD_ROWS: V */

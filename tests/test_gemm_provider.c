@@ -25,13 +25,18 @@
  *     a damaged, group-writable or symlinked file is not used.
  *   - oneDNN starts no threads of its own (OpenMP): the process has no more
  *     threads than gradjit's pool.
- *   - Signals: a timer signal every 200 us during GEMMs on the pool leaves
- *     the default provider's results and the heap intact; so does oneDNN
- *     pinned when the handler runs on an alternate stack (oneDNN 2.x's
- *     generated GEMM kernels point rsp into the heap: a handler on the
- *     thread's own stack would write its frame there, which is why
- *     OpenBLAS is the default), which works because gradjit's own threads
- *     block asynchronous signals: the signal lands on this thread.
+ *   - bf16 GEMMs (gj_rt_bgemm: bf16 operands, f32 result, beta 0 or 1):
+ *     every provider agrees with the f64 reference of the bf16 values
+ *     within an f32 accumulation bound; OpenBLAS pinned gives exactly the
+ *     bits of sgemm on the operands widened to f32; the default sends bf16
+ *     blocks to oneDNN exactly where the CPU has AVX512_BF16, and f32
+ *     blocks to OpenBLAS.
+ *   - Signals: a timer signal every 200 us during GEMMs on the pool, its
+ *     handler on the thread's own stack, leaves every provider's results
+ *     (f32 and bf16) and the heap intact: oneDNN 2.x's generated GEMM
+ *     kernels point rsp into the heap, so the provider blocks asynchronous
+ *     signals while one runs (and gradjit's own threads block them always:
+ *     the signal lands on this thread).
  *
  * `test_gemm_provider --paired N` prints instead the paired comparison of
  * docs/performance.md (OpenBLAS against oneDNN, both pinned, interleaved on
@@ -105,7 +110,7 @@ static float *case_run_blocks(const gemm_case *g, int threads) {
     assert_non_null(C);
     memcpy(C, g->C0, g->csz * sizeof(float));
     gj_rt_gemm_call c = {false, g->ta, g->tb, g->M, g->N, g->K, g->alpha, g->A, g->lda, g->B,
-                         g->ldb, g->beta, C, g->ldc};
+                         g->ldb, g->beta, C, g->ldc, false};
     gj_rt_gemm_split sp;
     gj_rt_gemm_split_of(g->ta, g->M, g->N, g->K, threads, &sp);
     for (int i = sp.parts - 1; i >= 0; i--) gj_rt_gemm_block(&c, &sp, i);
@@ -306,15 +311,17 @@ static void child_setting(const char *value, char *out, size_t cap) {
 static void test_env(void **state) {
     (void)state;
     char out[512];
-    child_setting(NULL, out, sizeof out); /* the default: oneDNN is not signal-safe */
-    assert_non_null(strstr(out, "setting openblas"));
+    child_setting(NULL, out, sizeof out);
+    assert_non_null(strstr(out, "setting default"));
+    child_setting("Default", out, sizeof out);
+    assert_non_null(strstr(out, "setting default"));
     child_setting("OpenBLAS", out, sizeof out);
     assert_non_null(strstr(out, "setting openblas"));
     child_setting("auto", out, sizeof out);
     assert_non_null(strstr(out, "setting auto"));
     child_setting("mkl", out, sizeof out);
-    assert_non_null(strstr(out, "GRADJIT_GEMM='mkl' is not openblas, onednn or auto"));
-    assert_non_null(strstr(out, "setting openblas"));
+    assert_non_null(strstr(out, "GRADJIT_GEMM='mkl' is not default, openblas, onednn or auto"));
+    assert_non_null(strstr(out, "setting default"));
     child_setting("onednn", out, sizeof out);
     if (gj_rt_onednn_available()) {
         assert_non_null(strstr(out, "setting onednn"));
@@ -414,7 +421,7 @@ static void test_auto_once(void **state) {
     gj_rt_gemm_stats s1, s2;
     gj_rt_gemm_get_stats(&s1);
     assert_int_equal(s1.measured, 1); /* one GEMM, measured on one of its blocks */
-    int choice = gj_rt_gemm_choice(false, false, 128, 512, 256, 256, 512, 512, false);
+    int choice = gj_rt_gemm_choice(false, false, 128, 512, 256, 256, 512, 512, false, false);
     assert_true(choice == 1 || choice == 2);
     /* other thread counts keep the choice: no new measurement, same bits */
     for (int t = 1; t <= 3; t++) {
@@ -453,7 +460,7 @@ static void test_file(void **state) {
     gj_rt_gemm_stats s;
     gj_rt_gemm_get_stats(&s);
     assert_int_equal(s.measured, 1);
-    int choice = gj_rt_gemm_choice(true, false, 200, 150, 100, 200, 150, 150, false);
+    int choice = gj_rt_gemm_choice(true, false, 200, 150, 100, 200, 150, 150, false, false);
     /* one file, ours, 0600 */
     char path[512] = "";
     DIR *d = opendir(dir);
@@ -477,7 +484,7 @@ static void test_file(void **state) {
     gj_rt_gemm_get_stats(&s);
     assert_int_equal(s.measured, 0);
     assert_int_equal(s.loaded, 1);
-    assert_int_equal(gj_rt_gemm_choice(true, false, 200, 150, 100, 200, 150, 150, false), choice);
+    assert_int_equal(gj_rt_gemm_choice(true, false, 200, 150, 100, 200, 150, 150, false, false), choice);
     /* group-writable: not used (measured again; the save replaces it) */
     assert_int_equal(chmod(path, 0620), 0);
     gj_rt_gemm_provider_reset();
@@ -632,7 +639,7 @@ static int paired(int pairs) {
             gj_rt_sgemm(ta, tb, M, N, K, 1.0f, g.A, g.lda, g.B, g.ldb, 0.0f, C, g.ldc);
             gj_rt_gemm_split sp;
             gj_rt_gemm_split_of(ta, M, N, K, gj_rt_num_threads(), &sp);
-            int ch = gj_rt_gemm_choice(ta, tb, M, N, K, g.lda, g.ldb, g.ldc, false);
+            int ch = gj_rt_gemm_choice(ta, tb, M, N, K, g.lda, g.ldb, g.ldc, false, false);
             const char *pick = ch == 2 ? "onednn" : ch == 1 ? "openblas" : "openblas (small)";
             printf("%s%s   %5lld %5lld %5lld | %9.1f %9.1f | %6.3f [%5.3f,%5.3f] | %s (%d %s blocks)\n",
                    ta ? "T" : "N", tb ? "T" : "N", (long long)M, (long long)N, (long long)K,
@@ -686,6 +693,90 @@ static int thread_bits(void) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- bf16 */
+
+static uint16_t to_bf16(float f) { /* round to nearest even (no NaNs here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A bf16 case: g's operands rounded to bf16 (g->A/B then hold the widened
+ * values, so the f32 helpers give its reference), Ah/Bh the bf16 arrays. */
+static void case_bf16(gemm_case *g, uint16_t **Ah, uint16_t **Bh) {
+    *Ah = malloc(g->asz * sizeof **Ah);
+    *Bh = malloc(g->bsz * sizeof **Bh);
+    assert_true(*Ah && *Bh);
+    for (size_t i = 0; i < g->asz; i++) g->A[i] = from_bf16((*Ah)[i] = to_bf16(g->A[i]));
+    for (size_t i = 0; i < g->bsz; i++) g->B[i] = from_bf16((*Bh)[i] = to_bf16(g->B[i]));
+}
+
+static void test_bf16(void **state) {
+    (void)state;
+    assert_int_equal(gj_rt_blas_init(), 0);
+    int prov[4], np = providers(prov);
+    prov[np++] = GJ_RT_GEMM_DEFAULT;
+    gjt_rng r;
+    gjt_rng_seed(&r, 47);
+    for (int t = 1; t <= 2; t++) {
+        gj_rt_set_num_threads(t);
+        for (int s = 0; s < 16; s++) {
+            bool big = s % 3 != 0;
+            int64_t M = 1 + gjt_rng_int(&r, big ? 300 : 40), N = 1 + gjt_rng_int(&r, big ? 300 : 40);
+            int64_t K = 1 + gjt_rng_int(&r, big ? 400 : 40);
+            bool ta = s & 1, tb = (s >> 1) & 1;
+            float beta = (s >> 2) & 1 ? 1.0f : 0.0f;
+            gemm_case g;
+            case_make(&g, &r, ta, tb, M, N, K, s % 5 == 1 ? 2 : 0, 1.0f, beta);
+            uint16_t *Ah, *Bh;
+            case_bf16(&g, &Ah, &Bh);
+            double *ref, *tol;
+            case_ref(&g, &ref, &tol);
+            float *Cs = case_run(&g); /* sgemm of the widened operands, OpenBLAS pinned */
+            for (int p = 0; p < np; p++) {
+                assert_int_equal(gj_rt_set_gemm_provider(prov[p]), 0);
+                gj_rt_gemm_stats s0, s1;
+                gj_rt_gemm_get_stats(&s0);
+                float *C = malloc(g.csz * sizeof *C);
+                assert_non_null(C);
+                memcpy(C, g.C0, g.csz * sizeof *C);
+                gj_rt_bgemm(ta, tb, M, N, K, Ah, g.lda, Bh, g.ldb, beta, C, g.ldc);
+                gj_rt_gemm_get_stats(&s1);
+                char what[64];
+                snprintf(what, sizeof what, "bf16 %s, %d thread(s)", gj_rt_gemm_provider_name(prov[p]), t);
+                case_check(&g, C, ref, tol, what);
+                assert_true(s1.bf16_blocks > s0.bf16_blocks);
+                bool dnnl = s1.onednn_blocks > s0.onednn_blocks;
+                if (prov[p] == GJ_RT_GEMM_OPENBLAS) {
+                    assert_false(dnnl);
+                    assert_true(same_bits(C, Cs, g.csz)); /* converted exactly, then sgemm */
+                } else if (prov[p] == GJ_RT_GEMM_ONEDNN) {
+                    assert_true(dnnl);
+                } else if (prov[p] == GJ_RT_GEMM_DEFAULT) {
+                    assert_int_equal(dnnl, gj_rt_onednn_available() && gj_rt_cpu_native_bf16());
+                }
+                free(C);
+            }
+            /* the default keeps f32 GEMMs with OpenBLAS */
+            assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_DEFAULT), 0);
+            int64_t d0 = stat_dnnl();
+            free(case_run(&g));
+            assert_int_equal(stat_dnnl(), d0);
+            assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_OPENBLAS), 0);
+            free(Cs), free(Ah), free(Bh), free(ref), free(tol);
+            case_free(&g);
+        }
+    }
+}
+
 /* ------------------------------------------------------------- signals */
 
 static volatile sig_atomic_t g_alarms;
@@ -694,10 +785,11 @@ static void on_alarm(int sig) {
     g_alarms++;
 }
 
-/* 60 GEMMs of 256x512x1500 (a Fashion-MNIST weight gradient at batch 1500)
- * under a SIGALRM every 200 us (handler on the alternate stack when alt):
- * every result has the bits of the first, computed before the timer. */
-static void gemms_under_signals(bool alt) {
+/* 60 GEMMs of 256x512x1500 (a Fashion-MNIST weight gradient at batch 1500;
+ * with bf16 operands when bf16) under a SIGALRM every 200 us (handler on
+ * the alternate stack when alt): every result has the bits of the first,
+ * computed before the timer. */
+static void gemms_under_signals(bool alt, bool bf16) {
     const int64_t M = 256, N = 512, K = 1500;
     gjt_rng r;
     gjt_rng_seed(&r, 31);
@@ -706,7 +798,14 @@ static void gemms_under_signals(bool alt) {
     assert_true(A && B && C && C1);
     for (int64_t i = 0; i < K * M; i++) A[i] = (float)gjt_rng_uniform(&r, -1, 1);
     for (int64_t i = 0; i < K * N; i++) B[i] = (float)gjt_rng_uniform(&r, -1, 1);
-    gj_rt_sgemm(true, false, M, N, K, 1.0f, A, M, B, N, 0.0f, C1, N); /* A stored [K, M] */
+    uint16_t *Ah = malloc((size_t)(K * M) * sizeof *Ah), *Bh = malloc((size_t)(K * N) * sizeof *Bh);
+    assert_true(Ah && Bh);
+    for (int64_t i = 0; i < K * M; i++) Ah[i] = to_bf16(A[i]);
+    for (int64_t i = 0; i < K * N; i++) Bh[i] = to_bf16(B[i]);
+#define GEMM_(out)                                                                   \
+    (bf16 ? gj_rt_bgemm(true, false, M, N, K, Ah, M, Bh, N, 0.0f, out, N)            \
+          : gj_rt_sgemm(true, false, M, N, K, 1.0f, A, M, B, N, 0.0f, out, N))
+    GEMM_(C1); /* A stored [K, M] */
     stack_t ss = {0}, old_ss;
     if (alt) {
         ss.ss_sp = malloc(1 << 16);
@@ -725,7 +824,7 @@ static void gemms_under_signals(bool alt) {
     assert_int_equal(setitimer(ITIMER_REAL, &on, NULL), 0);
     int bad = 0;
     for (int i = 0; i < 60; i++) {
-        gj_rt_sgemm(true, false, M, N, K, 1.0f, A, M, B, N, 0.0f, C, N);
+        GEMM_(C);
         bad += memcmp(C, C1, (size_t)(M * N) * sizeof *C) != 0;
         void *p = malloc(1 << 12); /* (a corrupted heap usually aborts here) */
         free(p);
@@ -736,8 +835,11 @@ static void gemms_under_signals(bool alt) {
         assert_int_equal(sigaltstack(&old_ss, NULL), 0);
         free(ss.ss_sp);
     }
+#undef GEMM_
     assert_true(g_alarms > 0);
     assert_int_equal(bad, 0);
+    free(Ah);
+    free(Bh);
     free(A);
     free(B);
     free(C);
@@ -765,12 +867,17 @@ static void test_public_switch(void **state) {
 static void test_signals(void **state) {
     (void)state;
     gj_rt_gemm_provider_reset();
-    assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_OPENBLAS), 0); /* the default */
-    gemms_under_signals(false);
-    if (gj_rt_onednn_available()) {
+    int prov[4], np = providers(prov);
+    prov[np++] = GJ_RT_GEMM_DEFAULT;
+    for (int p = 0; p < np; p++) {
         gj_rt_gemm_provider_reset();
-        assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_ONEDNN), 0);
-        gemms_under_signals(true);
+        assert_int_equal(gj_rt_set_gemm_provider(prov[p]), 0);
+        gemms_under_signals(false, false);
+        gemms_under_signals(false, true);
+        if (prov[p] == GJ_RT_GEMM_ONEDNN) { /* and with the handler on an alternate stack */
+            gemms_under_signals(true, false);
+            gemms_under_signals(true, true);
+        }
     }
 }
 
@@ -793,6 +900,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test_teardown(test_file, restore),
         cmocka_unit_test_teardown(test_no_extra_threads, restore),
         cmocka_unit_test_teardown(test_public_switch, restore),
+        cmocka_unit_test_teardown(test_bf16, restore),
         cmocka_unit_test_teardown(test_signals, restore),
     };
     return cmocka_run_group_tests(tests, group_setup, NULL);

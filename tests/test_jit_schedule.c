@@ -81,7 +81,7 @@ static void check_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_
     assert_true(sp.parts >= 1 && sp.parts <= threads);
     assert_int_equal(sp.len, sp.by_rows ? M : N);
     if (sp.parts > 1) assert_true(sp.len / sp.parts >= 16);
-    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, 1.0, A, lda, B, ldb, beta, C2, ldc};
+    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, 1.0, A, lda, B, ldb, beta, C2, ldc, false};
     for (int i = sp.parts - 1; i >= 0; i--) gj_rt_gemm_block(&c, &sp, i); /* any order */
     if (memcmp(C1, C2, (size_t)(M * ldc) * el) != 0)
         fail_msg("split GEMM differs from its blocks: %s ta=%d tb=%d M=%lld N=%lld K=%lld pad=%lld "

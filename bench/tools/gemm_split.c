@@ -128,7 +128,7 @@ static int measure(int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool f64, 
         if (f64) ((double *)(void *)B)[i] = (double)(i % 89) * 1e-3;
         else ((float *)(void *)B)[i] = (float)(i % 89) * 1e-3f;
     }
-    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, 1.0, A, ta ? M : K, B, tb ? K : N, 0.0, C, N};
+    gj_rt_gemm_call c = {f64, ta, tb, M, N, K, 1.0, A, ta ? M : K, B, tb ? K : N, 0.0, C, N, false};
     gj_rt_gemm_split rule;
     gj_rt_gemm_split_of(ta, M, N, K, threads, &rule);
     double gf = 2.0 * (double)M * (double)N * (double)K * 1e-6;

@@ -3,7 +3,7 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC09"                     magic and format version (bumped whenever
+ *   "GJJITC10"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index instructions, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
@@ -11,7 +11,8 @@
  *                                  06: fold instructions, IM2COL / COL2IM;
  *                                  07: generic (symbolic) plans;
  *                                  08: hook and custom call instructions, lent kernels;
- *                                  09: generic kernels in plans that are not)
+ *                                  09: generic kernels in plans that are not;
+ *                                  10: bf16 GEMMs as wide products of bf16 operands)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -83,7 +84,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '0', '9'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '0'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -447,7 +448,8 @@ static void put_kernel(wbuf *b, const gj_jit_kernel *k) {
 
 static void put_matmul(wbuf *b, const gj_jit_matmul *m) {
     wbuf_i64(b, m->dtype);
-    wbuf_u64(b, (uint64_t)m->accumulate | (uint64_t)m->ta << 1 | (uint64_t)m->tb << 2);
+    wbuf_u64(b, (uint64_t)m->accumulate | (uint64_t)m->ta << 1 | (uint64_t)m->tb << 2 |
+                    (uint64_t)m->bf16 << 3);
     wbuf_i64(b, m->a_buf);
     wbuf_i64(b, m->b_buf);
     wbuf_i64(b, m->c_buf);

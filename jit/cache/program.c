@@ -232,7 +232,7 @@ typedef struct mm_group {
 /* The GEMM of batch bi of matmul m (M rows after collapsing). */
 static void mm_call(const gj_jit_matmul *m, int64_t M, int64_t nbatch, int64_t bi, void *const *bp,
                     gj_rt_gemm_call *c) {
-    int64_t el = (int64_t)gj_rt_dtype_size(m->dtype);
+    int64_t el = (int64_t)gj_rt_dtype_size(m->dtype), ael = m->bf16 ? 2 : el;
     int64_t ao = m->a_off, bo = m->b_off, rest = bi;
     for (int k = m->nb - 1; k >= 0 && nbatch > 1; k--) { /* unravel bi */
         int64_t ik = rest % m->bshape[k];
@@ -241,10 +241,10 @@ static void mm_call(const gj_jit_matmul *m, int64_t M, int64_t nbatch, int64_t b
         bo += ik * m->b_bstr[k];
     }
     *c = (gj_rt_gemm_call){m->dtype == GJ_F64, m->ta, m->tb, M, m->N, m->K, 1.0,
-                           (const char *)bp[m->a_buf] + ao * el, m->lda,
-                           (const char *)bp[m->b_buf] + bo * el, m->ldb,
+                           (const char *)bp[m->a_buf] + ao * ael, m->lda,
+                           (const char *)bp[m->b_buf] + bo * ael, m->ldb,
                            m->accumulate ? 1.0 : 0.0, (char *)bp[m->c_buf] + bi * M * m->N * el,
-                           m->N};
+                           m->N, m->bf16};
 }
 
 static void mm_group_range(void *vctx, int64_t b, int64_t e) {

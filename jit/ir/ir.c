@@ -174,7 +174,8 @@ bool gj_jit_meta_equal(const gj_rt_meta *a, const gj_rt_meta *b) {
 
 bool gj_jit_inst_equal(const gj_rt_inst *a, const gj_rt_inst *b) {
     if (a->prim != b->prim || a->n_in != b->n_in || a->dtype != b->dtype || a->axes != b->axes ||
-        a->keepdim != b->keepdim || a->ta != b->ta || a->tb != b->tb || a->axis != b->axis ||
+        a->keepdim != b->keepdim || a->ta != b->ta || a->tb != b->tb || a->wide != b->wide ||
+        a->axis != b->axis ||
         a->start != b->start || a->len != b->len || a->seed != b->seed ||
         a->rng_offset != b->rng_offset || a->ndim != b->ndim)
         return false;
@@ -231,7 +232,8 @@ static void fmt_attrs(char *buf, size_t cap, const gj_rt_inst *in) {
         snprintf(buf, cap, " axis=%d", in->axis);
         break;
     case GJ_P_MATMUL:
-        snprintf(buf, cap, "%s%s", in->ta ? " ta" : "", in->tb ? " tb" : "");
+        snprintf(buf, cap, "%s%s%s", in->ta ? " ta" : "", in->tb ? " tb" : "",
+                 in->wide ? " wide" : "");
         break;
     case GJ_P_SCATTER_ADD_ROWS:
         snprintf(buf, cap, " rows=%lld", (long long)in->len);

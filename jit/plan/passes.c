@@ -79,22 +79,23 @@ static uint64_t node_hash(const gj_rt_inst *in, const int *args) {
     memcpy(&sb, &in->scalar, sizeof sb);
     h = hmix(h, sb);
     h = hmix(h, (uint64_t)in->axes ^ ((uint64_t)in->dtype << 32));
-    h = hmix(h, (uint64_t)in->ndim);
+    h = hmix(h, (uint64_t)in->ndim ^ ((uint64_t)in->ta << 40) ^ ((uint64_t)in->tb << 41) ^
+                    ((uint64_t)in->wide << 42));
     for (int k = 0; k < in->ndim && k < GJ_MAX_DIMS; k++) h = hmix(h, (uint64_t)in->shape[k]);
     for (int k = 0; k < in->n_in; k++) h = hmix(h, (uint64_t)args[k]);
     return h;
 }
 
-/* A bf16 MATMUL as the eager kernel runs it: both operands converted to
- * f32, an f32 matmul, the result rounded once to bf16. Appends the nodes
- * to ng; *out receives the result. 0 or -1 (OOM). */
+/* A bf16 MATMUL as the eager kernel runs it: the wide product of the bf16
+ * operands (f32, gj_rt_bgemm's blocks), rounded once to bf16 by a CAST that
+ * fuses into the kernel reading it. Appends the nodes to ng; *out receives
+ * the result. 0 or -1 (OOM). */
 static int legal_bf16_matmul(gj_jit_graph *ng, const gj_rt_inst *mm, const int *args, int *out) {
-    gj_rt_inst up = {.prim = GJ_P_CAST, .n_in = 1, .dtype = GJ_F32};
+    gj_rt_inst wide = *mm;
+    wide.wide = true;
     gj_rt_inst down = {.prim = GJ_P_CAST, .n_in = 1, .dtype = GJ_BF16};
-    int f[2], r;
-    for (int k = 0; k < 2; k++)
-        if (gj_jit_graph_add_node(ng, &up, &args[k], &f[k]) < 0) return -1;
-    if (gj_jit_graph_add_node(ng, mm, f, &r) < 0) return -1;
+    int r;
+    if (gj_jit_graph_add_node(ng, &wide, args, &r) < 0) return -1;
     return gj_jit_graph_add_node(ng, &down, &r, out) < 0 ? -1 : 0;
 }
 

@@ -375,7 +375,7 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
             if (st->group_end - g0 > 1)
                 snprintf(grp, sizeof grp, "  [side by side: instrs %d..%d]", g0, st->group_end - 1);
             fprintf(f, "  instr %d: %s b%d %s b%d%s @ b%d%s  M=%lld N=%lld K=%lld batch=%d%s\n", s,
-                    m->dtype == GJ_F64 ? "dgemm" : "sgemm", m->c_buf, m->accumulate ? "+=" : "=",
+                    m->dtype == GJ_F64 ? "dgemm" : m->bf16 ? "bgemm" : "sgemm", m->c_buf, m->accumulate ? "+=" : "=",
                     m->a_buf, m->ta ? "^T" : "",
                     m->b_buf, m->tb ? "^T" : "", (long long)m->M, (long long)m->N,
                     (long long)m->K, m->nb, grp);

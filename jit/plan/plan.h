@@ -149,7 +149,8 @@ static inline int64_t gj_jit_sat_i64(double v) {
 }
 
 typedef struct gj_jit_matmul {
-    gj_dtype dtype;
+    gj_dtype dtype;  /* of C: f32 or f64 */
+    bool bf16;       /* A and B are bf16 (a wide product: gj_rt_bgemm's blocks) */
     bool accumulate; /* C += op(A) op(B) (beta 1): C is an existing .grad */
     int a_buf, b_buf, c_buf;
     bool ta, tb; /* BLAS flags after folding storage transposition */

@@ -522,6 +522,8 @@ static int plan_matmul(planner *pl, int i) {
                      *om = vmeta(pl, n->out[0]);
     if (om->dtype != GJ_F32 && om->dtype != GJ_F64)
         return gj_jit_pl_no_lowering(pl, n, om->dtype == GJ_BF16 ? "on bf16" : "on i64");
+    if (am->dtype != om->dtype && !(n->inst.wide && am->dtype == GJ_BF16))
+        return gj_jit_pl_no_lowering(pl, n, "with mixed dtypes");
     if (am->ndim < 2 || bm->ndim < 2) return gj_jit_pl_no_lowering(pl, n, "with fewer than 2 dims");
     gj_jit_matmul mm;
     memset(&mm, 0, sizeof mm);
@@ -530,6 +532,7 @@ static int plan_matmul(planner *pl, int i) {
     if (blas_operand(pl, n->in[0], i, &mm.a_buf, &mm.a_off, &mm.lda, &atr, ast) != 0) return -1;
     if (blas_operand(pl, n->in[1], i, &mm.b_buf, &mm.b_off, &mm.ldb, &btr, bst) != 0) return -1;
     mm.dtype = om->dtype;
+    mm.bf16 = am->dtype == GJ_BF16;
     mm.ta = n->inst.ta != atr;
     mm.tb = n->inst.tb != btr;
     mm.M = om->shape[om->ndim - 2];
