@@ -260,6 +260,21 @@ GJ_API void gj_no_grad_push(void);
 GJ_API void gj_no_grad_pop(void);
 GJ_API bool gj_is_grad_enabled(void);
 
+/* Mixed precision for the calling thread, as PyTorch's CPU autocast:
+ * GJ_BF16 turns it on, GJ_F32 off (the default). While on, GEMM ops
+ * (gj_matmul, gj_linear, gj_conv2d) cast their f32 arguments to bf16 and
+ * return bf16 (bf16 products summed in f32, rounded once); gj_softmax,
+ * gj_log_softmax, gj_layer_norm, gj_cross_entropy, gj_sum and gj_mean cast
+ * bf16 arguments to f32 and return f32; binary ops, gj_where and gj_cat
+ * given both f32 and bf16 compute in f32; every other op keeps its
+ * argument's dtype (activations after a GEMM stay bf16). The casts are ops
+ * of the graph (gj_cast): gradients flow back to f32 parameters in f32.
+ * f64 is never cast. Keep parameters and optimizer state in f32 (the
+ * master copy). Inside gj_step_run the step's opts.autocast decides. 0, or
+ * -1 with an error (another dtype). */
+GJ_API int gj_set_autocast(gj_dtype compute);
+GJ_API gj_dtype gj_get_autocast(void);
+
 /* ------------------------------------------------------------------ ops */
 /* All return a new reference, or NULL with gj_last_error() set.
  * Binary ops broadcast (numpy rules) and require equal dtypes. */
@@ -792,7 +807,7 @@ GJ_API int64_t gj_compiled_autograd_disk_cache_limit(void);
  * steps in order (at most GJ_CA_MAX_GEMMS; n_gemms counts them all). */
 #define GJ_CA_MAX_GEMMS 64
 typedef struct gj_ca_gemm {
-    gj_dtype dtype;
+    gj_dtype dtype;             /* of the operands (bf16: f32 result, summed in f32) */
     bool ta, tb;                /* operand transposes passed to BLAS */
     int64_t M, N, K, batch;     /* C[M,N] (+)= op(A)[M,K] op(B)[K,N], batch times */
     bool accumulate;            /* beta = 1: into an existing .grad */
@@ -882,6 +897,10 @@ typedef struct gj_step_opts {
                         backward goes on) and updates each parameter once its
                         bucket is back: the same buckets, the same reduction,
                         the same bits as the eager step */
+    gj_dtype autocast; /* GJ_BF16: mixed precision (gj_set_autocast) while fn
+                        runs, eager or traced; parameters and optimizer state
+                        stay as they are (f32 masters). GJ_F32 (0): off, even
+                        when the calling thread has autocast on */
 } gj_step_opts;
 /* opts NULL: all false (0). fn and ctx are borrowed for the step's life; so is
  * opt, whose parameters are the step's. NULL with an error. */

@@ -24,6 +24,15 @@
  *     under gj_no_grad_push they are allowed, and a tensor saved for
  *     backward that is modified then makes that backward fail (version
  *     check of the engine).
+ *   - Mixed precision (gj_set_autocast(GJ_BF16), per thread, as PyTorch's
+ *     CPU autocast): the op functions cast their float arguments before
+ *     validating them, through gj_cast (so the casts are ops of the graph,
+ *     differentiable and traced like any other): GEMM ops (gj_matmul,
+ *     gj_linear, gj_conv2d) take f32 arguments as bf16; softmax,
+ *     log_softmax, layer_norm, cross_entropy, sum and mean take bf16
+ *     arguments as f32; binary ops, gj_where and gj_cat with both f32 and
+ *     bf16 arguments take all as f32. Every other op runs in its
+ *     argument's dtype (a bf16 activation stays bf16). f64 is never cast.
  */
 #include "fe.h"
 
@@ -92,6 +101,61 @@ static bool fe_same_dtype(const gj_tensor *a, const gj_tensor *b, const char *op
     return false;
 }
 
+/* ------------------------------------------------ mixed precision */
+
+static _Thread_local gj_dtype g_autocast = GJ_F32; /* GJ_F32: off */
+
+int gj_set_autocast(gj_dtype dt) {
+    if (dt != GJ_F32 && dt != GJ_BF16) {
+        gj_rt_set_error("gj_set_autocast: the compute dtype must be GJ_BF16 (on) or GJ_F32 (off), "
+                        "got %s",
+                        gj_rt_dtype_valid((int)dt) ? gj_rt_dtype_name(dt) : "an invalid dtype");
+        return -1;
+    }
+    g_autocast = dt;
+    return 0;
+}
+
+gj_dtype gj_get_autocast(void) { return g_autocast; }
+
+typedef enum fe_ac_rule {
+    FE_AC_LOW,     /* f32 arguments as the autocast dtype (GEMMs) */
+    FE_AC_F32,     /* bf16 arguments as f32 (precision-sensitive ops) */
+    FE_AC_PROMOTE, /* f32 and bf16 together: all as f32 */
+} fe_ac_rule;
+
+/* Applies rule to the float tensors among t[0..n) (NULL entries skipped)
+ * when autocast is on: each one cast is replaced by its cast (a new scoped
+ * reference). false with an error (an invalid argument, or the cast's). */
+static bool fe_autocast(const char *op, fe_ac_rule rule, int n, gj_tensor **t) {
+    if (g_autocast == GJ_F32)
+        return true;
+    bool has32 = false, has16 = false;
+    for (int k = 0; k < n; k++) {
+        if (!t[k])
+            continue;
+        if (!gj_rt_check_tensor(t[k], op, "an argument"))
+            return false;
+        has32 |= t[k]->dtype == GJ_F32;
+        has16 |= t[k]->dtype == g_autocast;
+    }
+    gj_dtype from = rule == FE_AC_LOW ? GJ_F32 : g_autocast;
+    gj_dtype to = rule == FE_AC_LOW ? g_autocast : GJ_F32;
+    if (rule == FE_AC_PROMOTE && !(has32 && has16))
+        return true;
+    for (int k = 0; k < n; k++) {
+        if (!t[k] || t[k]->dtype != from)
+            continue;
+        gj_tensor *c = gj_cast(t[k], to);
+        if (!c) {
+            fe_prefix_error(op);
+            return false;
+        }
+        t[k] = c;
+    }
+    return true;
+}
+
 /* Broadcast shape of a and b into (nd, shape); false with an error. */
 static bool fe_broadcast(const gj_tensor *a, const gj_tensor *b, const char *op, int *nd,
                          int64_t *shape) {
@@ -148,6 +212,10 @@ static gj_tensor *fe_binary(const char *op, const gj_ag_opdef *def, gj_tensor *a
                             gj_tensor *b) {
     int nd;
     int64_t shape[GJ_MAX_DIMS];
+    gj_tensor *ab[2] = {a, b};
+    if (!fe_autocast(op, FE_AC_PROMOTE, 2, ab))
+        return gj_fe_fail();
+    a = ab[0], b = ab[1];
     if (!fe_check_float(a, op, "a") || !fe_check_float(b, op, "b") ||
         !fe_same_dtype(a, b, op, "a", "b") || !fe_broadcast(a, b, op, &nd, shape))
         return gj_fe_fail();
@@ -226,7 +294,7 @@ static gj_tensor *fe_sum(const char *op, gj_tensor *x, int n_axes, const int *ax
                          bool keepdim, bool mean) {
     uint32_t mask;
     int64_t n;
-    if (!fe_check(x, op, "x"))
+    if (!fe_autocast(op, FE_AC_F32, 1, &x) || !fe_check(x, op, "x"))
         return gj_fe_fail();
     /* gj_sum also counts i64 values (no gradient); gj_mean needs a float */
     if ((mean || x->dtype != GJ_I64) && !fe_check_float(x, op, "x"))
@@ -272,6 +340,10 @@ gj_tensor *gj_max(gj_tensor *x, int axis, bool keepdim) {
 gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b) {
     const char *op = "gj_matmul";
     char sa[160], sb[160];
+    gj_tensor *ab[2] = {a, b};
+    if (!fe_autocast(op, FE_AC_LOW, 2, ab))
+        return gj_fe_fail();
+    a = ab[0], b = ab[1];
     if (!fe_check_float(a, op, "a") || !fe_check_float(b, op, "b") ||
         !fe_same_dtype(a, b, op, "a", "b"))
         return gj_fe_fail();
@@ -307,6 +379,10 @@ gj_tensor *gj_matmul(gj_tensor *a, gj_tensor *b) {
 gj_tensor *gj_linear(gj_tensor *x, gj_tensor *w, gj_tensor *b) {
     const char *op = "gj_linear";
     char sx[160], sw[160], sb[160] = "none";
+    gj_tensor *xwb[3] = {x, w, b};
+    if (!fe_autocast(op, FE_AC_LOW, 3, xwb))
+        return gj_fe_fail();
+    x = xwb[0], w = xwb[1], b = xwb[2];
     if (!fe_check_float(x, op, "x") || !fe_check_float(w, op, "w") ||
         !fe_same_dtype(x, w, op, "x", "w"))
         return gj_fe_fail();
@@ -572,6 +648,13 @@ gj_tensor *gj_cat(int n, gj_tensor *const *xs, int axis) {
                         xs ? "given" : "NULL");
         return gj_fe_fail();
     }
+    gj_tensor *cast_xs[64];
+    if (g_autocast != GJ_F32 && n <= 64) { /* (more parts: taken as they are) */
+        memcpy(cast_xs, xs, (size_t)n * sizeof *xs);
+        if (!fe_autocast(op, FE_AC_PROMOTE, n, cast_xs))
+            return gj_fe_fail();
+        xs = cast_xs;
+    }
     for (int k = 0; k < n; k++) {
         char arg[32]; /* "xs[2] is NULL (caused by: ...)": the cause is kept */
         snprintf(arg, sizeof arg, "xs[%d]", k);
@@ -619,7 +702,7 @@ gj_tensor *gj_contiguous(gj_tensor *x) {
 static gj_tensor *fe_softmax_like(const char *op, const gj_ag_opdef *def, gj_tensor *x,
                                   int axis) {
     int ax;
-    if (!fe_check_float(x, op, "x"))
+    if (!fe_autocast(op, FE_AC_F32, 1, &x) || !fe_check_float(x, op, "x"))
         return gj_fe_fail();
     if (x->ndim < 1) {
         gj_rt_set_error("%s: needs a tensor with ndim >= 1, got a 0-d %s tensor", op,
@@ -643,6 +726,10 @@ gj_tensor *gj_log_softmax(gj_tensor *x, int axis) {
 
 gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps) {
     const char *op = "gj_layer_norm";
+    gj_tensor *xwb[3] = {x, w, b};
+    if (!fe_autocast(op, FE_AC_F32, 3, xwb))
+        return gj_fe_fail();
+    x = xwb[0], w = xwb[1], b = xwb[2];
     if (!fe_check_float(x, op, "x"))
         return gj_fe_fail();
     if (x->ndim < 1) {
@@ -686,7 +773,7 @@ gj_tensor *gj_layer_norm(gj_tensor *x, gj_tensor *w, gj_tensor *b, double eps) {
 
 gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
     const char *op = "gj_cross_entropy";
-    if (!fe_check_float(logits, op, "logits") || !fe_check(labels, op, "labels"))
+    if (!fe_autocast(op, FE_AC_F32, 1, &logits) || !fe_check_float(logits, op, "logits") || !fe_check(labels, op, "labels"))
         return gj_fe_fail();
     char sl[160], sy[160];
     if (logits->ndim != 2 || labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
@@ -752,6 +839,10 @@ gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b) {
     const char *op = "gj_where";
     int nd, nd2;
     int64_t s[GJ_MAX_DIMS], s2[GJ_MAX_DIMS];
+    gj_tensor *ab[2] = {a, b};
+    if (!fe_autocast(op, FE_AC_PROMOTE, 2, ab))
+        return gj_fe_fail();
+    a = ab[0], b = ab[1];
     if (!fe_check(cond, op, "cond") || !fe_check_float(a, op, "a") ||
         !fe_check_float(b, op, "b") || !fe_same_dtype(a, b, op, "a", "b") ||
         !fe_broadcast(a, b, op, &nd, s))
@@ -977,6 +1068,10 @@ static int64_t fe_win_out(int64_t size, int64_t k, int64_t s, int64_t p, int64_t
 gj_tensor *gj_conv2d(gj_tensor *x, gj_tensor *w, gj_tensor *b, int64_t stride, int64_t padding,
                      int64_t dilation, int64_t groups) {
     const char *op = "gj_conv2d";
+    gj_tensor *xwb[3] = {x, w, b};
+    if (!fe_autocast(op, FE_AC_LOW, 3, xwb))
+        return gj_fe_fail();
+    x = xwb[0], w = xwb[1], b = xwb[2];
     if (!fe_check_float(x, op, "x") || !fe_check_float(w, op, "w") ||
         !fe_same_dtype(x, w, op, "x", "w"))
         return gj_fe_fail();

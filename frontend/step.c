@@ -91,15 +91,15 @@ static int reducer_agree(gj_step *s) {
     int64_t hyper = fnv(seed, s->hyper, (size_t)s->n * GJ_AG_OPT_MAX_HYPER * sizeof *s->hyper);
     int64_t clip = fnv(seed, &s->o.clip_norm, sizeof s->o.clip_norm);
     /* (ZeRO: each rank's optimizer has its own shards, as many as it has) */
-    int64_t opts[2] = {s->o.keep_grads, s->red->zero ? 0 : s->n};
+    int64_t opts[3] = {s->o.keep_grads, s->red->zero ? 0 : s->n, s->o.autocast};
     if (s->red->zero) hyper = 0;
     const char *op = "gj_step_new (opts.ddp)";
     if (s->red->agree(s->red->ctx, &rule, 1, op, "the optimizer's rule and configuration") != 0 ||
         s->red->agree(s->red->ctx, &hyper, 1, op, "the optimizer's hyperparameters: learning "
                       "rate, betas or momentum, eps, weight decay") != 0 ||
         s->red->agree(s->red->ctx, &clip, 1, op, "opts.clip_norm") != 0 ||
-        s->red->agree(s->red->ctx, opts, 2, op, "opts.keep_grads, then the optimizer's "
-                      "parameter count") != 0)
+        s->red->agree(s->red->ctx, opts, 3, op, "opts.keep_grads, the optimizer's "
+                      "parameter count or opts.autocast") != 0)
         return -1;
     return 0;
 }
@@ -192,6 +192,11 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
             if (*end == '\0' && n > 0 && n <= INT32_MAX) o.check_every = (int)n;
             else fprintf(stderr, "gradjit: GRADJIT_STEP_CHECK=%s is not a count >= 1: ignored\n", e);
         }
+    }
+    if (o.autocast != GJ_F32 && o.autocast != GJ_BF16) {
+        gj_rt_set_error("%s: opts.autocast must be GJ_F32 (off) or GJ_BF16, got %d", op,
+                        (int)o.autocast);
+        return NULL;
     }
     if (!(o.clip_norm >= 0.0) || isinf(o.clip_norm)) {
         gj_rt_set_error("%s: clip_norm must be finite and >= 0 (0: no clipping), got %g", op,
@@ -381,7 +386,10 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
     if (s->o.eval) gj_no_grad_push();
     if (trace && !(tr = gj_ag_trace_begin(n_in, in, s->n, s->params))) goto done;
     gj_clear_error();
+    gj_dtype ac0 = gj_get_autocast();
+    gj_set_autocast(s->o.autocast);
     gj_tensor *loss = s->fn(s->ctx, n_in, in);
+    gj_set_autocast(ac0);
     if (tr) gj_ag_trace_end(tr);
     if (!loss_ok(loss)) goto done;
     if (tr) {
@@ -462,7 +470,10 @@ static int check_trace(gj_step *s, const gj_jit_step_call *call) {
     gj_ag_trace *tr = gj_ag_trace_begin(call->n_in, call->in, s->n, s->params);
     if (!tr) goto done;
     gj_clear_error();
+    gj_dtype ac0 = gj_get_autocast();
+    gj_set_autocast(s->o.autocast);
     gj_tensor *loss = s->fn(s->ctx, call->n_in, call->in);
+    gj_set_autocast(ac0);
     gj_ag_trace_end(tr);
     if (!loss_ok(loss)) goto done;
     char diff[400];

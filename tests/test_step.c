@@ -136,6 +136,7 @@ typedef struct run_cfg {
     int batch2;  /* > 0: steps from NSTEP/2 on use this batch */
     const int *batches; /* non-NULL: step i's batch (overrides batch2) */
     double lr2;  /* > 0: the learning rate from NSTEP/2 on */
+    gj_dtype autocast; /* the step's opts.autocast */
 } run_cfg;
 
 static double *all_values(gj_tensor *const *ts, int n, int64_t *total) {
@@ -170,7 +171,7 @@ static result run(const run_cfg *cfg, bool eager) {
                                : gj_sgd_new(NP + 1, ps, 0.05, 0.9, 0.01);
     assert_non_null(o);
     gj_step_opts so = {.eager = eager, .keep_grads = cfg->keep_grads, .eval = cfg->eval,
-                       .clip_norm = cfg->clip};
+                       .clip_norm = cfg->clip, .autocast = cfg->autocast};
     gj_step *st = gj_step_new(mlp_loss, &m, o, &so);
     assert_non_null(st);
     gj_manual_seed(42);
@@ -282,6 +283,39 @@ static void test_bf16_adamw(void **st) {
     (void)st;
     run_cfg c = {.dt = GJ_BF16, .adamw = true};
     check("bf16 AdamW", &c, 0);
+}
+
+/* Mixed precision: f32 parameters and state, GEMMs and the hidden layer in
+ * bf16, the loss in f32; the compiled step equals the eager one bit for
+ * bit (with a constant mask, dropout, clipping and kept .grads too), and
+ * the thread's own autocast setting is what it was. */
+static void test_autocast(void **st) {
+    (void)st;
+    run_cfg c = {.dt = GJ_F32, .adamw = true, .autocast = GJ_BF16};
+    check("autocast bf16 AdamW", &c, 0);
+    assert_int_equal(gj_get_autocast(), GJ_F32);
+    c = (run_cfg){.dt = GJ_F32, .autocast = GJ_BF16, .mask = true, .drop = 0.25, .clip = 0.5,
+                  .keep_grads = true};
+    check("autocast bf16 SGD, mask, dropout, clip, kept grads", &c, 0);
+    /* the step's option wins over the thread's setting, both ways */
+    assert_int_equal(gj_set_autocast(GJ_BF16), 0);
+    c = (run_cfg){.dt = GJ_F32, .adamw = true};
+    check("f32 step under a thread with autocast on", &c, 0);
+    assert_int_equal(gj_get_autocast(), GJ_BF16);
+    assert_int_equal(gj_set_autocast(GJ_F32), 0);
+    /* another compute dtype: refused, naming it */
+    gj_clear_error();
+    assert_int_equal(gj_set_autocast(GJ_F64), -1);
+    assert_true(gjt_error_has("gj_set_autocast: the compute dtype must be GJ_BF16"));
+    assert_int_equal(gj_get_autocast(), GJ_F32);
+    model m;
+    model_init(&m, GJ_F32, 3);
+    gj_optim *o = gj_sgd_new(NP, m.p, 0.1, 0, 0);
+    gj_step_opts so = {.autocast = GJ_I64};
+    assert_null(gj_step_new(mlp_loss, &m, o, &so));
+    assert_true(gjt_error_has("opts.autocast must be GJ_F32 (off) or GJ_BF16"));
+    gj_optim_free(o);
+    model_free(&m);
 }
 
 static void test_f32_sgd(void **st) {
@@ -807,6 +841,7 @@ int main(void) {
         cmocka_unit_test(test_f32_adamw),
         cmocka_unit_test(test_f64_adamw),
         cmocka_unit_test(test_bf16_adamw),
+        cmocka_unit_test(test_autocast),
         cmocka_unit_test(test_f32_sgd),
         cmocka_unit_test(test_lion),
         cmocka_unit_test(test_dropout_constant_keep),

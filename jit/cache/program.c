@@ -173,7 +173,7 @@ void gj_jit_plan_info(const gj_jit_plan *p, gj_ca_program_info *out) {
             out->gemm_instrs++;
             out->gemm_flops += 2.0 * (double)m->M * (double)m->N * (double)m->K * (double)batch;
             if (out->n_gemms < GJ_CA_MAX_GEMMS)
-                out->gemms[out->n_gemms] = (gj_ca_gemm){m->dtype, m->ta, m->tb, m->M, m->N,
+                out->gemms[out->n_gemms] = (gj_ca_gemm){m->bf16 ? GJ_BF16 : m->dtype, m->ta, m->tb, m->M, m->N,
                                                         m->K, batch, m->accumulate};
             out->n_gemms++;
         } else {
