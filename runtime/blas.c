@@ -229,6 +229,14 @@ void gj_rt_gemm_split_of(bool ta, int64_t M, int64_t N, int64_t K, int threads,
     sp->parts = parts < 1 ? 1 : (int)parts;
 }
 
+void gj_rt_gemm_split_for(const gj_rt_gemm_call *c, int threads, gj_rt_gemm_split *sp) {
+    gj_rt_gemm_split_of(c->ta, c->M, c->N, c->K, threads, sp);
+    if (c->bf16 && !c->ta && sp->parts > 1 && !sp->by_rows && c->M / GJ_RT_GEMM_MIN_BLOCK >= sp->parts) {
+        sp->by_rows = true; /* row blocks of A and C: dense operands (see the header) */
+        sp->len = c->M;
+    }
+}
+
 void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i) {
     int64_t el = c->f64 ? 8 : 4, ael = c->bf16 ? 2 : el; /* C's, A's and B's element bytes */
     int64_t lo = sp->len * i / sp->parts, hi = sp->len * (i + 1) / sp->parts;
@@ -413,7 +421,7 @@ static void gemm_split(bool f64, bool ta, bool tb, int64_t M, int64_t N, int64_t
                        void *C, int64_t ldc, bool bf16) {
     gj_rt_gemm_call c = {f64, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bf16};
     gj_rt_gemm_split sp;
-    gj_rt_gemm_split_of(ta, M, N, K, gj_rt_in_pool_task() ? 1 : gj_rt_num_threads(), &sp);
+    gj_rt_gemm_split_for(&c, gj_rt_in_pool_task() ? 1 : gj_rt_num_threads(), &sp);
     gj_rt_gemm_run(&c, &sp);
 }
 

@@ -486,11 +486,12 @@ static dnnl_primitive_t prim_make(const gemm_key *k, size_t *scratch, char *impl
     dnnl_primitive_desc_iterator_t it = NULL;
     if (D.it_create(&it, &md, attr, g_engine, NULL) != dnnl_success)
         goto done;
-    for (int i = 0; GJ_RT_GEMM_PREFER_GEMM && !k->bf16 && i < 64; i++) {
+    const char *want = k->bf16 ? "brg:" : "gemm:";
+    for (int i = 0; (GJ_RT_GEMM_PREFER_GEMM || k->bf16) && i < 64; i++) {
         dnnl_primitive_desc_t cand = D.it_fetch(it);
         const char *name = NULL;
         if (cand && D.pd_query(cand, dnnl_query_impl_info_str, 0, &name) == dnnl_success &&
-            name && strncmp(name, "gemm:", 5) == 0) {
+            name && strncmp(name, want, strlen(want)) == 0) {
             pd = cand;
             break;
         }

@@ -271,6 +271,12 @@ typedef struct gj_rt_gemm_split {
 } gj_rt_gemm_split;
 void gj_rt_gemm_split_of(bool ta, int64_t M, int64_t N, int64_t K, int threads,
                          gj_rt_gemm_split *sp);
+/* The split of GEMM c on `threads` threads: gj_rt_gemm_split_of's, except
+ * that a bf16 GEMM with A not transposed is split by rows where it can be
+ * (each block's A, B and C are then dense, which oneDNN's AMX and
+ * AVX512_BF16 brgemm kernels need; a column block has strided B and C). A
+ * pure function of c's shape, flags and threads. */
+void gj_rt_gemm_split_for(const gj_rt_gemm_call *c, int threads, gj_rt_gemm_split *sp);
 /* Computes block i of split sp of GEMM c on the calling thread (one
  * single-threaded BLAS call; arguments already valid). */
 void gj_rt_gemm_block(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp, int i);

@@ -93,6 +93,30 @@ static void case_free(gemm_case *g) {
     free(g->A), free(g->B), free(g->C0);
 }
 
+static uint16_t to_bf16(float f) { /* round to nearest even (no NaNs here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A bf16 case: g's operands rounded to bf16 (g->A/B then hold the widened
+ * values, so the f32 helpers give its reference), Ah/Bh the bf16 arrays. */
+static void case_bf16(gemm_case *g, uint16_t **Ah, uint16_t **Bh) {
+    *Ah = malloc(g->asz * sizeof **Ah);
+    *Bh = malloc(g->bsz * sizeof **Bh);
+    assert_true(*Ah && *Bh);
+    for (size_t i = 0; i < g->asz; i++) g->A[i] = from_bf16((*Ah)[i] = to_bf16(g->A[i]));
+    for (size_t i = 0; i < g->bsz; i++) g->B[i] = from_bf16((*Bh)[i] = to_bf16(g->B[i]));
+}
+
 /* C = gj_rt_sgemm of the case (a new array, from C0). */
 static float *case_run(const gemm_case *g) {
     float *C = malloc(g->csz * sizeof(float));
@@ -657,6 +681,78 @@ static int paired(int pairs) {
     return 0;
 }
 
+/* `--paired-bf16 N`: the bf16 GEMM of each shape (gj_rt_bgemm with the
+ * default setting: oneDNN where the CPU has AVX512_BF16) against the f32
+ * GEMM of the same shape with OpenBLAS pinned, interleaved on the pool; and
+ * the oneDNN implementation each bf16 block got. */
+static int paired_bf16(int pairs) {
+    const int64_t L[][2] = {{384, 1152}, {384, 384}, {384, 1536}, {1536, 384}, {384, 50304},
+                            {768, 3072}, {768, 50304}, {784, 512}, {512, 256}, {256, 10}};
+    const int64_t rows[] = {256, 256, 256, 256, 256, 256, 256, 128, 128, 128};
+    gj_rt_gemm_set_cache_dir("");
+    gj_info info;
+    gj_get_info(&info);
+    printf("threads %d, OpenBLAS %s, oneDNN %s, AVX512_BF16 %s, %d pairs per shape\n",
+           gj_rt_num_threads(), info.blas_core, gj_rt_onednn_version(),
+           gj_rt_cpu_native_bf16() ? "yes" : "no", pairs);
+    printf("%-4s %5s %5s %5s | %12s %12s | %6s %13s\n", "form", "M", "N", "K", "f32 openblas",
+           "bf16 default", "ratio", "IQR");
+    gjt_rng r;
+    gjt_rng_seed(&r, 1);
+    double lsum = 0;
+    int nsh = 0;
+    for (size_t l = 0; l < sizeof rows / sizeof rows[0]; l++)
+        for (int form = 0; form < 3; form++) {
+            int64_t T = rows[l], in = L[l][0], out = L[l][1], M, N, K;
+            bool ta = false, tb = false;
+            if (form == 0) M = T, K = in, N = out, tb = out > 20000; /* the tied head: x wte^T */
+            else if (form == 1) M = T, K = out, N = in, tb = out <= 20000; /* dx = dy W^T */
+            else M = in, K = T, N = out, ta = true;                        /* dW = x^T dy */
+            if (form == 2 && out > 20000) M = out, N = in; /* the head's dW: dy^T x */
+            gemm_case g;
+            case_make(&g, &r, ta, tb, M, N, K, 0, 1.0f, 0.0f);
+            uint16_t *Ah, *Bh;
+            case_bf16(&g, &Ah, &Bh);
+            float *C = malloc(g.csz * sizeof(float));
+            double *tf = malloc((size_t)pairs * sizeof(double)), *th = malloc((size_t)pairs * sizeof(double));
+            double *ratio = malloc((size_t)pairs * sizeof(double));
+            assert_true(C && tf && th && ratio);
+            for (int i = -3; i < pairs; i++)
+                for (int w = 0; w < 2; w++) {
+                    bool half = (w == 0) == (i % 2 != 0);
+                    double t0 = now_s();
+                    if (half) {
+                        gj_rt_set_gemm_provider(GJ_RT_GEMM_DEFAULT);
+                        gj_rt_bgemm(ta, tb, M, N, K, Ah, g.lda, Bh, g.ldb, 0.0f, C, g.ldc);
+                    } else {
+                        gj_rt_set_gemm_provider(GJ_RT_GEMM_OPENBLAS);
+                        gj_rt_sgemm(ta, tb, M, N, K, 1.0f, g.A, g.lda, g.B, g.ldb, 0.0f, C, g.ldc);
+                    }
+                    double dt = now_s() - t0;
+                    if (i >= 0) (half ? th : tf)[i] = dt;
+                }
+            for (int i = 0; i < pairs; i++) ratio[i] = tf[i] / th[i];
+            qsort(tf, (size_t)pairs, sizeof(double), cmp_d);
+            qsort(th, (size_t)pairs, sizeof(double), cmp_d);
+            qsort(ratio, (size_t)pairs, sizeof(double), cmp_d);
+            double fl = 2.0 * (double)M * (double)N * (double)K;
+            printf("%s%s   %5lld %5lld %5lld | %12.1f %12.1f | %6.3f [%5.3f,%5.3f]\n", ta ? "T" : "N",
+                   tb ? "T" : "N", (long long)M, (long long)N, (long long)K,
+                   fl / tf[pairs / 2] * 1e-9, fl / th[pairs / 2] * 1e-9, ratio[pairs / 2],
+                   ratio[pairs / 4], ratio[(3 * pairs) / 4]);
+            fflush(stdout);
+            lsum += log(ratio[pairs / 2]);
+            nsh++;
+            free(C), free(tf), free(th), free(ratio), free(Ah), free(Bh);
+            case_free(&g);
+        }
+    printf("geometric mean of the median ratios (f32 openblas time / bf16 time): %.3f\n",
+           exp(lsum / nsh));
+    printf("the bf16 blocks' oneDNN primitives:\n");
+    gj_rt_gemm_dump(stdout);
+    return 0;
+}
+
 /* `--thread-bits`: for each provider, whether a GEMM's bits change with
  * the thread count (the split into blocks changes with it). */
 static int thread_bits(void) {
@@ -694,30 +790,6 @@ static int thread_bits(void) {
 }
 
 /* ---------------------------------------------------------------- bf16 */
-
-static uint16_t to_bf16(float f) { /* round to nearest even (no NaNs here) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* A bf16 case: g's operands rounded to bf16 (g->A/B then hold the widened
- * values, so the f32 helpers give its reference), Ah/Bh the bf16 arrays. */
-static void case_bf16(gemm_case *g, uint16_t **Ah, uint16_t **Bh) {
-    *Ah = malloc(g->asz * sizeof **Ah);
-    *Bh = malloc(g->bsz * sizeof **Bh);
-    assert_true(*Ah && *Bh);
-    for (size_t i = 0; i < g->asz; i++) g->A[i] = from_bf16((*Ah)[i] = to_bf16(g->A[i]));
-    for (size_t i = 0; i < g->bsz; i++) g->B[i] = from_bf16((*Bh)[i] = to_bf16(g->B[i]));
-}
 
 static void test_bf16(void **state) {
     (void)state;
@@ -889,6 +961,8 @@ int main(int argc, char **argv) {
     }
     if (argc >= 2 && strcmp(argv[1], "--thread-bits") == 0) return thread_bits();
     if (argc >= 3 && strcmp(argv[1], "--paired") == 0) return paired(atoi(argv[2]) > 0 ? atoi(argv[2]) : 30);
+    if (argc >= 3 && strcmp(argv[1], "--paired-bf16") == 0)
+        return paired_bf16(atoi(argv[2]) > 0 ? atoi(argv[2]) : 30);
     gjt_setup();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_reference, restore),

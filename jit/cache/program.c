@@ -281,7 +281,9 @@ static void run_matmuls(const gj_jit_plan *p, int s, int e, void *const *bp, int
         g.m[k] = m;
         g.M[k] = M;
         g.nbatch[k] = nbatch;
-        gj_rt_gemm_split_of(m->ta, M, m->N, m->K, threads, &g.split[k]);
+        gj_rt_gemm_call c0;
+        mm_call(m, M, nbatch, 0, bp, &c0);
+        gj_rt_gemm_split_for(&c0, threads, &g.split[k]);
         g.first[k + 1] = g.first[k] + nbatch * g.split[k].parts;
     }
     if (g.n > 0) gj_rt_parallel_for(g.first[g.n], 1, mm_group_range, &g);
