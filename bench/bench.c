@@ -69,6 +69,7 @@ typedef struct bench_opts {
     bool symbolic; /* --symbolic: the pairs are specialised / symbolic compiled */
     bool step;     /* --step: the pairs are whole steps (gj_step), eager / compiled */
     bool gemm_pair; /* --gemm-pair (with --step): compiled steps, OpenBLAS / the per-shape choice */
+    bool bf16_pair; /* --bf16-pair (with --step): compiled steps, f32 / bf16 mixed precision */
     const char *gemm; /* --gemm P: pin the GEMM provider (openblas, onednn, auto) */
     int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
@@ -180,7 +181,7 @@ static int run_step(const bench_workload *wl, bench_state *s, bench_result *r, d
     int64_t live0 = live_bytes();
 
     double t0 = bench_now_ms();
-    gj_tensor *loss = wl->forward(s);
+    gj_tensor *loss = bench_forward(wl, s);
     double t1 = bench_now_ms();
     if (!loss) {
         snprintf(r->error, sizeof r->error, "forward failed: %s", gj_last_error());
@@ -664,12 +665,16 @@ static void usage(FILE *f) {
                "                     with --step: whole training steps (forward, backward, "
                "AdamW update; gj_step) eager / compiled, and the step's bound;\n"
                "                     with --step --gemm-pair: compiled steps with OpenBLAS "
-               "pinned / with the GEMM provider chosen per shape (auto)\n"
-               "  --gemm openblas|onednn|auto: the GEMM provider of the whole run (default: "
-               "GRADJIT_GEMM, else openblas)\n"
+               "pinned / with the GEMM provider chosen per shape (auto);\n"
+               "                     with --step --bf16-pair: compiled steps in f32 / in bf16 "
+               "mixed precision (autocast)\n"
+               "  --gemm default|openblas|onednn|auto: the GEMM provider of the whole run (default: "
+               "GRADJIT_GEMM, else the default: OpenBLAS for f32, oneDNN for bf16 on CPUs with "
+               "AVX512_BF16)\n"
                "  --compare torch: one side-by-side table, then R (default 5) rounds "
                "alternating gradjit and PyTorch, median ratio\n"
-               "  workloads: W1 W2 W3 W4 W4n W5 F1 G1 (all), G2 (GPT-2 124M, only when named); "
+               "  workloads: W1 W2 W3 W4 W4n W5 F1 G1 (all), G2 (GPT-2 124M), F1b G1b G2b (F1, G1, "
+               "G2 in bf16 mixed precision) only when named; "
                "FILE \"-\": no file\n");
 }
 
@@ -736,6 +741,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         }
         if (!strcmp(a, "--gemm-pair")) { /* takes no value */
             o->gemm_pair = true;
+            continue;
+        }
+        if (!strcmp(a, "--bf16-pair")) { /* takes no value */
+            o->bf16_pair = true;
             continue;
         }
         if (!v) {
@@ -813,8 +822,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         } else if (!strcmp(a, "--torch-script")) {
             o->torch_script = v;
         } else if (!strcmp(a, "--gemm")) {
-            if (strcmp(v, "openblas") && strcmp(v, "onednn") && strcmp(v, "auto")) {
-                fprintf(stderr, "gradjit-bench: --gemm takes openblas, onednn or auto, not %s\n", v);
+            if (strcmp(v, "openblas") && strcmp(v, "onednn") && strcmp(v, "auto") &&
+                strcmp(v, "default")) {
+                fprintf(stderr, "gradjit-bench: --gemm takes default, openblas, onednn or auto, "
+                                "not %s\n", v);
                 return -1;
             }
             o->gemm = v;
@@ -830,6 +841,11 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
     }
     if (o->gemm_pair && (!o->step || o->gemm)) {
         fprintf(stderr, "gradjit-bench: --gemm-pair goes with --paired N --step (and not --gemm)\n");
+        return -1;
+    }
+    if (o->bf16_pair && (!o->step || o->gemm_pair || o->ddp)) {
+        fprintf(stderr, "gradjit-bench: --bf16-pair goes with --paired N --step (and not "
+                        "--gemm-pair or --ddp)\n");
         return -1;
     }
     if (o->compare_torch && !o->json_path)
@@ -1007,6 +1023,7 @@ int main(int argc, char **argv) {
     if (o.gemm) {
         gj_gemm_provider gp = !strcmp(o.gemm, "openblas") ? GJ_GEMM_OPENBLAS
                               : !strcmp(o.gemm, "onednn") ? GJ_GEMM_ONEDNN
+                              : !strcmp(o.gemm, "default") ? GJ_GEMM_DEFAULT
                                                           : GJ_GEMM_AUTO;
         if (gj_set_gemm_provider(gp) != 0) {
             fprintf(stderr, "gradjit-bench: --gemm %s: %s\n", o.gemm, gj_last_error());
@@ -1014,7 +1031,8 @@ int main(int argc, char **argv) {
         }
     }
     if (o.pairs > 0 && o.step)
-        return bench_step_main(o.workloads, o.pairs, o.warmup, o.json_path, cpu, o.gemm_pair);
+        return bench_step_main(o.workloads, o.pairs, o.warmup, o.json_path, cpu, o.gemm_pair,
+                               o.bf16_pair);
     if (o.pairs > 0)
         return paired_main(&o, cpu, &info);
     print_header(cpu, &info, &o);

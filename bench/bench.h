@@ -63,14 +63,22 @@ typedef struct bench_workload {
     const char *no_step;
     /* Not in "all" (nor the default selection): run only when named. */
     bool opt_in;
+    /* GJ_BF16: mixed precision (gj_set_autocast around the forward, the
+     * step's opts.autocast); GJ_F32: off. */
+    gj_dtype autocast;
 } bench_workload;
 
-/* Registry of the workloads: W1, W2, W3, W4, W4n, W5, F1, G1, G2 (bit i of a
+/* Registry of the workloads: W1, W2, W3, W4, W4n, W5, F1, G1, G2, then F1b,
+ * G1b and G2b (F1, G1 and G2 in bf16 mixed precision) (bit i of a
  * selection is bench_workloads[i]; the order only grows at the end). */
 extern const bench_workload bench_workloads[];
 extern const int bench_n_workloads;
 /* The selection "all": every workload that is not opt_in. */
 unsigned bench_all_workloads(void);
+
+/* wl's forward on s under wl's autocast setting (restored after): the
+ * workloads' one entry outside a gj_step. */
+gj_tensor *bench_forward(const bench_workload *wl, bench_state *s);
 
 #define BENCH_SEED 20240611u /* every workload's weights and data */
 
@@ -225,10 +233,11 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu);
  * training steps (gj_step: forward, backward, AdamW update) of each
  * workload interleaved ABBA, with the step's bound; gemm_pair: both sides
  * compiled, the first with OpenBLAS pinned, the second with the GEMM
- * provider chosen per shape. JSON to json_path (NULL: none). 0, or 1 if a
- * workload failed. */
+ * provider chosen per shape; bf16_pair: both sides compiled, the first in
+ * f32, the second in bf16 mixed precision. JSON to json_path (NULL: none).
+ * 0, or 1 if a workload failed. */
 int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
-                    const char *cpu, bool gemm_pair);
+                    const char *cpu, bool gemm_pair, bool bf16_pair);
 
 /* The bandwidth of `threads` threads over a working set of `bytes`
  * (ceiling.c): what bytes that fit a cache level move at. GB/s: *read_gbs

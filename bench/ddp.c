@@ -49,7 +49,7 @@ static int one_step(const bench_workload *wl, bench_state *s, gj_ddp *d, bool wa
                     double *bwd_ms) {
     int rc = -1;
     gj_scope_push();
-    gj_tensor *loss = wl->forward(s);
+    gj_tensor *loss = bench_forward(wl, s);
     if (!loss) goto out;
     double t0 = bench_now_ms();
     if (gj_backward(loss, NULL) != 0) goto out;

@@ -41,7 +41,7 @@ static int paired_step(const bench_workload *wl, bench_state *s, double *bwd_ms,
     int rc = -1;
     gj_scope_push();
     double t0 = bench_now_ms();
-    gj_tensor *loss = wl->forward(s);
+    gj_tensor *loss = bench_forward(wl, s);
     double t1 = bench_now_ms();
     if (!loss) {
         snprintf(err, cap, "forward failed: %s", gj_last_error());

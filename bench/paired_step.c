@@ -65,11 +65,13 @@ typedef struct step_result {
     double in_mb, state_mb;               /* inputs; parameters + m + v */
     double read_gbs, rw_gbs;              /* at the working set's size */
     double bound_ms;                      /* NaN if unknown */
-    double peak_gflops;                   /* the f32 peak the bound used */
+    double peak_gflops;                   /* the peak the bound used */
+    bool bf16;                            /* the bound is the bf16 step's */
     bool rechecked, beaten;               /* a step beat the bound: measured again; still */
     long long timed_compiles, timed_fallbacks, timed_steps;
     char fallback[256]; /* the compiled step's last fallback message, if any */
     bool same_bits;     /* the two sides' parameters and last losses */
+    double loss_f32, loss_bf16; /* bf16_pair: each side's last loss */
     bool leak;
 } step_result;
 
@@ -79,7 +81,7 @@ static gj_tensor *step_fn(void *ctx, int n_in, gj_tensor *const *in) {
     bench_side *d = ctx;
     (void)n_in;
     (void)in;
-    return d->wl->forward(&d->s);
+    return bench_forward(d->wl, &d->s);
 }
 
 void bench_side_free(bench_side *d) {
@@ -106,7 +108,7 @@ int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *
         snprintf(err, cap, "gj_ddp_new: %s", gj_last_error());
         return -1;
     }
-    gj_step_opts so = {.eager = eager, .ddp = d->ddp};
+    gj_step_opts so = {.eager = eager, .ddp = d->ddp, .autocast = wl->autocast};
     d->opt = gj_adamw_new(d->s.n_params, d->s.params, wl->step_lr, 0.9, 0.999, 1e-8, wl->step_wd);
     d->step = d->opt ? gj_step_new(step_fn, d, d->opt, &so) : NULL;
     if (!d->step) {
@@ -162,7 +164,7 @@ static double backward_flops(bench_side *d) {
     gj_compiled_autograd_stats(&a);
     gj_set_compiled_autograd(true);
     gj_scope_push();
-    gj_tensor *loss = d->wl->forward(&d->s);
+    gj_tensor *loss = bench_forward(d->wl, &d->s);
     int rc = loss ? gj_backward(loss, NULL) : -1;
     gj_scope_pop();
     gj_set_compiled_autograd(false);
@@ -193,8 +195,8 @@ static void step_bound(const bench_ceiling *c, step_result *r, double in, double
     bench_bandwidth_at((size_t)(ws < cap ? ws : cap), c->threads, &rd, &rw, NULL);
     r->read_gbs = again && r->read_gbs > rd ? r->read_gbs : rd;
     r->rw_gbs = again && r->rw_gbs > rw ? r->rw_gbs : rw;
-    /* every GEMM of the workloads is f32 */
-    r->peak_gflops = bench_gemm_peak(c, GJ_F32);
+    /* the GEMMs of a workload are f32, or bf16 under its autocast */
+    r->peak_gflops = bench_gemm_peak(c, r->bf16 ? GJ_BF16 : GJ_F32);
     r->bound_ms = NAN;
     if (isfinite(r->bwd_gflop) && r->peak_gflops > 0 && r->read_gbs > 0 && r->rw_gbs > 0)
         r->bound_ms = (r->fwd_gflop + r->bwd_gflop) / r->peak_gflops * 1e3 +
@@ -206,10 +208,11 @@ static bool step_beaten(const step_result *r) {
     return isfinite(r->bound_ms) && t < r->bound_ms;
 }
 
-/* The pairs of one workload; fills r. */
 /* gemm_pair: both sides compiled; side 0 runs with OpenBLAS pinned, side
- * 1 with the per-shape choice (GJ_GEMM_AUTO), set before each run. */
-static bool g_gemm_pair;
+ * 1 with the per-shape choice (GJ_GEMM_AUTO), set before each run.
+ * bf16_pair: both sides compiled; side 0 the workload in f32, side 1 the
+ * same in bf16 mixed precision (its autocast). */
+static bool g_gemm_pair, g_bf16_pair;
 
 static int side_run_as(bench_side *d, int m, double *ms, char *err, size_t cap) {
     if (g_gemm_pair && gj_set_gemm_provider(m ? GJ_GEMM_AUTO : GJ_GEMM_OPENBLAS) != 0) {
@@ -239,10 +242,17 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
         goto done;
     }
     gj_step_reset_stats();
-    if (bench_side_init(&e, wl, !g_gemm_pair, NULL, r->error, sizeof r->error) != 0)
+    bench_workload w0 = *wl, w1 = *wl;
+    if (g_bf16_pair) {
+        w0.autocast = GJ_F32;
+        w1.autocast = GJ_BF16;
+    }
+    r->bf16 = w1.autocast == GJ_BF16;
+    bool both_compiled = g_gemm_pair || g_bf16_pair;
+    if (bench_side_init(&e, &w0, !both_compiled, NULL, r->error, sizeof r->error) != 0)
         goto done;
     ie = true;
-    if (bench_side_init(&k, wl, false, NULL, r->error, sizeof r->error) != 0)
+    if (bench_side_init(&k, &w1, false, NULL, r->error, sizeof r->error) != 0)
         goto done;
     ik = true;
     double ms[2];
@@ -276,6 +286,8 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
     r->eager_min_ms = em[0]; /* sorted by bench_quantile */
     r->compiled_min_ms = cm[0];
     r->same_bits = e.loss == k.loss && bench_same_params(&e.s, &k.s);
+    r->loss_f32 = e.loss;
+    r->loss_bf16 = k.loss;
 
     /* the bound */
     double params = 0, in = 0;
@@ -333,12 +345,14 @@ static void print_row(const step_result *r) {
                  r->fallback);
     else if (r->timed_compiles)
         snprintf(check, sizeof check, "compiles in timed steps");
-    else if (r->timed_steps != (g_gemm_pair ? 2 : 1) * (int64_t)r->pairs)
+    else if (r->timed_steps != (g_gemm_pair || g_bf16_pair ? 2 : 1) * (int64_t)r->pairs)
         snprintf(check, sizeof check, "compiled step not engaged");
-    else if (!r->same_bits && !g_gemm_pair)
+    else if (!r->same_bits && !g_gemm_pair && !g_bf16_pair)
         snprintf(check, sizeof check, "DIFFERENT bits from eager");
     else if (r->leak)
         snprintf(check, sizeof check, "LEAK");
+    else if (g_bf16_pair)
+        snprintf(check, sizeof check, "ok, f32 loss %.6g, bf16 loss %.6g", r->loss_f32, r->loss_bf16);
     else if (g_gemm_pair)
         snprintf(check, sizeof check, "ok, %s", r->same_bits ? "the same bits" : "other bits (two providers)");
     else
@@ -354,10 +368,10 @@ static void print_row(const step_result *r) {
     for (int m = 0; m < 2; m++)
         if (t[m] < r->bound_ms)
             printf("  WARNING: %s: its %s step took %.3f ms (fastest of %d), below its bound "
-                   "%.3f ms (f32 peak %.1f GFLOP/s) even after measuring the rates again: that "
+                   "%.3f ms (%s peak %.1f GFLOP/s) even after measuring the rates again: that "
                    "bound is not a lower bound here\n",
                    r->wl->id, m ? "compiled" : "eager", t[m], r->pairs, r->bound_ms,
-                   r->peak_gflops);
+                   r->bf16 ? "bf16" : "f32", r->peak_gflops);
 }
 
 static void json_num(FILE *f, const char *key, double v) {
@@ -419,10 +433,11 @@ static int write_json(const char *path, const step_result *res, int n, const ben
 }
 
 int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
-                    const char *cpu, bool gemm_pair) {
+                    const char *cpu, bool gemm_pair, bool bf16_pair) {
     gj_info info;
     gj_get_info(&info);
     g_gemm_pair = gemm_pair;
+    g_bf16_pair = bf16_pair;
     printf("gradjit %s | CPU: %s | threads: %d | BLAS core: %s\n", info.version, cpu,
            info.num_threads, info.blas_core ? info.blas_core : "?");
     printf("%d pairs (ABBA) after %d warm-up steps per side; a step = forward, backward and "
@@ -435,10 +450,16 @@ int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_
                "chosen per GEMM shape (auto: oneDNN where it measured faster); ratio = OpenBLAS "
                "/ auto (> 1: the choice is faster). The two sum GEMMs in different orders, so "
                "their bits may differ\n");
+    if (bf16_pair)
+        printf("--bf16-pair: both sides are compiled steps; the \"eager\" column is the step in "
+               "f32, the \"comp.\" column the same step in bf16 mixed precision (autocast: "
+               "GEMMs and activations in bf16, f32 master parameters and AdamW state); ratio = "
+               "f32 / bf16 (> 1: bf16 faster); the bound is the bf16 step's\n");
     bench_ceiling c;
     bench_ceiling_measure(&c, info.num_threads);
     bench_fma_peak_print(&c, "at start");
-    printf("bound = forward and backward GEMM FLOPs at the f32 peak + inputs read once and "
+    printf("bound = forward and backward GEMM FLOPs at the f32 peak (bf16 workloads: the bf16 "
+           "peak) + inputs read once and "
            "parameters, AdamW m and v read and written once, at the bandwidth of a working set "
            "of their size (GB/s column: bytes read and written); bench/paired_step.c says what it "
            "counts. The peaks are measured again before each bound and the best kept; a step "
@@ -452,7 +473,8 @@ int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_
         step_run(&bench_workloads[w], pairs, warmup, &c, &res[n]);
         print_row(&res[n]);
         fflush(stdout);
-        failed |= !res[n].skipped && (!res[n].ok || (!res[n].same_bits && !gemm_pair) || res[n].leak);
+        failed |= !res[n].skipped &&
+                  (!res[n].ok || (!res[n].same_bits && !gemm_pair && !bf16_pair) || res[n].leak);
         n++;
     }
     printf("\n");

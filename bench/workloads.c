@@ -449,26 +449,40 @@ static double g_flops(const bench_state *s) {
 
 const bench_workload bench_workloads[] = {
     {"W1", "mlp", "x[256,784] 784-1024-1024-10 GELU, CE(i64)", NULL, w1_setup, w1_forward, NULL,
-     false, w1_flops, STEP_LR, STEP_WD, NULL, false},
+     false, w1_flops, STEP_LR, STEP_WD, NULL, false, GJ_F32},
     {"W2", "pointwise", "x,w,b[4194304] sum(tanh(xw+b)sig(x)+exp(-x^2))", NULL, w2_setup,
-     w2_forward, NULL, false, NULL, STEP_LR, STEP_WD, NULL, false},
+     w2_forward, NULL, false, NULL, STEP_LR, STEP_WD, NULL, false, GJ_F32},
     {"W3", "block", "B8 T128 C256 H4 causal pre-norm block", NULL, w3_setup, w3_forward, NULL,
-     false, w3_flops, STEP_LR, STEP_WD, NULL, false},
+     false, w3_flops, STEP_LR, STEP_WD, NULL, false, GJ_F32},
     {"W4", "deep-mlp-ckpt", "x[128,512] 8x(512-2048-512 GELU)+res, ckpt", "8 ckpt regions",
-     w4_setup, w4_forward, NULL, true, w4_flops, STEP_LR, STEP_WD, NULL, false},
+     w4_setup, w4_forward, NULL, true, w4_flops, STEP_LR, STEP_WD, NULL, false, GJ_F32},
     {"W4n", "deep-mlp", "W4 without checkpointing (memory reference)", "no ckpt", w4_setup,
-     w4_plain_forward, NULL, false, w4_flops, STEP_LR, STEP_WD, NULL, false},
+     w4_plain_forward, NULL, false, w4_flops, STEP_LR, STEP_WD, NULL, false, GJ_F32},
     {"W5", "bf16-mlp", "W1, bf16 params, f32 masters+math", "SGD step untimed", w5_setup,
      w5_forward, w5_after_backward, false, w1_flops, STEP_LR, STEP_WD,
-     "its update is SGD on f32 master copies, not an optimizer's step", false},
+     "its update is SGD on f32 master copies, not an optimizer's step", false, GJ_F32},
     {"F1", "fashion-mlp", "x[128,784] 784-512-256-10 GELU, CE(i64)", NULL, f1_setup, w1_forward,
-     NULL, false, f1_flops, STEP_LR, STEP_WD, NULL, false},
+     NULL, false, f1_flops, STEP_LR, STEP_WD, NULL, false, GJ_F32},
     {"G1", "gpt2-d6", "GPT-2 L6 C384 H6 V50257 B4 T64 (llm.c)", "AdamW untimed", g1_setup,
-     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, false},
+     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, false, GJ_F32},
     {"G2", "gpt2-124M", "GPT-2 L12 C768 H12 V50257 B4 T64 (llm.c)", "AdamW untimed", g2_setup,
-     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true},
+     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_F32},
+    {"F1b", "fashion-bf16", "F1 in bf16 mixed precision (autocast)", NULL, f1_setup, w1_forward,
+     NULL, false, f1_flops, STEP_LR, STEP_WD, NULL, true, GJ_BF16},
+    {"G1b", "gpt2-d6-bf16", "G1 in bf16 mixed precision (autocast)", "AdamW untimed", g1_setup,
+     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_BF16},
+    {"G2b", "gpt2-124M-bf16", "G2 in bf16 mixed precision (autocast)", "AdamW untimed", g2_setup,
+     g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_BF16},
 };
 const int bench_n_workloads = (int)(sizeof bench_workloads / sizeof bench_workloads[0]);
+
+gj_tensor *bench_forward(const bench_workload *wl, bench_state *s) {
+    gj_dtype ac0 = gj_get_autocast();
+    gj_set_autocast(wl->autocast);
+    gj_tensor *loss = wl->forward(s);
+    gj_set_autocast(ac0);
+    return loss;
+}
 
 unsigned bench_all_workloads(void) {
     unsigned all = 0;

@@ -51,6 +51,9 @@ typedef struct arg_spec {
 /* One table row (designated, so the rest of the fields stay zero). */
 #define ARG_OPT(n, k, d, l, h, txt)                                                            \
     { .name = (n), .kind = (k), .dst = (d), .lo = (l), .hi = (h), .help = (txt) }
+/* The same with *g set when the option appears. */
+#define ARG_OPT_GIVEN(n, k, d, l, h, txt, g)                                                   \
+    { .name = (n), .kind = (k), .dst = (d), .lo = (l), .hi = (h), .help = (txt), .given = (g) }
 
 static inline const char *args_value_name(arg_kind k) {
     switch (k) {

@@ -210,12 +210,14 @@ typedef struct step_times {
 } step_times;
 
 /* A stepper running fn(ctx, ...) with opt in the given mode (fn, ctx and
- * opt borrowed for its life). 0, or -1 with gj_last_error() set. */
+ * opt borrowed for its life), under the calling thread's autocast setting
+ * (gj_step's opts.autocast; the split modes call fn under it). 0, or -1
+ * with gj_last_error() set. */
 static inline int stepper_init(stepper *s, step_mode mode, gj_step_fn fn, void *ctx,
                                gj_optim *opt) {
     *s = (stepper){.mode = mode, .fn = fn, .ctx = ctx, .opt = opt};
     if (step_mode_split(mode)) return 0;
-    gj_step_opts so = {.eager = mode == STEP_EAGER};
+    gj_step_opts so = {.eager = mode == STEP_EAGER, .autocast = gj_get_autocast()};
     return (s->step = gj_step_new(fn, ctx, opt, &so)) ? 0 : -1;
 }
 
@@ -238,7 +240,7 @@ static inline int stepper_set_ddp(stepper *s, gj_ddp *d) {
         return 0;
     }
     gj_step_free(s->step);
-    gj_step_opts so = {.eager = s->mode == STEP_EAGER, .ddp = d};
+    gj_step_opts so = {.eager = s->mode == STEP_EAGER, .ddp = d, .autocast = gj_get_autocast()};
     return (s->step = gj_step_new(s->fn, s->ctx, s->opt, &so)) ? 0 : -1;
 }
 

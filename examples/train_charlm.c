@@ -775,11 +775,12 @@ static int parse_opts(int argc, char **argv, opts *o) {
     bool steps_given = false;
     arg_spec specs[] = {
         TRAIN_ARG_COMPILED(f),
+        TRAIN_ARG_BF16(f),
         ARG_OPT("both", ARG_FLAG, &f->both, 0, 0,
                 "train eager and compiled side by side (steps in turn, ABBA), paired ratios: "
                 "compiled autograd's forward and backward, or with --compiled-step the whole "
                 "step"),
-        ARG_OPT("steps", ARG_I64, &o->steps, 1, 10000000, "training steps"),
+        ARG_OPT_GIVEN("steps", ARG_I64, &o->steps, 1, 10000000, "training steps", &steps_given),
         ARG_OPT("epochs", ARG_INT, &f->epochs, 1, 10000,
                 "epochs over the text instead of --steps (0: use --steps)"),
         ARG_OPT("batch", ARG_INT, &f->batch, 1, 4096, "sequences per batch"),
@@ -802,7 +803,6 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 "continue a saved run bit-identically (same settings and --threads)"),
         TRAIN_ARG_STOP_AFTER(f),
     };
-    specs[3].given = &steps_given;
     int rc = args_parse(PROG,
                         "Trains a character-level transformer on text files, eager, with "
                         "compiled autograd or with the compiled step, and samples from it.",

@@ -197,6 +197,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
     const char *channels = "32,64";
     const arg_spec specs[] = {
         TRAIN_ARG_COMPILED(f),
+        TRAIN_ARG_BF16(f),
         ARG_OPT("both", ARG_FLAG, &f->both, 0, 0,
                 "train eager and compiled side by side (steps in turn, ABBA), paired ratios: "
                 "compiled autograd's backward, or with --compiled-step the whole step"),

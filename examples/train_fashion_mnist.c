@@ -308,6 +308,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
     train_flags *f = &o->f;
     const arg_spec specs[] = {
         TRAIN_ARG_COMPILED(f),
+        TRAIN_ARG_BF16(f),
         ARG_OPT("both", ARG_FLAG, &f->both, 0, 0,
          "train eager and compiled side by side (steps in turn, ABBA) and print paired ratios: "
          "compiled autograd's backward, or with --compiled-step the compiled step's whole step"),

@@ -708,11 +708,13 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("steps", ARG_I64, &o->steps, 1, 1e12, "training steps (llm.c: 0 to 40)"),
         TRAIN_ARG_LR(f),
         TRAIN_ARG_COMPILED(f),
+        TRAIN_ARG_BF16(f),
         TRAIN_ARG_THREADS(f),
         ARG_OPT("shuffle", ARG_FLAG, &o->shuffle, 0, 0,
                 "train batches in llm.c's shuffled order (its train loader's default)"),
-        ARG_OPT("sample", ARG_INT, &o->sample, 0, 1 << 20,
-                "tokens generated at steps 20, 40, ... (at most --seq - 1; 0: none)"),
+        ARG_OPT_GIVEN("sample", ARG_INT, &o->sample, 0, 1 << 20,
+                      "tokens generated at steps 20, 40, ... (at most --seq - 1; 0: none)",
+                      &o->sample_given),
         ARG_OPT("tokenizer", ARG_FILE, &o->tokenizer, 0, 0,
                 "llm.c tokenizer to print samples with (else token ids)"),
         ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
@@ -740,7 +742,6 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("make-tokenizer", ARG_FILE, &o->make_tokenizer, 0, 0,
                 "write the byte-level tokenizer of --make-tokens' files and exit"),
     };
-    specs[11].given = &o->sample_given;
     int rc = args_parse(PROG,
                         "Trains GPT-2 from llm.c's files (model checkpoint, token files, "
                         "tokenizer) as llm.c's train_gpt2.c does, eager, with compiled "

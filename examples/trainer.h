@@ -53,6 +53,7 @@
  * options and lists the flags it takes in its own args.h table). */
 typedef struct train_flags {
     bool compiled, compiled_step, both, quiet;
+    bool bf16;                 /* mixed precision (gj_set_autocast(GJ_BF16)) */
     bool tty;                  /* stdout is a terminal (set by main, not a flag) */
     int epochs, batch, threads;
     double lr;
@@ -69,6 +70,10 @@ typedef struct train_flags {
     ARG_OPT("compiled-autograd", ARG_FLAG, &(f)->compiled, 0, 0, "run the backward compiled"), \
     ARG_OPT("compiled-step", ARG_FLAG, &(f)->compiled_step, 0, 0,                              \
             "run the whole step (forward, backward, AdamW update) as one compiled program")
+#define TRAIN_ARG_BF16(f)                                                                      \
+    ARG_OPT("bf16", ARG_FLAG, &(f)->bf16, 0, 0,                                                \
+            "mixed precision: GEMMs and activations in bf16; f32 parameters, AdamW state, "   \
+            "softmax, layer norm and loss")
 #define TRAIN_ARG_LR(f) ARG_OPT("lr", ARG_DOUBLE, &(f)->lr, 0, 1e6, "AdamW learning rate")
 #define TRAIN_ARG_THREADS(f)                                                                   \
     ARG_OPT("threads", ARG_INT, &(f)->threads, 0, 4096, "gradjit threads (0: every CPU)")
@@ -137,6 +142,8 @@ static inline int train_flags_check_one_run(const char *prog, const train_flags 
 static inline step_mode train_mode(train_flags *f) {
     if (!f->both && !f->compiled && !f->compiled_step && gj_compiled_autograd_enabled())
         f->compiled = true;
+    if (f->bf16) /* this thread's ops, and every step made on it (stepper_init) */
+        gj_set_autocast(GJ_BF16);
     return f->compiled ? STEP_SPLIT_CA : f->compiled_step ? STEP_COMPILED : STEP_EAGER;
 }
 
@@ -149,8 +156,9 @@ static inline bool train_banner(const train_flags *f) {
     gj_get_info(&info);
     if (f->quiet)
         return false;
-    printf("gradjit %s, %d threads, BLAS %s | ", info.version, info.num_threads,
-           info.blas_core ? info.blas_core : "?");
+    printf("gradjit %s, %d threads, BLAS %s%s | ", info.version, info.num_threads,
+           info.blas_core ? info.blas_core : "?",
+           gj_get_autocast() == GJ_BF16 ? ", bf16 mixed precision" : "");
     return true;
 }
 

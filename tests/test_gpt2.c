@@ -17,7 +17,9 @@
  * fall back), with the compiled training step (gj_step: every step but the
  * first runs one program of forward, backward and AdamW, none falls back,
  * and its losses and final parameters are the eager run's bit for bit),
- * and with llm.c's shuffled train loader.
+ * and with llm.c's shuffled train loader. In bf16 mixed precision
+ * (opts.autocast = GJ_BF16) the eager and the compiled step agree bit for
+ * bit and every loss stays within 2% of llm.c's f32 loss.
  *
  * How the golden values were made: llm.c at commit
  * f1e2ace651495b74ae22d45d1723443fd00ecd3a (karpathy/llm.c, 2025-05-10),
@@ -160,7 +162,7 @@ static int teardown_files(void **state) {
 
 /* How run_llmc_loop runs a step: forward, gj_backward and gj_optim_step,
  * eagerly or with compiled autograd; or through gj_step compiled. */
-typedef enum { LOOP_EAGER, LOOP_COMPILED_AUTOGRAD, LOOP_COMPILED_STEP } loop_mode;
+typedef enum { LOOP_EAGER, LOOP_COMPILED_AUTOGRAD, LOOP_COMPILED_STEP, LOOP_EAGER_STEP } loop_mode;
 
 /* FNV-1a 64 of the bytes of the model's 16 tensors. */
 static uint64_t fnv1a_model(const gpt2 *m) {
@@ -178,7 +180,7 @@ static uint64_t fnv1a_model(const gpt2 *m) {
  * file's start, summed in f32) at step 0, then GOLDEN_STEPS steps. *hash
  * (may be NULL) receives fnv1a_model of the trained parameters. */
 static void run_llmc_loop(loop_mode mode, bool shuffle, double *val0, double *loss,
-                          uint64_t *hash) {
+                          uint64_t *hash, gj_dtype autocast) {
     gpt2 m;
     assert_int_equal(gpt2_load(&m, p_model, GJ_F32), 0);
     assert_int_equal(gpt2_set_seq_len(&m, GOLDEN_T), 0);
@@ -191,6 +193,7 @@ static void run_llmc_loop(loop_mode mode, bool shuffle, double *val0, double *lo
     gj_optim *opt = gj_adamw_new(m.n_leaves, m.leaf, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f);
     assert_non_null(opt);
     float v = 0.0f;
+    assert_int_equal(gj_set_autocast(autocast), 0); /* (the val loss too) */
     gj_no_grad_push();
     for (int i = 0; i < 5; i++) {
         gj_scope_push();
@@ -202,9 +205,11 @@ static void run_llmc_loop(loop_mode mode, bool shuffle, double *val0, double *lo
         gj_scope_pop();
     }
     gj_no_grad_pop();
+    assert_int_equal(gj_set_autocast(GJ_F32), 0);
     *val0 = v / 5;
-    bool step = mode == LOOP_COMPILED_STEP;
-    gj_step *st = step ? gj_step_new(gpt2_loss, &m, opt, NULL) : NULL;
+    bool step = mode == LOOP_COMPILED_STEP || mode == LOOP_EAGER_STEP;
+    gj_step_opts so = {.eager = mode == LOOP_EAGER_STEP, .autocast = autocast};
+    gj_step *st = step ? gj_step_new(gpt2_loss, &m, opt, &so) : NULL;
     assert_true(!step || st);
     gj_ca_stats before = gjt_ca_now(), sbefore;
     gj_step_stats(&sbefore);
@@ -232,7 +237,7 @@ static void run_llmc_loop(loop_mode mode, bool shuffle, double *val0, double *lo
     gj_step_stats(&safter);
     if (mode == LOOP_COMPILED_AUTOGRAD)
         assert_true(gjt_ran_compiled("gpt2 training steps", &before, &after, GOLDEN_STEPS));
-    if (step) /* the first step traces (and compiles); every step counts */
+    if (mode == LOOP_COMPILED_STEP) /* the first step traces (and compiles); every step counts */
         assert_true(gjt_ran_compiled("gpt2 compiled steps", &sbefore, &safter, GOLDEN_STEPS));
     if (hash)
         *hash = fnv1a_model(&m);
@@ -278,7 +283,7 @@ static void test_golden_eager(void **state) {
     (void)state;
     int64_t live0 = gjt_live_bytes();
     double v, loss[GOLDEN_STEPS];
-    run_llmc_loop(LOOP_EAGER, false, &v, loss, NULL);
+    run_llmc_loop(LOOP_EAGER, false, &v, loss, NULL, GJ_F32);
     check_golden("eager", v, loss, llmc_val0, llmc_loss);
     assert_int_equal(gjt_live_bytes(), live0);
 }
@@ -287,7 +292,7 @@ static void test_golden_compiled(void **state) {
     (void)state;
     int64_t live0 = gjt_live_bytes();
     double v, loss[GOLDEN_STEPS];
-    run_llmc_loop(LOOP_COMPILED_AUTOGRAD, false, &v, loss, NULL);
+    run_llmc_loop(LOOP_COMPILED_AUTOGRAD, false, &v, loss, NULL, GJ_F32);
     check_golden("compiled", v, loss, llmc_val0, llmc_loss);
     assert_int_equal(gjt_live_bytes(), live0);
 }
@@ -299,8 +304,8 @@ static void test_golden_compiled_step(void **state) {
     int64_t live0 = gjt_live_bytes();
     double v, ve, loss[GOLDEN_STEPS], eager[GOLDEN_STEPS];
     uint64_t h, he;
-    run_llmc_loop(LOOP_EAGER, false, &ve, eager, &he);
-    run_llmc_loop(LOOP_COMPILED_STEP, false, &v, loss, &h);
+    run_llmc_loop(LOOP_EAGER, false, &ve, eager, &he, GJ_F32);
+    run_llmc_loop(LOOP_COMPILED_STEP, false, &v, loss, &h, GJ_F32);
     check_golden("compiled step", v, loss, llmc_val0, llmc_loss);
     for (int s = 0; s < GOLDEN_STEPS; s++)
         if (loss[s] != eager[s])
@@ -310,10 +315,39 @@ static void test_golden_compiled_step(void **state) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+/* bf16 mixed precision (opts.autocast): the eager and the compiled step
+ * give the same bits, and every loss stays within 2% of llm.c's f32 loss
+ * (the val loss too). */
+static void test_golden_bf16(void **state) {
+    (void)state;
+    int64_t live0 = gjt_live_bytes();
+    double v, ve, loss[GOLDEN_STEPS], eager[GOLDEN_STEPS];
+    uint64_t h, he;
+    run_llmc_loop(LOOP_EAGER_STEP, false, &ve, eager, &he, GJ_BF16);
+    run_llmc_loop(LOOP_COMPILED_STEP, false, &v, loss, &h, GJ_BF16);
+    assert_true(v == ve);
+    bool ok = fabs(v - llmc_val0) <= 0.02 * llmc_val0;
+    print_message("bf16 mixed precision: val loss %.6f (llm.c f32 %.6f)\n", v, llmc_val0);
+    for (int s = 0; s < GOLDEN_STEPS; s++) {
+        if (loss[s] != eager[s])
+            fail_msg("step %d: compiled step loss %.9g, eager step %.9g", s, loss[s], eager[s]);
+        double rel = fabs(loss[s] - llmc_loss[s]) / llmc_loss[s];
+        print_message("bf16 mixed precision: step %d: train loss %.6f (llm.c f32 %.6f, relative "
+                      "difference %.1e)%s\n",
+                      s, loss[s], llmc_loss[s], rel, rel <= 0.02 ? "" : "  <-- too far");
+        ok = ok && rel <= 0.02;
+    }
+    if (h != he)
+        fail_msg("the parameters after %d compiled bf16 steps differ from the eager ones",
+                 GOLDEN_STEPS);
+    assert_true(ok);
+    assert_int_equal(gjt_live_bytes(), live0);
+}
+
 static void test_golden_shuffled(void **state) {
     (void)state;
     double v, loss[GOLDEN_STEPS];
-    run_llmc_loop(LOOP_EAGER, true, &v, loss, NULL);
+    run_llmc_loop(LOOP_EAGER, true, &v, loss, NULL, GJ_F32);
     check_golden("eager, shuffled", v, loss, llmc_val0_shuffled, llmc_loss_shuffled);
 }
 
@@ -447,6 +481,7 @@ int main(void) {
         cmocka_unit_test(test_golden_eager),
         cmocka_unit_test(test_golden_compiled),
         cmocka_unit_test(test_golden_compiled_step),
+        cmocka_unit_test(test_golden_bf16),
         cmocka_unit_test(test_golden_shuffled),
         cmocka_unit_test(test_gradients_f64),
     };

@@ -1199,7 +1199,9 @@ static void test_fuzz_bf16(void **st) {
  * steps and then another tensor; a cross-entropy term whose labels go out
  * of range at some step (both modes must then fail with the same error);
  * a first input that requires grad on some steps (its .grad is compared);
- * .grads set on the leaves before a step (the step clears them). */
+ * .grads set on the leaves before a step (the step clears them). A quarter
+ * of the f32 seeds run their steps in bf16 mixed precision
+ * (opts.autocast): both modes cast the same ops the same way. */
 enum { XS_ALIAS = 1, XS_LABELS = 2, XS_LEAF = 4, XS_GRADS = 8, XS_HOOKS = 16 };
 
 /* XS_HOOKS: hooks the caller registers on the leaves before the steps,
@@ -1218,6 +1220,8 @@ static void xs_post_read(gj_tensor *leaf, void *u) {
     (void)u;
     g_xs_read += gj_tensor_item_at(gj_tensor_grad(leaf), 0);
 }
+
+static int g_step_autocast; /* step seeds run in bf16 mixed precision */
 
 typedef struct step_ctx {
     fuzz *f;
@@ -1299,7 +1303,10 @@ static void run_step_model(uint64_t seed, gj_dtype dt, unsigned feat, bool compi
     g_xs_read = 0;
     int bad_at = (int)gjt_rng_int(&r, 4); /* XS_LABELS: the step whose labels are bad (3: none) */
     step_ctx sc = {f, seed, xs};
-    gj_step_opts so = {.eager = !compiled};
+    /* (drawn from the seed alone: the other draws stay those of the seed) */
+    bool autocast = dt == GJ_F32 && ((seed * 0x9e3779b97f4a7c15ull) >> 62) == 0;
+    gj_step_opts so = {.eager = !compiled, .autocast = autocast ? GJ_BF16 : GJ_F32};
+    g_step_autocast += autocast && compiled;
     gj_step *st = gj_step_new(fuzz_step_fn, &sc, o, &so);
     assert_non_null(st);
     gj_manual_seed(seed); /* the same dropout masks in both modes */
@@ -1445,7 +1452,7 @@ static void run_step_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, in
     int bad = 0, total = 0;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    g_step_compiled = g_step_eager = 0;
+    g_step_compiled = g_step_eager = g_step_autocast = 0;
     for (int k = 0; k < count; k++) {
         uint64_t seed = one ? strtoull(one, NULL, 10) : base + (uint64_t)k;
         if (!check_step_seed(seed, dt, rtol)) {
@@ -1461,8 +1468,9 @@ static void run_step_fuzz(gj_dtype dt, double rtol, uint64_t base, int count, in
     gj_jit_clear_cache();
     clock_gettime(CLOCK_MONOTONIC, &t1);
     print_message("%s: %d models as whole steps (3 steps each: %d compiled, %d eager for hooks "
-                  "registered in the step function), %d mismatches or bad fallbacks, %.1f s\n",
-                  gj_rt_dtype_name(dt), total, g_step_compiled, g_step_eager, bad,
+                  "registered in the step function; %d in bf16 mixed precision), %d mismatches "
+                  "or bad fallbacks, %.1f s\n",
+                  gj_rt_dtype_name(dt), total, g_step_compiled, g_step_eager, g_step_autocast, bad,
                   (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
     g_step_compiled = g_step_eager = 0;
     assert_int_equal(bad, 0);
