@@ -669,9 +669,10 @@ static int train(const opts *o, step_mode mode) {
     if (r.timed)
         quartiles(r.step_ms, r.timed, q);
     printf("gradjit: %lld steps, %.1f ms per step after the first (median %.1f), peak tensor "
-           "memory %.1f MiB\n",
+           "memory %.1f MiB (held at most %.1f MiB%s)\n",
            (long long)(o->steps - start), r.timed ? r.total_ms / (double)r.timed : NAN, q[1],
-           (double)mem.peak_bytes / 1048576.0);
+           (double)mem.peak_bytes / 1048576.0, (double)mem.held_peak_bytes / 1048576.0,
+           mem.limit_bytes ? ", under GRADJIT_MEM_LIMIT_MB" : "");
     gj_ca_stats ca, cs;
     counters_read(&ca, &cs);
     print_counters(mode, &ca, &cs);

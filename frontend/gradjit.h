@@ -124,9 +124,21 @@ typedef struct gj_mem {
     int64_t peak_bytes;  /* maximum of live_bytes since the last reset */
     int64_t n_allocs;    /* storage allocations since start */
     int64_t cached_bytes; /* held by the caching allocator for reuse (not in live_bytes) */
+    int64_t held_bytes;   /* held from the system for tensors: blocks in use (rounded to
+                             their size class), cached and stream-deferred */
+    int64_t held_peak_bytes; /* maximum of held_bytes since the last reset */
+    int64_t limit_bytes;  /* the memory limit on held_bytes (0: none) */
 } gj_mem;
 GJ_API void gj_mem_stats(gj_mem *out);
 GJ_API void gj_mem_reset_peak(void);
+/* A limit on the bytes gradjit holds for tensors (held_bytes: tensors,
+ * compiled programs' buffers, the allocator's cache). An allocation that
+ * would pass it first empties the cache, then fails: the op, step or
+ * backward that asked returns NULL or -1 with an error naming the limit,
+ * as for any out-of-memory, and nothing is corrupted. 0: no limit (the
+ * default; GRADJIT_MEM_LIMIT_MB=N sets N MiB at start). 0, or -1 with an
+ * error (negative). */
+GJ_API int gj_set_mem_limit(int64_t bytes);
 
 /* ------------------------------------------------------------- tensors */
 

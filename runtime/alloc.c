@@ -105,9 +105,11 @@ void *gj_rt_alloc_data(size_t nbytes) {
         gj_rt_oom(nbytes);
         return NULL;
     }
-    void *p = gj_rt_cache_alloc(nbytes); /* alloc_cache.c: a cached block or a new one */
+    bool over_limit;
+    void *p = gj_rt_cache_alloc(nbytes, &over_limit); /* alloc_cache.c: cached or new */
     if (!p) {
-        gj_rt_oom(nbytes);
+        if (!over_limit) /* (past the memory limit the error names it) */
+            gj_rt_oom(nbytes);
         return NULL;
     }
     long long live = atomic_fetch_add(&g_live_bytes, (long long)nbytes) + (long long)nbytes;
@@ -140,10 +142,14 @@ void gj_mem_stats(gj_mem *out) {
     out->peak_bytes = atomic_load(&g_peak_bytes);
     out->n_allocs = atomic_load(&g_n_data);
     out->cached_bytes = gj_rt_cache_bytes();
+    gj_rt_held_stats(&out->held_bytes, &out->held_peak_bytes, &out->limit_bytes);
 }
+
+int gj_set_mem_limit(int64_t bytes) { return gj_rt_set_mem_limit(bytes); }
 
 /* Peak := live now (a concurrent allocation may raise it again at once). */
 void gj_mem_reset_peak(void) {
+    gj_rt_held_reset_peak();
     atomic_store(&g_peak_bytes, atomic_load(&g_live_bytes));
     gj_rt_bump_peak(atomic_load(&g_live_bytes));
 }

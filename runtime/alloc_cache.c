@@ -22,6 +22,12 @@
  *     block goes to its free list once every stream has passed its point.
  *   - Nothing here counts towards failure injection except the record
  *     table's allocations (gj_rt_malloc): a free can never fail.
+ *   - g_held_bytes is the sum of the class sizes of every block taken from
+ *     libc and not returned (handed out, cached or deferred): what the
+ *     process holds for tensors. With a memory limit (GRADJIT_MEM_LIMIT_MB,
+ *     gj_set_mem_limit), a new block that would take g_held_bytes past it
+ *     first empties the cache, then fails with an error naming the limit;
+ *     g_held_peak is its maximum since the last gj_mem_reset_peak.
  *   - Cached blocks are poisoned under AddressSanitizer, so a use after free
  *     of tensor bytes is still reported; they stay reachable from g_free (no
  *     leak report) and are returned to libc at exit.
@@ -29,6 +35,7 @@
 #include "runtime/rt.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,6 +83,8 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static free_node *g_free[N_CLASSES];
 static int64_t g_cached_bytes, g_deferred_bytes;
 static int64_t g_limit = -1; /* bytes the free lists may hold; -1: not read yet */
+static int64_t g_held_bytes, g_held_peak; /* see the invariants */
+static int64_t g_mem_limit = -1;          /* 0: none; -1: GRADJIT_MEM_LIMIT_MB not read yet */
 static rec **g_rtab;          /* record table: data pointer -> rec */
 static size_t g_rtab_n, g_nrec;
 static rec *g_deferred;
@@ -126,6 +135,7 @@ static void cache_put_locked(void *p, size_t c, int idx) {
     if (g_cached_bytes + (int64_t)c <= limit_bytes()) fn = malloc(sizeof *fn);
     if (!fn) {
         free(p);
+        g_held_bytes -= (int64_t)c;
         return;
     }
     POISON(p, c);
@@ -172,6 +182,7 @@ void gj_rt_cache_poll(void) {
 
 /* Frees every block of the free lists. Lock held. */
 static void release_locked(void) {
+    g_held_bytes -= g_cached_bytes;
     for (int i = 0; i < (int)N_CLASSES; i++) {
         while (g_free[i]) {
             free_node *fn = g_free[i];
@@ -202,9 +213,71 @@ int64_t gj_rt_cache_bytes(void) {
     return n;
 }
 
+/* GRADJIT_MEM_LIMIT_MB, read once (lock held): a count of MiB > 0, else
+ * no limit (a value that is not a count warns once). */
+static int64_t mem_limit_locked(void) {
+    if (g_mem_limit < 0) {
+        g_mem_limit = 0;
+        const char *v = getenv("GRADJIT_MEM_LIMIT_MB");
+        if (v && *v) {
+            char *end;
+            long long x = strtoll(v, &end, 10);
+            if (*end == '\0' && x > 0 && x <= INT64_MAX / (1 << 20))
+                g_mem_limit = x * (1 << 20);
+            else
+                fprintf(stderr, "gradjit: GRADJIT_MEM_LIMIT_MB=%s is not a count of MiB >= 1: no "
+                                "memory limit\n", v);
+        }
+    }
+    return g_mem_limit;
+}
+
+int gj_rt_set_mem_limit(int64_t bytes) {
+    if (bytes < 0) {
+        gj_rt_set_error("gj_set_mem_limit: the limit must be >= 0 bytes (0: none), got %lld",
+                        (long long)bytes);
+        return -1;
+    }
+    pthread_mutex_lock(&g_mu);
+    g_mem_limit = bytes;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+void gj_rt_held_stats(int64_t *held, int64_t *peak, int64_t *limit) {
+    pthread_mutex_lock(&g_mu);
+    *held = g_held_bytes;
+    *peak = g_held_peak;
+    *limit = mem_limit_locked();
+    pthread_mutex_unlock(&g_mu);
+}
+
+void gj_rt_held_reset_peak(void) {
+    pthread_mutex_lock(&g_mu);
+    g_held_peak = g_held_bytes;
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Takes c bytes more from libc into the count, or false (lock held) when
+ * that would pass the limit even after emptying the cache. */
+static bool held_take_locked(size_t c) {
+    int64_t lim = mem_limit_locked();
+    if (lim > 0 && g_held_bytes + (int64_t)c > lim) {
+        poll_locked();
+        release_locked();
+        if (g_held_bytes + (int64_t)c > lim)
+            return false;
+    }
+    g_held_bytes += (int64_t)c;
+    if (g_held_bytes > g_held_peak) g_held_peak = g_held_bytes;
+    return true;
+}
+
 /* A block of nbytes' class: the most recently cached one, else a new one
- * (after releasing the cache if libc has no memory left). NULL on OOM. */
-void *gj_rt_cache_alloc(size_t nbytes) {
+ * (after releasing the cache if libc has no memory left). NULL on OOM
+ * (*over_limit set when the memory limit refused it). */
+void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit) {
+    *over_limit = false;
     int idx;
     size_t c = class_of(nbytes, &idx);
     pthread_mutex_lock(&g_mu);
@@ -214,6 +287,8 @@ void *gj_rt_cache_alloc(size_t nbytes) {
         g_free[idx] = fn->next;
         g_cached_bytes -= (int64_t)c;
     }
+    bool ok = fn || held_take_locked(c);
+    int64_t held = g_held_bytes;
     pthread_mutex_unlock(&g_mu);
     if (fn) {
         void *p = fn->p;
@@ -221,10 +296,24 @@ void *gj_rt_cache_alloc(size_t nbytes) {
         UNPOISON(p, c);
         return p;
     }
+    if (!ok) {
+        *over_limit = true;
+        gj_rt_set_error("out of memory under gradjit's memory limit of %.1f MiB "
+                        "(GRADJIT_MEM_LIMIT_MB or gj_set_mem_limit): it holds %.1f MiB of "
+                        "tensor memory and a tensor needs %.1f MiB more",
+                        (double)g_mem_limit / 1048576.0, (double)held / 1048576.0,
+                        (double)c / 1048576.0);
+        return NULL;
+    }
     void *p = aligned_alloc(ALIGN, c);
     if (!p) {
         gj_rt_alloc_release_cache();
         p = aligned_alloc(ALIGN, c);
+    }
+    if (!p) {
+        pthread_mutex_lock(&g_mu);
+        g_held_bytes -= (int64_t)c;
+        pthread_mutex_unlock(&g_mu);
     }
     return p;
 }

@@ -365,9 +365,17 @@ extern const size_t gj_rt_math_bc_size;
 /* alloc_cache.c: the block cache behind gj_rt_alloc_data/free_data.
  * gj_rt_cache_alloc returns a 64-byte aligned block of at least nbytes
  * (a cached block of nbytes' size class, else a new one; NULL on OOM,
- * no error set); gj_rt_cache_free takes it back (cached, deferred while
- * a recorded stream has not passed, or freed). */
-void *gj_rt_cache_alloc(size_t nbytes);
+ * no error set, or past the memory limit: *over_limit set, and an error
+ * naming the limit); gj_rt_cache_free takes it back (cached, deferred
+ * while a recorded stream has not passed, or freed). */
+void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit);
+/* The memory limit on the bytes held for tensors (0: none; the default is
+ * GRADJIT_MEM_LIMIT_MB). 0, or -1 with an error (negative). */
+int gj_rt_set_mem_limit(int64_t bytes);
+/* Bytes held from libc for tensor blocks (in use, cached, deferred), their
+ * peak since the last reset, and the limit (0: none). */
+void gj_rt_held_stats(int64_t *held, int64_t *peak, int64_t *limit);
+void gj_rt_held_reset_peak(void);
 void gj_rt_cache_free(void *p, size_t nbytes);
 /* Bytes held for reuse (cached and stream-deferred blocks). */
 int64_t gj_rt_cache_bytes(void);
