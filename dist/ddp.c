@@ -21,8 +21,10 @@
 #include "runtime/gj_math.h"
 #include "runtime/rt.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct ddp_bucket {
@@ -665,6 +667,211 @@ int gj_ddp_optim_load_state_dict(gj_ddp *d, gj_optim *opt, const gj_state_dict *
     }
     if (rc == 0) rc = gj_optim_load_state_dict(opt, mine, "s");
     gj_state_dict_free(mine);
+    return rc;
+}
+
+/* ------------------------------------- ZeRO's checkpoints, one per rank */
+
+int gj_ddp_optim_shard_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, const char *prefix) {
+    const char *op = "gj_ddp_optim_shard_dict_add";
+    if (zero_ckpt_check(d, opt, op) != 0) return -1;
+    if (!sd) {
+        gj_rt_set_error("%s: sd is NULL", op);
+        return -1;
+    }
+    if (!prefix) prefix = "optim";
+    char key[512], val[64 + 24 * GJ_MAX_DIMS];
+    gj_state_dict *mine = gj_state_dict_new(); /* this rank's optimizer, under "s" */
+    int rc = mine && gj_optim_state_dict_add(opt, mine, "s") == 0 ? 0 : -1;
+    for (int j = 0; rc == 0 && j < gj_state_dict_metadata_size(mine); j++) {
+        const char *k = NULL, *v = NULL;
+        if (gj_state_dict_metadata_at(mine, j, &k, &v) != 0) rc = -1;
+        else if (strncmp(k, "s.", 2) == 0 && strcmp(k, "s.n_params") != 0) {
+            snprintf(key, sizeof key, "%s.%s", prefix, k + 2);
+            rc = gj_state_dict_set_metadata(sd, key, v);
+        }
+    }
+    const int64_t meta[3][2] = {{0, d->n}, {1, d->rank}, {2, d->size}};
+    const char *const meta_key[3] = {"n_params", "zero.rank", "zero.ranks"};
+    for (int m = 0; rc == 0 && m < 3; m++) {
+        snprintf(key, sizeof key, "%s.%s", prefix, meta_key[meta[m][0]]);
+        snprintf(val, sizeof val, "%lld", (long long)meta[m][1]);
+        rc = gj_state_dict_set_metadata(sd, key, val);
+    }
+    for (int i = 0; rc == 0 && i < d->n; i++) {
+        int k = shard_index(d, i);
+        if (k < 0) continue;
+        gj_tensor *p = d->params[i];
+        int at = snprintf(val, sizeof val, "%lld %lld %lld %d", (long long)d->shard_at[i],
+                          (long long)gj_tensor_numel(d->shard[i]), (long long)gj_tensor_numel(p),
+                          gj_tensor_ndim(p));
+        for (int a = 0; a < gj_tensor_ndim(p); a++)
+            at += snprintf(val + at, sizeof val - (size_t)at, " %lld",
+                           (long long)gj_tensor_shape(p)[a]);
+        snprintf(key, sizeof key, "%s.%d.range", prefix, i);
+        rc = gj_state_dict_set_metadata(sd, key, val);
+        for (int f = 0; rc == 0 && f <= ZERO_NF; f++) {
+            const char *field = f < ZERO_NF ? ZERO_FIELDS[f] : "step";
+            snprintf(key, sizeof key, "s.%d.%s", k, field);
+            gj_tensor *t = gj_state_dict_get(mine, key);
+            if (!t) continue;
+            snprintf(key, sizeof key, "%s.%d.%s", prefix, i, field);
+            rc = gj_state_dict_add(sd, key, t);
+        }
+    }
+    gj_state_dict_free(mine);
+    return rc;
+}
+
+/* One rank's range of parameter i in a shard dict: 0, 1 when it has none,
+ * -1 with an error when it is malformed. */
+static int shard_range(const gj_state_dict *s, const char *prefix, int i, int64_t r[4],
+                       int64_t shape[GJ_MAX_DIMS], const char *op) {
+    char key[512];
+    snprintf(key, sizeof key, "%s.%d.range", prefix, i);
+    const char *v = gj_state_dict_get_metadata(s, key);
+    if (!v) return 1;
+    char *end = NULL;
+    for (int k = 0; k < 4; k++) {
+        errno = 0;
+        r[k] = strtoll(v, &end, 10);
+        if (end == v || errno) goto bad;
+        v = end;
+    }
+    if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[0] + r[1] > r[2] || r[3] < 0 || r[3] > GJ_MAX_DIMS)
+        goto bad;
+    int64_t n = 1;
+    for (int k = 0; k < r[3]; k++) {
+        errno = 0;
+        shape[k] = strtoll(v, &end, 10);
+        if (end == v || errno || shape[k] < 0) goto bad;
+        v = end;
+        n *= shape[k];
+    }
+    if (n != r[2] || *v) goto bad;
+    return 0;
+bad:
+    gj_rt_set_error("%s: metadata %s is not \"start length numel ndim shape...\" of one "
+                    "parameter", op, key);
+    return -1;
+}
+
+int gj_zero_consolidate(int n, const gj_state_dict *const *shards, const char *prefix,
+                        gj_state_dict *out) {
+    const char *op = "gj_zero_consolidate";
+    if (n < 1 || !shards || !out) {
+        gj_rt_set_error("%s: needs n >= 1 shard dicts and an out dict (n %d, shards %s, out %s)",
+                        op, n, shards ? "given" : "NULL", out ? "given" : "NULL");
+        return -1;
+    }
+    if (!prefix) prefix = "optim";
+    char key[512];
+    int64_t np = -1;
+    bool *seen = gj_rt_calloc((size_t)n, sizeof *seen);
+    if (!seen) return -1;
+    int rc = 0;
+    for (int j = 0; j < n && rc == 0; j++) { /* every rank of one run, each once */
+        const char *fk[3] = {"n_params", "zero.rank", "zero.ranks"};
+        int64_t v[3];
+        for (int m = 0; m < 3 && rc == 0; m++) {
+            snprintf(key, sizeof key, "%s.%s", prefix, fk[m]);
+            const char *s = shards[j] ? gj_state_dict_get_metadata(shards[j], key) : NULL;
+            char *end = NULL;
+            v[m] = s ? strtoll(s, &end, 10) : -1;
+            if (!s || !*s || *end || v[m] < 0) {
+                gj_rt_set_error("%s: shard dict %d has no %s (not written by "
+                                "gj_ddp_optim_shard_dict_add)", op, j, key);
+                rc = -1;
+            }
+        }
+        if (rc != 0) break;
+        if (v[2] != n || v[1] >= n || seen[v[1]] || (np >= 0 && v[0] != np)) {
+            gj_rt_set_error("%s: shard dict %d is rank %lld of %lld ranks over %lld parameters; "
+                            "the %d dicts given must be the %d ranks of one run, each once",
+                            op, j, (long long)v[1], (long long)v[2], (long long)v[0], n, n);
+            rc = -1;
+            break;
+        }
+        seen[v[1]] = true;
+        np = v[0];
+    }
+    gj_rt_free(seen);
+    /* the optimizer's own metadata, as rank 0's dict has it */
+    size_t pl = strlen(prefix);
+    for (int j = 0; rc == 0 && j < gj_state_dict_metadata_size(shards[0]); j++) {
+        const char *k = NULL, *v = NULL;
+        if (gj_state_dict_metadata_at(shards[0], j, &k, &v) != 0) rc = -1;
+        else if (strncmp(k, prefix, pl) == 0 && k[pl] == '.' && strncmp(k + pl + 1, "zero.", 5) &&
+                 !strstr(k + pl + 1, ".range"))
+            rc = gj_state_dict_set_metadata(out, k, v);
+    }
+    for (int64_t i = 0; rc == 0 && i < np; i++) {
+        int64_t r[4], first[4] = {-1, -1, -1, -1}, shape[GJ_MAX_DIMS], covered = 0, step = -1;
+        for (int j = 0; j < n && rc == 0; j++) {
+            int g = shard_range(shards[j], prefix, (int)i, r, shape, op);
+            if (g < 0) rc = -1;
+            if (g != 0) continue;
+            if (first[2] >= 0 && (r[2] != first[2] || r[3] != first[3])) {
+                gj_rt_set_error("%s: the dicts disagree on parameter %lld's size", op, (long long)i);
+                rc = -1;
+            }
+            if (first[2] < 0) memcpy(first, r, sizeof r);
+            covered += r[1];
+            snprintf(key, sizeof key, "%s.%lld.step", prefix, (long long)i);
+            gj_tensor *st = gj_state_dict_get(shards[j], key);
+            if (st && (int64_t)gj_tensor_item(st) > step) step = (int64_t)gj_tensor_item(st);
+        }
+        if (rc != 0 || first[2] < 0) continue; /* (no range: an empty parameter) */
+        if (covered != first[2]) {
+            gj_rt_set_error("%s: the ranks' ranges of parameter %lld cover %lld of its %lld "
+                            "elements", op, (long long)i, (long long)covered, (long long)first[2]);
+            rc = -1;
+            break;
+        }
+        if (step >= 0) {
+            gj_tensor *st = gj_full(GJ_I64, 0, NULL, (double)step);
+            snprintf(key, sizeof key, "%s.%lld.step", prefix, (long long)i);
+            rc = st ? gj_state_dict_add(out, key, st) : -1;
+            gj_release(st);
+        }
+        for (int f = 0; rc == 0 && f < ZERO_NF; f++) {
+            snprintf(key, sizeof key, "%s.%lld.%s", prefix, (long long)i, ZERO_FIELDS[f]);
+            gj_tensor *full = NULL;
+            int64_t got = 0;
+            for (int j = 0; j < n && rc == 0; j++) {
+                gj_tensor *part = gj_state_dict_get(shards[j], key);
+                if (shard_range(shards[j], prefix, (int)i, r, shape, op) != 0) continue;
+                if (!part) continue;
+                gj_dtype dt = gj_tensor_dtype(part);
+                if (!full && !(full = gj_zeros(dt, (int)first[3], shape))) {
+                    rc = -1;
+                    break;
+                }
+                if (gj_tensor_numel(part) != r[1] || dt != gj_tensor_dtype(full) ||
+                    (dt != GJ_F32 && dt != GJ_F64)) {
+                    gj_rt_set_error("%s: %s of shard dict %d has %lld %s values, its range %lld",
+                                    op, key, j, (long long)gj_tensor_numel(part),
+                                    gj_rt_dtype_name(dt), (long long)r[1]);
+                    rc = -1;
+                    break;
+                }
+                gj_tensor *c = gj_contiguous(part);
+                size_t eb = dt == GJ_F64 ? 8 : 4;
+                if (!c) rc = -1;
+                else
+                    memcpy((char *)gj_tensor_data(full) + r[0] * (int64_t)eb, gj_tensor_data(c),
+                           (size_t)r[1] * eb);
+                gj_release(c);
+                got += r[1];
+            }
+            if (rc == 0 && full && got != first[2]) {
+                gj_rt_set_error("%s: %s is in some ranks' dicts and not in others", op, key);
+                rc = -1;
+            }
+            if (rc == 0 && full) rc = gj_state_dict_add(out, key, full);
+            gj_release(full);
+        }
+    }
     return rc;
 }
 

@@ -431,7 +431,7 @@ static int run_save(run *r, const char *path) {
     int64_t epoch = 0, batch = 0;
     int v[6];
     cfg_values(&r->m.cfg, v);
-    int rc = ckpt_add_common(sd, r->opt, r->o->zero ? r->ddp : NULL, PROG);
+    int rc = ckpt_add_common(sd, r->opt, r->o->zero ? r->ddp : NULL, PROG, path);
     for (int k = 0; k < 6; k++)
         rc = rc || meta_i64(sd, cfg_keys[k], v[k]);
     rc = rc || meta_i64(sd, "train.step", r->step);
@@ -444,7 +444,7 @@ static int run_save(run *r, const char *path) {
     rc = rc || meta_i64(sd, "train.loader_epoch", epoch) ||
          meta_i64(sd, "train.loader_batch", batch);
     rc = rc || meta_u64(sd, "train.sample_rng", r->sample_rng);
-    if (o->zero && o->rank != 0) { /* (gathered with every rank: rank 0 writes it) */
+    if (o->zero && o->rank != 0) { /* (its shard file written: rank 0 writes the rest) */
         gj_state_dict_free(sd);
         return rc ? 1 : 0;
     }
@@ -501,7 +501,7 @@ static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
         return 1;
     }
     gj_state_dict *m = run_dict(r);
-    int rc = !m || ckpt_load_common(sd, m, r->opt, r->o->zero ? r->ddp : NULL) != 0 ||
+    int rc = !m || ckpt_load_common(sd, m, r->opt, r->o->zero ? r->ddp : NULL, path) != 0 ||
              gj_llmc_loader_set_position(r->train, epoch, batch) != 0;
     gj_state_dict_free(m);
     if (rc) {

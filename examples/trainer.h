@@ -312,17 +312,36 @@ static inline int meta_get_u64(const gj_state_dict *sd, const char *key, uint64_
     return v && *v && !*end ? 0 : -1;
 }
 
+/* The file of rank r's shards of a ZeRO checkpoint at path: path.rank<r>. */
+static inline void ckpt_shard_path(char *out, size_t cap, const char *path, int r) {
+    snprintf(out, cap, "%s.rank%d", path, r);
+}
+
 /* What every trainer's checkpoint holds besides its model and its run:
  * the optimizer's state ("optim."), the RNG ("rng."), and the metadata
  * format = gradjit and train.program = prog. Adds them to sd (NULL: fails,
- * so a failed dict passes through). 0, or -1 with gj_last_error() set. */
+ * so a failed dict passes through). With ZeRO (zero: the gj_ddp whose
+ * shards opt updates) nothing is gathered: this rank writes its own shards
+ * of the state to ckpt_shard_path(path, rank) (safetensors with the shard
+ * metadata of gj_ddp_optim_shard_dict_add), and sd records how many ranks
+ * did ("optim.zero.ranks"); ckpt_load_common consolidates them. 0, or -1
+ * with gj_last_error() set. */
 static inline int ckpt_add_common(gj_state_dict *sd, gj_optim *opt, gj_ddp *zero,
-                                  const char *prog) {
+                                  const char *prog, const char *path) {
     int rc = sd ? 0 : -1;
-    /* ZeRO (zero: the gj_ddp whose shards opt updates; a collective): every
-     * rank's shards of the state, as one optimizer's over the parameters */
-    rc = rc || (zero ? gj_ddp_optim_state_dict_add(zero, opt, sd, "optim")
-                     : gj_optim_state_dict_add(opt, sd, "optim"));
+    if (zero && rc == 0) {
+        gj_state_dict *mine = gj_state_dict_new();
+        rc = mine && gj_ddp_optim_shard_dict_add(zero, opt, mine, "optim") == 0 ? 0 : -1;
+        const char *ranks = mine ? gj_state_dict_get_metadata(mine, "optim.zero.ranks") : NULL;
+        const char *rank = mine ? gj_state_dict_get_metadata(mine, "optim.zero.rank") : NULL;
+        char sp[PATH_MAX + 32];
+        ckpt_shard_path(sp, sizeof sp, path, rank ? atoi(rank) : 0);
+        rc = rc || !ranks || gj_save_safetensors(mine, sp) != 0;
+        rc = rc || gj_state_dict_set_metadata(sd, "optim.zero.ranks", ranks);
+        gj_state_dict_free(mine);
+    } else {
+        rc = rc || gj_optim_state_dict_add(opt, sd, "optim");
+    }
     rc = rc || gj_rng_state_dict_add(sd, "rng");
     rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
     rc = rc || gj_state_dict_set_metadata(sd, "train.program", prog);
@@ -351,17 +370,52 @@ static inline int ckpt_write(gj_state_dict *sd, int rc, const char *path, const 
     return 0;
 }
 
-/* The common part back from checkpoint f: the model's tensors into model
- * (a dict of the live parameters: names, shapes and dtypes checked), the
- * optimizer's state into opt, the RNG. 0, or -1 with gj_last_error() set. */
+/* The optimizer state of a ZeRO checkpoint at path (f: its main file,
+ * "optim.zero.ranks" = N) as one process's: the N shard files read and
+ * consolidated (gj_zero_consolidate). A new dict, or NULL with
+ * gj_last_error() set. */
+static inline gj_state_dict *ckpt_zero_state(const gj_state_dict *f, const char *path) {
+    const char *v = gj_state_dict_get_metadata(f, "optim.zero.ranks");
+    int n = v ? atoi(v) : 0;
+    if (n < 1 || n > 65536) /* (gj_zero_consolidate then says what is wrong) */
+        n = 0;
+    gj_state_dict **sh = calloc((size_t)n + 1, sizeof *sh), *all = gj_state_dict_new();
+    int rc = sh && all ? 0 : -1;
+    for (int r = 0; r < n && rc == 0; r++) {
+        char sp[PATH_MAX + 32];
+        ckpt_shard_path(sp, sizeof sp, path, r);
+        if (!(sh[r] = gj_load_safetensors(sp))) rc = -1;
+    }
+    if (rc == 0)
+        rc = gj_zero_consolidate(n, n ? (const gj_state_dict *const *)sh : NULL, "optim", all);
+    for (int r = 0; sh && r < n; r++) gj_state_dict_free(sh[r]);
+    free(sh);
+    if (rc != 0) {
+        gj_state_dict_free(all);
+        return NULL;
+    }
+    return all;
+}
+
+/* The common part back from checkpoint f (written at path): the model's
+ * tensors into model (a dict of the live parameters: names, shapes and
+ * dtypes checked), the optimizer's state into opt (a ZeRO checkpoint's from
+ * its shard files, on any number of ranks, with or without ZeRO), the RNG.
+ * 0, or -1 with gj_last_error() set. */
 static inline int ckpt_load_common(const gj_state_dict *f, gj_state_dict *model, gj_optim *opt,
-                                   gj_ddp *zero) {
-    return gj_state_dict_copy_into(model, f, false) != 0 ||
-                   (zero ? gj_ddp_optim_load_state_dict(zero, opt, f, "optim") /* its shards */
-                         : gj_optim_load_state_dict(opt, f, "optim")) != 0 ||
-                   gj_rng_load_state_dict(f, "rng") != 0
-               ? -1
-               : 0;
+                                   gj_ddp *zero, const char *path) {
+    if (gj_state_dict_copy_into(model, f, false) != 0) return -1;
+    gj_state_dict *st = NULL;
+    const gj_state_dict *os = f;
+    if (gj_state_dict_get_metadata(f, "optim.zero.ranks")) {
+        if (!(st = ckpt_zero_state(f, path))) return -1;
+        os = st;
+    }
+    int rc = (zero ? gj_ddp_optim_load_state_dict(zero, opt, os, "optim") /* its shards */
+                   : gj_optim_load_state_dict(opt, os, "optim")) != 0 ||
+             gj_rng_load_state_dict(f, "rng") != 0;
+    gj_state_dict_free(st);
+    return rc ? -1 : 0;
 }
 
 /* Reads a checkpoint's metadata and arrays back; every complaint is one
@@ -520,8 +574,8 @@ struct train_run {
     gj_optim *opt;         /* made by def->init; owned */
     gj_ddp *zero;          /* set by def->init when opt is over a ZeRO gj_ddp's shards
                               (borrowed): checkpoints gather and scatter its state */
-    bool no_write;         /* a rank other than 0 of a ZeRO run: --save gathers, rank 0
-                              writes */
+    bool no_write;         /* a rank other than 0 of a ZeRO run: --save writes its shard
+                              file only, rank 0 the rest */
     stepper st;            /* made by def->init; owned */
     gj_pg *pg;             /* set by def->init: each step's loss is averaged over pg's ranks
                               (data parallel); NULL: none. Borrowed */
@@ -713,9 +767,9 @@ static inline gj_state_dict *train_model_dict(train_run *r) {
 static inline int train_save(train_run *r, const char *path) {
     const train_def *d = r->def;
     gj_state_dict *sd = train_model_dict(r);
-    int rc = ckpt_add_common(sd, r->opt, r->zero, d->prog);
+    int rc = ckpt_add_common(sd, r->opt, r->zero, d->prog, path);
     rc = rc || d->save(r, sd);
-    if (r->no_write) { /* (gathered for rank 0, which writes) */
+    if (r->no_write) { /* (a ZeRO rank but 0: its shard file written, rank 0 writes the rest) */
         gj_state_dict_free(sd);
         return rc ? 1 : 0;
     }
@@ -732,7 +786,7 @@ static inline int train_resume(train_run *r, const char *path) {
     gj_state_dict *f = gj_load_safetensors(path), *m = f ? train_model_dict(r) : NULL;
     ckpt_reader rd = {.sd = f};
     int rc = f && m ? d->resume(r, &rd, path) : -1;
-    if (rc == 0 && ckpt_load_common(f, m, r->opt, r->zero) != 0)
+    if (rc == 0 && ckpt_load_common(f, m, r->opt, r->zero, path) != 0)
         rc = -1;
     if (rc < 0)
         fprintf(stderr, "%s: resuming from %s: %s\n", d->prog, path, gj_last_error());

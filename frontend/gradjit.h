@@ -1234,6 +1234,22 @@ GJ_API int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *
                                        const char *prefix);
 GJ_API int gj_ddp_optim_load_state_dict(gj_ddp *d, gj_optim *opt, const gj_state_dict *sd,
                                         const char *prefix);
+/* ZeRO checkpoints without gathering: this rank's shards of opt's state
+ * into sd under prefix ("optim" if NULL), each parameter's part as
+ * "<prefix>.<i>.<field>" (1-D) beside metadata "<prefix>.<i>.range" (its
+ * start, length, the parameter's numel, ndim and shape), the optimizer's
+ * own metadata and "<prefix>.zero.rank" / ".zero.ranks". No collective:
+ * each rank writes its own file. 0, or -1 with an error. */
+GJ_API int gj_ddp_optim_shard_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd,
+                                       const char *prefix);
+/* The one-process optimizer state (what gj_optim_state_dict_add writes
+ * under prefix, and what gj_ddp_optim_load_state_dict takes on any number
+ * of ranks) assembled into out from the shard dicts of every rank of one
+ * ZeRO run (n of them, any order). Refuses dicts of different runs, a rank
+ * missing or twice, and ranges that do not tile a parameter. Needs no
+ * gj_ddp and no MPI. 0, or -1 with an error. */
+GJ_API int gj_zero_consolidate(int n, const gj_state_dict *const *shards, const char *prefix,
+                               gj_state_dict *out);
 GJ_API void gj_ddp_free(gj_ddp *d);
 
 #ifdef __cplusplus

@@ -974,7 +974,71 @@ static void test_without_mpi(void **state) {
  * and 3 and must reach PATH.final's parameters (f64, 1e-12: the same
  * global batch of 12 rows, split over the ranks, summed in another
  * order). Rank 0 also loads PATH into a plain optimizer over the full
- * parameters: the format is the one-process one. Exit status 0 or 1. */
+ * parameters: the format is the one-process one. The saving ranks also
+ * write their own shards (gj_ddp_optim_shard_dict_add, no collective) to
+ * PATH.rank<r>; every resuming rank consolidates them (gj_zero_consolidate)
+ * into exactly the gathered file's optimizer state, and rank 0 checks that
+ * a missing or repeated rank is refused. Exit status 0 or 1. */
+
+/* The shard files of PATH, consolidated, equal PATH's gathered state (every
+ * "optim." tensor, bit for bit, and the metadata); a rank missing or given
+ * twice is refused. 0 or 1. */
+static int zero_shards_check(const char *path, const gj_state_dict *in) {
+    char nm[600];
+    snprintf(nm, sizeof nm, "%s.rank0", path);
+    gj_state_dict *s0 = gj_load_safetensors(nm);
+    const char *rk = s0 ? gj_state_dict_get_metadata(s0, "optim.zero.ranks") : NULL;
+    int n = rk ? atoi(rk) : 0, rc = n >= 1 ? 0 : 1;
+    gj_state_dict *sh[8] = {s0};
+    for (int r = 1; r < n && r < 8 && rc == 0; r++) {
+        snprintf(nm, sizeof nm, "%s.rank%d", path, r);
+        if (!(sh[r] = gj_load_safetensors(nm))) rc = 1;
+    }
+    gj_state_dict *all = gj_state_dict_new();
+    if (rc == 0 && gj_zero_consolidate(n, (const gj_state_dict *const *)sh, "optim", all) != 0) {
+        fprintf(stderr, "zero_ckpt: consolidate: %s\n", gj_last_error());
+        rc = 1;
+    }
+    int checked = 0;
+    for (int j = 0; rc == 0 && j < gj_state_dict_size(in); j++) {
+        const char *k = gj_state_dict_name(in, j);
+        if (strncmp(k, "optim.", 6) != 0) continue;
+        gj_tensor *a = gj_state_dict_get(in, k), *b = gj_state_dict_get(all, k);
+        double *x = gjt_values(a), *y = b ? gjt_values(b) : NULL;
+        if (!b || gj_tensor_numel(a) != gj_tensor_numel(b) ||
+            memcmp(x, y, (size_t)gj_tensor_numel(a) * sizeof *x) != 0) {
+            fprintf(stderr, "zero_ckpt: consolidated %s differs from the gathered one\n", k);
+            rc = 1;
+        }
+        free(x), free(y);
+        checked++;
+    }
+    if (rc == 0 && (checked == 0 || gj_state_dict_size(all) != checked)) {
+        fprintf(stderr, "zero_ckpt: %d gathered optimizer tensors, %d consolidated\n", checked,
+                gj_state_dict_size(all));
+        rc = 1;
+    }
+    const char *kind = gj_state_dict_get_metadata(all, "optim.n_params");
+    if (rc == 0 && (!kind || strcmp(kind, gj_state_dict_get_metadata(in, "optim.n_params")))) rc = 1;
+    gj_state_dict_free(all);
+    if (rc == 0 && g_rank == 0 && n >= 2) { /* a rank missing, a rank twice */
+        gj_state_dict *o2 = gj_state_dict_new();
+        gj_clear_error();
+        if (gj_zero_consolidate(n - 1, (const gj_state_dict *const *)sh, "optim", o2) == 0 ||
+            !gjt_error_has("must be the"))
+            rc = 1;
+        gj_state_dict *twice[8];
+        for (int r = 0; r < n && r < 8; r++) twice[r] = sh[r == 1 ? 0 : r];
+        if (gj_zero_consolidate(n, (const gj_state_dict *const *)twice, "optim", o2) == 0) rc = 1;
+        if (rc) fprintf(stderr, "zero_ckpt: an incomplete set of shard dicts was accepted\n");
+        gj_state_dict_free(o2);
+    }
+    for (int r = 0; r < n && r < 8; r++) gj_state_dict_free(sh[r]);
+    if (rc == 0)
+        printf("zero_ckpt: rank %d: the %d shard files consolidate to the gathered state\n",
+               g_rank, n);
+    return rc;
+}
 static gj_tensor *global_rows(int step) {
     gjt_rng g;
     gjt_rng_seed(&g, 7000 + (uint64_t)step);
@@ -1028,6 +1092,15 @@ static int zero_ckpt(const char *how) {
                 rc = 1;
             }
             gj_state_dict_free(sd);
+            gj_state_dict *mine = gj_state_dict_new(); /* and this rank's own shards */
+            char nm[600];
+            snprintf(nm, sizeof nm, "%s.rank%d", path, g_rank);
+            if (rc == 0 && (gj_ddp_optim_shard_dict_add(d, opt, mine, "optim") != 0 ||
+                            gj_save_safetensors(mine, nm) != 0)) {
+                fprintf(stderr, "zero_ckpt: save %s: %s\n", nm, gj_last_error());
+                rc = 1;
+            }
+            gj_state_dict_free(mine);
         }
         gj_scope_push(); /* this step's rows */
         gj_tensor *x = global_rows(s);
@@ -1065,6 +1138,7 @@ static int zero_ckpt(const char *how) {
         }
         if (!want) rc = 1;
         gj_state_dict_free(want);
+        if (rc == 0) rc = zero_shards_check(path, in);
         if (rc == 0 && g_rank == 0) { /* the one-process format */
             gj_tensor *q[NP];
             make_params(GJ_F64, 61, q);

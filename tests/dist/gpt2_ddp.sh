@@ -51,12 +51,21 @@ grep -q "rank 1 model state: .*(its shard)" zero.out || fail "no model-state lin
 # same global batches): the last 6 losses within 2e-5 of the unbroken run
 GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 2 --oversubscribe "$prog" "${args[@]}" --batch 2 \
   --ddp --zero 1 --stop-after 6 --save ck.safetensors > stop.out 2>&1 # (status 130: stopped)
-[ -s ck.safetensors ] || { cat stop.out; fail "the 2-rank ZeRO run stopped without a checkpoint"; }
+[ -s ck.safetensors ] && [ -s ck.safetensors.rank0 ] && [ -s ck.safetensors.rank1 ] ||
+  { cat stop.out; fail "the 2-rank ZeRO run stopped without its checkpoint and shard files"; }
 GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 1 "$prog" "${args[@]}" --batch 4 --ddp --zero 1 \
   --compiled-step --resume ck.safetensors > resumed.out 2>&1 || { cat resumed.out; fail "1 rank could not resume"; }
 paste <(losses eager.out | tail -7 | awk '{print $NF}') <(losses resumed.out | tail -7 | awk '{print $NF}') |
   awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 || NF != 2) { print "differ: " $0; bad = 1 } }
        END { exit bad }' || fail "the resumed run left the unbroken one"
+# the same checkpoint resumed by one plain process (no --ddp, no ZeRO): the
+# shard files consolidated into one AdamW's state
+GRADJIT_CACHE_DIR=off "$prog" "${args[@]}" --batch 4 --resume ck.safetensors > plain.out 2>&1 ||
+  { cat plain.out; fail "a plain process could not resume the ZeRO checkpoint"; }
+paste <(losses eager.out | tail -7 | awk '{print $NF}') <(losses plain.out | tail -7 | awk '{print $NF}') |
+  awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 || NF != 2) { print "differ: " $0; bad = 1 } }
+       END { exit bad }' || fail "the plain resumed run left the unbroken one"
 echo "PASS: 2 ranks at --batch 2 = 1 process at --batch 4 (12 steps, 2 val losses);"
-echo "      ZeRO-1 compiled = DDP eager;"
+echo "      ZeRO-1 compiled = DDP eager; its checkpoint (per-rank shard files) resumed by"
+echo "      1 rank with ZeRO and by 1 plain process follows the unbroken run;"
 echo "      the compiled DDP step printed the eager step's losses, 0 fallbacks"
