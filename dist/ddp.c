@@ -484,9 +484,9 @@ static int shard_index(const gj_ddp *d, int i) {
     return -1;
 }
 
-static int zero_ckpt_check(gj_ddp *d, gj_optim *opt, const char *op) {
-    if (!d || !opt) {
-        gj_rt_set_error("%s: %s is NULL", op, !d ? "ddp" : "opt");
+static int zero_ckpt_check(gj_ddp *d, gj_optim *opt, const gj_state_dict *sd, const char *op) {
+    if (!d || !opt || !sd) {
+        gj_rt_set_error("%s: %s is NULL", op, !d ? "ddp" : !opt ? "opt" : "sd");
         return -1;
     }
     if (!d->opt.zero) {
@@ -502,13 +502,23 @@ static int zero_ckpt_check(gj_ddp *d, gj_optim *opt, const char *op) {
     return 0;
 }
 
+/* The optimizer's own metadata (kind, hyperparameters) of mine ("s.")
+ * into sd under prefix, all but the parameter count. 0 or -1. */
+static int copy_optim_meta(const gj_state_dict *mine, gj_state_dict *sd, const char *prefix) {
+    char key[512];
+    for (int j = 0; j < gj_state_dict_metadata_size(mine); j++) {
+        const char *k = NULL, *v = NULL;
+        if (gj_state_dict_metadata_at(mine, j, &k, &v) != 0) return -1;
+        if (strncmp(k, "s.", 2) != 0 || !strcmp(k, "s.n_params")) continue;
+        snprintf(key, sizeof key, "%s.%s", prefix, k + 2);
+        if (gj_state_dict_set_metadata(sd, key, v) != 0) return -1;
+    }
+    return 0;
+}
+
 int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, const char *prefix) {
     const char *op = "gj_ddp_optim_state_dict_add";
-    if (zero_ckpt_check(d, opt, op) != 0) return -1;
-    if (!sd) {
-        gj_rt_set_error("%s: sd is NULL", op);
-        return -1;
-    }
+    if (zero_ckpt_check(d, opt, sd, op) != 0) return -1;
     if (!prefix) prefix = "optim";
     int rc = -1, size = d->size;
     char key[512];
@@ -517,13 +527,7 @@ int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, con
     int64_t *all = gj_rt_calloc((size_t)d->n * (size_t)size + (size_t)size + 1, sizeof *all);
     if (!mine || !steps || !all || gj_optim_state_dict_add(opt, mine, "s") != 0) goto done;
     /* the metadata (kind, hyperparameters) as this rank's optimizer has them */
-    for (int j = 0; j < gj_state_dict_metadata_size(mine); j++) {
-        const char *k = NULL, *v = NULL;
-        if (gj_state_dict_metadata_at(mine, j, &k, &v) != 0) goto done;
-        if (strncmp(k, "s.", 2) != 0 || !strcmp(k, "s.n_params")) continue;
-        snprintf(key, sizeof key, "%s.%s", prefix, k + 2);
-        if (gj_state_dict_set_metadata(sd, key, v) != 0) goto done;
-    }
+    if (copy_optim_meta(mine, sd, prefix) != 0) goto done;
     char nv[32];
     snprintf(nv, sizeof nv, "%d", d->n);
     snprintf(key, sizeof key, "%s.n_params", prefix);
@@ -601,11 +605,7 @@ done:
 int gj_ddp_optim_load_state_dict(gj_ddp *d, gj_optim *opt, const gj_state_dict *sd,
                                  const char *prefix) {
     const char *op = "gj_ddp_optim_load_state_dict";
-    if (zero_ckpt_check(d, opt, op) != 0) return -1;
-    if (!sd) {
-        gj_rt_set_error("%s: sd is NULL", op);
-        return -1;
-    }
+    if (zero_ckpt_check(d, opt, sd, op) != 0) return -1;
     if (!prefix) prefix = "optim";
     char key[512], nv[32];
     size_t pl = strlen(prefix);
@@ -674,23 +674,12 @@ int gj_ddp_optim_load_state_dict(gj_ddp *d, gj_optim *opt, const gj_state_dict *
 
 int gj_ddp_optim_shard_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, const char *prefix) {
     const char *op = "gj_ddp_optim_shard_dict_add";
-    if (zero_ckpt_check(d, opt, op) != 0) return -1;
-    if (!sd) {
-        gj_rt_set_error("%s: sd is NULL", op);
-        return -1;
-    }
+    if (zero_ckpt_check(d, opt, sd, op) != 0) return -1;
     if (!prefix) prefix = "optim";
     char key[512], val[64 + 24 * GJ_MAX_DIMS];
     gj_state_dict *mine = gj_state_dict_new(); /* this rank's optimizer, under "s" */
     int rc = mine && gj_optim_state_dict_add(opt, mine, "s") == 0 ? 0 : -1;
-    for (int j = 0; rc == 0 && j < gj_state_dict_metadata_size(mine); j++) {
-        const char *k = NULL, *v = NULL;
-        if (gj_state_dict_metadata_at(mine, j, &k, &v) != 0) rc = -1;
-        else if (strncmp(k, "s.", 2) == 0 && strcmp(k, "s.n_params") != 0) {
-            snprintf(key, sizeof key, "%s.%s", prefix, k + 2);
-            rc = gj_state_dict_set_metadata(sd, key, v);
-        }
-    }
+    if (rc == 0) rc = copy_optim_meta(mine, sd, prefix);
     const int64_t meta[3][2] = {{0, d->n}, {1, d->rank}, {2, d->size}};
     const char *const meta_key[3] = {"n_params", "zero.rank", "zero.ranks"};
     for (int m = 0; rc == 0 && m < 3; m++) {

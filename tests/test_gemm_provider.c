@@ -598,6 +598,7 @@ static void test_no_extra_threads(void **state) {
     case_free(&g);
 }
 
+
 /* -------------------------------------------------- --paired: the table */
 
 static double now_s(void) {
@@ -609,6 +610,51 @@ static double now_s(void) {
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* The ABBA loop of the paired modes: after 3 warm-up pairs, `pairs` pairs
+ * of run(ctx, 0) and run(ctx, 1), the order alternating; t0, t1 and
+ * ratio (t0 / t1 per pair) come back sorted. */
+typedef struct pair_ctx {
+    const gemm_case *g;
+    const uint16_t *Ah, *Bh; /* --paired-bf16 */
+    float *C;
+} pair_ctx;
+
+static void interleave(int pairs, void (*run)(const pair_ctx *, int), const pair_ctx *x,
+                       double *t0, double *t1, double *ratio) {
+    for (int i = -3; i < pairs; i++)
+        for (int w = 0; w < 2; w++) {
+            int side = (w == 0) == (i % 2 != 0);
+            double s = now_s();
+            run(x, side);
+            double dt = now_s() - s;
+            if (i >= 0) (side ? t1 : t0)[i] = dt;
+        }
+    for (int i = 0; i < pairs; i++) ratio[i] = t0[i] / t1[i];
+    qsort(t0, (size_t)pairs, sizeof(double), cmp_d);
+    qsort(t1, (size_t)pairs, sizeof(double), cmp_d);
+    qsort(ratio, (size_t)pairs, sizeof(double), cmp_d);
+}
+
+/* --paired: side 0 OpenBLAS, side 1 oneDNN, both pinned. */
+static void run_providers(const pair_ctx *x, int side) {
+    const gemm_case *g = x->g;
+    gj_rt_set_gemm_provider(side ? GJ_RT_GEMM_ONEDNN : GJ_RT_GEMM_OPENBLAS);
+    gj_rt_sgemm(g->ta, g->tb, g->M, g->N, g->K, 1.0f, g->A, g->lda, g->B, g->ldb, 0.0f, x->C,
+                g->ldc);
+}
+
+/* --paired-bf16: side 0 f32 OpenBLAS, side 1 bf16 with the default setting. */
+static void run_bf16(const pair_ctx *x, int side) {
+    const gemm_case *g = x->g;
+    if (side) {
+        gj_rt_set_gemm_provider(GJ_RT_GEMM_DEFAULT);
+        gj_rt_bgemm(g->ta, g->tb, g->M, g->N, g->K, x->Ah, g->lda, x->Bh, g->ldb, 0.0f, x->C,
+                    g->ldc);
+    } else {
+        run_providers(x, 0);
+    }
 }
 
 static int paired(int pairs) {
@@ -644,19 +690,9 @@ static int paired(int pairs) {
             float *C = malloc(g.csz * sizeof(float));
             double *tb_ = malloc((size_t)pairs * sizeof(double)), *td = malloc((size_t)pairs * sizeof(double));
             double *ratio = malloc((size_t)pairs * sizeof(double));
-            for (int i = -3; i < pairs; i++)
-                for (int w = 0; w < 2; w++) {
-                    bool dn = (w == 0) == (i % 2 != 0);
-                    gj_rt_set_gemm_provider(dn ? GJ_RT_GEMM_ONEDNN : GJ_RT_GEMM_OPENBLAS);
-                    double t0 = now_s();
-                    gj_rt_sgemm(ta, tb, M, N, K, 1.0f, g.A, g.lda, g.B, g.ldb, 0.0f, C, g.ldc);
-                    double dt = now_s() - t0;
-                    if (i >= 0) (dn ? td : tb_)[i] = dt;
-                }
-            for (int i = 0; i < pairs; i++) ratio[i] = tb_[i] / td[i];
-            qsort(tb_, (size_t)pairs, sizeof(double), cmp_d);
-            qsort(td, (size_t)pairs, sizeof(double), cmp_d);
-            qsort(ratio, (size_t)pairs, sizeof(double), cmp_d);
+            assert_true(C && tb_ && td && ratio);
+            pair_ctx px = {&g, NULL, NULL, C};
+            interleave(pairs, run_providers, &px, tb_, td, ratio);
             double fl = 2.0 * (double)M * (double)N * (double)K;
             /* the automatic choice for this GEMM's blocks */
             gj_rt_set_gemm_provider(GJ_RT_GEMM_AUTO);
@@ -717,24 +753,8 @@ static int paired_bf16(int pairs) {
             double *tf = malloc((size_t)pairs * sizeof(double)), *th = malloc((size_t)pairs * sizeof(double));
             double *ratio = malloc((size_t)pairs * sizeof(double));
             assert_true(C && tf && th && ratio);
-            for (int i = -3; i < pairs; i++)
-                for (int w = 0; w < 2; w++) {
-                    bool half = (w == 0) == (i % 2 != 0);
-                    double t0 = now_s();
-                    if (half) {
-                        gj_rt_set_gemm_provider(GJ_RT_GEMM_DEFAULT);
-                        gj_rt_bgemm(ta, tb, M, N, K, Ah, g.lda, Bh, g.ldb, 0.0f, C, g.ldc);
-                    } else {
-                        gj_rt_set_gemm_provider(GJ_RT_GEMM_OPENBLAS);
-                        gj_rt_sgemm(ta, tb, M, N, K, 1.0f, g.A, g.lda, g.B, g.ldb, 0.0f, C, g.ldc);
-                    }
-                    double dt = now_s() - t0;
-                    if (i >= 0) (half ? th : tf)[i] = dt;
-                }
-            for (int i = 0; i < pairs; i++) ratio[i] = tf[i] / th[i];
-            qsort(tf, (size_t)pairs, sizeof(double), cmp_d);
-            qsort(th, (size_t)pairs, sizeof(double), cmp_d);
-            qsort(ratio, (size_t)pairs, sizeof(double), cmp_d);
+            pair_ctx px = {&g, Ah, Bh, C};
+            interleave(pairs, run_bf16, &px, tf, th, ratio);
             double fl = 2.0 * (double)M * (double)N * (double)K;
             printf("%s%s   %5lld %5lld %5lld | %12.1f %12.1f | %6.3f [%5.3f,%5.3f]\n", ta ? "T" : "N",
                    tb ? "T" : "N", (long long)M, (long long)N, (long long)K,
