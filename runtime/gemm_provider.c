@@ -300,6 +300,8 @@ typedef struct thread_ctx {
     dnnl_stream_t stream;
     void *scratch;
     size_t scratch_cap;
+    uint16_t *pack; /* a bf16 block's A made dense (pack_a) */
+    size_t pack_cap;
 } thread_ctx;
 
 static void ctx_free(void *p) {
@@ -309,6 +311,7 @@ static void ctx_free(void *p) {
     if (t->stream)
         D.stream_destroy(t->stream);
     free(t->scratch);
+    free(t->pack);
     free(t);
 }
 
@@ -447,6 +450,29 @@ static thread_ctx *ctx_get(size_t scratch) {
         t->scratch_cap = cap;
     }
     return t;
+}
+
+/* A row block of a bf16 GEMM with A transposed is a column slice of the
+ * stored [K, lda] matrix: strided, which oneDNN's brgemm (AMX) refuses.
+ * Copies it into the calling thread's dense [K, M] buffer (K M bf16, a
+ * fraction of the block's K M N products): the block's A then, with lda
+ * M. NULL (the block stays as it is) when there is no memory. */
+static const uint16_t *pack_a(const gj_rt_gemm_call *c, int64_t M, const void *A) {
+    thread_ctx *t = ctx_get(0);
+    size_t n = (size_t)c->K * (size_t)M;
+    if (!t)
+        return NULL;
+    if (n > t->pack_cap) {
+        uint16_t *p = aligned_alloc(64, (n * 2 + 63) & ~(size_t)63);
+        if (!p)
+            return NULL;
+        free(t->pack);
+        t->pack = p;
+        t->pack_cap = n;
+    }
+    for (int64_t k = 0; k < c->K; k++)
+        memcpy(t->pack + k * M, (const uint16_t *)A + k * c->lda, (size_t)M * 2);
+    return t->pack;
 }
 
 /* Memory descriptors of the key's row-major A (op(A) M x K), B (K x N), C. */
@@ -789,7 +815,15 @@ bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const 
     if (!dnnl_ready())
         goto blas;
     bool beta1 = c->beta == 1.0;
-    gemm_key bk = {M, N, c->K, c->lda, c->ldb, c->ldc, c->ta, c->tb, beta1, KIND_BLOCK, c->bf16};
+    int64_t lda = c->lda;
+    if (c->bf16 && c->ta && lda != M) { /* a strided A block made dense, for AMX */
+        const uint16_t *pk = pack_a(c, M, A);
+        if (pk) {
+            A = pk;
+            lda = M;
+        }
+    }
+    gemm_key bk = {M, N, c->K, lda, c->ldb, c->ldc, c->ta, c->tb, beta1, KIND_BLOCK, c->bf16};
     if (setting == GJ_RT_GEMM_AUTO) {
         gemm_key gk = {c->M,   c->N,   c->K, c->lda,    c->ldb, c->ldc,
                        c->ta,  c->tb,  beta1, KIND_GEMM, c->bf16};
