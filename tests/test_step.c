@@ -318,6 +318,53 @@ static void test_autocast(void **st) {
     model_free(&m);
 }
 
+/* The autocast table of gradjit.h, op by op: results' dtypes, gradients
+ * of f32 leaves in f32, f64 untouched, a mix refused without autocast. */
+static void test_autocast_rules(void **st) {
+    (void)st;
+    gjt_rng r;
+    gjt_rng_seed(&r, 5);
+    gj_scope_push();
+    int64_t xs[2] = {4, 6}, ws[2] = {3, 6}, bs = 3, lab_n = 4;
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, xs, -1, 1);
+    gj_tensor *w = gjt_uniform(&r, GJ_F32, 2, ws, -1, 1), *b = gjt_uniform(&r, GJ_F32, 1, &bs, -1, 1);
+    gj_tensor *x64 = gjt_uniform(&r, GJ_F64, 2, xs, -1, 1);
+    gj_tensor *lab = gjt_labels(&r, 1, &lab_n, 3);
+    assert_int_equal(gj_set_requires_grad(w, true), 0);
+    assert_int_equal(gj_set_requires_grad(b, true), 0);
+    gj_tensor *h16 = gj_cast(x, GJ_BF16);
+    gj_clear_error();
+    assert_null(gj_add(x, h16)); /* off: a mix is an error */
+    assert_true(gjt_error_has("dtype mismatch"));
+    assert_int_equal(gj_set_autocast(GJ_BF16), 0);
+    gj_tensor *y = gj_linear(x, w, b);
+    assert_int_equal(gj_tensor_dtype(y), GJ_BF16);
+    assert_int_equal(gj_tensor_dtype(gj_matmul(x, gj_transpose(w, 0, 1))), GJ_BF16);
+    assert_int_equal(gj_tensor_dtype(gj_gelu(y)), GJ_BF16); /* stays bf16 */
+    assert_int_equal(gj_tensor_dtype(gj_softmax(y, -1)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_log_softmax(y, -1)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_layer_norm(h16, NULL, NULL, 1e-5)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_sum(y, 0, NULL, false)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_mean(y, 0, NULL, false)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_add(x, h16)), GJ_F32); /* a mix: f32 */
+    assert_int_equal(gj_tensor_dtype(gj_mul(h16, h16)), GJ_BF16);
+    gj_tensor *parts[2] = {x, h16};
+    assert_int_equal(gj_tensor_dtype(gj_cat(2, parts, 0)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_matmul(x64, gj_transpose(x64, 0, 1))), GJ_F64);
+    int64_t is[4] = {1, 2, 5, 5}, ks[4] = {3, 2, 3, 3};
+    gj_tensor *img = gjt_uniform(&r, GJ_F32, 4, is, -1, 1), *ker = gjt_uniform(&r, GJ_F32, 4, ks, -1, 1);
+    assert_int_equal(gj_tensor_dtype(gj_conv2d(img, ker, NULL, 1, 1, 1, 1)), GJ_BF16);
+    gj_tensor *loss = gj_cross_entropy(y, lab);
+    assert_int_equal(gj_tensor_dtype(loss), GJ_F32);
+    assert_int_equal(gj_set_autocast(GJ_F32), 0);
+    assert_int_equal(gj_backward(loss, NULL), 0);
+    assert_int_equal(gj_tensor_dtype(gj_tensor_grad(w)), GJ_F32);
+    assert_int_equal(gj_tensor_dtype(gj_tensor_grad(b)), GJ_F32);
+    gj_tensor_set_grad(w, NULL);
+    gj_tensor_set_grad(b, NULL);
+    gj_scope_pop();
+}
+
 static void test_f32_sgd(void **st) {
     (void)st;
     run_cfg c = {.dt = GJ_F32};
@@ -842,6 +889,7 @@ int main(void) {
         cmocka_unit_test(test_f64_adamw),
         cmocka_unit_test(test_bf16_adamw),
         cmocka_unit_test(test_autocast),
+        cmocka_unit_test(test_autocast_rules),
         cmocka_unit_test(test_f32_sgd),
         cmocka_unit_test(test_lion),
         cmocka_unit_test(test_dropout_constant_keep),
