@@ -186,7 +186,12 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
         gj_val *nll = xd ? gj_ag_binary(b, GJ_P_SUB, lse, xd) : NULL; /* [N, K] */
         gj_val *zero = nll ? gj_ops_const0(b, GJ_F64, 0.0) : NULL;
         gj_val *pick = zero ? gj_ag_where(b, oh, nll, zero) : NULL;
-        gj_val *tot = pick ? reduce(b, GJ_P_SUM, pick, 3u, false) : NULL;
+        /* each row's one term (its sum with zeros: exactly the term), then
+         * the N terms as a SUM adds a run, the eager kernel's order; row by
+         * row, the pick fuses into a parallel row reduction instead of a
+         * [N, K] f64 tensor summed on one thread */
+        gj_val *row = pick ? reduce(b, GJ_P_SUM, pick, 2u, true) : NULL;
+        gj_val *tot = row ? reduce(b, GJ_P_SUM, row, 3u, false) : NULL;
         gj_val *nn = tot ? gj_ops_const0(b, GJ_F64, (double)n) : NULL;
         gj_val *loss = nn ? gj_ag_binary(b, GJ_P_DIV, tot, nn) : NULL;
         r[0] = loss ? gj_ag_cast(b, loss, cdt) : NULL;

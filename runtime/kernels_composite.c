@@ -17,8 +17,9 @@
  *     double, combined in a fixed tree; the work is split over rows only,
  *     so results do not depend on the thread count. exp/log are gj_math.h.
  *   - CE labels are all validated before any output is written; the loss
- *     is the sum of per-row terms (computed in double) taken in row order,
- *     divided by N (N = 0 gives NaN, like a mean of nothing).
+ *     is the sum of per-row terms (computed in double) taken as a SUM
+ *     kernel takes a run (8 lanes, combined in the fixed tree), divided by
+ *     N (N = 0 gives NaN, like a mean of nothing).
  */
 #include "runtime/kernels.h"
 
@@ -328,9 +329,17 @@ static int gj_k_comp_run(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor
         gj_rt_parallel_for(R, C >= GJ_K_GRAIN ? 1 : GJ_K_GRAIN / (C > 0 ? C : 1),
                            gj_k_comp_range, &c);
     if (inst->prim == GJ_P_CE_FWD) {
-        double s = 0.0;
-        for (int64_t r = 0; r < R; r++)
-            s += terms[r];
+        /* the rows' terms summed as every SUM kernel sums a run: 8 lanes
+         * (position mod 8, the tail from lane 0), combined pairwise; the
+         * compiled decomposition's row-then-total sum is this order too */
+        double l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t r = 0;
+        for (; r + 8 <= R; r += 8)
+            for (int k = 0; k < 8; k++)
+                l[k] += terms[r + k];
+        for (int k = 0; r < R; r++, k++)
+            l[k] += terms[r];
+        double s = 0.0 + (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])));
         gj_rt_k_store(c.o0, x->dtype, 0, s / (double)R);
     }
     rc = 0;
