@@ -268,6 +268,31 @@ static void test_matmul(void **s) {
     DONE();
 }
 
+/* A transformer-like piece under bf16 autocast: linear (bf16 GEMM), GELU
+ * (bf16), matmul with a transposed view, softmax and layer norm (f32), a
+ * residual add of f32 and bf16 (f32). f64 leaves are never cast, so the f64
+ * run is the exact reference; the f32 run's gradients (f32, as its
+ * leaves) must follow it within bf16's precision, and in compiled mode
+ * equal the eager ones. */
+static gj_tensor *f_autocast(gj_tensor **in, void *ctx) {
+    (void)ctx;
+    gj_dtype ac0 = gj_get_autocast();
+    gj_set_autocast(GJ_BF16);
+    gj_tensor *h = gj_gelu(gj_linear(in[0], in[1], in[2]));           /* [4, 6] bf16 */
+    gj_tensor *a = gj_softmax(gj_matmul(h, gj_transpose(h, 0, 1)), -1); /* [4, 4] f32 */
+    gj_tensor *y = gj_add(gj_matmul(a, h), in[0]);                      /* bf16 + f32: f32 */
+    gj_tensor *out = gj_layer_norm(y, NULL, NULL, 1e-5);
+    gj_set_autocast(ac0);
+    return out;
+}
+
+static void test_autocast(void **s) {
+    (void)s;
+    gjt_check c = {.name = "autocast bf16: linear, gelu, attention, residual, layer norm",
+                   .fn = f_autocast, .n_in = 3, .in = {{SH(4, 6)}, {SH(6, 6)}, {SH(6)}}};
+    assert_int_equal(gjt_gradcompare(&c, GJ_F32, 3e-2, 3e-2), 0);
+}
+
 static void test_linear(void **s) {
     int nfail = 0;
     CHECK({.name = "linear x[3,4] w[5,4] b[5]", .fn = f_linear_b, .n_in = 3,
@@ -1660,6 +1685,7 @@ int main(void) {
         cmocka_unit_test(test_mean),
         cmocka_unit_test(test_max),
         cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_autocast),
         cmocka_unit_test(test_linear),
         cmocka_unit_test(test_transpose_permute),
         cmocka_unit_test(test_reshape_view),
