@@ -236,6 +236,18 @@ static int restore(void **state) {
 
 /* ----------------------------------------------------------- the tests */
 
+/* Case s of a suite's random shapes: every third small (sizes up to 40),
+ * the others up to 300 x 300 with K up to kmax; transposes and beta from
+ * the bits of s; padded leading dimensions for s % 5 == 1; alpha 1.5 for
+ * s % 7 == 3 when alpha_varies. */
+static void case_random(gemm_case *g, gjt_rng *r, int s, int64_t kmax, bool alpha_varies) {
+    bool big = s % 3 != 0;
+    int64_t M = 1 + gjt_rng_int(r, big ? 300 : 40), N = 1 + gjt_rng_int(r, big ? 300 : 40);
+    int64_t K = 1 + gjt_rng_int(r, big ? kmax : 40);
+    float beta = (s >> 2) & 1 ? 1.0f : 0.0f, alpha = alpha_varies && s % 7 == 3 ? 1.5f : 1.0f;
+    case_make(g, r, s & 1, (s >> 1) & 1, M, N, K, s % 5 == 1 ? 2 : 0, alpha, beta);
+}
+
 static void test_reference(void **state) {
     (void)state;
     assert_int_equal(gj_rt_blas_init(), 0);
@@ -245,13 +257,9 @@ static void test_reference(void **state) {
     for (int t = 1; t <= 2; t++) {
         gj_rt_set_num_threads(t);
         for (int s = 0; s < 24; s++) {
-            bool big = s % 3 != 0;
-            int64_t M = 1 + gjt_rng_int(&r, big ? 300 : 40), N = 1 + gjt_rng_int(&r, big ? 300 : 40);
-            int64_t K = 1 + gjt_rng_int(&r, big ? 200 : 40);
-            bool ta = s & 1, tb = (s >> 1) & 1;
-            float beta = (s >> 2) & 1 ? 1.0f : 0.0f, alpha = s % 7 == 3 ? 1.5f : 1.0f;
             gemm_case g;
-            case_make(&g, &r, ta, tb, M, N, K, s % 5 == 1 ? 2 : 0, alpha, beta);
+            case_random(&g, &r, s, 200, true);
+            float alpha = g.alpha;
             double *ref, *tol;
             case_ref(&g, &ref, &tol);
             for (int p = 0; p < np; p++) {
@@ -821,13 +829,11 @@ static void test_bf16(void **state) {
     for (int t = 1; t <= 2; t++) {
         gj_rt_set_num_threads(t);
         for (int s = 0; s < 16; s++) {
-            bool big = s % 3 != 0;
-            int64_t M = 1 + gjt_rng_int(&r, big ? 300 : 40), N = 1 + gjt_rng_int(&r, big ? 300 : 40);
-            int64_t K = 1 + gjt_rng_int(&r, big ? 400 : 40);
-            bool ta = s & 1, tb = (s >> 1) & 1;
-            float beta = (s >> 2) & 1 ? 1.0f : 0.0f;
             gemm_case g;
-            case_make(&g, &r, ta, tb, M, N, K, s % 5 == 1 ? 2 : 0, 1.0f, beta);
+            case_random(&g, &r, s, 400, false);
+            bool ta = g.ta, tb = g.tb;
+            int64_t M = g.M, N = g.N, K = g.K;
+            float beta = g.beta;
             uint16_t *Ah, *Bh;
             case_bf16(&g, &Ah, &Bh);
             double *ref, *tol;
