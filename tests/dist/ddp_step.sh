@@ -3,8 +3,8 @@
 # The compiled step under --ddp: the 2-rank Fashion-MNIST trainer run with
 # the eager step and with the compiled step (its gradients averaged inside
 # the program) prints the same loss at every step of an epoch, and the
-# compiled run never falls back; with --zero 1 (AdamW state sharded) the
-# losses are the same again.
+# compiled run never falls back (in f32 and in bf16 mixed precision); with
+# --zero 1 (AdamW state sharded) the losses are the same again.
 #   ddp_step.sh <mpiexec> <train_fashion_mnist>
 set -uo pipefail
 mpiexec=$1 exe=$2
@@ -23,6 +23,12 @@ echo "$compiled" | grep -q "compiled step: 234 steps, .* 0 fallbacks" ||
   fail "the compiled step did not run all 234 steps without a fallback"
 [ "$(wc -l <"$dir/eager.csv")" -eq 235 ] || fail "the eager run wrote $(wc -l <"$dir/eager.csv") lines"
 cmp "$dir/eager.csv" "$dir/compiled.csv" || fail "the losses differ: $(diff "$dir/eager.csv" "$dir/compiled.csv" | head -4)"
+# bf16 mixed precision under DDP: the compiled step prints the eager
+# step's losses (both with --bf16) and never falls back
+b16e=$(run "$dir/b16e.csv" --bf16) || fail "the eager --bf16 run failed: $b16e"
+b16c=$(run "$dir/b16c.csv" --bf16 --compiled-step) || fail "the compiled --bf16 run failed: $b16c"
+echo "$b16c" | grep -q "compiled step: 234 steps, .* 0 fallbacks" || fail "the bf16 compiled step fell back"
+cmp "$dir/b16e.csv" "$dir/b16c.csv" || fail "bf16: the compiled step's losses differ from eager's"
 # ZeRO stage 1: the same allreduce, AdamW on each rank's shards, the shards
 # gathered: the same losses again, and each rank holds half the AdamW state
 zero=$(run "$dir/zero.csv" --zero 1) || fail "the --zero 1 run failed: $zero"
