@@ -785,6 +785,14 @@ static void test_ddp_step_errors(void **state) {
         assert_true(gjt_error_has("the ranks differ (opts.clip_norm)"));
     }
     gj_step_free(mixed);
+    so = (gj_step_opts){.ddp = d, .autocast = g_rank == 0 ? GJ_BF16 : GJ_F32};
+    mixed = gj_step_new(ddp_step_fn, &c, all, &so); /* mixed precision on rank 0 only */
+    if (g_size > 1) {
+        assert_null(mixed);
+        assert_true(gjt_error_has("the ranks differ (opts.keep_grads, the optimizer's parameter "
+                                  "count or opts.autocast)"));
+    }
+    gj_step_free(mixed);
     /* compiled steps whose programs differ across ranks (another batch size
      * on rank 1): the key agreement fails the traced step on every rank,
      * before any bucket left; nothing hangs */
