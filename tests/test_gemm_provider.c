@@ -29,8 +29,8 @@
  *     every provider agrees with the f64 reference of the bf16 values
  *     within an f32 accumulation bound; OpenBLAS pinned gives exactly the
  *     bits of sgemm on the operands widened to f32; the default sends bf16
- *     blocks to oneDNN exactly where the CPU has AVX512_BF16, and f32
- *     blocks to OpenBLAS.
+ *     blocks to oneDNN exactly where the CPU has AVX512_BF16 (and oneDNN is
+ *     there: without it, OpenBLAS's bits), and f32 blocks to OpenBLAS.
  *   - Signals: a timer signal every 200 us during GEMMs on the pool, its
  *     handler on the thread's own stack, leaves every provider's results
  *     (f32 and bf16) and the heap intact: oneDNN 2.x's generated GEMM
@@ -819,6 +819,27 @@ static int thread_bits(void) {
 
 /* ---------------------------------------------------------------- bf16 */
 
+/* C = the f32 GEMM of the case's (widened) operands with OpenBLAS pinned,
+ * run in the blocks a bf16 GEMM of its shape is split into
+ * (gj_rt_gemm_split_for): what the widened bf16 path must give bit for
+ * bit (OpenBLAS's bits can depend on the blocks). */
+static float *case_run_split_bf16(const gemm_case *g) {
+    float *C = malloc(g->csz * sizeof(float));
+    assert_non_null(C);
+    memcpy(C, g->C0, g->csz * sizeof(float));
+    gj_rt_gemm_call c = {false, g->ta, g->tb, g->M, g->N, g->K, g->alpha, g->A, g->lda, g->B,
+                         g->ldb, g->beta, C, g->ldc, false};
+    gj_rt_gemm_call cb = c;
+    cb.bf16 = true;
+    gj_rt_gemm_split sp;
+    gj_rt_gemm_split_for(&cb, gj_rt_num_threads(), &sp);
+    int p0 = gj_rt_gemm_provider_setting();
+    assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_OPENBLAS), 0);
+    gj_rt_gemm_run(&c, &sp);
+    assert_int_equal(gj_rt_set_gemm_provider(p0), 0);
+    return C;
+}
+
 static void test_bf16(void **state) {
     (void)state;
     assert_int_equal(gj_rt_blas_init(), 0);
@@ -838,7 +859,7 @@ static void test_bf16(void **state) {
             case_bf16(&g, &Ah, &Bh);
             double *ref, *tol;
             case_ref(&g, &ref, &tol);
-            float *Cs = case_run(&g); /* sgemm of the widened operands, OpenBLAS pinned */
+            float *Cs = case_run_split_bf16(&g); /* OpenBLAS on the widened operands */
             for (int p = 0; p < np; p++) {
                 assert_int_equal(gj_rt_set_gemm_provider(prov[p]), 0);
                 gj_rt_gemm_stats s0, s1;
@@ -868,6 +889,17 @@ static void test_bf16(void **state) {
             int64_t d0 = stat_dnnl();
             free(case_run(&g));
             assert_int_equal(stat_dnnl(), d0);
+            /* without oneDNN the default widens bf16 for OpenBLAS: the
+             * pinned OpenBLAS bits */
+            gj_rt_gemm_simulate_no_onednn(true);
+            float *Cm = malloc(g.csz * sizeof *Cm);
+            assert_non_null(Cm);
+            memcpy(Cm, g.C0, g.csz * sizeof *Cm);
+            gj_rt_bgemm(g.ta, g.tb, g.M, g.N, g.K, Ah, g.lda, Bh, g.ldb, g.beta, Cm, g.ldc);
+            assert_int_equal(stat_dnnl(), d0);
+            assert_true(same_bits(Cm, Cs, g.csz));
+            free(Cm);
+            gj_rt_gemm_simulate_no_onednn(false);
             assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_OPENBLAS), 0);
             free(Cs), free(Ah), free(Bh), free(ref), free(tol);
             case_free(&g);
