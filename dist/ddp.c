@@ -22,6 +22,7 @@
 #include "runtime/rt.h"
 
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +39,13 @@ typedef struct ddp_bucket {
     int ready;           /* params of this bucket marked ready this step */
     bool started;
     gj_dist_job job;
+    /* ZeRO stage 3: the bucket is also the unit parameters are gathered in */
+    void *full;          /* padded values: every rank's range (NULL: released) */
+    void *send;          /* this rank's range, packed from its shards, while gathering */
+    bool gathering;      /* gjob in flight (full allocated, not yet written) */
+    gj_dist_job gjob;
+    uint64_t use;        /* d->tick of its last read */
+    uint64_t epoch;      /* the runtime epoch of its last read */
 } ddp_bucket;
 
 typedef struct hook_ctx {
@@ -69,9 +77,21 @@ struct gj_ddp {
     gj_tensor **shards;  /* ZeRO: the non-NULL shards, in parameter order */
     int n_shards;
     uint64_t layout;     /* the hash of parameters and buckets all ranks agreed */
+    /* ZeRO stage 3 */
+    uint64_t tick;       /* reads of gathered units */
+    int last_miss;       /* the unit last gathered on demand (-1: none), for the direction */
+    bool held;           /* gj_ddp_unshard, a compiled step: every unit gathered and kept */
+    bool z3_ready;       /* the parameters' storages are remote (z3_setup ran) */
 };
 
+/* ZeRO stage 3: at most this many units present (gathered or in flight)
+ * at once, unless one primitive reads more (the current one, the one
+ * before it, the one prefetched). */
+enum { Z3_LIVE = 3 };
+
 static size_t wire_bytes(gj_dtype d) { return d == GJ_F64 ? 8 : d == GJ_F32 ? 4 : 2; }
+
+static void z3_release_all(gj_ddp *d);
 
 static gj_dtype wire_of(gj_dtype param, bool bf16) {
     if (param == GJ_F64) return GJ_F64;
@@ -155,6 +175,20 @@ static int unpack(gj_tensor *p, gj_dtype wire, const void *src) {
     return rc;
 }
 
+/* Bucket b's gradient buffer (ZeRO stage 3: made on first use, zeroed, and
+ * dropped once reduced, so nothing of it is held between steps). NULL
+ * with an error when out of memory. */
+static void *bucket_buf(ddp_bucket *b) {
+    if (!b->buf) b->buf = gj_rt_calloc((size_t)(b->padded ? b->padded : 1), wire_bytes(b->wire));
+    return b->buf;
+}
+
+static void bucket_buf_drop(const gj_ddp *d, ddp_bucket *b) {
+    if (d->opt.zero < 3 || b->started) return;
+    gj_rt_free(b->buf);
+    b->buf = NULL;
+}
+
 /* ZeRO: where parameter i's shard sits in bucket b's range buffer
  * (shard_buf: this rank's range, what a reduce-scatter delivers and an
  * allgather sends). */
@@ -166,7 +200,7 @@ static char *in_range(const gj_ddp *d, const ddp_bucket *b, int i) {
 /* ZeRO: where parameter i's shard's averages are once b was reduced
  * (stage 2: the range buffer; stage 1: its place in the whole bucket). */
 static const char *reduced_shard(const gj_ddp *d, const ddp_bucket *b, int i) {
-    if (d->opt.zero == 2) return in_range(d, b, i);
+    if (d->opt.zero >= 2) return in_range(d, b, i);
     return (const char *)b->buf + (d->offset[i] + d->shard_at[i]) * (int64_t)wire_bytes(b->wire);
 }
 
@@ -176,7 +210,7 @@ static int start_ready(gj_ddp *d, bool by_hook) {
         ddp_bucket *b = &d->b[d->next_start];
         b->job = (gj_dist_job){.kind = GJ_DIST_ALLREDUCE, .wire = b->wire, .op = GJ_REDUCE_AVG,
                                .buf = b->buf, .count = b->count};
-        if (d->opt.zero == 2) /* each rank receives its range's averages only */
+        if (d->opt.zero >= 2) /* each rank receives its range's averages only */
             b->job = (gj_dist_job){.kind = GJ_DIST_REDUCE_SCATTER, .wire = b->wire,
                                    .op = GJ_REDUCE_AVG, .send = b->buf, .buf = b->shard_buf,
                                    .count = b->padded};
@@ -206,13 +240,16 @@ static void on_grad(gj_tensor *leaf, void *user) {
     }
     ddp_bucket *b = &d->b[d->bucket_of[i]];
     gj_tensor *g = gj_tensor_grad(leaf);
-    int rc = 0;
-    if (g) {
+    int rc = bucket_buf(b) ? 0 : -1;
+    if (rc == 0 && g) {
         rc = pack(g, b->wire, (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire));
-    } else {
+    } else if (rc == 0) {
         memset((char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire), 0,
                (size_t)gj_tensor_numel(leaf) * wire_bytes(b->wire));
     }
+    /* stage 3: the full .grad is in the bucket now; only the shard's
+     * average is kept (as FSDP frees the unsharded gradient) */
+    if (rc == 0 && d->opt.zero == 3 && g) rc = gj_tensor_set_grad(leaf, NULL);
     if (rc == 0) {
         d->ready[i] = true;
         d->any_ready = true;
@@ -238,6 +275,7 @@ static int red_give(void *ctx, int i, gj_dtype dt, const void *grad) {
                         i);
         goto out;
     }
+    if (!bucket_buf(b)) goto out;
     void *dst = (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire);
     int64_t n = gj_tensor_numel(d->params[i]);
     if (grad) pack_raw(dt, grad, n, b->wire, dst);
@@ -299,6 +337,7 @@ static int red_end(void *ctx) {
         }
         all &= b->ready == b->n;
         b->ready = 0;
+        bucket_buf_drop(d, b);
     }
     memset(d->ready, 0, (size_t)d->n * sizeof *d->ready);
     d->next_start = 0;
@@ -312,6 +351,9 @@ static int red_end(void *ctx) {
 static int red_wait(void *ctx) { return gj_ddp_wait(ctx); }
 
 static int red_after(void *ctx) { return gj_ddp_gather(ctx); }
+
+/* ZeRO stage 3: a compiled program reads every parameter in place. */
+static int red_before(void *ctx) { return gj_ddp_unshard(ctx); }
 
 static int same_on_all_ranks(gj_pg *pg, const int64_t *mine, int n, const char *what,
                              const char *detail);
@@ -439,6 +481,11 @@ int gj_ddp_gather(gj_ddp *d) {
     }
     int rc = 0;
     pthread_mutex_lock(&d->lock);
+    if (d->opt.zero == 3) { /* stale copies dropped: the next read gathers the new values */
+        z3_release_all(d);
+        pthread_mutex_unlock(&d->lock);
+        return 0;
+    }
     for (int k = 0; k < d->nb && rc == 0; k++) {
         ddp_bucket *b = &d->b[k];
         size_t wb = wire_bytes(b->wire);
@@ -468,6 +515,297 @@ int gj_ddp_gather(gj_ddp *d) {
     }
     pthread_mutex_unlock(&d->lock);
     return rc;
+}
+
+/* -------------------------------------------------------- ZeRO stage 3
+ *
+ * Parameters sharded at rest: each rank keeps its shards (owned 1-D
+ * leaves), and every parameter's storage is remote (runtime's
+ * gj_rt_storage.fetch): no bytes until a primitive reads it. A read
+ * gathers the parameter's whole bucket (the unit: one allgather of every
+ * rank's ranges into one buffer its parameters point into), starts
+ * gathering the next unit in the direction of the last two (the forward
+ * walks units down, the backward up: a prefetch), and releases the units
+ * read least recently while more than Z3_LIVE are present. The backward
+ * reads a released parameter again through the same path (the autograd
+ * graph keeps the parameter, never a copy of its bytes). Gradients go
+ * through the buckets as in stage 2 and the full .grad is dropped as soon
+ * as it is packed. Every rank reads the same parameters in the same
+ * order, so the allgathers match. */
+
+/* Points unit b's parameters at their values in b->full (or at nothing). */
+static void z3_point(gj_ddp *d, ddp_bucket *b, bool present) {
+    size_t wb = wire_bytes(b->wire);
+    for (int j = 0; j < b->n; j++) {
+        int i = d->order[b->first + j];
+        d->params[i]->storage->data = present ? (char *)b->full + d->offset[i] * (int64_t)wb
+                                              : NULL;
+    }
+}
+
+static size_t z3_bytes(const ddp_bucket *b) {
+    return (size_t)(b->padded ? b->padded : 1) * wire_bytes(b->wire);
+}
+
+/* Starts gathering unit k: this rank's shards packed into its range, every
+ * rank's ranges allgathered into a new buffer. Lock held. 0 or -1. */
+static int z3_start(gj_ddp *d, int k) {
+    ddp_bucket *b = &d->b[k];
+    size_t wb = wire_bytes(b->wire);
+    int64_t s = b->padded / d->size;
+    b->full = gj_rt_alloc_data(z3_bytes(b));
+    b->send = gj_rt_calloc((size_t)(s ? s : 1), wb);
+    if (!b->full || !b->send) goto fail;
+    for (int j = 0; j < b->n; j++) {
+        int i = d->order[b->first + j];
+        if (!d->shard[i]) continue;
+        memcpy((char *)b->send + (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wb,
+               gj_rt_data_ptr(d->shard[i]), (size_t)gj_tensor_numel(d->shard[i]) * wb);
+    }
+    b->gjob = (gj_dist_job){.kind = GJ_DIST_ALLGATHER, .wire = b->wire, .send = b->send,
+                            .buf = b->full, .count = s};
+    if (gj_dist_submit(d->pg, &b->gjob) != 0) goto fail;
+    b->gathering = true;
+    b->use = ++d->tick;
+    d->st.gathers++;
+    d->st.bytes += s * (int64_t)wb;
+    return 0;
+fail:
+    if (b->full) gj_rt_free_data(b->full, z3_bytes(b));
+    gj_rt_free(b->send);
+    b->full = b->send = NULL;
+    return -1;
+}
+
+/* Waits for unit k's gather, if in flight, and points its parameters at
+ * it. Lock held. 0 or -1 (the unit released). */
+static int z3_finish(gj_ddp *d, int k) {
+    ddp_bucket *b = &d->b[k];
+    if (!b->gathering) return 0;
+    b->gathering = false;
+    int rc = gj_dist_wait(&b->gjob);
+    d->st.comm_ms += b->gjob.ms;
+    gj_rt_free(b->send);
+    b->send = NULL;
+    if (rc != 0) {
+        gj_rt_free_data(b->full, z3_bytes(b));
+        b->full = NULL;
+        return -1;
+    }
+    z3_point(d, b, true);
+    return 0;
+}
+
+static int z3_present(const gj_ddp *d) {
+    int n = 0;
+    for (int k = 0; k < d->nb; k++) n += d->b[k].full != NULL;
+    return n;
+}
+
+/* Unit k's parameters back to their shards only (a gather in flight is
+ * waited for first). Lock held. */
+static void z3_release(gj_ddp *d, int k) {
+    ddp_bucket *b = &d->b[k];
+    if (b->gathering) (void)z3_finish(d, k);
+    if (!b->full) return;
+    z3_point(d, b, false);
+    gj_rt_free_data(b->full, z3_bytes(b));
+    b->full = NULL;
+}
+
+/* Releases the units read least recently while more than `keep` are
+ * present; never one read in `epoch` (the primitive reading now), nothing
+ * while held. Lock held. */
+static void z3_evict(gj_ddp *d, uint64_t epoch, int keep) {
+    while (!d->held) {
+        int live = 0, lru = -1;
+        for (int k = 0; k < d->nb; k++) {
+            const ddp_bucket *b = &d->b[k];
+            if (!b->full) continue;
+            live++;
+            if (b->epoch != epoch && (lru < 0 || b->use < d->b[lru].use)) lru = k;
+        }
+        if (live <= keep || lru < 0) return;
+        z3_release(d, lru);
+    }
+}
+
+/* gj_rt_storage.fetch of parameter id's storage: its unit present (and
+ * the next one on its way). */
+static int z3_fetch(void *owner, int id, uint64_t epoch) {
+    gj_ddp *d = owner;
+    pthread_mutex_lock(&d->lock);
+    int k = d->bucket_of[id], rc = 0;
+    ddp_bucket *b = &d->b[k];
+    bool missing = !b->full, arriving = b->gathering;
+    if (missing || arriving) {
+        if (missing) rc = z3_start(d, k);
+        if (rc == 0) rc = z3_finish(d, k);
+        if (rc == 0 && !d->held) { /* the next unit in the direction of the last two */
+            int dir = d->last_miss >= 0 && k > d->last_miss ? 1 : -1, nk = k + dir;
+            bool ahead = nk >= 0 && nk < d->nb && !d->b[nk].full;
+            d->last_miss = k;
+            b->epoch = epoch;
+            z3_evict(d, epoch, Z3_LIVE - ahead);
+            if (ahead) {
+                rc = z3_start(d, nk);
+                if (rc == 0) d->st.prefetches++;
+            }
+        }
+        int live = z3_present(d);
+        if (live > d->st.max_units) d->st.max_units = live;
+    }
+    b->use = ++d->tick;
+    b->epoch = epoch;
+    pthread_mutex_unlock(&d->lock);
+    if (rc != 0) {
+        char err[400];
+        snprintf(err, sizeof err, "%s", gj_last_error());
+        gj_rt_set_error("gj_ddp (ZeRO stage 3): gathering parameter %d (bucket %d) failed: %s",
+                        id, k, err);
+    }
+    return rc;
+}
+
+/* Every unit present until z3_release_all (held: nothing evicted). Lock
+ * held. 0 or -1. */
+static int z3_hold(gj_ddp *d) {
+    d->held = true;
+    int rc = 0;
+    for (int k = 0; k < d->nb && rc == 0; k++)
+        if (!d->b[k].full) rc = z3_start(d, k);
+    for (int k = 0; k < d->nb; k++)
+        if (z3_finish(d, k) != 0) rc = -1;
+    int live = z3_present(d);
+    if (live > d->st.max_units) d->st.max_units = live;
+    return rc;
+}
+
+static void z3_release_all(gj_ddp *d) {
+    for (int k = 0; k < d->nb; k++) z3_release(d, k);
+    d->held = false;
+    d->last_miss = -1;
+}
+
+/* Stage 3's start, after the broadcast: the shards become owned copies and
+ * every parameter's storage a remote one of its own (a parameter that
+ * viewed a larger tensor stops viewing it). 0 or -1. */
+static int z3_setup(gj_ddp *d) {
+    d->last_miss = -1;
+    d->z3_ready = true; /* (from here on gj_ddp_free gives parameters memory back) */
+    int ns = 0;
+    for (int i = 0; i < d->n; i++) {
+        gj_tensor *v = d->shard[i];
+        if (!v) continue;
+        gj_tensor *own = gj_zeros(gj_tensor_dtype(v), 1, gj_tensor_shape(v));
+        if (!own) return -1;
+        memcpy(gj_rt_data_ptr(own), gj_rt_data_ptr(v),
+               (size_t)gj_tensor_numel(v) * gj_rt_dtype_size(gj_tensor_dtype(v)));
+        if (gj_set_requires_grad(own, true) != 0) {
+            gj_release(own);
+            return -1;
+        }
+        gj_release(v);
+        d->shard[i] = d->shards[ns++] = own;
+    }
+    for (int i = 0; i < d->n; i++) {
+        gj_tensor *p = d->params[i];
+        gj_rt_storage *s = gj_rt_calloc(1, sizeof *s);
+        if (!s) return -1;
+        atomic_init(&s->refcount, 1);
+        atomic_init(&s->version, atomic_load(&p->storage->version));
+        s->nbytes = (size_t)p->numel * gj_rt_dtype_size(p->dtype);
+        s->external = true;
+        s->fetch = z3_fetch;
+        s->owner = d;
+        s->id = i;
+        gj_rt_storage_release(p->storage);
+        p->storage = s;
+        p->offset = 0;
+    }
+    return 0;
+}
+
+/* A parameter whose memory could not be made at gj_ddp_free: every read
+ * fails. */
+static int z3_lost(void *owner, int id, uint64_t epoch) {
+    (void)owner, (void)epoch;
+    gj_rt_set_error("gj_ddp (ZeRO stage 3): parameter %d lost its values: gj_ddp_free could "
+                    "not allocate its memory", id);
+    return -1;
+}
+
+/* gj_ddp_free under stage 3: every parameter gathered into memory of its
+ * own again (a collective). A parameter whose gather failed reads NaN. */
+static void z3_teardown(gj_ddp *d) {
+    pthread_mutex_lock(&d->lock);
+    if (z3_hold(d) != 0)
+        fprintf(stderr, "gradjit: gj_ddp_free: gathering the ZeRO stage 3 parameters failed "
+                        "(%s): those not gathered are NaN\n", gj_last_error());
+    for (int i = 0; i < d->n; i++) {
+        gj_tensor *p = d->params[i];
+        gj_rt_storage *s = p->storage;
+        if (s->fetch != z3_fetch || s->owner != d) continue;
+        void *own = gj_rt_alloc_data(s->nbytes ? s->nbytes : 1);
+        s->fetch = own ? NULL : z3_lost;
+        if (!own) continue;
+        if (s->data) {
+            memcpy(own, s->data, s->nbytes);
+        } else {
+            for (int64_t e = 0; e < p->numel; e++) {
+                if (p->dtype == GJ_F64) ((double *)own)[e] = NAN;
+                else if (p->dtype == GJ_F32) ((float *)own)[e] = NAN;
+                else ((uint16_t *)own)[e] = 0x7fc0; /* bf16 NaN */
+            }
+        }
+        s->data = own;
+        s->external = false;
+        s->owner = NULL;
+    }
+    for (int k = 0; k < d->nb; k++) { /* (the parameters point at their own memory now) */
+        ddp_bucket *b = &d->b[k];
+        if (b->full) gj_rt_free_data(b->full, z3_bytes(b));
+        b->full = NULL;
+    }
+    d->held = false;
+    pthread_mutex_unlock(&d->lock);
+}
+
+int gj_ddp_unshard(gj_ddp *d) {
+    if (!d || d->opt.zero != 3) {
+        gj_rt_set_error("gj_ddp_unshard: %s", !d ? "ddp is NULL"
+                                                 : "the gj_ddp was made without ZeRO stage 3 "
+                                                   "(gj_ddp_options.zero = 3)");
+        return -1;
+    }
+    pthread_mutex_lock(&d->lock);
+    int rc = z3_hold(d);
+    if (rc != 0) z3_release_all(d);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int gj_ddp_reshard(gj_ddp *d) {
+    if (!d || d->opt.zero != 3 || !d->held) {
+        gj_rt_set_error("gj_ddp_reshard: %s",
+                        !d ? "ddp is NULL"
+                        : d->opt.zero != 3 ? "the gj_ddp was made without ZeRO stage 3 "
+                                             "(gj_ddp_options.zero = 3)"
+                                           : "the parameters are not unsharded (gj_ddp_unshard)");
+        return -1;
+    }
+    pthread_mutex_lock(&d->lock);
+    for (int i = 0; i < d->n; i++) { /* this rank's part of each parameter into its shard */
+        gj_tensor *sh = d->shard[i];
+        if (!sh) continue;
+        size_t es = gj_rt_dtype_size(d->params[i]->dtype);
+        memcpy(gj_rt_data_ptr(sh), (const char *)gj_rt_data_ptr(d->params[i]) + d->shard_at[i] * (int64_t)es,
+               (size_t)sh->numel * es);
+        gj_rt_bump_version(sh);
+    }
+    z3_release_all(d);
+    pthread_mutex_unlock(&d->lock);
+    return 0;
 }
 
 /* ------------------------------------------------ ZeRO's checkpoints */
@@ -576,6 +914,7 @@ int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, con
                 pack_raw(gj_tensor_dtype(t), gj_tensor_data(t), gj_tensor_numel(t), b->wire,
                          in_range(d, b, i));
             }
+            if (!bucket_buf(b)) goto done;
             b->job = (gj_dist_job){.kind = GJ_DIST_ALLGATHER, .wire = b->wire,
                                    .send = b->shard_buf, .buf = b->buf, .count = sl};
             if (gj_dist_submit(d->pg, &b->job) != 0 || gj_dist_wait(&b->job) != 0) goto done;
@@ -592,6 +931,7 @@ int gj_ddp_optim_state_dict_add(gj_ddp *d, gj_optim *opt, gj_state_dict *sd, con
                 gj_release(full);
                 if (r2 != 0) goto done;
             }
+            bucket_buf_drop(d, b);
         }
     }
     rc = 0;
@@ -866,6 +1206,7 @@ int gj_zero_consolidate(int n, const gj_state_dict *const *shards, const char *p
 
 static void ddp_destroy(gj_ddp *d) {
     if (!d) return;
+    if (d->z3_ready) z3_teardown(d);
     gj_jit_reducer_unregister(d);
     pthread_mutex_lock(&g_agree_lock);
     if (g_agreeing == d) {
@@ -877,6 +1218,7 @@ static void ddp_destroy(gj_ddp *d) {
         if (d->b[k].started) gj_dist_wait(&d->b[k].job);
         gj_rt_free(d->b[k].buf);
         gj_rt_free(d->b[k].shard_buf);
+        gj_rt_free(d->b[k].send);
     }
     for (int i = 0; i < d->n && d->shard; i++)
         if (d->shard[i]) gj_release(d->shard[i]);
@@ -928,8 +1270,8 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
             gj_rt_set_error("gj_ddp_new: parameter %d is not contiguous", i);
             return NULL;
         }
-        if (opt && (opt->zero < 0 || opt->zero > 2)) {
-            gj_rt_set_error("gj_ddp_new: zero is %d; ZeRO's stages here are 1 and 2 (0: off)",
+        if (opt && (opt->zero < 0 || opt->zero > 3)) {
+            gj_rt_set_error("gj_ddp_new: zero is %d; ZeRO's stages are 1, 2 and 3 (0: off)",
                             opt->zero);
             return NULL;
         }
@@ -999,8 +1341,7 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
         b->padded = d->opt.zero ? s * d->size : b->count;
         b->lo = b->count < s * d->rank ? b->count : s * d->rank;
         b->hi = b->count < s * (d->rank + 1) ? b->count : s * (d->rank + 1);
-        b->buf = gj_rt_calloc((size_t)(b->padded ? b->padded : 1), wire_bytes(b->wire));
-        if (!b->buf) goto fail;
+        if (d->opt.zero < 3 && !bucket_buf(b)) goto fail; /* (stage 3: made when used) */
         if (d->opt.zero && !(b->shard_buf = gj_rt_calloc((size_t)(s ? s : 1), wire_bytes(b->wire))))
             goto fail;
     }
@@ -1024,6 +1365,7 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
     if (!d->opt.no_broadcast)
         for (int i = 0; i < n_params; i++)
             if (gj_broadcast(pg, params[i], 0) != 0) goto fail;
+    if (d->opt.zero == 3 && z3_setup(d) != 0) goto fail;
     for (int i = 0; i < n_params; i++) {
         d->ctx[i] = (hook_ctx){d, i};
         d->hooks[i] = gj_register_post_accumulate_grad_hook_ex(params[i], on_grad, &d->ctx[i],
@@ -1034,7 +1376,8 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
                               .hooks = d->hooks, .layout = d->layout, .give = red_give,
                               .take = red_take, .wait = red_wait, .end = red_end,
                               .agree = red_agree, .zero = d->opt.zero, .shards = d->shard,
-                              .after = d->opt.zero ? red_after : NULL};
+                              .after = d->opt.zero ? red_after : NULL,
+                              .before = d->opt.zero == 3 ? red_before : NULL};
     if (gj_jit_reducer_register(d, &d->red) != 0) goto fail;
     if (!d->opt.zero) { /* (ZeRO: each rank's programs update its own shards: keys differ) */
         pthread_mutex_lock(&g_agree_lock);
@@ -1072,6 +1415,10 @@ int gj_ddp_wait(gj_ddp *d) {
     for (int i = 0; i < d->n; i++) {
         if (d->ready[i]) continue;
         ddp_bucket *b = &d->b[d->bucket_of[i]];
+        if (!bucket_buf(b)) {
+            rc = -1;
+            break;
+        }
         void *dst = (char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire);
         gj_tensor *g = gj_tensor_grad(d->params[i]);
         if (g) {
@@ -1092,6 +1439,7 @@ int gj_ddp_wait(gj_ddp *d) {
         if (rc != 0) continue;
         if (d->opt.zero) {
             if (zero_unpack(d, b) != 0) rc = -1;
+            bucket_buf_drop(d, b);
             continue;
         }
         for (int j = 0; j < b->n; j++) {
@@ -1118,6 +1466,7 @@ int gj_ddp_stats_get(const gj_ddp *d, gj_ddp_stats *out) {
         return -1;
     }
     *out = d->st;
+    out->units = z3_present(d);
     return 0;
 }
 

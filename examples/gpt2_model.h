@@ -145,6 +145,46 @@ static inline int gpt2_init_from(gpt2 *m, const gj_llmc_config *cfg, gj_tensor *
     return 0;
 }
 
+/* ZeRO stage 3 gives every leaf memory of its own (gj_ddp_options.zero):
+ * llm.c's tensors are then only the save and load format. gpt2_files_drop
+ * frees them, gpt2_files_make makes them again (zeros), gpt2_files_sync
+ * copies the leaves into them or (into_leaves) them into the leaves --
+ * with the leaves unsharded (gj_ddp_unshard) on every rank. 0 or -1. */
+static inline void gpt2_files_drop(gpt2 *m) {
+    for (int i = 0; i < GJ_LLMC_N_PARAMS; i++) {
+        gj_release(m->file[i]);
+        m->file[i] = NULL;
+    }
+}
+
+static inline int gpt2_files_make(gpt2 *m) {
+    for (int i = 0; i < GJ_LLMC_N_PARAMS; i++) {
+        int64_t s[3];
+        int nd = gj_llmc_param_shape(&m->cfg, i, s);
+        if (!m->file[i] && (nd < 0 || !(m->file[i] = gj_zeros(m->dtype, nd, s))))
+            return -1;
+    }
+    return 0;
+}
+
+static inline int gpt2_files_sync(gpt2 *m, bool into_leaves) {
+    size_t es = m->dtype == GJ_F64 ? 8 : 4;
+    for (int i = 0; i < GJ_LLMC_N_PARAMS; i++) {
+        bool per_layer = i >= 2 && i < 14;
+        char *f = gj_tensor_data(m->file[i]);
+        for (int l = 0; l < (per_layer ? m->cfg.num_layers : 1); l++) {
+            gj_tensor *leaf = m->leaf[gpt2_leaf_index(m, i, l)];
+            size_t n = (size_t)gj_tensor_numel(leaf) * es;
+            char *v = gj_tensor_data(leaf);
+            if (!f || !v)
+                return -1;
+            memcpy(into_leaves ? v : f + (size_t)(per_layer ? l : 0) * n,
+                   into_leaves ? f + (size_t)(per_layer ? l : 0) * n : v, n);
+        }
+    }
+    return 0;
+}
+
 /* Loads an llm.c checkpoint in dtype (f32, or f64 for gradient checks).
  * 0 or -1. */
 static inline int gpt2_load(gpt2 *m, const char *path, gj_dtype dtype) {

@@ -123,7 +123,7 @@ static gj_tensor *model_forward(void *ctx, gj_tensor *x) {
 typedef struct opts {
     train_flags f;
     bool ddp;
-    int zero;        /* --zero 1|2: ZeRO's stage (with --ddp) */
+    int zero;        /* --zero 1|2|3: ZeRO's stage (with --ddp) */
     gj_pg *pg;       /* --ddp: the world group (launched with mpirun) */
     int rank, size;  /* 0 and 1 without --ddp */
 } opts;
@@ -161,6 +161,7 @@ static int mlp_init(train_run *r) {
     if (o->zero) {
         r->zero = t->ddp;
         r->no_write = o->rank != 0;
+        r->zero3 = o->zero == 3;
     }
     int rc = fashion_run_init(&t->fr, o->rank, o->size, EVAL_CHUNK, model_forward, &t->m);
     if (rc == 0 && t->ddp) { /* the gradients averaged before the update */

@@ -105,7 +105,7 @@ typedef struct opts {
     int64_t steps;
     bool shuffle, sample_given;
     bool ddp;       /* data parallel over the MPI ranks of mpirun */
-    int zero;       /* --zero 1|2: ZeRO's stage (with --ddp) */
+    int zero;       /* --zero 1|2|3: ZeRO's stage (with --ddp) */
     gj_pg *pg;      /* --ddp: the world group */
     int rank, size; /* 0 and 1 without --ddp */
 } opts;
@@ -416,7 +416,7 @@ static void cfg_values(const gj_llmc_config *c, int *v) {
 
 /* Writes --save: llm.c's format (.bin) or a gradjit checkpoint to resume
  * from (.safetensors) before step r->step. 0, or 1 with a message. */
-static int run_save(run *r, const char *path) {
+static int run_save_files(run *r, const char *path) {
     if (ends_with(path, ".bin")) {
         if (r->o->rank != 0)
             return 0; /* (ZeRO keeps the path on every rank: rank 0 writes the parameters) */
@@ -475,7 +475,7 @@ static int resume_config(const gj_state_dict *sd, const char *path, gj_llmc_conf
 
 /* Restores parameters, AdamW state, RNG, step, loader and sampler from
  * sd (a gradjit checkpoint of this model). 0, or 1 with a message. */
-static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
+static int run_resume_files(run *r, const gj_state_dict *sd, const char *path) {
     const opts *o = r->o;
     int v[6];
     int64_t step, epoch, batch;
@@ -511,6 +511,44 @@ static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
     r->step = step;
     r->sample_rng = rng;
     return 0;
+}
+
+/* --zero 3: the leaves are sharded, llm.c's tensors dropped; a save or a
+ * load gathers the leaves on every rank (a collective) and goes through
+ * llm.c's tensors made for it. */
+static int z3_files(run *r) {
+    if (gj_ddp_unshard(r->ddp) == 0 && gpt2_files_make(&r->m) == 0)
+        return 0;
+    fprintf(stderr, PROG ": --zero 3: %s\n", gj_last_error());
+    return 1;
+}
+
+static int run_save(run *r, const char *path) {
+    if (r->o->zero != 3)
+        return run_save_files(r, path);
+    if (z3_files(r) != 0)
+        return 1;
+    int rc = gpt2_files_sync(&r->m, false) != 0 ? 1 : run_save_files(r, path);
+    if (gj_ddp_gather(r->ddp) != 0)
+        rc = 1;
+    gpt2_files_drop(&r->m);
+    return rc;
+}
+
+static int run_resume(run *r, const gj_state_dict *sd, const char *path) {
+    if (r->o->zero != 3)
+        return run_resume_files(r, sd, path);
+    if (z3_files(r) != 0)
+        return 1;
+    int rc = run_resume_files(r, sd, path);
+    if (rc == 0 && (gpt2_files_sync(&r->m, true) != 0 || gj_ddp_reshard(r->ddp) != 0)) {
+        fprintf(stderr, PROG ": --resume %s: %s\n", path, gj_last_error());
+        rc = 1;
+    }
+    if (rc != 0)
+        (void)gj_ddp_gather(r->ddp);
+    gpt2_files_drop(&r->m);
+    return rc;
 }
 
 /* The run stops before step r->step (Ctrl-C, --stop-after): saves if
@@ -594,6 +632,8 @@ static int train(const opts *o, step_mode mode) {
     gj_ddp_options dopt = {.zero = o->zero};
     if (o->pg && !(r.ddp = gj_ddp_new(o->pg, r.m.n_leaves, r.m.leaf, &dopt)))
         goto gj_fail;
+    if (o->zero == 3) /* (the leaves have their own, sharded, memory now) */
+        gpt2_files_drop(&r.m);
     gj_tensor *const *opt_params = r.m.leaf; /* ZeRO: this rank's shards */
     int n_opt = o->zero ? gj_ddp_shards(r.ddp, &opt_params) : r.m.n_leaves;
     if (n_opt < 0)
@@ -643,6 +683,11 @@ static int train(const opts *o, step_mode mode) {
             rc = run_stop(&r);
             goto done;
         }
+        /* --zero 3: every rank gathers the model for what only some run
+         * (rank 0 samples) or what reads it outside a step */
+        bool look = (r.val && s % VAL_EVERY == 0) || (s > 0 && s % SAMPLE_EVERY == 0);
+        if (o->zero == 3 && look && gj_ddp_unshard(r.ddp) != 0)
+            goto gj_fail;
         if (r.val && s % VAL_EVERY == 0) {
             double v = val_loss(&r);
             if (isnan(v))
@@ -651,6 +696,8 @@ static int train(const opts *o, step_mode mode) {
         }
         if (sample > 0 && s > 0 && s % SAMPLE_EVERY == 0 &&
             generate(&r.m, o->seq, sample, eot, r.tok, &r.sample_rng) != 0)
+            goto gj_fail;
+        if (o->zero == 3 && look && gj_ddp_gather(r.ddp) != 0)
             goto gj_fail;
         double t0 = now_s(), loss;
         if (train_step(&r, &loss) != 0)

@@ -87,9 +87,9 @@ typedef struct train_flags {
     ARG_OPT("stop-after", ARG_I64, &(f)->stop_after, 1, 9e18, "stop (and save) after N steps")
 /* --zero N (an int the trainer keeps beside its --ddp flag) */
 #define TRAIN_ARG_ZERO(z)                                                                      \
-    ARG_OPT("zero", ARG_INT, (z), 0, 2,                                                        \
-            "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks) or 2 (also the "   \
-            "averaged gradients); 0: off")
+    ARG_OPT("zero", ARG_INT, (z), 0, 3,                                                        \
+            "with --ddp: ZeRO stage 1 (AdamW state sharded over the ranks), 2 (also the "      \
+            "averaged gradients) or 3 (also the parameters, gathered per bucket); 0: off")
 
 /* --zero needs --ddp. 0, or -1 after a message. */
 static inline int train_zero_check(const char *prog, bool ddp, int zero) {
@@ -165,9 +165,11 @@ static inline bool train_banner(const train_flags *f) {
 /* --ddp: each rank's model-state bytes on rank 0's stdout (a collective:
  * every rank calls it): parameters, the gradient buckets (the parameters'
  * size), the .grads the optimizer reads after the reduction and AdamW's m
- * and v (with ZeRO, zero > 0: this rank's shards' only). params[0..n) are
- * the model's, opt_params[0..n_opt) the optimizer's; f32 bytes counted
- * from their elements. 0, or -1 with gj_last_error(). */
+ * and v (with ZeRO, zero > 0: this rank's shards' only; stage 3 also holds
+ * only its shards of the parameters, and its buckets only while a step
+ * reduces them). params[0..n) are the model's, opt_params[0..n_opt) the
+ * optimizer's; f32 bytes counted from their elements. 0, or -1 with
+ * gj_last_error(). */
 static inline int train_print_model_state(gj_pg *pg, int zero, int n,
                                           gj_tensor *const *params, int n_opt,
                                           gj_tensor *const *opt_params) {
@@ -181,11 +183,13 @@ static inline int train_print_model_state(gj_pg *pg, int zero, int n,
         return -1;
     for (int r = 0; r < gj_pg_size(pg) && gj_pg_rank(pg) == 0; r++) {
         double m = gj_tensor_item_at(all, r), mib = 4.0 / 1048576.0;
-        double g = zero ? m : (double)full;
-        printf("rank %d model state: parameters %.2f MiB, gradient buckets %.2f MiB, averaged "
-               ".grads %.2f MiB, AdamW m and v %.2f MiB (%s): %.2f MiB\n", r, full * mib,
-               full * mib, g * mib, 2 * m * mib, zero ? "its shard" : "all",
-               (2.0 * full + g + 2 * m) * mib);
+        double g = zero ? m : (double)full, p = zero == 3 ? m : (double)full;
+        double b = zero == 3 ? 0.0 : (double)full;
+        printf("rank %d model state: parameters %.2f MiB (%s), gradient buckets %.2f MiB%s, "
+               "averaged .grads %.2f MiB, AdamW m and v %.2f MiB (%s): %.2f MiB\n", r, p * mib,
+               zero == 3 ? "its shard" : "all", b * mib,
+               zero == 3 ? " at rest" : "", g * mib, 2 * m * mib, zero ? "its shard" : "all",
+               (p + b + g + 2 * m) * mib);
     }
     gj_release(all);
     return 0;
@@ -576,6 +580,8 @@ struct train_run {
                               (borrowed): checkpoints gather and scatter its state */
     bool no_write;         /* a rank other than 0 of a ZeRO run: --save writes its shard
                               file only, rank 0 the rest */
+    bool zero3;            /* zero is stage 3: the model's parameters are gathered (every
+                              rank) for a save or a load */
     stepper st;            /* made by def->init; owned */
     gj_pg *pg;             /* set by def->init: each step's loss is averaged over pg's ranks
                               (data parallel); NULL: none. Borrowed */
@@ -766,14 +772,21 @@ static inline gj_state_dict *train_model_dict(train_run *r) {
  * after "<prog>: saving <path>: ...". */
 static inline int train_save(train_run *r, const char *path) {
     const train_def *d = r->def;
+    if (r->zero3 && gj_ddp_unshard(r->zero) != 0) {
+        fprintf(stderr, "%s: saving %s: %s\n", d->prog, path, gj_last_error());
+        return 1;
+    }
     gj_state_dict *sd = train_model_dict(r);
     int rc = ckpt_add_common(sd, r->opt, r->zero, d->prog, path);
     rc = rc || d->save(r, sd);
     if (r->no_write) { /* (a ZeRO rank but 0: its shard file written, rank 0 writes the rest) */
         gj_state_dict_free(sd);
+        rc = rc || (r->zero3 && gj_ddp_gather(r->zero) != 0);
         return rc ? 1 : 0;
     }
-    return ckpt_write(sd, rc, path, d->prog);
+    rc = ckpt_write(sd, rc, path, d->prog);
+    if (r->zero3 && gj_ddp_gather(r->zero) != 0) rc = 1;
+    return rc;
 }
 
 /* --resume: the run (def->resume), then model, optimizer and RNG
@@ -786,7 +799,12 @@ static inline int train_resume(train_run *r, const char *path) {
     gj_state_dict *f = gj_load_safetensors(path), *m = f ? train_model_dict(r) : NULL;
     ckpt_reader rd = {.sd = f};
     int rc = f && m ? d->resume(r, &rd, path) : -1;
-    if (rc == 0 && ckpt_load_common(f, m, r->opt, r->zero, path) != 0)
+    if (rc == 0 && r->zero3 && gj_ddp_unshard(r->zero) != 0) /* (written, then kept) */
+        rc = -1;
+    else if (rc == 0 && r->zero3)
+        rc = ckpt_load_common(f, m, r->opt, r->zero, path) != 0 || gj_ddp_reshard(r->zero) != 0
+                 ? -1 : 0;
+    else if (rc == 0 && ckpt_load_common(f, m, r->opt, r->zero, path) != 0)
         rc = -1;
     if (rc < 0)
         fprintf(stderr, "%s: resuming from %s: %s\n", d->prog, path, gj_last_error());

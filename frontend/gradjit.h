@@ -1184,7 +1184,24 @@ typedef struct gj_ddp_options {
      * program gives the parameters' gradients, takes its shards'
      * averages and updates them; the gather follows the program.
      * Parameters must travel as they are: f32/f64 (bf16 with
-     * bf16_buckets). No clip_norm. 0: off. */
+     * bf16_buckets). No clip_norm. 0: off.
+     *
+     * Stage 3 also keeps the parameters sharded at rest: the shards are
+     * then memory of their own, and each parameter (given memory of its
+     * own: one that viewed a larger tensor stops viewing it) holds no
+     * bytes between reads. The first primitive that reads a parameter
+     * gathers its bucket (an allgather of every rank's shards), the next
+     * bucket starts gathering behind it, and at most 3 buckets stay
+     * present (the least recently read go); the backward gathers again
+     * what it reads. Reading a parameter is thus a collective: every
+     * rank must read the same parameters in the same order (the same
+     * model code), and writes to a parameter are lost at the next
+     * release -- update the shards (the optimizer does), or write before
+     * gj_ddp_new. gj_ddp_gather drops the gathered copies after the
+     * update. A compiled step gathers every bucket before its program
+     * and drops them after (compiled autograd alone runs such a backward
+     * eagerly). gj_ddp_free gives the parameters their memory back (a
+     * collective). */
     int zero;
 } gj_ddp_options;
 typedef struct gj_ddp_stats {
@@ -1196,6 +1213,11 @@ typedef struct gj_ddp_stats {
     double comm_ms;           /* time in the collectives (on the stream) */
     double wait_ms;           /* time gj_ddp_wait (or a compiled step's takes of the
                                  averaged gradients) blocked */
+    /* ZeRO stage 3 */
+    int64_t gathers;          /* parameter allgathers (a bucket each) */
+    int64_t prefetches;       /* ... of which started ahead of a read */
+    int max_units;            /* most buckets' parameters present at once */
+    int units;                /* ... present now */
 } gj_ddp_stats;
 /* params borrowed (retained), leaves that require grad. opt may be NULL.
  * Broadcasts rank 0's values into every parameter unless opt->no_broadcast.
@@ -1219,8 +1241,19 @@ GJ_API int gj_ddp_bucket_of(const gj_ddp *d, int i);
  * gj_ddp). */
 GJ_API int gj_ddp_shards(gj_ddp *d, gj_tensor *const **out);
 /* ZeRO, after the optimizer's step over the shards: every rank's updated
- * shards into every rank's parameters. 0, or -1 with an error. */
+ * shards into every rank's parameters (stage 3: the gathered copies
+ * dropped; the next read gathers the updated values). 0, or -1 with an
+ * error. */
 GJ_API int gj_ddp_gather(gj_ddp *d);
+/* ZeRO stage 3: every parameter's values gathered now and kept until the
+ * next gj_ddp_gather (a collective): to read or save the whole model. 0,
+ * or -1 with an error. */
+GJ_API int gj_ddp_unshard(gj_ddp *d);
+/* ZeRO stage 3, after gj_ddp_unshard: what was written into the parameters
+ * since (a checkpoint loaded into them) kept: each rank's part copied into
+ * its shards, then the gathered copies dropped. No collective. 0, or -1
+ * with an error. */
+GJ_API int gj_ddp_reshard(gj_ddp *d);
 /* ZeRO checkpoints (collectives: every rank calls them). _add puts into sd
  * the state of opt (the optimizer over this ddp's shards) as an optimizer
  * of the same kind over the full parameters holds it -- what

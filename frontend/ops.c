@@ -1035,7 +1035,7 @@ int gj_copy_(gj_tensor *dst, gj_tensor *src) {
                         gj_rt_dtype_name(dst->dtype));
         return -1;
     }
-    if (gj_rt_copy_into(dst, src) != 0) {
+    if (gj_rt_present(src) != 0 || gj_rt_present(dst) != 0 || gj_rt_copy_into(dst, src) != 0) {
         fe_prefix_error(op);
         return -1;
     }

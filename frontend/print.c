@@ -107,7 +107,7 @@ static const char *dt_name(gj_dtype d) {
 
 char *gj_tensor_format(const gj_tensor *t, int edge) {
     if (t) GJ_FE_TRACE_READ(t, "gj_tensor_format", false);
-    if (!gj_rt_check_tensor(t, "gj_tensor_format", "t")) return NULL;
+    if (!gj_rt_check_tensor(t, "gj_tensor_format", "t") || gj_rt_present(t) != 0) return NULL;
     if (edge < 1) edge = 3;
     sbuf b = {0};
     b.cap = 256;

@@ -422,7 +422,7 @@ static int st_write(const char *op, const gj_state_dict *sd, st_write_fn write, 
         gj_tensor *t = sd->tensors[order[k]];
         if (t->numel == 0)
             continue;
-        gj_tensor *c = gj_rt_contiguous(t);
+        gj_tensor *c = gj_rt_present(t) == 0 ? gj_rt_contiguous(t) : NULL;
         if (!c)
             goto done;
         size_t es = gj_rt_dtype_size(t->dtype), nb = (size_t)t->numel * es;

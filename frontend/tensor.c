@@ -368,6 +368,7 @@ bool gj_tensor_is_contiguous(const gj_tensor *t) {
 void *gj_tensor_data(gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_tensor_data", "t")) return NULL;
     GJ_FE_TRACE_READ(t, "gj_tensor_data", true);
+    if (gj_rt_present(t) != 0) return NULL; /* (a ZeRO-3 parameter: gathered) */
     return gj_rt_data_ptr(t);
 }
 
@@ -378,6 +379,7 @@ int gj_tensor_to_f64(const gj_tensor *t, double *out) {
         return -1;
     }
     GJ_FE_TRACE_READ(t, "gj_tensor_to_f64", false);
+    if (gj_rt_present(t) != 0) return -1; /* (a ZeRO-3 parameter: gathered) */
     for (int64_t i = 0; i < t->numel; i++) out[i] = gj_rt_get(t, i);
     return 0;
 }
@@ -389,6 +391,7 @@ int gj_tensor_to_f32(const gj_tensor *t, float *out) {
         return -1;
     }
     GJ_FE_TRACE_READ(t, "gj_tensor_to_f32", false);
+    if (gj_rt_present(t) != 0) return -1; /* (a ZeRO-3 parameter: gathered) */
     for (int64_t i = 0; i < t->numel; i++) out[i] = (float)gj_rt_get(t, i);
     return 0;
 }
@@ -396,6 +399,7 @@ int gj_tensor_to_f32(const gj_tensor *t, float *out) {
 double gj_tensor_item_at(const gj_tensor *t, int64_t index) {
     if (!gj_rt_check_tensor(t, "gj_tensor_item_at", "t")) return NAN;
     GJ_FE_TRACE_READ(t, "gj_tensor_item_at", false);
+    if (gj_rt_present(t) != 0) return NAN; /* (a ZeRO-3 parameter: gathered) */
     if (index < 0 || index >= t->numel) {
         char sh[96];
         gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);
@@ -409,6 +413,7 @@ double gj_tensor_item_at(const gj_tensor *t, int64_t index) {
 double gj_tensor_item(const gj_tensor *t) {
     if (!gj_rt_check_tensor(t, "gj_tensor_item", "t")) return NAN;
     GJ_FE_TRACE_READ(t, "gj_tensor_item", false);
+    if (gj_rt_present(t) != 0) return NAN; /* (a ZeRO-3 parameter: gathered) */
     if (t->numel != 1) {
         char sh[96];
         gj_rt_fmt_shape(sh, sizeof sh, t->ndim, t->shape);

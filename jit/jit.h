@@ -151,12 +151,15 @@ typedef struct gj_jit_reducer {
      * rank calls it in the same order). 0, or -1 with an error naming
      * `what`, `detail` and each rank's values. */
     int (*agree)(void *ctx, const int64_t *v, int n, const char *what, const char *detail);
-    /* ZeRO (stage 1 or 2; 0: off): the optimizer updates shards[i] (this
+    /* ZeRO (stage 1, 2 or 3; 0: off): the optimizer updates shards[i] (this
      * rank's part of parameter i, NULL if none), whose .grad wait() leaves
      * the average in; after() then gathers every rank's updated parts. */
     int zero;
     gj_tensor *const *shards;
     int (*after)(void *ctx);
+    /* ZeRO stage 3 (else NULL): before a compiled run, every parameter's
+     * values present (their storages are remote otherwise) until after(). */
+    int (*before)(void *ctx);
 } gj_jit_reducer;
 
 /* The event log of this thread's last compiled step run with a reducer:

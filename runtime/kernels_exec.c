@@ -57,10 +57,17 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
         return -1;
     }
     gj_rt_meta im[GJ_RT_MAX_INPUTS], om[GJ_RT_MAX_OUTPUTS];
+    uint64_t epoch = 0;
     for (int i = 0; i < n_in; i++) {
         if (!gj_rt_check_tensor(in[i], name, "input"))
             return -1;
         gj_rt_meta_of(in[i], &im[i]);
+        if (in[i]->storage->fetch) { /* remote (ZeRO stage 3): present before it is read */
+            if (!epoch)
+                epoch = gj_rt_fetch_epoch();
+            if (gj_rt_storage_fetch(in[i]->storage, epoch) != 0)
+                return -1;
+        }
     }
     int nout = gj_rt_infer(inst, im, om);
     if (nout < 0)

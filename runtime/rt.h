@@ -69,10 +69,24 @@ typedef struct gj_rt_storage {
     size_t nbytes;
     atomic_long version;
     bool external; /* data not owned (never freed) */
+    /* Remote bytes (ZeRO stage 3's parameters, dist/): the owner's fetch
+     * makes data present (it is NULL while released) and records the use;
+     * NULL for every other storage. See gj_rt_storage_fetch. */
+    int (*fetch)(void *owner, int id, uint64_t epoch);
+    void *owner;
+    int id;
 } gj_rt_storage;
 
 gj_rt_storage *gj_rt_storage_new(size_t nbytes); /* zero-filled; NULL on OOM */
 void gj_rt_storage_retain(gj_rt_storage *s);
+/* Makes t's bytes present if its storage is remote (a collective of the
+ * owner's group when they are released: every rank reads the same remote
+ * tensors in the same order). epoch names the operation reading them: an
+ * owner never releases what the current epoch fetched. 0, or -1 with an
+ * error. Non-remote storages: 0 at once. */
+int gj_rt_storage_fetch(gj_rt_storage *s, uint64_t epoch);
+/* A new epoch (one per eager primitive that reads remote tensors). */
+uint64_t gj_rt_fetch_epoch(void);
 void gj_rt_storage_release(gj_rt_storage *s);
 
 /* ------------------------------------------------------------- tensor */
@@ -134,6 +148,12 @@ bool gj_rt_is_contiguous(const gj_tensor *t);
 int64_t gj_rt_numel(int ndim, const int64_t *shape);
 static inline void *gj_rt_data_ptr(const gj_tensor *t) {
     return (char *)t->storage->data + t->offset * (int64_t)gj_rt_dtype_size(t->dtype);
+}
+/* t's bytes present (gj_rt_storage_fetch in an epoch of its own): what
+ * a public function that reads a tensor's values outside gj_rt_exec calls
+ * first. 0, or -1 with an error. */
+static inline int gj_rt_present(const gj_tensor *t) {
+    return t->storage->fetch ? gj_rt_storage_fetch(t->storage, gj_rt_fetch_epoch()) : 0;
 }
 /* Contiguous copy in the same dtype (new reference; retains t itself if it
  * is already contiguous). */

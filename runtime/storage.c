@@ -7,6 +7,9 @@
  * last gj_rt_storage_release frees the data through gj_rt_free_data (unless
  * `external`, whose data the storage does not own) and then the header.
  * The version counter starts at 0 and only grows.
+ * A remote storage (fetch set, by dist/'s ZeRO stage 3) is the exception:
+ * its data is NULL while released and external (the owner's) while
+ * present; gj_rt_exec fetches every remote input before it reads it.
  */
 #include "runtime/rt.h"
 
@@ -33,6 +36,9 @@ gj_rt_storage *gj_rt_storage_new_uninit(size_t nbytes) {
     atomic_init(&s->version, 0);
     s->nbytes = nbytes;
     s->external = false;
+    s->fetch = NULL;
+    s->owner = NULL;
+    s->id = 0;
     return s;
 fail:
     gj_rt_free(s);
@@ -50,4 +56,14 @@ void gj_rt_storage_release(gj_rt_storage *s) {
     if (!s->external)
         gj_rt_free_data(s->data, s->nbytes);
     gj_rt_free(s);
+}
+
+static atomic_ullong g_fetch_epoch;
+
+uint64_t gj_rt_fetch_epoch(void) { return atomic_fetch_add(&g_fetch_epoch, 1) + 1; }
+
+int gj_rt_storage_fetch(gj_rt_storage *s, uint64_t epoch) {
+    if (!s || !s->fetch)
+        return 0;
+    return s->fetch(s->owner, s->id, epoch);
 }

@@ -839,7 +839,7 @@ static void test_ddp_step_errors(void **state) {
  * after it) gives the hand-written loop's bits, without a fallback. */
 static void test_zero(void **state) {
     (void)state;
-    for (int stage = 1; stage <= 2; stage++)
+    for (int stage = 1; stage <= 3; stage++)
         for (int bb = 0; bb < 2; bb++) {
             gj_ddp_options o = {.bucket_bytes = bb ? 64 : 0, .zero = stage};
             gj_ddp_options o0 = {.bucket_bytes = o.bucket_bytes};
@@ -896,7 +896,7 @@ static void test_zero(void **state) {
                              bb ? "3 buckets" : "1 bucket", s, i);
                     double *vr = gjt_values(pr[i]), *vz = gjt_values(pz[i]), *vs = gjt_values(ps[i]);
                     int64_t n = gj_tensor_numel(pr[i]);
-                    if (stage == 1) {
+                    if (stage == 1) { /* (stages 2 and 3: the same reduce-scatters) */
                         assert_memory_equal(vr, vz, (size_t)n * sizeof *vr);
                     } else {
                         assert_true(gjt_same_as_eager(what, vz, vr, n, 1e-14));
@@ -930,8 +930,8 @@ static void test_zero(void **state) {
     /* what ZeRO refuses */
     gj_tensor *p[NP];
     make_params(GJ_F32, 43, p);
-    assert_null(gj_ddp_new(g_pg, NP, p, &(gj_ddp_options){.zero = 3}));
-    assert_true(gjt_error_has("ZeRO's stages here are 1 and 2"));
+    assert_null(gj_ddp_new(g_pg, NP, p, &(gj_ddp_options){.zero = 4}));
+    assert_true(gjt_error_has("ZeRO's stages are 1, 2 and 3"));
     assert_null(gj_ddp_new(g_pg, NP, p, &(gj_ddp_options){.zero = 1, .bf16_buckets = true}));
     assert_true(gjt_error_has("travel as they are"));
     gj_ddp *d = gj_ddp_new(g_pg, NP, p, NULL);
@@ -939,8 +939,172 @@ static void test_zero(void **state) {
     assert_int_equal(gj_ddp_shards(d, &sh), -1);
     assert_true(gjt_error_has("without ZeRO"));
     assert_int_equal(gj_ddp_gather(d), -1);
+    assert_int_equal(gj_ddp_unshard(d), -1);
+    assert_true(gjt_error_has("without ZeRO stage 3"));
     gj_ddp_free(d);
     free_params(p);
+}
+
+/* ZeRO stage 3 on a deeper chain (ZL layers, a bucket per parameter, so
+ * more buckets than stay present): parameters hold no bytes at rest, the
+ * forward gathers them bucket by bucket (prefetching the next), releases
+ * the least recently read, and the backward gathers again what it reads.
+ * Against stage 2 (the same reduce-scatters and updates): the same bits,
+ * f64 AdamW, in the hand-written loop and in the compiled step (which
+ * gathers every bucket before its program), on every rank; and after
+ * gj_ddp_free the parameters hold the trained values again. */
+enum { ZL = 6, ZW = 5 };
+
+static gj_tensor *chain_loss(gj_tensor *const *p, gj_tensor *x) {
+    gj_tensor *h = x;
+    for (int l = 0; l < ZL; l++) h = gj_tanh(gj_matmul(h, p[l]));
+    return gj_mean(gj_mul(h, h), 0, NULL, false);
+}
+
+static gj_tensor *chain_step_fn(void *ctx, int n_in, gj_tensor *const *in) {
+    (void)n_in;
+    return chain_loss(ctx, in[0]);
+}
+
+static void chain_params(gj_tensor **p) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 77);
+    for (int l = 0; l < ZL; l++) {
+        p[l] = gjt_uniform(&r, GJ_F64, 2, (int64_t[]){ZW, ZW}, -0.9, 0.9);
+        assert_int_equal(gj_set_requires_grad(p[l], true), 0);
+    }
+}
+
+static gj_tensor *chain_input(int step) {
+    gjt_rng g;
+    gjt_rng_seed(&g, 500 + (uint64_t)step * 16 + (uint64_t)g_rank);
+    return gjt_uniform(&g, GJ_F64, 2, (int64_t[]){4, ZW}, -1, 1);
+}
+
+static void chain_loop(gj_ddp *d, gj_tensor **p, gj_optim *o, int step) {
+    gj_tensor *x = chain_input(step);
+    gj_scope_push();
+    assert_int_equal(gj_backward(chain_loss(p, x), NULL), 0);
+    gj_scope_pop();
+    gj_release(x);
+    assert_int_equal(gj_ddp_wait(d), 0);
+    if (o) assert_int_equal(gj_optim_step(o), 0);
+    gj_optim_zero_grad(o);
+    assert_int_equal(gj_ddp_gather(d), 0);
+}
+
+static void test_zero3(void **state) {
+    (void)state;
+    gj_tensor *p2[ZL], *p3[ZL], *pc[ZL];
+    chain_params(p2);
+    chain_params(p3);
+    chain_params(pc);
+    gj_ddp_options o2 = {.bucket_bytes = 8, .zero = 2}, o3 = {.bucket_bytes = 8, .zero = 3};
+    gj_ddp *d2 = gj_ddp_new(g_pg, ZL, p2, &o2), *d3 = gj_ddp_new(g_pg, ZL, p3, &o3),
+           *dc = gj_ddp_new(g_pg, ZL, pc, &o3);
+    assert_non_null(d2);
+    assert_non_null(d3);
+    assert_non_null(dc);
+    gj_ddp_stats st;
+    assert_int_equal(gj_ddp_stats_get(d3, &st), 0);
+    assert_int_equal(st.n_buckets, ZL);
+    assert_int_equal(st.units, 0); /* nothing gathered at rest */
+    gj_tensor *const *s2, *const *s3, *const *sc;
+    int n2 = gj_ddp_shards(d2, &s2), n3 = gj_ddp_shards(d3, &s3), nc = gj_ddp_shards(dc, &sc);
+    assert_true(n2 == n3 && n3 == nc);
+    for (int k = 0; k < n3; k++) assert_int_equal(gj_tensor_numel(s2[k]), gj_tensor_numel(s3[k]));
+    gj_optim *a2 = n2 ? gj_adamw_new(n2, s2, 1e-2, 0.9, 0.999, 1e-8, 0.01) : NULL;
+    gj_optim *a3 = n3 ? gj_adamw_new(n3, s3, 1e-2, 0.9, 0.999, 1e-8, 0.01) : NULL;
+    gj_optim *ac = nc ? gj_adamw_new(nc, sc, 1e-2, 0.9, 0.999, 1e-8, 0.01) : NULL;
+    gj_step_opts so = {.ddp = dc};
+    gj_step *stc = ac ? gj_step_new(chain_step_fn, pc, ac, &so) : NULL;
+    if (ac && !stc) fail_msg("gj_step_new with ZeRO-3: %s", gj_last_error());
+    gj_step_reset_stats();
+    const int steps = 4;
+    for (int s = 0; s < steps; s++) {
+        chain_loop(d2, p2, a2, s);
+        chain_loop(d3, p3, a3, s);
+        assert_int_equal(gj_ddp_stats_get(d3, &st), 0);
+        assert_int_equal(st.units, 0); /* released after the update */
+        gj_tensor *x = chain_input(s);
+        if (stc) {
+            if (gj_step_run(stc, 1, &x, NULL) != 0)
+                fail_msg("ZeRO-3 compiled step %d: %s", s, gj_last_error());
+        } else {
+            chain_loop(dc, pc, NULL, s);
+        }
+        gj_release(x);
+        for (int k = 0; k < n3; k++) { /* the shards: the same bits in all three */
+            double *v2 = gjt_values(s2[k]), *v3 = gjt_values(s3[k]), *vc = gjt_values(sc[k]);
+            int64_t n = gj_tensor_numel(s3[k]);
+            assert_memory_equal(v2, v3, (size_t)n * sizeof *v2);
+            assert_memory_equal(v3, vc, (size_t)n * sizeof *v3);
+            free(v2);
+            free(v3);
+            free(vc);
+        }
+    }
+    assert_int_equal(gj_ddp_stats_get(d3, &st), 0);
+    if (g_size > 1) {
+        /* more gathers than buckets per step: the backward gathered again
+         * what the forward released; never more than 3 present */
+        if (!(st.gathers > (int64_t)steps * ZL) || st.max_units > 3 || st.prefetches == 0)
+            fail_msg("ZeRO-3: %lld gathers (%lld prefetched) in %d steps of %d buckets, at most "
+                     "%d present", (long long)st.gathers, (long long)st.prefetches, steps, ZL,
+                     st.max_units);
+    }
+    if (stc) {
+        gj_ca_stats c;
+        gj_step_stats(&c);
+        if (c.fallbacks != 0)
+            fail_msg("ZeRO-3 compiled step fell back: %s", gj_compiled_autograd_last_fallback());
+    }
+    /* reading a parameter gathers it (every rank reads the same) */
+    for (int l = 0; l < ZL; l++) {
+        double *v2 = gjt_values(p2[l]), *v3 = gjt_values(p3[l]);
+        assert_memory_equal(v2, v3, (size_t)(ZW * ZW) * sizeof *v2);
+        free(v2);
+        free(v3);
+    }
+    assert_int_equal(gj_ddp_unshard(d3), 0);
+    assert_int_equal(gj_ddp_stats_get(d3, &st), 0);
+    assert_int_equal(st.units, ZL);
+    assert_int_equal(gj_ddp_gather(d3), 0);
+    /* written while unsharded, kept by gj_ddp_reshard (a checkpoint loaded) */
+    assert_int_equal(gj_ddp_reshard(d3), -1);
+    assert_true(gjt_error_has("not unsharded"));
+    assert_int_equal(gj_ddp_unshard(d3), 0);
+    double *keep = gjt_values(p3[1]), *w = gj_tensor_data(p3[1]);
+    for (int e = 0; e < ZW * ZW; e++) w[e] = 0.25 * e;
+    assert_int_equal(gj_ddp_reshard(d3), 0);
+    assert_int_equal(gj_ddp_stats_get(d3, &st), 0);
+    assert_int_equal(st.units, 0);
+    double *back = gjt_values(p3[1]); /* gathered again from the shards */
+    for (int e = 0; e < ZW * ZW; e++) assert_true(back[e] == 0.25 * e);
+    free(back);
+    assert_int_equal(gj_ddp_unshard(d3), 0);
+    memcpy(gj_tensor_data(p3[1]), keep, (size_t)(ZW * ZW) * sizeof *keep);
+    assert_int_equal(gj_ddp_reshard(d3), 0);
+    free(keep);
+    gj_step_free(stc);
+    gj_optim_free(a2);
+    gj_optim_free(a3);
+    gj_optim_free(ac);
+    gj_ddp_free(d2);
+    gj_ddp_free(d3); /* (a collective: the parameters get their values back) */
+    gj_ddp_free(dc);
+    for (int l = 0; l < ZL; l++) {
+        double *v2 = gjt_values(p2[l]), *v3 = gjt_values(p3[l]), *vc = gjt_values(pc[l]);
+        assert_memory_equal(v2, v3, (size_t)(ZW * ZW) * sizeof *v2);
+        assert_memory_equal(v2, vc, (size_t)(ZW * ZW) * sizeof *v2);
+        free(v2);
+        free(v3);
+        free(vc);
+        assert_same_on_all_ranks("ZeRO-3 after gj_ddp_free", p3[l]);
+        gj_release(p2[l]);
+        gj_release(p3[l]);
+        gj_release(pc[l]);
+    }
 }
 
 static void test_ddp_errors(void **state) {
@@ -1229,6 +1393,7 @@ int main(void) {
         cmocka_unit_test(test_ddp_step),
         cmocka_unit_test(test_ddp_step_errors),
         cmocka_unit_test(test_zero),
+        cmocka_unit_test(test_zero3),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_pg_free(g_pg);

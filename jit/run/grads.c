@@ -187,6 +187,11 @@ static int rp_inputs(running *r) {
         gj_tensor *t = tensors[i];
         gj_rt_meta m;
         gj_rt_meta_of(t, &m);
+        if (t->storage->fetch) { /* (its bytes exist only while eager primitives read it) */
+            snprintf(r->why, r->why_cap, "input #%d is a parameter sharded at rest (ZeRO stage "
+                     "3): it is gathered per read, which the eager backward does", i);
+            return 1;
+        }
         int fits = gj_jit_input_fits(pr, i, t);
         if (fits == 1) {
             snprintf(r->why, r->why_cap, "input #%d changed shape or dtype", i);

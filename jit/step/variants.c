@@ -841,6 +841,13 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     gj_tensor **news = NULL, **bound = NULL;
     uint64_t *params = NULL;
     variant *v = NULL;
+    /* ZeRO stage 3: the program reads the parameters in place, so all of
+     * them are gathered first (the eager step that may follow keeps them
+     * until its own after()) */
+    if (call->red && call->red->before && call->red->before(call->red->ctx) != 0) {
+        rc = -1;
+        goto done;
+    }
     if (select_variant(st, call, hyper, &v, &data) != 0) {
         rc = -1;
         goto done;

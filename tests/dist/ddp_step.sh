@@ -42,6 +42,17 @@ z2e=$(run "$dir/z2e.csv" --zero 2) || fail "the --zero 2 run failed: $z2e"
 z2c=$(run "$dir/z2c.csv" --zero 2 --compiled-step) || fail "the --zero 2 --compiled-step run failed: $z2c"
 echo "$z2c" | grep -q "compiled step: 234 steps, .* 0 fallbacks" || fail "ZeRO-2's compiled step fell back"
 cmp "$dir/z2e.csv" "$dir/z2c.csv" || fail "ZeRO-2 compiled differs from eager: $(diff "$dir/z2e.csv" "$dir/z2c.csv" | head -4)"
+# ZeRO stage 3 (the parameters sharded too, gathered per bucket as they are
+# read; the compiled step gathers them before its program): stage 2's
+# reduce-scatters and updates, so stage 2's losses exactly, eager and
+# compiled; each rank holds half the parameters
+z3e=$(run "$dir/z3e.csv" --zero 3) || fail "the --zero 3 run failed: $z3e"
+echo "$z3e" | grep -q "rank 1 model state: parameters 1.02 MiB (its shard), gradient buckets 0.00 MiB at rest" ||
+  fail "rank 1 does not hold half of the 2.04 MiB of parameters under --zero 3: $(echo "$z3e" | grep "model state")"
+cmp "$dir/z2e.csv" "$dir/z3e.csv" || fail "ZeRO-3 differs from ZeRO-2: $(diff "$dir/z2e.csv" "$dir/z3e.csv" | head -4)"
+z3c=$(run "$dir/z3c.csv" --zero 3 --compiled-step) || fail "the --zero 3 --compiled-step run failed: $z3c"
+echo "$z3c" | grep -q "compiled step: 234 steps, .* 0 fallbacks" || fail "ZeRO-3's compiled step fell back"
+cmp "$dir/z2e.csv" "$dir/z3c.csv" || fail "ZeRO-3 compiled differs from ZeRO-2: $(diff "$dir/z2e.csv" "$dir/z3c.csv" | head -4)"
 # a ZeRO checkpoint resumed on another number of ranks: 2 ranks (ZeRO-1)
 # stop after 40 steps and save (each rank its own shards of the AdamW state,
 # rank 0 the rest; nothing gathered), 3
@@ -64,6 +75,20 @@ paste -d, "$dir/resumed.csv" "$dir/unbroken.csv" | awk -F, 'NR > 1 {
     END { exit bad }' || fail "the resumed run left the unbroken one"
 [ "$(grep "final test accuracy" "$dir/resumed.out")" = "$(grep "final test accuracy" "$dir/unbroken.out")" ] ||
   fail "another final accuracy after resuming"
+# the same with stage 3 on both sides: the parameters gathered on every rank
+# for the save and scattered back into the shards on load; the 2-rank save
+# used reduce-scatters (stage 2's order), so every loss within 1e-5
+GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 2 --oversubscribe "$exe" "${args[@]}" --zero 3 \
+  --stop-after 40 --save "$dir/ck3.st" --csv - >/dev/null 2>&1
+[ -s "$dir/ck3.st" ] && [ -s "$dir/ck3.st.rank1" ] || fail "the ZeRO-3 run stopped without its checkpoint"
+GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 3 --oversubscribe "$exe" "${args[@]}" --zero 3 \
+  --compiled-step --resume "$dir/ck3.st" --csv "$dir/resumed3.csv" >"$dir/resumed3.out" 2>&1 ||
+  { cat "$dir/resumed3.out"; fail "3 ranks could not resume the 2-rank ZeRO-3 checkpoint"; }
+paste -d, "$dir/resumed3.csv" "$dir/unbroken.csv" | awk -F, 'NR > 1 {
+    d = $2 - $4; if (d < 0) d = -d
+    if (d > 1e-5) { print "step " $1 ": " $2 " resumed, " $4 " unbroken"; bad = 1 } }
+    END { exit bad }' || fail "the resumed ZeRO-3 run left the unbroken one"
 echo "PASS: 234 steps on 2 ranks, the compiled step's and ZeRO-1's losses are the eager step's;"
 echo "      a 2-rank ZeRO-1 checkpoint resumed on 3 ranks (ZeRO-2) follows the unbroken run;"
-echo "      ZeRO-2 compiled prints ZeRO-2 eager's losses"
+echo "      ZeRO-2 compiled and ZeRO-3 eager and compiled print ZeRO-2 eager's losses;"
+echo "      a 2-rank ZeRO-3 checkpoint resumed on 3 ranks (ZeRO-3 compiled) follows it too"

@@ -65,7 +65,29 @@ GRADJIT_CACHE_DIR=off "$prog" "${args[@]}" --batch 4 --resume ck.safetensors > p
 paste <(losses eager.out | tail -7 | awk '{print $NF}') <(losses plain.out | tail -7 | awk '{print $NF}') |
   awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 || NF != 2) { print "differ: " $0; bad = 1 } }
        END { exit bad }' || fail "the plain resumed run left the unbroken one"
+# ZeRO-3 (the parameters sharded, gathered per bucket as read; every rank
+# gathers for the val loss): ZeRO-2's reduce-scatters and updates, so its
+# losses exactly, eager and compiled
+ddp z2.out --zero 2
+ddp z3.out --zero 3
+ddp z3c.out --zero 3 --compiled-step
+diff <(losses z2.out) <(losses z3.out) || fail "ZeRO-3's losses differ from ZeRO-2's"
+diff <(losses z2.out) <(losses z3c.out) || fail "ZeRO-3's compiled step's losses differ from ZeRO-2's"
+grep -q "compiled step: 12 steps, .* 0 fallbacks" z3c.out || fail "ZeRO-3's compiled step fell back"
+grep -q "rank 1 model state: parameters .* (its shard), gradient buckets 0.00 MiB at rest" z3.out ||
+  fail "no stage-3 model-state line for rank 1"
+# a ZeRO-3 checkpoint (the leaves gathered into llm.c's tensors on every
+# rank, rank 0 writing them) resumed by one plain process
+GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 2 --oversubscribe "$prog" "${args[@]}" --batch 2 \
+  --ddp --zero 3 --stop-after 6 --save ck3.safetensors > stop3.out 2>&1
+[ -s ck3.safetensors ] && [ -s ck3.safetensors.rank1 ] || { cat stop3.out; fail "no ZeRO-3 checkpoint"; }
+GRADJIT_CACHE_DIR=off "$prog" "${args[@]}" --batch 4 --resume ck3.safetensors > plain3.out 2>&1 ||
+  { cat plain3.out; fail "a plain process could not resume the ZeRO-3 checkpoint"; }
+paste <(losses z3.out | tail -7 | awk '{print $NF}') <(losses plain3.out | tail -7 | awk '{print $NF}') |
+  awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 || NF != 2) { print "differ: " $0; bad = 1 } }
+       END { exit bad }' || fail "the plain run resumed from ZeRO-3 left the unbroken one"
 echo "PASS: 2 ranks at --batch 2 = 1 process at --batch 4 (12 steps, 2 val losses);"
+echo "      ZeRO-3 eager and compiled = ZeRO-2 eager; its checkpoint resumed by 1 plain process;"
 echo "      ZeRO-1 compiled = DDP eager; its checkpoint (per-rank shard files) resumed by"
 echo "      1 rank with ZeRO and by 1 plain process follows the unbroken run;"
 echo "      the compiled DDP step printed the eager step's losses, 0 fallbacks"

@@ -36,7 +36,7 @@ for p in train_fashion_mnist train_charlm train_fashion_cnn; do
 done
 check "fashion --zero without --ddp" 2 "--zero shards over the ranks of --ddp" \
       "$b/train_fashion_mnist" --zero 1
-check "gpt2 --zero 3" 2 "--zero" "$b/train_gpt2" --zero 3
+check "gpt2 --zero 4" 2 "--zero" "$b/train_gpt2" --zero 4
 check "fashion --both --compiled-step --save" 2 "are for one run, not --both" \
       "$b/train_fashion_mnist" --both --compiled-step --save x.st
 check "charlm --both --compiled-step --resume" 2 "are for one run, not --both" \
