@@ -38,6 +38,8 @@ typedef struct ddp_bucket {
     void *shard_buf;     /* ZeRO: padded / ranks values (reduce-scatter, allgather) */
     int ready;           /* params of this bucket marked ready this step */
     bool started;
+    bool early;          /* stage 3: reduced (and its buffer dropped) while later buckets
+                            were still being filled; its averages wait in shard_buf */
     gj_dist_job job;
     /* ZeRO stage 3: the bucket is also the unit parameters are gathered in */
     void *full;          /* padded values: every rank's range (NULL: released) */
@@ -220,6 +222,22 @@ static int start_ready(gj_ddp *d, bool by_hook) {
         d->st.allreduces++;
         d->st.started_by_hook += by_hook;
         d->st.bytes += b->count * (int64_t)wire_bytes(b->wire);
+        /* stage 3: the bucket two before this one has had a whole bucket's
+         * backward to finish: its averages are taken off the wire and its
+         * gradient buffer dropped, so at most about two are held */
+        int k = d->next_start - 3;
+        if (d->opt.zero == 3 && k >= 0 && d->b[k].started) {
+            ddp_bucket *e = &d->b[k];
+            int rc = gj_dist_wait(&e->job);
+            d->st.comm_ms += e->job.ms;
+            e->started = false;
+            if (rc != 0) {
+                e->ready = -1;
+                return -1;
+            }
+            e->early = true;
+            bucket_buf_drop(d, e);
+        }
     }
     return 0;
 }
@@ -305,6 +323,7 @@ static int red_take(void *ctx, int i, gj_dtype dt, void *out) {
         d->st.comm_ms += b->job.ms;
         b->started = false;
         if (rc != 0) b->ready = -1; /* (failed: every take of it fails) */
+        else bucket_buf_drop(d, b); /* (stage 3: its averages are in shard_buf) */
     } else if (b->ready != b->n) {
         gj_rt_set_error("gj_step_run: internal: the gradient of parameter %d was taken before "
                         "its bucket %d was complete", i, d->bucket_of[i]);
@@ -337,6 +356,7 @@ static int red_end(void *ctx) {
         }
         all &= b->ready == b->n;
         b->ready = 0;
+        b->early = false;
         bucket_buf_drop(d, b);
     }
     memset(d->ready, 0, (size_t)d->n * sizeof *d->ready);
@@ -638,15 +658,16 @@ static int z3_fetch(void *owner, int id, uint64_t epoch) {
     int k = d->bucket_of[id], rc = 0;
     ddp_bucket *b = &d->b[k];
     bool missing = !b->full, arriving = b->gathering;
+    b->epoch = epoch; /* (not released while this primitive reads it) */
     if (missing || arriving) {
+        if (missing) z3_evict(d, epoch, Z3_LIVE - 1); /* room for it first */
         if (missing) rc = z3_start(d, k);
         if (rc == 0) rc = z3_finish(d, k);
         if (rc == 0 && !d->held) { /* the next unit in the direction of the last two */
             int dir = d->last_miss >= 0 && k > d->last_miss ? 1 : -1, nk = k + dir;
             bool ahead = nk >= 0 && nk < d->nb && !d->b[nk].full;
             d->last_miss = k;
-            b->epoch = epoch;
-            z3_evict(d, epoch, Z3_LIVE - ahead);
+            if (ahead) z3_evict(d, epoch, Z3_LIVE - 1);
             if (ahead) {
                 rc = z3_start(d, nk);
                 if (rc == 0) d->st.prefetches++;
@@ -1432,10 +1453,10 @@ int gj_ddp_wait(gj_ddp *d) {
     if (start_ready(d, false) != 0) rc = -1;
     for (int k = 0; k < d->nb; k++) {
         ddp_bucket *b = &d->b[k];
-        if (!b->started) continue;
-        if (gj_dist_wait(&b->job) != 0) rc = -1;
-        d->st.comm_ms += b->job.ms;
-        b->started = false;
+        if (!b->started && !b->early) continue;
+        if (b->started && gj_dist_wait(&b->job) != 0) rc = -1;
+        if (b->started) d->st.comm_ms += b->job.ms;
+        b->started = b->early = false;
         if (rc != 0) continue;
         if (d->opt.zero) {
             if (zero_unpack(d, b) != 0) rc = -1;

@@ -86,7 +86,23 @@ GRADJIT_CACHE_DIR=off "$prog" "${args[@]}" --batch 4 --resume ck3.safetensors > 
 paste <(losses z3.out | tail -7 | awk '{print $NF}') <(losses plain3.out | tail -7 | awk '{print $NF}') |
   awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 || NF != 2) { print "differ: " $0; bad = 1 } }
        END { exit bad }' || fail "the plain run resumed from ZeRO-3 left the unbroken one"
+# a model that does not fit under a memory limit in one process trains
+# with stage 3 on 3 ranks (8 layers of 192 channels, 3.6M parameters; one
+# process at batch 6 peaks near 70 MiB, a ZeRO-3 rank at batch 2 near 37)
+"$prog" --init-model m8.bin --layers 8 --channels 192 --heads 4 --vocab 257 --max-seq 32 \
+  --seed 5 > /dev/null || fail "--init-model m8"
+big=(--model m8.bin --train train.bin --seq 16 --steps 3 --lr 3e-3 --sample 0 --threads 1)
+GRADJIT_MEM_LIMIT_MB=48 GRADJIT_CACHE_DIR=off "$prog" "${big[@]}" --batch 6 > lim1.out 2>&1 &&
+  { cat lim1.out; fail "one process trained under the 48 MiB limit: the check proves nothing"; }
+grep -q "out of memory under gradjit's memory limit of 48.0 MiB" lim1.out || { cat lim1.out; fail "no limit error"; }
+for m in "" --compiled-step; do
+  GRADJIT_MEM_LIMIT_MB=48 GRADJIT_CACHE_DIR=off timeout 300 "$mpiexec" -np 3 --oversubscribe \
+    -x GRADJIT_MEM_LIMIT_MB "$prog" "${big[@]}" --batch 2 --ddp --zero 3 $m > lim3.out 2>&1 ||
+    { cat lim3.out; fail "3 ZeRO-3 ranks $m could not train under the 48 MiB limit"; }
+  grep -q "^step 2: train loss" lim3.out || { cat lim3.out; fail "3 ZeRO-3 ranks $m stopped early"; }
+done
 echo "PASS: 2 ranks at --batch 2 = 1 process at --batch 4 (12 steps, 2 val losses);"
+echo "      under a 48 MiB limit one process fails where 3 ZeRO-3 ranks train;"
 echo "      ZeRO-3 eager and compiled = ZeRO-2 eager; its checkpoint resumed by 1 plain process;"
 echo "      ZeRO-1 compiled = DDP eager; its checkpoint (per-rank shard files) resumed by"
 echo "      1 rank with ZeRO and by 1 plain process follows the unbroken run;"
