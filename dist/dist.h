@@ -3,8 +3,9 @@
  * dist.h - internal interface of dist/ (data parallelism over MPI).
  *
  * dist/ is the top layer beside frontend/: it uses the public API (hooks,
- * .grad, streams) and the runtime's allocator and errors, nothing of
- * autograd/ or jit/. pg.c owns MPI: every MPI call of a group is a job run
+ * .grad, streams), the runtime's allocator, errors and remote storages
+ * (ZeRO stage 3's parameters) and jit's reducer registry, nothing of
+ * autograd/. pg.c owns MPI: every MPI call of a group is a job run
  * on the group's communication stream, in submission order, so collectives
  * are issued in the same order on every rank whatever thread asked for
  * them. ddp.c builds gradient buckets on top of gj_dist_submit.
