@@ -372,9 +372,6 @@ static int red_wait(void *ctx) { return gj_ddp_wait(ctx); }
 
 static int red_after(void *ctx) { return gj_ddp_gather(ctx); }
 
-/* ZeRO stage 3: a compiled program reads every parameter in place. */
-static int red_before(void *ctx) { return gj_ddp_unshard(ctx); }
-
 static int same_on_all_ranks(gj_pg *pg, const int64_t *mine, int n, const char *what,
                              const char *detail);
 
@@ -1397,8 +1394,7 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
                               .hooks = d->hooks, .layout = d->layout, .give = red_give,
                               .take = red_take, .wait = red_wait, .end = red_end,
                               .agree = red_agree, .zero = d->opt.zero, .shards = d->shard,
-                              .after = d->opt.zero ? red_after : NULL,
-                              .before = d->opt.zero == 3 ? red_before : NULL};
+                              .after = d->opt.zero ? red_after : NULL};
     if (gj_jit_reducer_register(d, &d->red) != 0) goto fail;
     if (!d->opt.zero) { /* (ZeRO: each rank's programs update its own shards: keys differ) */
         pthread_mutex_lock(&g_agree_lock);

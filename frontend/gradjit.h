@@ -1198,10 +1198,10 @@ typedef struct gj_ddp_options {
      * model code), and writes to a parameter are lost at the next
      * release -- update the shards (the optimizer does), or write before
      * gj_ddp_new. gj_ddp_gather drops the gathered copies after the
-     * update. A compiled step gathers every bucket before its program
-     * and drops them after (compiled autograd alone runs such a backward
-     * eagerly). gj_ddp_free gives the parameters their memory back (a
-     * collective). */
+     * update. A compiled step's program gathers the same way as its
+     * instructions read the parameters (compiled autograd alone runs such
+     * a backward eagerly). gj_ddp_free gives the parameters their memory
+     * back (a collective). */
     int zero;
 } gj_ddp_options;
 typedef struct gj_ddp_stats {

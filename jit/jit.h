@@ -157,9 +157,6 @@ typedef struct gj_jit_reducer {
     int zero;
     gj_tensor *const *shards;
     int (*after)(void *ctx);
-    /* ZeRO stage 3 (else NULL): before a compiled run, every parameter's
-     * values present (their storages are remote otherwise) until after(). */
-    int (*before)(void *ctx);
 } gj_jit_reducer;
 
 /* The event log of this thread's last compiled step run with a reducer:

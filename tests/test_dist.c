@@ -950,9 +950,10 @@ static void test_zero(void **state) {
  * forward gathers them bucket by bucket (prefetching the next), releases
  * the least recently read, and the backward gathers again what it reads.
  * Against stage 2 (the same reduce-scatters and updates): the same bits,
- * f64 AdamW, in the hand-written loop and in the compiled step (which
- * gathers every bucket before its program), on every rank; and after
- * gj_ddp_free the parameters hold the trained values again. */
+ * f64 AdamW, in the hand-written loop and in the compiled step (whose
+ * program gathers its inputs as its instructions read them), on every
+ * rank; and after gj_ddp_free the parameters hold the trained values
+ * again. */
 enum { ZL = 6, ZW = 5 };
 
 static gj_tensor *chain_loss(gj_tensor *const *p, gj_tensor *x) {
@@ -1058,6 +1059,14 @@ static void test_zero3(void **state) {
         gj_step_stats(&c);
         if (c.fallbacks != 0)
             fail_msg("ZeRO-3 compiled step fell back: %s", gj_compiled_autograd_last_fallback());
+        /* the program gathers as it reads, as the eager step does: the
+         * steps after the traced one gather again in the backward and hold
+         * at most 3 buckets */
+        gj_ddp_stats cst;
+        assert_int_equal(gj_ddp_stats_get(dc, &cst), 0);
+        if (g_size > 1 && (!(cst.gathers > (int64_t)steps * ZL) || cst.max_units > 3))
+            fail_msg("ZeRO-3 compiled: %lld gathers in %d steps of %d buckets, at most %d "
+                     "present", (long long)cst.gathers, steps, ZL, cst.max_units);
     }
     /* compiled autograd (the backward alone) cannot read parameters whose
      * bytes exist only while eager primitives read them: it runs such a

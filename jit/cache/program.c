@@ -405,7 +405,7 @@ int gj_jit_plan_exec(const gj_jit_plan *p, void *const *in, const uint64_t *para
 int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            void *hctx) {
-    return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, NULL, hctx);
+    return gj_jit_plan_exec_calls(p, in, params, out, alloc, actx, hook, NULL, NULL, NULL, hctx);
 }
 
 /* One gj_jit_plan_exec_calls, carried from instruction to instruction: the
@@ -422,6 +422,7 @@ typedef struct exec_run {
     void *actx;
     gj_jit_hook_call hook;
     gj_jit_custom_call call;
+    gj_jit_input_fetch fetch;
     void *hctx;
     int threads;
     bool prof, instrs_log;
@@ -465,6 +466,44 @@ static int ex_alloc(exec_run *x, int *fi, int e) {
         } else if (bf->nbytes > 0) {
             x->bp[b] = gj_rt_alloc_data(bf->nbytes);
             if (!x->bp[b]) return -1;
+        }
+    }
+    return 0;
+}
+
+/* The buffers instruction st reads or writes, into b[] (at most cap);
+ * returns how many. */
+static int instr_bufs(const gj_jit_instr *st, int *b, int cap) {
+    int n = 0;
+#define ADD(x) do { if (n < cap) b[n++] = (x); } while (0)
+    switch (st->kind) {
+    case GJ_JIT_INSTR_MATMUL: ADD(st->mm.a_buf); ADD(st->mm.b_buf); ADD(st->mm.c_buf); break;
+    case GJ_JIT_INSTR_INDEX: ADD(st->ix.src_buf); ADD(st->ix.idx_buf); ADD(st->ix.out_buf); break;
+    case GJ_JIT_INSTR_FOLD: ADD(st->fd.src_buf); ADD(st->fd.out_buf); break;
+    case GJ_JIT_INSTR_HOOK: ADD(st->hk.src_buf); ADD(st->hk.out_buf); break;
+    case GJ_JIT_INSTR_CALL:
+        for (int k = 0; k < st->cs.n_in; k++) ADD(st->cs.src_buf[k]);
+        break;
+    default:
+        for (int q = 0; q < st->k.n_params; q++) ADD(st->k.param_buf[q]);
+        break;
+    }
+#undef ADD
+    return n;
+}
+
+/* Before instructions s .. e-1: every program input they read made present
+ * through x->fetch, in one epoch; bp[] points at it. 0 or -1. */
+static int ex_fetch(exec_run *x, int s, int e) {
+    const gj_jit_plan *p = x->p;
+    uint64_t epoch = gj_rt_fetch_epoch();
+    for (int k = s; k < e; k++) {
+        int b[64];
+        int n = instr_bufs(&p->instrs[k], b, 64);
+        for (int j = 0; j < n; j++) {
+            if (b[j] < 0 || p->bufs[b[j]].kind != GJ_JIT_BUF_INPUT) continue;
+            const gj_jit_buffer *bf = &p->bufs[b[j]];
+            if (!(x->bp[b[j]] = x->fetch(x->hctx, bf->index, epoch))) return -1;
         }
     }
     return 0;
@@ -546,14 +585,16 @@ static void ex_free_dead(exec_run *x, int *li, int e) {
 
 int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
-                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx) {
-    exec_run x = {p, in, params, out, alloc, actx, hook, call, hctx, gj_rt_num_threads(),
+                           gj_jit_custom_call call, gj_jit_progress progress,
+                           gj_jit_input_fetch fetch, void *hctx) {
+    exec_run x = {p, in, params, out, alloc, actx, hook, call, fetch, hctx, gj_rt_num_threads(),
                   false, false, NULL, NULL};
     int rc = ex_start(&x);
     int fi = 0, li = 0;
     for (int s = 0, e; rc == 0 && s < p->n_instrs; s = e) {
         e = p->instrs[s].group_end > s ? p->instrs[s].group_end : s + 1;
         rc = ex_alloc(&x, &fi, e);
+        if (rc == 0 && fetch) rc = ex_fetch(&x, s, e);
         if (rc != 0) break;
         double t0 = x.prof ? gj_jit_now_ms() : 0;
         rc = ex_instr(&x, s, e);

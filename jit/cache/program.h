@@ -95,11 +95,19 @@ typedef int (*gj_jit_custom_call)(void *ctx, const gj_jit_call_instr *cs, void *
  * (the outputs whose buffers no later instruction uses are final). 0 to go on,
  * -1 to stop the run (error set). */
 typedef int (*gj_jit_progress)(void *ctx, int instrs_done);
-/* gj_jit_plan_exec_hooks with custom call instructions run through call(hctx, ...)
- * and progress(hctx, ...) after each group (either may be NULL). */
+/* Called before each group of instructions for every program input the
+ * group reads: makes input i's bytes present (a remote storage: ZeRO stage
+ * 3's parameters, gathered while read) in `epoch` (one per group: what it
+ * fetched is not released while the group runs) and returns where they are
+ * now, or NULL with an error. */
+typedef void *(*gj_jit_input_fetch)(void *ctx, int input, uint64_t epoch);
+/* gj_jit_plan_exec_hooks with custom call instructions run through call(hctx, ...),
+ * progress(hctx, ...) after each group and fetch(hctx, ...) before it (any may
+ * be NULL). */
 int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
-                           gj_jit_custom_call call, gj_jit_progress progress, void *hctx);
+                           gj_jit_custom_call call, gj_jit_progress progress,
+                           gj_jit_input_fetch fetch, void *hctx);
 int gj_jit_plan_exec_hooks(const gj_jit_plan *p, void *const *in, const uint64_t *params,
                            void **out, gj_jit_out_alloc alloc, void *actx, gj_jit_hook_call hook,
                            void *hctx);

@@ -280,7 +280,7 @@ static int rp_exec(running *r, gj_tensor **ret_out) {
     int er = gj_jit_plan_exec_calls(p, r->in, r->params, r->out, gj_jit_alloc_output, &oc,
                                     r->hooks ? gj_jit_call_tensor_hook : NULL,
                                     r->hooks ? gj_jit_call_custom : NULL,
-                                    early ? write_early : NULL, hc);
+                                    early ? write_early : NULL, NULL, hc);
     if (er == 1) return 2;
     if (er != 0) return -1;
     if (write_outputs_until(hc, pr, r->w, r->tensors, r->hooks, p->n_instrs) != 0) return -1;

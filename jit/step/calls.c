@@ -71,12 +71,14 @@ static int guards_after(gj_jit_step_run *sr, const char *who, uint64_t rs0) {
         gj_tensor *t = sr->bound[i];
         gj_rt_meta m;
         gj_rt_meta_of(t, &m);
-        if (!gj_jit_meta_equal(&m, &p->in_meta[i]) || gj_rt_data_ptr(t) != sr->data[i]) {
+        bool moved = !t->storage->fetch && gj_rt_data_ptr(t) != sr->data[i]; /* (a remote
+                                  storage's bytes come and go: ZeRO stage 3's gathers) */
+        if (!gj_jit_meta_equal(&m, &p->in_meta[i]) || moved) {
             char a[96], b[96];
             trip(sr, GJ_CA_SET_MISMATCH, true, "%s changed a tensor of the step (set_) from %s "
                  "to %s%s during a compiled step", who, gj_jit_fmt_meta(a, sizeof a, &p->in_meta[i]),
                  gj_jit_fmt_meta(b, sizeof b, &m),
-                 gj_rt_data_ptr(t) != sr->data[i] ? " with another storage" : "");
+                 moved ? " with another storage" : "");
             return 1;
         }
     }
@@ -281,6 +283,16 @@ static int call_instr(void *ctx, const gj_jit_call_instr *cs, void *const *src,
                      cs->n_in ? src[0] : NULL);
 }
 
+/* gj_jit_input_fetch of a step program whose inputs include remote
+ * storages (ZeRO stage 3's parameters): input i gathered for the
+ * instructions about to read it, as an eager primitive would. */
+static void *fetch_input(void *ctx, int i, uint64_t epoch) {
+    gj_jit_step_run *sr = ctx;
+    gj_tensor *t = sr->bound[i];
+    if (!t->storage->fetch) return sr->data[i];
+    return gj_rt_storage_fetch(t->storage, epoch) == 0 ? gj_rt_data_ptr(t) : NULL;
+}
+
 int gj_jit_step_exec(gj_jit_step_run *sr, const uint64_t *params, void **out, gj_jit_outs *ac) {
     const gj_jit_plan *p = &sr->pr->plan;
     t_n_gives = 0;
@@ -288,8 +300,11 @@ int gj_jit_step_exec(gj_jit_step_run *sr, const uint64_t *params, void **out, gj
     t_last_gemm = -1;
     for (int k = 0; k < p->n_instrs; k++)
         if (p->instrs[k].kind == GJ_JIT_INSTR_MATMUL) t_last_gemm = k;
+    bool remote = false;
+    for (int i = 0; i < sr->pr->n_inputs && !remote; i++) remote = sr->bound[i]->storage->fetch != NULL;
     int er = gj_jit_plan_exec_calls(p, sr->data, params, out, gj_jit_alloc_output, ac,
-                                    call_tensor_hook, call_instr, NULL, sr);
+                                    call_tensor_hook, call_instr, NULL,
+                                    remote ? fetch_input : NULL, sr);
     if (er == 1 && !sr->tripped) er = -1; /* (only a trip abandons) */
     const gj_jit_reducer *red = sr->call->red;
     if (red && sr->pr->n_calls > 0 && red->end(red->ctx) != 0 && er == 0) er = -1;

@@ -841,13 +841,6 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     gj_tensor **news = NULL, **bound = NULL;
     uint64_t *params = NULL;
     variant *v = NULL;
-    /* ZeRO stage 3: the program reads the parameters in place, so all of
-     * them are gathered first (the eager step that may follow keeps them
-     * until its own after()) */
-    if (call->red && call->red->before && call->red->before(call->red->ctx) != 0) {
-        rc = -1;
-        goto done;
-    }
     if (select_variant(st, call, hyper, &v, &data) != 0) {
         rc = -1;
         goto done;
@@ -878,7 +871,12 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     }
     gj_jit_outs ac = {p, news};
     int er;
-    if (pr->n_hooks > 0 || pr->n_calls > 0) { /* user code, or the reducer, inside */
+    bool remote = false; /* (ZeRO stage 3: parameters gathered as the program reads them) */
+    for (int i = 0; i < pr->n_inputs && !remote; i++) {
+        gj_tensor *t = bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, hyper);
+        remote = t && t->storage->fetch != NULL;
+    }
+    if (pr->n_hooks > 0 || pr->n_calls > 0 || remote) { /* user code, the reducer, or gathers */
         gj_jit_step_run sr = {.call = call, .pr = pr, .data = data, .customs = v->customs,
                               .n_customs = v->n_customs};
         bound = gj_rt_calloc((size_t)(pr->n_inputs + pr->n_hooks) + 1, sizeof *bound);
