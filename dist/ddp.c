@@ -84,6 +84,8 @@ struct gj_ddp {
     int last_miss;       /* the unit last gathered on demand (-1: none), for the direction */
     bool held;           /* gj_ddp_unshard, a compiled step: every unit gathered and kept */
     bool z3_ready;       /* the parameters' storages are remote (z3_setup ran) */
+    int *pend;           /* parameters whose full .grad is packed, to be dropped */
+    int n_pend;
 };
 
 /* ZeRO stage 3: at most this many units present (gathered or in flight)
@@ -265,9 +267,13 @@ static void on_grad(gj_tensor *leaf, void *user) {
         memset((char *)b->buf + d->offset[i] * (int64_t)wire_bytes(b->wire), 0,
                (size_t)gj_tensor_numel(leaf) * wire_bytes(b->wire));
     }
-    /* stage 3: the full .grad is in the bucket now; only the shard's
-     * average is kept (as FSDP frees the unsharded gradient) */
-    if (rc == 0 && d->opt.zero == 3 && g) rc = gj_tensor_set_grad(leaf, NULL);
+    /* stage 3: a full .grad packed into its bucket is dropped (as FSDP
+     * frees the unsharded gradient), one parameter later: the hooks
+     * registered after this one on the same leaf still see it */
+    for (int k = 0; rc == 0 && k < d->n_pend; k++)
+        rc = gj_tensor_set_grad(d->params[d->pend[k]], NULL);
+    d->n_pend = 0;
+    if (rc == 0 && d->opt.zero == 3 && g) d->pend[d->n_pend++] = i;
     if (rc == 0) {
         d->ready[i] = true;
         d->any_ready = true;
@@ -1256,6 +1262,7 @@ static void ddp_destroy(gj_ddp *d) {
     gj_rt_free(d->ready);
     gj_rt_free(d->hooks);
     gj_rt_free(d->ctx);
+    gj_rt_free(d->pend);
     gj_rt_free(d);
 }
 
@@ -1323,8 +1330,9 @@ gj_ddp *gj_ddp_new(gj_pg *pg, int n_params, gj_tensor *const *params,
     d->hooks = gj_rt_calloc(n, sizeof *d->hooks);
     d->ctx = gj_rt_calloc(n, sizeof *d->ctx);
     d->b = gj_rt_calloc(n, sizeof *d->b); /* at most one bucket per parameter */
+    d->pend = gj_rt_calloc(n, sizeof *d->pend);
     if (!d->params || !d->order || !d->bucket_of || !d->offset || !d->ready || !d->hooks ||
-        !d->ctx || !d->b)
+        !d->ctx || !d->b || !d->pend)
         goto fail;
     for (int i = 0; i < n_params; i++) d->params[i] = gj_retain(params[i]);
     /* buckets: reverse parameter order, one wire dtype each, about bucket_bytes */
@@ -1467,6 +1475,7 @@ int gj_ddp_wait(gj_ddp *d) {
         }
     }
     for (int k = 0; k < d->nb; k++) d->b[k].ready = 0;
+    d->n_pend = 0; /* (zero_unpack cleared every parameter's .grad) */
     memset(d->ready, 0, (size_t)d->n * sizeof *d->ready);
     d->next_start = 0;
     d->any_ready = false;

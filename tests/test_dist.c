@@ -1142,6 +1142,93 @@ static void test_zero3(void **state) {
     }
 }
 
+/* The user's hooks on a ZeRO-3 model: a tensor hook (halves a gradient)
+ * registered before gj_ddp_new and a post-accumulate hook registered after
+ * it (it runs after the ddp's own and reads the .grad): stage 3 by hand and
+ * compiled give stage 2's bits, the hooks run as often and see the same
+ * .grads, and the compiled step does not fall back. */
+typedef struct z3_seen {
+    int calls;
+    double sum;
+} z3_seen;
+
+static gj_tensor *z3_halve(gj_tensor *g, void *u) {
+    (void)u;
+    return gj_mul_scalar(g, 0.5);
+}
+
+static void z3_post(gj_tensor *leaf, void *u) {
+    z3_seen *z = u;
+    gj_tensor *g = gj_tensor_grad(leaf);
+    z->calls++;
+    if (!g) {
+        z->sum = NAN; /* (the .grad must still be there) */
+        return;
+    }
+    double *v = gjt_values(g);
+    for (int64_t e = 0; e < gj_tensor_numel(g); e++) z->sum += v[e];
+    free(v);
+}
+
+static void test_zero3_hooks(void **state) {
+    (void)state;
+    gj_tensor *p[3][ZL];
+    gj_ddp *d[3];
+    gj_optim *o[3] = {NULL, NULL, NULL};
+    z3_seen seen[3] = {{0, 0}, {0, 0}, {0, 0}};
+    int ns[3];
+    gj_tensor *const *sh[3];
+    for (int m = 0; m < 3; m++) { /* stage 2, stage 3 by hand, stage 3 compiled */
+        chain_params(p[m]);
+        assert_true(gj_register_hook(p[m][1], z3_halve, NULL) > 0);
+        gj_ddp_options zo = {.bucket_bytes = 8, .zero = m ? 3 : 2};
+        assert_non_null(d[m] = gj_ddp_new(g_pg, ZL, p[m], &zo));
+        assert_true(gj_register_post_accumulate_grad_hook(p[m][3], z3_post, &seen[m]) > 0);
+        ns[m] = gj_ddp_shards(d[m], &sh[m]);
+        if (ns[m]) o[m] = gj_sgd_new(ns[m], sh[m], 0.05, 0.9, 0.0);
+    }
+    gj_step_opts so = {.ddp = d[2]};
+    gj_step *st = o[2] ? gj_step_new(chain_step_fn, p[2], o[2], &so) : NULL;
+    gj_step_reset_stats();
+    for (int s = 0; s < 3; s++) {
+        chain_loop(d[0], p[0], o[0], s);
+        chain_loop(d[1], p[1], o[1], s);
+        gj_tensor *x = chain_input(s);
+        if (st) {
+            if (gj_step_run(st, 1, &x, NULL) != 0) fail_msg("step %d: %s", s, gj_last_error());
+        } else {
+            chain_loop(d[2], p[2], NULL, s);
+        }
+        gj_release(x);
+        for (int k = 0; k < ns[0]; k++) {
+            double *a = gjt_values(sh[0][k]), *b = gjt_values(sh[1][k]), *c = gjt_values(sh[2][k]);
+            assert_memory_equal(a, b, (size_t)gj_tensor_numel(sh[0][k]) * sizeof *a);
+            assert_memory_equal(a, c, (size_t)gj_tensor_numel(sh[0][k]) * sizeof *a);
+            free(a);
+            free(b);
+            free(c);
+        }
+    }
+    for (int m = 1; m < 3; m++) {
+        assert_int_equal(seen[m].calls, seen[0].calls);
+        assert_true(seen[m].sum == seen[0].sum); /* (NaN: a hook saw no .grad) */
+    }
+    assert_int_equal(seen[0].calls, 3);
+    if (st) {
+        gj_ca_stats c;
+        gj_step_stats(&c);
+        if (c.fallbacks != 0)
+            fail_msg("ZeRO-3 compiled step with hooks fell back: %s",
+                     gj_compiled_autograd_last_fallback());
+    }
+    gj_step_free(st);
+    for (int m = 0; m < 3; m++) {
+        gj_optim_free(o[m]);
+        gj_ddp_free(d[m]);
+        for (int l = 0; l < ZL; l++) gj_release(p[m][l]);
+    }
+}
+
 static void test_ddp_errors(void **state) {
     (void)state;
     gj_tensor *p[NP];
@@ -1429,6 +1516,7 @@ int main(void) {
         cmocka_unit_test(test_ddp_step_errors),
         cmocka_unit_test(test_zero),
         cmocka_unit_test(test_zero3),
+        cmocka_unit_test(test_zero3_hooks),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_pg_free(g_pg);

@@ -129,13 +129,16 @@ static int call_tensor_hook(void *ctx, const gj_jit_hook_instr *hs, const void *
 }
 
 /* Parameter p's post-accumulate hooks on its .grad set to a copy of src
- * (of meta m); dst receives the .grad they leave. 0, 1 (tripped) or -1. */
+ * (of meta m); dst receives the .grad they leave. p >= the optimizer's n:
+ * (ZeRO) the reducer's parameter p - n, whose .grad is dropped after them,
+ * as gj_ddp_wait drops it. 0, 1 (tripped) or -1. */
 static int call_post_hooks(gj_jit_step_run *sr, int p, const gj_rt_meta *m, const void *src,
                            void *dst, int instr) {
     const gj_jit_step_call *call = sr->call;
     const gj_jit_reducer *red = call->red;
-    gj_tensor *leaf = call->opt->params[p];
-    int64_t own = red && call->red_of[p] >= 0 ? red->hooks[call->red_of[p]] : 0;
+    int on = call->opt->n, ri = p >= on ? p - on : call->red_of[p]; /* (the reducer's index) */
+    gj_tensor *leaf = p >= on ? red->params[ri] : call->opt->params[p];
+    int64_t own = red && ri >= 0 ? red->hooks[ri] : 0;
     size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
     gj_tensor *g = gj_rt_tensor_empty(m->dtype, m->ndim, m->shape);
     gj_ag_tensor_meta *am = g ? gj_ag_meta_get(leaf, true) : NULL;
@@ -159,7 +162,7 @@ static int call_post_hooks(gj_jit_step_run *sr, int p, const gj_rt_meta *m, cons
                 return 1;
             }
             if (t_n_gives < GJ_JIT_MAX_POST_LOG) t_gives[t_n_gives++] = instr;
-            if (red->give(red->ctx, call->red_of[p], m->dtype, gj_rt_data_ptr(cur)) != 0)
+            if (red->give(red->ctx, ri, m->dtype, gj_rt_data_ptr(cur)) != 0)
                 return -1;
             continue;
         }
@@ -185,6 +188,7 @@ static int call_post_hooks(gj_jit_step_run *sr, int p, const gj_rt_meta *m, cons
     if (!c) return -1;
     if (nb) memcpy(dst, gj_rt_data_ptr(c), nb);
     if (c != cur) gj_rt_tensor_release(c);
+    if (p >= on) gj_ag_meta_set_grad(am, NULL);
     return 0;
 }
 
@@ -266,7 +270,8 @@ static int call_instr(void *ctx, const gj_jit_call_instr *cs, void *const *src,
     bool give = cs->tape == GJ_JIT_CALL_GIVE, take = cs->tape == GJ_JIT_CALL_TAKE,
          post = cs->tape == GJ_JIT_CALL_POST;
     bool zgive = give && red && red->zero; /* (ZeRO: a give names the reducer's parameter) */
-    if (p < 0 || p >= (zgive ? red->n : call->opt->n) || !(give || take || post) ||
+    int zpost = post && red && red->zero ? red->n : 0; /* (ZeRO: n + i, reducer parameter i) */
+    if (p < 0 || p >= (zgive ? red->n : call->opt->n + zpost) || !(give || take || post) ||
         ((give || take) && (!red || (!zgive && call->red_of[p] < 0))) || (take && cs->n_out != 1) ||
         (give && cs->n_in > 1) || (post && (cs->n_in != 1 || cs->n_out != 1))) {
         gj_rt_set_error("gj_step_run: internal: call instruction of kind %d on parameter %d is "

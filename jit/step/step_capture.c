@@ -48,11 +48,12 @@ typedef struct scap {
     gj_tensor **made; /* state stand-ins for a step whose state does not exist yet */
     int n_made;
     int (*esaved)[GJ_AG_MAX_SAVED]; /* per trace entry: the values its formula saved */
-    int *post;       /* per parameter: the value its post-accumulate hooks leave, or -1 */
+    int *post;       /* per parameter, then (ZeRO) per reducer parameter at n + i: the
+                        value its post-accumulate hooks leave, or -1 */
     int cur_entry;   /* the trace entry being replayed, or -1 (the backward) */
     int (*rec_custom_fwd)(gj_ag_builder *b, const gj_ag_opdef *op, const gj_ag_attrs *a,
                           int n_in, gj_val *const *in, gj_val **outs); /* the recorder's */
-    bool *gave;      /* per parameter: the post hooks' call gives it to the reducer */
+    bool *gave;      /* the same indices: the post hooks' call gives it to the reducer */
 } scap;
 
 static void fail(scap *c, bool permanent, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -458,8 +459,9 @@ static const char *hooks_refused(const scap *c, const gj_jit_walk *w) {
             while (p < c->s->opt->n && c->s->opt->params[p] != n->leaf) p++;
             int zi = zero_index(c, n->leaf);
             int64_t own = zi >= 0 ? c->s->red->hooks[zi] : 0;
-            for (int j = 0; j < nh && j < 64; j++)
-                if (hs[j]->kind == GJ_AG_HOOK_POST_ACCUMULATE && p == c->s->opt->n &&
+            for (int j = 0; j < nh && j < 64; j++) /* (ZeRO: the reducer's parameters' are
+                                                       called as the optimizer's are) */
+                if (hs[j]->kind == GJ_AG_HOOK_POST_ACCUMULATE && p == c->s->opt->n && zi < 0 &&
                     hs[j]->handle != own)
                     return "a post-accumulate hook on a leaf outside the optimizer";
         }
@@ -477,30 +479,33 @@ static int step_captured(gj_ag_builder *b, gj_ag_node *n, gj_val *const *grads) 
     scap *c = (scap *)(void *)b;
     const gj_jit_opt *o = c->s->opt;
     if (n->kind != GJ_AG_ACCUMULATE || !grads[0]) return 0;
-    for (int p = 0; p < o->n; p++) {
-        if (o->params[p] != n->leaf || c->post[p] >= 0) continue;
-        const gj_ag_hook *hs[64];
-        int nh = gj_ag_leaf_hooks(n->leaf, hs, 64), users = 0;
-        bool own = false;
-        for (int j = 0; j < nh && j < 64; j++) {
-            if (hs[j]->kind != GJ_AG_HOOK_POST_ACCUMULATE) continue;
-            if (hs[j]->handle == reducer_hook(c, p)) own = true;
-            else users++;
-        }
-        if (users == 0) return 0;
-        gj_val *g = cast_to(b, grads[0], o->params[p]->dtype);
-        gj_rt_meta m;
-        gj_rt_meta_of(o->params[p], &m);
-        int in = g ? gj_jit_rec_id(g) : -1, out = -1;
-        if (!g || gj_jit_graph_add_custom(&c->r.cap->g, p, GJ_JIT_CALL_POST, 0, 1, &in, 1, &m,
-                                          &out) < 0) {
-            fail(c, false, "out of memory");
-            return -1;
-        }
-        c->post[p] = out;
-        c->gave[p] = own;
-        return 0;
+    int p = 0;
+    while (p < o->n && o->params[p] != n->leaf) p++;
+    int zi = p == o->n ? zero_index(c, n->leaf) : -1; /* (ZeRO: the call is n + zi's) */
+    if (p == o->n && zi < 0) return 0;
+    int at = zi >= 0 ? o->n + zi : p;
+    int64_t mine = zi >= 0 ? c->s->red->hooks[zi] : reducer_hook(c, p);
+    if (c->post[at] >= 0) return 0;
+    const gj_ag_hook *hs[64];
+    int nh = gj_ag_leaf_hooks(n->leaf, hs, 64), users = 0;
+    bool own = false;
+    for (int j = 0; j < nh && j < 64; j++) {
+        if (hs[j]->kind != GJ_AG_HOOK_POST_ACCUMULATE) continue;
+        if (hs[j]->handle == mine) own = true;
+        else users++;
     }
+    if (users == 0) return 0;
+    gj_val *g = cast_to(b, grads[0], n->leaf->dtype);
+    gj_rt_meta m;
+    gj_rt_meta_of(n->leaf, &m);
+    int in = g ? gj_jit_rec_id(g) : -1, out = -1;
+    if (!g || gj_jit_graph_add_custom(&c->r.cap->g, at, GJ_JIT_CALL_POST, 0, 1, &in, 1, &m,
+                                      &out) < 0) {
+        fail(c, false, "out of memory");
+        return -1;
+    }
+    c->post[at] = out;
+    c->gave[at] = own;
     return 0;
 }
 
@@ -514,6 +519,7 @@ static int emit_gives(scap *c, gj_val **g, gj_val **gz) {
     const gj_jit_opt *o = c->s->opt;
     for (int k = 0; k < red->n && red->zero; k++) {
         int i = red->order[k], in = gz[i] ? gj_jit_rec_id(gz[i]) : -1;
+        if (c->gave[o->n + i]) continue; /* (its post hooks' call gave it) */
         if (gj_jit_graph_add_custom(&c->r.cap->g, i, GJ_JIT_CALL_GIVE, 0, gz[i] ? 1 : 0, &in, 0,
                                     NULL, NULL) < 0) {
             fail(c, false, "out of memory");
@@ -592,7 +598,9 @@ static int capture_train(scap *c, const gj_jit_walk *w) {
         while (p < o->n && o->params[p] != w->req_inputs[q]) p++;
         int zi = p == o->n ? zero_index(c, w->req_inputs[q]) : -1;
         if (zi >= 0) { /* ZeRO: a parameter whose shard the optimizer updates: reduced */
-            gz[zi] = gv[q] ? cast_to(b, gv[q], w->req_inputs[q]->dtype) : NULL;
+            gz[zi] = !gv[q] ? NULL
+                     : c->post[o->n + zi] >= 0 ? gj_jit_rec_val(c->post[o->n + zi])
+                                                : cast_to(b, gv[q], w->req_inputs[q]->dtype);
             if (gv[q] && !gz[zi]) goto oom;
             continue;
         }
@@ -662,14 +670,15 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
     cap->ret = gj_rt_malloc(((size_t)n_ret + 1) * sizeof *cap->ret);
     c.made = gj_rt_calloc((size_t)2 * n + 1, sizeof *c.made);
     c.esaved = gj_rt_calloc((size_t)s->tr->n_entries + 1, sizeof *c.esaved);
-    c.post = gj_rt_malloc(((size_t)n + 1) * sizeof *c.post);
-    c.gave = gj_rt_calloc((size_t)n + 1, sizeof *c.gave);
+    int nz = s->red && s->red->zero ? s->red->n : 0; /* (ZeRO: the reducer's parameters) */
+    c.post = gj_rt_malloc(((size_t)(n + nz) + 1) * sizeof *c.post);
+    c.gave = gj_rt_calloc((size_t)(n + nz) + 1, sizeof *c.gave);
     if (!c.slot_val || !cap->ret || !c.made || !c.esaved || !c.post || !c.gave) {
         fail(&c, false, "out of memory");
         goto done;
     }
     for (int k = 0; k < s->tr->n_slots; k++) c.slot_val[k] = -1;
-    for (int p = 0; p < n; p++) c.post[p] = -1;
+    for (int p = 0; p < n + nz; p++) c.post[p] = -1;
     c.r.b.captured = step_captured;
     c.cur_entry = -1;
     c.rec_custom_fwd = c.r.b.call_custom_fwd;
