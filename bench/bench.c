@@ -64,6 +64,7 @@ typedef struct bench_opts {
     const char *python, *torch_script;
     bool ddp;          /* --ddp: under mpirun, overlap of allreduce and backward */
     double bucket_mb;  /* --bucket-mb */
+    int zero;          /* --zero N with --ddp --step: ZeRO's stage */
     bool workloads_set;
     int pairs;  /* --paired N: interleaved eager/compiled pairs (0: off) */
     bool symbolic; /* --symbolic: the pairs are specialised / symbolic compiled */
@@ -656,8 +657,8 @@ static void usage(FILE *f) {
                "[--compare torch [--rounds R] [--python PATH] [--torch-script PATH]]\n"
                "                     [--ddp [--bucket-mb X]]   under mpirun: allreduce/backward "
                "overlap of gj_ddp, eager and compiled (W1, W4n by default; --paired N rounds);\n"
-               "                     with --step: the eager vs the compiled DDP training step "
-               "(gj_step_opts.ddp), paired\n"
+               "                     with --step [--zero 1|2|3]: the eager vs the compiled DDP "
+               "training step (gj_step_opts.ddp; with ZeRO's stage), paired\n"
                "                     [--paired N [--symbolic | --step]]   N >= 30 interleaved "
                "eager/compiled pairs (ABBA), median ratio and IQR;\n"
                "                     with --symbolic: specialised / symbolic compiled program "
@@ -810,6 +811,11 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
                 fprintf(stderr, "gradjit-bench: --paired must be 30..%d pairs\n", BENCH_MAX_STEPS);
                 return -1;
             }
+        } else if (!strcmp(a, "--zero")) {
+            if (parse_int(v, 1, 3, &o->zero)) {
+                fprintf(stderr, "gradjit-bench: --zero must be ZeRO's stage 1, 2 or 3\n");
+                return -1;
+            }
         } else if (!strcmp(a, "--bucket-mb")) {
             char *end;
             o->bucket_mb = strtod(v, &end);
@@ -833,6 +839,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
             fprintf(stderr, "gradjit-bench: unknown option %s\n", a);
             return -1;
         }
+    }
+    if (o->zero && !(o->ddp && o->step)) {
+        fprintf(stderr, "gradjit-bench: --zero goes with --ddp --step\n");
+        return -1;
     }
     if (o->step && ((!o->pairs && !o->ddp) || o->symbolic)) {
         fprintf(stderr, "gradjit-bench: --step goes with --paired N or --ddp (and not "
@@ -1016,7 +1026,7 @@ int main(int argc, char **argv) {
     cpu_model(cpu, sizeof cpu);
     if (o.ddp && o.step) /* W1 and W4n unless --workload says otherwise */
         return bench_ddp_step_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
-                                   o.pairs ? o.pairs : 30, cpu);
+                                   o.pairs ? o.pairs : 30, cpu, o.zero);
     if (o.ddp)
         return bench_ddp_main(o.workloads_set ? o.workloads : (1u << 0) | (1u << 4),
                               o.pairs ? o.pairs : 30, o.bucket_mb > 0 ? o.bucket_mb : 25.0, cpu);

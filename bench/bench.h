@@ -204,7 +204,8 @@ int bench_ddp_main(unsigned workloads, int rounds, double bucket_mb, const char 
  * workload (set up from BENCH_SEED), its AdamW (the workload's step_lr
  * and step_wd, betas 0.9/0.999, eps 1e-8) and its gj_step, eager or
  * compiled; with a process group also its gj_ddp (opts.ddp: gradients
- * averaged over the ranks inside the step). */
+ * averaged over the ranks inside the step; zero > 0: ZeRO's stage, the
+ * AdamW over this rank's shards). */
 typedef struct bench_side {
     const bench_workload *wl;
     bool eager;
@@ -215,8 +216,8 @@ typedef struct bench_side {
     double loss; /* of its last step */
 } bench_side;
 /* 0, or -1 with err (the side is then freed by bench_side_free). */
-int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *pg, char *err,
-                    size_t cap);
+int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *pg, int zero,
+                    char *err, size_t cap);
 /* One step of d, timed (*ms): 0, or -1 with err. */
 int bench_side_run(bench_side *d, double *ms, char *err, size_t cap);
 void bench_side_free(bench_side *d);
@@ -227,7 +228,7 @@ bool bench_same_params(bench_state *a, bench_state *b);
 /* gradjit-bench --ddp --step (ddp.c), under mpirun: the eager and the
  * compiled DDP training step (gj_step_opts.ddp) of each workload, paired
  * ABBA, and whether both sides end with the same bits. 0 or 1. */
-int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu);
+int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu, int zero);
 
 /* gradjit-bench --paired N --step (paired_step.c): eager and compiled
  * training steps (gj_step: forward, backward, AdamW update) of each

@@ -199,7 +199,7 @@ static int timed_step(gj_pg *pg, bench_side *d, double *ms, char *err, size_t ca
     return bench_side_run(d, ms, err, cap);
 }
 
-int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
+int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu, int zero) {
     gj_pg *pg = gj_pg_init();
     if (!pg) {
         fprintf(stderr, "gradjit-bench --ddp --step: %s\n", gj_last_error());
@@ -210,10 +210,13 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
         gj_info info;
         gj_get_info(&info);
         printf("gradjit-bench --ddp --step: %d ranks, %d compute thread(s) each, BLAS %s, CPU %s\n"
-               "the DDP training step (forward, backward, the gradients averaged, AdamW), eager "
-               "vs compiled (gj_step_opts.ddp), %d rounds ABBA after 3 warm-up steps per side; "
-               "ratio = eager / compiled\n\n",
-               size, info.num_threads, info.blas_core ? info.blas_core : "?", cpu, rounds);
+               "the DDP training step (forward, backward, the gradients averaged, AdamW%s), "
+               "eager vs compiled (gj_step_opts.ddp), %d rounds ABBA after 3 warm-up steps per "
+               "side; ratio = eager / compiled%s\n\n",
+               size, info.num_threads, info.blas_core ? info.blas_core : "?", cpu,
+               zero == 3 ? " on the shards, parameters gathered per bucket: ZeRO-3"
+               : zero ? " on the shards: ZeRO" : "", rounds,
+               zero == 3 ? "; comm includes the parameter gathers" : "");
         printf("%-4s %8s %19s %19s %24s %9s %28s %28s\n", "wl", "buckets", "eager ms [IQR]",
                "compiled ms [IQR]", "eager/compiled [IQR]", "same bits",
                "eager comm/blocked ms hidden", "comp. comm/blocked ms hidden");
@@ -227,8 +230,8 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu) {
                         calloc((size_t)rounds, sizeof(double))};
         double *ratio = calloc((size_t)rounds, sizeof(double));
         int ok = t[0] && t[1] && ratio &&
-                 bench_side_init(&side[0], wl, true, pg, err, sizeof err) == 0 &&
-                 bench_side_init(&side[1], wl, false, pg, err, sizeof err) == 0;
+                 bench_side_init(&side[0], wl, true, pg, zero, err, sizeof err) == 0 &&
+                 bench_side_init(&side[1], wl, false, pg, zero, err, sizeof err) == 0;
         gj_ddp_stats st0[2], st1[2];
         for (int r = -3; ok && r < rounds; r++) {
             if (r == 0)

@@ -94,8 +94,8 @@ void bench_side_free(bench_side *d) {
     d->ddp = NULL;
 }
 
-int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *pg, char *err,
-                    size_t cap) {
+int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *pg, int zero,
+                    char *err, size_t cap) {
     memset(d, 0, sizeof *d);
     d->wl = wl;
     d->eager = eager;
@@ -104,12 +104,15 @@ int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *
         snprintf(err, cap, "setup failed: %s", gj_last_error());
         return -1;
     }
-    if (pg && !(d->ddp = gj_ddp_new(pg, d->s.n_params, d->s.params, NULL))) {
+    gj_ddp_options zo = {.zero = zero};
+    if (pg && !(d->ddp = gj_ddp_new(pg, d->s.n_params, d->s.params, &zo))) {
         snprintf(err, cap, "gj_ddp_new: %s", gj_last_error());
         return -1;
     }
+    gj_tensor *const *mine = d->s.params; /* (ZeRO: the optimizer over this rank's shards) */
+    int n = zero ? gj_ddp_shards(d->ddp, &mine) : d->s.n_params;
     gj_step_opts so = {.eager = eager, .ddp = d->ddp, .autocast = wl->autocast};
-    d->opt = gj_adamw_new(d->s.n_params, d->s.params, wl->step_lr, 0.9, 0.999, 1e-8, wl->step_wd);
+    d->opt = n > 0 ? gj_adamw_new(n, mine, wl->step_lr, 0.9, 0.999, 1e-8, wl->step_wd) : NULL;
     d->step = d->opt ? gj_step_new(step_fn, d, d->opt, &so) : NULL;
     if (!d->step) {
         snprintf(err, cap, "gj_step_new: %s", gj_last_error());
@@ -249,10 +252,10 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
     }
     r->bf16 = w1.autocast == GJ_BF16;
     bool both_compiled = g_gemm_pair || g_bf16_pair;
-    if (bench_side_init(&e, &w0, !both_compiled, NULL, r->error, sizeof r->error) != 0)
+    if (bench_side_init(&e, &w0, !both_compiled, NULL, 0, r->error, sizeof r->error) != 0)
         goto done;
     ie = true;
-    if (bench_side_init(&k, &w1, false, NULL, r->error, sizeof r->error) != 0)
+    if (bench_side_init(&k, &w1, false, NULL, 0, r->error, sizeof r->error) != 0)
         goto done;
     ik = true;
     double ms[2];

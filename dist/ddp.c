@@ -88,10 +88,10 @@ struct gj_ddp {
     int n_pend;
 };
 
-/* ZeRO stage 3: at most this many units present (gathered or in flight)
- * at once, unless one primitive reads more (the current one, the one
- * before it, the one prefetched). */
-enum { Z3_LIVE = 3 };
+/* ZeRO stage 3: at most Z3_LIVE units present (gathered or in flight) at
+ * once, unless one primitive reads more: the one read now and the
+ * Z3_AHEAD prefetched after it. */
+enum { Z3_LIVE = 3, Z3_AHEAD = 1 };
 
 static size_t wire_bytes(gj_dtype d) { return d == GJ_F64 ? 8 : d == GJ_F32 ? 4 : 2; }
 
@@ -663,19 +663,23 @@ static int z3_fetch(void *owner, int id, uint64_t epoch) {
     bool missing = !b->full, arriving = b->gathering;
     b->epoch = epoch; /* (not released while this primitive reads it) */
     if (missing || arriving) {
+        double t0 = gj_dist_now_ms(); /* (the reader blocks from here: counted as waited) */
         if (missing) z3_evict(d, epoch, Z3_LIVE - 1); /* room for it first */
         if (missing) rc = z3_start(d, k);
-        if (rc == 0) rc = z3_finish(d, k);
-        if (rc == 0 && !d->held) { /* the next unit in the direction of the last two */
-            int dir = d->last_miss >= 0 && k > d->last_miss ? 1 : -1, nk = k + dir;
-            bool ahead = nk >= 0 && nk < d->nb && !d->b[nk].full;
-            d->last_miss = k;
-            if (ahead) z3_evict(d, epoch, Z3_LIVE - 1);
-            if (ahead) {
-                rc = z3_start(d, nk);
-                if (rc == 0) d->st.prefetches++;
-            }
+        /* the next units in the direction of the last two reads, queued
+         * behind this one before waiting for it */
+        int dir = d->last_miss >= 0 && k > d->last_miss ? 1 : -1;
+        d->last_miss = k;
+        for (int a = 1; rc == 0 && !d->held && a <= Z3_AHEAD; a++) {
+            int nk = k + a * dir;
+            if (nk < 0 || nk >= d->nb) break;
+            if (d->b[nk].full) continue;
+            z3_evict(d, epoch, Z3_LIVE - 1);
+            rc = z3_start(d, nk);
+            if (rc == 0) d->st.prefetches++;
         }
+        if (rc == 0) rc = z3_finish(d, k);
+        d->st.wait_ms += gj_dist_now_ms() - t0;
         int live = z3_present(d);
         if (live > d->st.max_units) d->st.max_units = live;
     }

@@ -1212,7 +1212,8 @@ typedef struct gj_ddp_stats {
     int64_t bytes;            /* bytes sent into collectives */
     double comm_ms;           /* time in the collectives (on the stream) */
     double wait_ms;           /* time gj_ddp_wait (or a compiled step's takes of the
-                                 averaged gradients) blocked */
+                                 averaged gradients, or a ZeRO-3 read waiting for its
+                                 parameters' gather) blocked */
     /* ZeRO stage 3 */
     int64_t gathers;          /* parameter allgathers (a bucket each) */
     int64_t prefetches;       /* ... of which started ahead of a read */
