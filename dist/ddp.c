@@ -556,13 +556,16 @@ int gj_ddp_gather(gj_ddp *d) {
  * as it is packed. Every rank reads the same parameters in the same
  * order, so the allgathers match. */
 
+static int z3_fetch(void *owner, int id, uint64_t epoch);
+
 /* Points unit b's parameters at their values in b->full (or at nothing). */
 static void z3_point(gj_ddp *d, ddp_bucket *b, bool present) {
     size_t wb = wire_bytes(b->wire);
     for (int j = 0; j < b->n; j++) {
         int i = d->order[b->first + j];
-        d->params[i]->storage->data = present ? (char *)b->full + d->offset[i] * (int64_t)wb
-                                              : NULL;
+        gj_rt_storage *st = d->params[i]->storage;
+        if (st->fetch == z3_fetch && st->owner == d) /* (always: set_ refuses such a dst) */
+            st->data = present ? (char *)b->full + d->offset[i] * (int64_t)wb : NULL;
     }
 }
 

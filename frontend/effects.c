@@ -78,6 +78,13 @@ int gj_tensor_set_(gj_tensor *dst, gj_tensor *src) {
                         gj_rt_dtype_name(dst->dtype), a, m->node->op->name);
         return -1;
     }
+    if (dst->storage->fetch) { /* (its gj_ddp points it at gathered values and away) */
+        gj_rt_set_error("gj_tensor_set_: dst (%s %s) is a parameter sharded at rest (ZeRO stage "
+                        "3): its memory belongs to its gj_ddp; write its values while unsharded "
+                        "(gj_ddp_unshard, gj_ddp_reshard) instead",
+                        gj_rt_dtype_name(dst->dtype), a);
+        return -1;
+    }
     if (m && m->requires_grad && !gj_rt_dtype_is_float(src->dtype)) {
         gj_rt_set_error("gj_tensor_set_: dst (%s %s) requires grad but src is %s %s (only float "
                         "tensors can require grad)",

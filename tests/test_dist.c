@@ -1229,6 +1229,92 @@ static void test_zero3_hooks(void **state) {
     }
 }
 
+/* DeepSpeed's ZeRO-3 bucketing pattern written by a user on a stage-3
+ * model: a post-accumulate hook copies each .grad into a bucket tensor of
+ * its own and records the bucket on a stream. The compiled step cannot
+ * replay record_stream: it runs eagerly from then on, naming it, and its
+ * results are the eager step's bit for bit; set_ on a sharded parameter
+ * (the pattern's dtype swap) is refused with an error. */
+typedef struct ds_ctx {
+    gj_stream *stream;
+    int calls;
+} ds_ctx;
+
+static void ds_bucket_hook(gj_tensor *leaf, void *u) {
+    ds_ctx *c = u;
+    gj_tensor *g = gj_tensor_grad(leaf);
+    gj_tensor *bucket = g ? gj_zeros(gj_tensor_dtype(g), gj_tensor_ndim(g), gj_tensor_shape(g))
+                          : NULL;
+    c->calls++;
+    if (bucket && gj_copy_(bucket, g) == 0) gj_tensor_record_stream(bucket, c->stream);
+    gj_release(bucket);
+}
+
+static void test_zero3_deepspeed_pattern(void **state) {
+    (void)state;
+    gj_tensor *pe[ZL], *pc[ZL];
+    chain_params(pe);
+    chain_params(pc);
+    ds_ctx ce = {gj_stream_new(), 0}, cc = {gj_stream_new(), 0};
+    assert_non_null(ce.stream);
+    assert_non_null(cc.stream);
+    gj_ddp_options zo = {.bucket_bytes = 8, .zero = 3};
+    gj_ddp *de = gj_ddp_new(g_pg, ZL, pe, &zo), *dc = gj_ddp_new(g_pg, ZL, pc, &zo);
+    assert_non_null(de);
+    assert_non_null(dc);
+    for (int l = 0; l < ZL; l++) {
+        assert_true(gj_register_post_accumulate_grad_hook(pe[l], ds_bucket_hook, &ce) > 0);
+        assert_true(gj_register_post_accumulate_grad_hook(pc[l], ds_bucket_hook, &cc) > 0);
+    }
+    gj_tensor *const *se, *const *sc;
+    int ne = gj_ddp_shards(de, &se), nc = gj_ddp_shards(dc, &sc);
+    assert_int_equal(ne, nc);
+    gj_optim *oe = gj_adamw_new(ne, se, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+    gj_optim *oc = gj_adamw_new(nc, sc, 1e-2, 0.9, 0.999, 1e-8, 0.0);
+    gj_step_opts eo = {.ddp = de, .eager = true}, co = {.ddp = dc};
+    gj_step *se_ = gj_step_new(chain_step_fn, pe, oe, &eo), *sc_ = gj_step_new(chain_step_fn, pc, oc, &co);
+    assert_non_null(se_);
+    assert_non_null(sc_);
+    gj_step_reset_stats();
+    for (int s = 0; s < 3; s++) {
+        gj_tensor *x = chain_input(s);
+        assert_int_equal(gj_step_run(se_, 1, &x, NULL), 0);
+        assert_int_equal(gj_step_run(sc_, 1, &x, NULL), 0);
+        gj_release(x);
+        for (int k = 0; k < ne; k++) {
+            double *a = gjt_values(se[k]), *b = gjt_values(sc[k]);
+            assert_memory_equal(a, b, (size_t)gj_tensor_numel(se[k]) * sizeof *a);
+            free(a);
+            free(b);
+        }
+    }
+    assert_int_equal(ce.calls, cc.calls);
+    gj_ca_stats st;
+    gj_step_stats(&st);
+    assert_true(st.fallbacks >= 1);
+    assert_true(st.fallbacks_by_reason[GJ_CA_RECORD_STREAM] >= 1);
+    if (!strstr(gj_compiled_autograd_last_fallback(), "record_stream"))
+        fail_msg("the fallback names: %s", gj_compiled_autograd_last_fallback());
+    /* the pattern's set_ to another dtype: refused on a sharded parameter */
+    gj_tensor *b16 = gj_cast(pe[0], GJ_BF16);
+    assert_non_null(b16);
+    assert_int_equal(gj_tensor_set_(pe[0], b16), -1);
+    assert_true(gjt_error_has("sharded at rest (ZeRO stage 3)"));
+    gj_release(b16);
+    gj_step_free(se_);
+    gj_step_free(sc_);
+    gj_optim_free(oe);
+    gj_optim_free(oc);
+    gj_ddp_free(de);
+    gj_ddp_free(dc);
+    gj_stream_free(ce.stream);
+    gj_stream_free(cc.stream);
+    for (int l = 0; l < ZL; l++) {
+        gj_release(pe[l]);
+        gj_release(pc[l]);
+    }
+}
+
 static void test_ddp_errors(void **state) {
     (void)state;
     gj_tensor *p[NP];
@@ -1517,6 +1603,7 @@ int main(void) {
         cmocka_unit_test(test_zero),
         cmocka_unit_test(test_zero3),
         cmocka_unit_test(test_zero3_hooks),
+        cmocka_unit_test(test_zero3_deepspeed_pattern),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     gj_pg_free(g_pg);
