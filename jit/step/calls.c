@@ -136,7 +136,8 @@ static int call_post_hooks(gj_jit_step_run *sr, int p, const gj_rt_meta *m, cons
                            void *dst, int instr) {
     const gj_jit_step_call *call = sr->call;
     const gj_jit_reducer *red = call->red;
-    int on = call->opt->n, ri = p >= on ? p - on : call->red_of[p]; /* (the reducer's index) */
+    int on = call->opt->n, ri = p >= on ? p - on : red ? call->red_of[p] : -1; /* (the
+                                                                     reducer's index) */
     gj_tensor *leaf = p >= on ? red->params[ri] : call->opt->params[p];
     int64_t own = red && ri >= 0 ? red->hooks[ri] : 0;
     size_t nb = (size_t)gj_rt_numel(m->ndim, m->shape) * gj_rt_dtype_size(m->dtype);
