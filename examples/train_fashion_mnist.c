@@ -293,6 +293,13 @@ static int mlp_report(const train_run *a, const train_run *c, double (*q)[3], do
         printf("final test accuracy after %d epoch(s): eager %.4f, %s %.4f (target %.2f within 3 "
                "epochs)\n",
                epochs, acc, c->tag, ((const fashion_run *)c)->acc[epochs - 1], TARGET_ACC);
+    const opts *o = a->def->opts;
+    if (o->ddp) { /* (each rank's own: rank 0's printed) */
+        gj_mem m;
+        gj_mem_stats(&m);
+        printf("peak tensor memory %.1f MiB (held at most %.1f MiB)\n",
+               (double)m.peak_bytes / 1048576.0, (double)m.held_peak_bytes / 1048576.0);
+    }
     return fashion_write(a, c, "MLP");
 }
 
