@@ -634,6 +634,23 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* GRADJIT_LOG has the word "gemm": each auto decision on stderr. */
+static bool log_gemm(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("GRADJIT_LOG");
+        int v = 0;
+        while (e && *e) {
+            size_t n = strcspn(e, ", ");
+            v |= (n == 4 && strncasecmp(e, "gemm", 4) == 0) || (n == 3 && strncasecmp(e, "all", 3) == 0);
+            e += n;
+            e += strspn(e, ", ");
+        }
+        on = v;
+    }
+    return on;
+}
+
 /* Under g_lock: measures the GEMM of decision entry d on its block (the
  * block's entry pe holds the primitive) with the block's own A and B,
  * writing into a scratch C; sets d->choice. */
@@ -699,6 +716,13 @@ static void measure(gemm_entry *d, gemm_entry *pe, const void *A, const void *B,
     atomic_fetch_add(&g_n_measured, 1);
     atomic_store(&d->choice, ratio[pairs / 2] < 1.0 - GJ_RT_GEMM_ALT_MARGIN ? CHOICE_ONEDNN
                                                                             : CHOICE_OPENBLAS);
+    if (log_gemm())
+        fprintf(stderr, "[gradjit gemm] %s%c%c M=%lld N=%lld K=%lld beta=%d: %s (openblas %.1f "
+                        "us, onednn %.1f us on a block of %lld rows, %s)\n",
+                k->bf16 ? "bf16 " : "", k->ta ? 'T' : 'N', k->tb ? 'T' : 'N', (long long)d->key.M,
+                (long long)d->key.N, (long long)d->key.K, k->beta1,
+                atomic_load(&d->choice) == CHOICE_ONEDNN ? "onednn" : "openblas",
+                (double)d->us_blas, (double)d->us_dnnl, (long long)k->M, pe->impl);
 }
 
 /* Under g_lock: makes primitive entry e's primitive if it has none and is

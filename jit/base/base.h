@@ -102,6 +102,7 @@ enum {
     GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
     GJ_JIT_LOG_INSTRS = 128, /* one line per backward and per step of every compiled run */
     GJ_JIT_LOG_LEAKS = 256, /* at exit: live tensors and open scopes (frontend/tensor.c) */
+    GJ_JIT_LOG_GEMM = 512,  /* the auto GEMM provider's decisions (runtime/gemm_provider.c) */
 };
 /* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
 unsigned gj_jit_log_flags(void);

@@ -66,7 +66,9 @@ unsigned gj_jit_log_flags(void) {
         {"recompiles", "why a call site compiles again: the first difference from its "
                        "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
         {"leaks", "at exit: tensors still alive, their bytes, scopes still open", GJ_JIT_LOG_LEAKS},
-        {"all", "all of the above", 0x1ffu},
+        {"gemm", "each GEMM shape's provider as GRADJIT_GEMM=auto decides it, with the "
+                 "measured times (runtime/gemm_provider.c)", GJ_JIT_LOG_GEMM},
+        {"all", "all of the above", 0x3ffu},
     };
     static atomic_bool reported;
     bool report = !atomic_exchange(&reported, true); /* one parse prints */
@@ -90,7 +92,7 @@ unsigned gj_jit_log_flags(void) {
         if (!known && report)
             fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
                             "graph, ir, plan, cache, fallback, prof, instrs, recompiles, leaks, "
-                            "all, help)\n",
+                            "gemm, all, help)\n",
                     (int)n, e);
         e += n;
         e += strspn(e, ", ");
