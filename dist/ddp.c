@@ -14,6 +14,13 @@
  * parameters (their .grad or zeros), starts the rest, waits for all and
  * writes the averages back; after it no bucket is in flight. With sync
  * off, hooks do nothing and .grads accumulate locally.
+ *
+ * ZeRO (opt.zero): each bucket, padded to a multiple of the ranks, is cut
+ * into one range per rank; the optimizer updates this rank's shards.
+ * Stage 3 also makes every parameter's storage remote (the section "ZeRO
+ * stage 3" below): its bytes exist only while its bucket is gathered,
+ * at most Z3_LIVE buckets at once, and the gradient buffers only while
+ * a step reduces them.
  */
 #include "dist/dist.h"
 
