@@ -102,8 +102,10 @@ GJ_API void gj_set_num_threads(int n);
 GJ_API int gj_get_num_threads(void);
 
 /* Who computes f32 and bf16 GEMMs (docs/guide.md, section 8). DEFAULT:
- * f32 by OpenBLAS, bf16 by oneDNN's matmul where the CPU multiplies bf16
- * natively (AVX512_BF16, AMX), else converted to f32 for OpenBLAS. AUTO:
+ * f32 as AUTO where the cache directory keeps the measured choices (so
+ * every process on a machine computes the same bits), else by OpenBLAS;
+ * bf16 by oneDNN's matmul where the CPU multiplies bf16 natively
+ * (AVX512_BF16, AMX), else converted to f32 for OpenBLAS. AUTO:
  * the faster of the two, measured once per GEMM shape; OPENBLAS, ONEDNN:
  * that one for every GEMM it takes. Wins over GRADJIT_GEMM. 0, or -1 with
  * an error (oneDNN not available: OpenBLAS is then pinned; or an unknown

@@ -29,14 +29,16 @@
  *     asynchronous signals blocked (signals_block: two rt_sigprocmask calls
  *     per block, well under a microsecond); a signal that arrives meanwhile
  *     is delivered after the kernel, on the thread's own stack.
- *   - Settings. GJ_RT_GEMM_DEFAULT (GRADJIT_GEMM unset): f32 GEMMs are
- *     OpenBLAS's (its bits do not depend on a measurement, so separate
- *     processes agree without a shared cache file), bf16 GEMMs oneDNN's
- *     where the CPU has AVX512_BF16 (oneDNN's brgemm kernels, with AMX where
- *     the CPU has it: several times OpenBLAS's f32 rate, which a bf16 GEMM
- *     otherwise gets after converting its operands), converted for OpenBLAS
- *     elsewhere. A rule of the CPU alone: every process on a machine makes
- *     the same choice.
+ *   - Settings. GJ_RT_GEMM_DEFAULT (GRADJIT_GEMM unset): f32 GEMMs as
+ *     auto (below) where there is a cache directory to keep the measured
+ *     choices in -- the first process to meet a shape on a machine decides
+ *     it for every later one, so separate processes compute the same bits
+ *     -- and OpenBLAS's where there is none (GRADJIT_CACHE_DIR=off: its bits
+ *     then depend on no measurement); bf16 GEMMs oneDNN's where the CPU has
+ *     AVX512_BF16 (oneDNN's brgemm kernels, with AMX where the CPU has it:
+ *     several times OpenBLAS's f32 rate, which a bf16 GEMM otherwise gets
+ *     after converting its operands), converted for OpenBLAS elsewhere (a
+ *     rule of the CPU alone).
  *   - Setting GJ_RT_GEMM_AUTO (GRADJIT_GEMM=auto): a new GEMM
  *     (at least GJ_RT_GEMM_ALT_MIN multiply-adds, alpha == 1, beta 0 or 1,
  *     f32 or bf16) is measured once on the block being computed: 5-21 interleaved
@@ -823,18 +825,40 @@ static int auto_choice(const gemm_key *gk, const gemm_key *bk, const void *A, co
     return c;
 }
 
+/* The default's f32 rule: measured per shape, as auto, where the choices
+ * are kept in a cache directory (every process on the machine then takes
+ * the first measurement, so they compute the same bits); OpenBLAS's where
+ * there is none (GRADJIT_CACHE_DIR=off: each process would measure for
+ * itself). -1: not known yet (gj_rt_gemm_set_cache_dir resets it). */
+static atomic_int g_default_measures = -1;
+
+static bool default_measures(void) {
+    int v = atomic_load_explicit(&g_default_measures, memory_order_relaxed);
+    if (v < 0) {
+        char buf[4096];
+        pthread_mutex_lock(&g_lock);
+        v = cache_dir(buf, sizeof buf) != NULL;
+        pthread_mutex_unlock(&g_lock);
+        atomic_store(&g_default_measures, v);
+    }
+    return v != 0;
+}
+
 bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const void *A,
                           const void *B, float *C) {
     int setting = gj_rt_gemm_provider_setting();
     if (setting == GJ_RT_GEMM_OPENBLAS || c->f64 || c->alpha != 1.0 ||
         (c->beta != 0.0 && c->beta != 1.0) || M <= 0 || N <= 0 || c->K <= 0)
         goto blas;
-    /* the default: f32 stays OpenBLAS's (see "Signals"), bf16 goes to
-     * oneDNN where the CPU multiplies bf16 itself */
-    if (setting == GJ_RT_GEMM_DEFAULT && (!c->bf16 || !gj_rt_cpu_native_bf16()))
-        goto blas;
-    if (setting == GJ_RT_GEMM_AUTO &&
-        (double)c->M * (double)c->N * (double)c->K < (double)GJ_RT_GEMM_ALT_MIN)
+    /* the default: bf16 goes to oneDNN where the CPU multiplies bf16
+     * itself; f32 is measured per shape where the choices are kept */
+    bool measured = setting == GJ_RT_GEMM_AUTO;
+    if (setting == GJ_RT_GEMM_DEFAULT) {
+        if (c->bf16 ? !gj_rt_cpu_native_bf16() : !default_measures())
+            goto blas;
+        measured = !c->bf16;
+    }
+    if (measured && (double)c->M * (double)c->N * (double)c->K < (double)GJ_RT_GEMM_ALT_MIN)
         goto blas;
     if (!dnnl_ready())
         goto blas;
@@ -848,7 +872,7 @@ bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const 
         }
     }
     gemm_key bk = {M, N, c->K, lda, c->ldb, c->ldc, c->ta, c->tb, beta1, KIND_BLOCK, c->bf16};
-    if (setting == GJ_RT_GEMM_AUTO) {
+    if (measured) {
         gemm_key gk = {c->M,   c->N,   c->K, c->lda,    c->ldb, c->ldc,
                        c->ta,  c->tb,  beta1, KIND_GEMM, c->bf16};
         if (auto_choice(&gk, &bk, A, B, C) != CHOICE_ONEDNN)
@@ -1030,6 +1054,7 @@ void gj_rt_gemm_provider_reset(void) {
 }
 
 void gj_rt_gemm_set_cache_dir(const char *dir) {
+    atomic_store(&g_default_measures, -1);
     pthread_mutex_lock(&g_lock);
     free(g_dir_override);
     g_dir_override = NULL;

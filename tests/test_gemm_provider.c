@@ -567,6 +567,63 @@ static void test_file(void **state) {
     case_free(&g);
 }
 
+/* The default's f32 rule: with a directory to keep the choices in, an f32
+ * GEMM is measured once as auto would (its choice kept; the next process,
+ * here a fresh table, reads it and computes the same bits); with none
+ * (GRADJIT_CACHE_DIR=off) it stays OpenBLAS's, unmeasured. */
+static void test_default_f32_rule(void **state) {
+    (void)state;
+    if (!gj_rt_onednn_available()) skip();
+    char dir[] = "/tmp/gj-gemm-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    gj_rt_set_num_threads(1);
+    assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_DEFAULT), 0);
+    gjt_rng r;
+    gjt_rng_seed(&r, 29);
+    gemm_case g;
+    case_make(&g, &r, false, true, 256, 384, 384, 0, 1.0f, 0.0f);
+    gj_rt_gemm_stats s;
+    /* nowhere to keep a choice: OpenBLAS, nothing measured */
+    gj_rt_gemm_set_cache_dir("");
+    gj_rt_gemm_provider_reset();
+    float *C0 = case_run(&g);
+    gj_rt_gemm_get_stats(&s);
+    assert_int_equal(s.measured, 0);
+    assert_int_equal(s.onednn_blocks, 0);
+    /* a directory: measured once, kept */
+    gj_rt_gemm_set_cache_dir(dir);
+    gj_rt_gemm_provider_reset();
+    float *C1 = case_run(&g);
+    gj_rt_gemm_get_stats(&s);
+    assert_int_equal(s.measured, 1);
+    int choice = gj_rt_gemm_choice(false, true, 256, 384, 384, g.lda, g.ldb, g.ldc, false, false);
+    assert_true(choice == 1 || choice == 2); /* (openblas or onednn, as measured) */
+    if (s.onednn_blocks == 0) assert_true(same_bits(C0, C1, g.csz)); /* OpenBLAS won */
+    /* the next process (a fresh table) takes the kept choice: the same bits */
+    gj_rt_gemm_provider_reset();
+    float *C2 = case_run(&g);
+    gj_rt_gemm_get_stats(&s);
+    assert_int_equal(s.measured, 0);
+    assert_int_equal(s.loaded, 1);
+    assert_true(same_bits(C1, C2, g.csz));
+    free(C0);
+    free(C1);
+    free(C2);
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    while (d && (de = readdir(d)) != NULL) {
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+        char p[600];
+        snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+        unlink(p);
+    }
+    if (d) closedir(d);
+    assert_int_equal(rmdir(dir), 0);
+    gj_rt_gemm_set_cache_dir("");
+    gj_rt_gemm_provider_reset();
+    case_free(&g);
+}
+
 static int count_threads(void) {
     int tasks = 0;
     DIR *d = opendir("/proc/self/task");
@@ -1040,6 +1097,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test_teardown(test_deterministic, restore),
         cmocka_unit_test_teardown(test_auto_once, restore),
         cmocka_unit_test_teardown(test_file, restore),
+        cmocka_unit_test_teardown(test_default_f32_rule, restore),
         cmocka_unit_test_teardown(test_no_extra_threads, restore),
         cmocka_unit_test_teardown(test_public_switch, restore),
         cmocka_unit_test_teardown(test_bf16, restore),
