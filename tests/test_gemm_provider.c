@@ -474,6 +474,20 @@ static void test_auto_once(void **state) {
     case_free(&g);
 }
 
+/* Removes test directory dir and the files in it (asserts it is gone). */
+static void remove_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    while (d && (de = readdir(d)) != NULL) {
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+        char p[600];
+        snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+        unlink(p);
+    }
+    if (d) closedir(d);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 /* The choices file: written, read back, distrusted. */
 static void test_file(void **state) {
     (void)state;
@@ -553,15 +567,7 @@ static void test_file(void **state) {
     assert_int_equal(s.loaded, 0);
     unlink(path);
     unlink(moved);
-    d = opendir(dir); /* whatever the last save left */
-    while (d && (de = readdir(d)) != NULL) {
-        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-        char p[600];
-        snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
-        unlink(p);
-    }
-    if (d) closedir(d);
-    assert_int_equal(rmdir(dir), 0);
+    remove_dir(dir); /* whatever the last save left */
     gj_rt_gemm_set_cache_dir("");
     gj_rt_gemm_provider_reset();
     case_free(&g);
@@ -609,16 +615,7 @@ static void test_default_f32_rule(void **state) {
     free(C0);
     free(C1);
     free(C2);
-    DIR *d = opendir(dir);
-    struct dirent *de;
-    while (d && (de = readdir(d)) != NULL) {
-        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-        char p[600];
-        snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
-        unlink(p);
-    }
-    if (d) closedir(d);
-    assert_int_equal(rmdir(dir), 0);
+    remove_dir(dir);
     gj_rt_gemm_set_cache_dir("");
     gj_rt_gemm_provider_reset();
     case_free(&g);
