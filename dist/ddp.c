@@ -748,15 +748,10 @@ static int z3_setup(gj_ddp *d) {
     }
     for (int i = 0; i < d->n; i++) {
         gj_tensor *p = d->params[i];
-        gj_rt_storage *s = gj_rt_calloc(1, sizeof *s);
+        gj_rt_storage *s = gj_rt_storage_new_remote(
+            (size_t)p->numel * gj_rt_dtype_size(p->dtype), z3_fetch, d, i);
         if (!s) return -1;
-        atomic_init(&s->refcount, 1);
-        atomic_init(&s->version, atomic_load(&p->storage->version));
-        s->nbytes = (size_t)p->numel * gj_rt_dtype_size(p->dtype);
-        s->external = true;
-        s->fetch = z3_fetch;
-        s->owner = d;
-        s->id = i;
+        atomic_store(&s->version, atomic_load(&p->storage->version));
         gj_rt_storage_release(p->storage);
         p->storage = s;
         p->offset = 0;

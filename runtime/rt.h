@@ -85,6 +85,11 @@ void gj_rt_storage_retain(gj_rt_storage *s);
  * owner never releases what the current epoch fetched. 0, or -1 with an
  * error. Non-remote storages: 0 at once. */
 int gj_rt_storage_fetch(gj_rt_storage *s, uint64_t epoch);
+/* A new remote storage of nbytes, refcount 1, released (no data): fetch
+ * (owner, id, epoch) makes its bytes present. NULL with an error on OOM. */
+gj_rt_storage *gj_rt_storage_new_remote(size_t nbytes,
+                                        int (*fetch)(void *owner, int id, uint64_t epoch),
+                                        void *owner, int id);
 /* A new epoch (one per eager primitive that reads remote tensors). */
 uint64_t gj_rt_fetch_epoch(void);
 void gj_rt_storage_release(gj_rt_storage *s);

@@ -67,3 +67,20 @@ int gj_rt_storage_fetch(gj_rt_storage *s, uint64_t epoch) {
         return 0;
     return s->fetch(s->owner, s->id, epoch);
 }
+
+gj_rt_storage *gj_rt_storage_new_remote(size_t nbytes,
+                                        int (*fetch)(void *owner, int id, uint64_t epoch),
+                                        void *owner, int id) {
+    gj_rt_storage *s = gj_rt_malloc(sizeof *s);
+    if (!s)
+        return NULL;
+    atomic_init(&s->refcount, 1);
+    atomic_init(&s->version, 0);
+    s->data = NULL;
+    s->nbytes = nbytes;
+    s->external = true; /* (the owner's memory while present) */
+    s->fetch = fetch;
+    s->owner = owner;
+    s->id = id;
+    return s;
+}

@@ -306,11 +306,9 @@ int gj_jit_step_exec(gj_jit_step_run *sr, const uint64_t *params, void **out, gj
     t_last_gemm = -1;
     for (int k = 0; k < p->n_instrs; k++)
         if (p->instrs[k].kind == GJ_JIT_INSTR_MATMUL) t_last_gemm = k;
-    bool remote = false;
-    for (int i = 0; i < sr->pr->n_inputs && !remote; i++) remote = sr->bound[i]->storage->fetch != NULL;
     int er = gj_jit_plan_exec_calls(p, sr->data, params, out, gj_jit_alloc_output, ac,
                                     call_tensor_hook, call_instr, NULL,
-                                    remote ? fetch_input : NULL, sr);
+                                    sr->remote ? fetch_input : NULL, sr);
     if (er == 1 && !sr->tripped) er = -1; /* (only a trip abandons) */
     const gj_jit_reducer *red = sr->call->red;
     if (red && sr->pr->n_calls > 0 && red->end(red->ctx) != 0 && er == 0) er = -1;

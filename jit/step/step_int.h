@@ -86,6 +86,8 @@ typedef struct gj_jit_step_run {
     gj_tensor *const *bound;     /* per program input: its tensor in this run */
     void *const *data;           /* per program input: its data when the run started */
     gj_tensor *const *hook_leaf; /* per hook of the program: the leaf it is on */
+    bool remote;                 /* an input's storage is remote (ZeRO stage 3): fetched
+                                    as the program reads it */
     bool tripped, permanent;     /* a guard tripped; for good (the step turns eager) */
     gj_ca_reason code;
     char why[320];

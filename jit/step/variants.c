@@ -878,7 +878,7 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     }
     if (pr->n_hooks > 0 || pr->n_calls > 0 || remote) { /* user code, the reducer, or gathers */
         gj_jit_step_run sr = {.call = call, .pr = pr, .data = data, .customs = v->customs,
-                              .n_customs = v->n_customs};
+                              .n_customs = v->n_customs, .remote = remote};
         bound = gj_rt_calloc((size_t)(pr->n_inputs + pr->n_hooks) + 1, sizeof *bound);
         if (!bound) goto done;
         for (int i = 0; i < pr->n_inputs; i++)
