@@ -200,12 +200,16 @@ static void bucket_buf_drop(const gj_ddp *d, ddp_bucket *b) {
     b->buf = NULL;
 }
 
-/* ZeRO: where parameter i's shard sits in bucket b's range buffer
- * (shard_buf: this rank's range, what a reduce-scatter delivers and an
+/* ZeRO: where parameter i's shard sits in a buffer of bucket b's range
+ * (this rank's part of the bucket: what a reduce-scatter delivers and an
  * allgather sends). */
+static char *range_at(const gj_ddp *d, const ddp_bucket *b, int i, void *range) {
+    return (char *)range + (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wire_bytes(b->wire);
+}
+
+/* The same in b's own range buffer, shard_buf. */
 static char *in_range(const gj_ddp *d, const ddp_bucket *b, int i) {
-    return (char *)b->shard_buf +
-           (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wire_bytes(b->wire);
+    return range_at(d, b, i, b->shard_buf);
 }
 
 /* ZeRO: where parameter i's shard's averages are once b was reduced
@@ -592,8 +596,8 @@ static int z3_start(gj_ddp *d, int k) {
     for (int j = 0; j < b->n; j++) {
         int i = d->order[b->first + j];
         if (!d->shard[i]) continue;
-        memcpy((char *)b->send + (d->offset[i] + d->shard_at[i] - b->lo) * (int64_t)wb,
-               gj_rt_data_ptr(d->shard[i]), (size_t)gj_tensor_numel(d->shard[i]) * wb);
+        memcpy(range_at(d, b, i, b->send), gj_rt_data_ptr(d->shard[i]),
+               (size_t)gj_tensor_numel(d->shard[i]) * wb);
     }
     b->gjob = (gj_dist_job){.kind = GJ_DIST_ALLGATHER, .wire = b->wire, .send = b->send,
                             .buf = b->full, .count = s};
