@@ -149,50 +149,32 @@ static int llmc_read_header(const char *op, const char *path, int fd, int64_t si
 }
 
 /* A file written under a temporary name, renamed over its path when
- * complete (llmc_sink_open, llmc_sink_write..., llmc_sink_close). */
+ * complete (runtime/files.c's sink, with this file's errors). */
 typedef struct llmc_sink {
     const char *op, *path;
-    char *tmp;
-    int fd;
+    gj_rt_sink s;
 } llmc_sink;
 
 static int llmc_sink_open(llmc_sink *s, const char *op, const char *path) {
-    static atomic_uint seq;
+    char why[300];
     s->op = op;
     s->path = path;
-    s->fd = -1;
-    s->tmp = NULL;
     if (!path || !path[0]) {
         gj_rt_set_error("%s: NULL or empty path", op);
         return -1;
     }
-    size_t plen = strlen(path);
-    if (!(s->tmp = gj_rt_malloc(plen + 64)))
-        return -1;
-    snprintf(s->tmp, plen + 64, "%s.tmp-%ld-%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
-    s->fd = open(s->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (s->fd < 0) {
-        gj_rt_set_error("%s: cannot create %s: %s", op, s->tmp, strerror(errno));
-        gj_rt_free(s->tmp);
-        s->tmp = NULL;
+    if (gj_rt_sink_open(&s->s, -1, path, NULL, 0644, why, sizeof why) != 0) {
+        gj_rt_set_error("%s: cannot write %s: %s", op, path, why);
         return -1;
     }
     return 0;
 }
 
 static int llmc_sink_write(llmc_sink *s, const void *buf, size_t n) {
-    const char *b = buf;
-    while (n > 0) {
-        ssize_t w = write(s->fd, b, n > (1u << 30) ? (1u << 30) : n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            gj_rt_set_error("%s: writing %s: %s", s->op, s->path,
-                            w < 0 ? strerror(errno) : "no progress");
-            return -1;
-        }
-        b += w;
-        n -= (size_t)w;
+    char why[200];
+    if (gj_rt_sink_write(&s->s, buf, n, why, sizeof why) != 0) {
+        gj_rt_set_error("%s: writing %s: %s", s->op, s->path, why);
+        return -1;
     }
     return 0;
 }
@@ -201,27 +183,13 @@ static int llmc_sink_write(llmc_sink *s, const void *buf, size_t n) {
  * otherwise (or if one of those fails) the temporary file is removed.
  * 0 or -1 (error set). */
 static int llmc_sink_close(llmc_sink *s, bool ok) {
-    int rc = ok ? 0 : -1;
-    if (s->fd < 0)
+    char why[200];
+    if (gj_rt_sink_close(&s->s, ok, true, why, sizeof why) != 0) {
+        if (ok)
+            gj_rt_set_error("%s: cannot write %s: %s", s->op, s->path, why);
         return -1;
-    if (rc == 0 && fsync(s->fd) != 0) {
-        gj_rt_set_error("%s: fsync %s: %s", s->op, s->tmp, strerror(errno));
-        rc = -1;
     }
-    if (close(s->fd) != 0 && rc == 0) {
-        gj_rt_set_error("%s: close %s: %s", s->op, s->tmp, strerror(errno));
-        rc = -1;
-    }
-    if (rc == 0 && rename(s->tmp, s->path) != 0) {
-        gj_rt_set_error("%s: rename %s to %s: %s", s->op, s->tmp, s->path, strerror(errno));
-        rc = -1;
-    }
-    if (rc != 0)
-        unlink(s->tmp);
-    gj_rt_free(s->tmp);
-    s->tmp = NULL;
-    s->fd = -1;
-    return rc;
+    return 0;
 }
 
 /* ------------------------------------------------------------- model */

@@ -467,24 +467,16 @@ static int st_mem_write(void *ctx, const void *p, size_t n) {
 }
 
 typedef struct st_filesink {
-    int fd;
+    gj_rt_sink sink;
     const char *path;
 } st_filesink;
 
 static int st_fd_write(void *ctx, const void *p, size_t n) {
     st_filesink *f = ctx;
-    const char *b = p;
-    while (n > 0) {
-        ssize_t w = write(f->fd, b, n > (1u << 30) ? (1u << 30) : n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            gj_rt_set_error("gj_save_safetensors: writing %s: %s", f->path,
-                            w < 0 ? strerror(errno) : "no progress");
-            return -1;
-        }
-        b += w;
-        n -= (size_t)w;
+    char why[200];
+    if (gj_rt_sink_write(&f->sink, p, n, why, sizeof why) != 0) {
+        gj_rt_set_error("gj_save_safetensors: writing %s: %s", f->path, why);
+        return -1;
     }
     return 0;
 }
@@ -522,52 +514,21 @@ int gj_save_safetensors_buffer(const gj_state_dict *sd, void **out, size_t *len)
 
 int gj_save_safetensors(const gj_state_dict *sd, const char *path) {
     const char *op = "gj_save_safetensors";
-    static atomic_uint seq;
     if (!sd || !path || !path[0]) {
         gj_rt_set_error("%s: NULL state dict or empty path", op);
         return -1;
     }
-    size_t plen = strlen(path);
-    char *tmp = gj_rt_malloc(plen + 64);
-    if (!tmp)
-        return -1;
-    snprintf(tmp, plen + 64, "%s.tmp-%ld-%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        /* name the user's path (the temporary name is ours); a missing
-         * directory is the usual cause, so name it too */
-        int e = errno;
-        const char *slash = strrchr(path, '/');
-        int dlen = slash ? (slash == path ? 1 : (int)(slash - path)) : 1;
-        if (e == ENOENT)
-            gj_rt_set_error("%s: cannot write %s: the directory %.*s does not exist", op, path,
-                            dlen, slash ? path : ".");
-        else
-            gj_rt_set_error("%s: cannot write %s: %s (creating a temporary file in its "
-                            "directory)", op, path, strerror(e));
-        gj_rt_free(tmp);
+    st_filesink f = {.path = path};
+    char why[300];
+    if (gj_rt_sink_open(&f.sink, -1, path, NULL, 0644, why, sizeof why) != 0) {
+        gj_rt_set_error("%s: cannot write %s: %s", op, path, why); /* the user's path, not ours */
         return -1;
     }
-    st_filesink f = {fd, path};
     int rc = st_write(op, sd, st_fd_write, &f, NULL);
-    if (rc == 0 && fsync(fd) != 0) {
-        gj_rt_set_error("%s: cannot write %s: fsync of the temporary file %s: %s", op, path, tmp,
-                        strerror(errno));
+    if (gj_rt_sink_close(&f.sink, rc == 0, true, why, sizeof why) != 0 && rc == 0) {
+        gj_rt_set_error("%s: cannot write %s: %s", op, path, why);
         rc = -1;
     }
-    if (close(fd) != 0 && rc == 0) {
-        gj_rt_set_error("%s: cannot write %s: close of the temporary file %s: %s", op, path, tmp,
-                        strerror(errno));
-        rc = -1;
-    }
-    if (rc == 0 && rename(tmp, path) != 0) {
-        gj_rt_set_error("%s: cannot write %s: rename of the temporary file %s onto it: %s", op,
-                        path, tmp, strerror(errno));
-        rc = -1;
-    }
-    if (rc != 0)
-        unlink(tmp);
-    gj_rt_free(tmp);
     return rc;
 }
 

@@ -52,6 +52,8 @@ void gj_jit_set_quiet(bool quiet);
 /* The on-disk cache directory (overrides GRADJIT_CACHE_DIR); NULL or ""
  * turns the disk cache off. Not thread-safe against running backwards. */
 void gj_jit_set_disk_cache(const char *dir);
+/* Back to the runtime's cache directory (GRADJIT_CACHE_DIR's rules). */
+void gj_jit_default_disk_cache(void);
 
 /* Appended by helper "jit2". */
 

@@ -85,6 +85,18 @@ void *gj_rt_realloc(void *p, size_t n) {
     return q;
 }
 
+void *gj_rt_malloc_aligned(size_t align, size_t n) {
+    if (gj_rt_alloc_attempt()) {
+        gj_rt_oom(n);
+        return NULL;
+    }
+    size_t size = (n + align - 1) & ~(align - 1); /* aligned_alloc wants a multiple */
+    void *p = size >= n ? aligned_alloc(align, size ? size : align) : NULL;
+    if (!p)
+        gj_rt_oom(n);
+    return p;
+}
+
 void gj_rt_free(void *p) { free(p); }
 
 /* Raises the peak to at least `live` (lock-free max). */

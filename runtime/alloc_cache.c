@@ -108,13 +108,8 @@ static size_t class_of(size_t n, int *idx) {
 
 static int64_t limit_bytes(void) {
     if (g_limit < 0) {
-        const char *v = getenv("GRADJIT_ALLOC_CACHE_MB");
-        long long mb = DEFAULT_LIMIT_MB;
-        if (v && *v) {
-            char *end;
-            long long x = strtoll(v, &end, 10);
-            if (*end == '\0' && x >= 0) mb = x;
-        }
+        int64_t env = gj_rt_env_alloc_cache();
+        long long mb = env >= 0 ? env >> 20 : DEFAULT_LIMIT_MB;
         g_limit = mb > INT64_MAX / (1 << 20) ? INT64_MAX : mb * (1 << 20);
     }
     return g_limit;
@@ -217,17 +212,7 @@ int64_t gj_rt_cache_bytes(void) {
  * no limit (a value that is not a count warns once). */
 static int64_t mem_limit_locked(void) {
     if (g_mem_limit < 0) {
-        g_mem_limit = 0;
-        const char *v = getenv("GRADJIT_MEM_LIMIT_MB");
-        if (v && *v) {
-            char *end;
-            long long x = strtoll(v, &end, 10);
-            if (*end == '\0' && x > 0 && x <= INT64_MAX / (1 << 20))
-                g_mem_limit = x * (1 << 20);
-            else
-                fprintf(stderr, "gradjit: GRADJIT_MEM_LIMIT_MB=%s is not a count of MiB >= 1: no "
-                                "memory limit\n", v);
-        }
+        g_mem_limit = gj_rt_env_mem_limit();
     }
     return g_mem_limit;
 }

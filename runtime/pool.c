@@ -96,25 +96,10 @@ static void gj_rt_pool_atfork_child(void) {
     t_in_task = false;
 }
 
-/* Reads GRADJIT_NUM_THREADS once (pthread_once): a whole number sets the
- * thread count (<= 0: one per core); anything else is reported on stderr
- * and the default kept. */
+/* The starting thread count: GRADJIT_NUM_THREADS (settings.c; <= 0 or
+ * unset: one per core). */
 static void gj_rt_pool_config(void) {
-    long n = 0;
-    const char *env = getenv("GRADJIT_NUM_THREADS");
-    if (env && *env) {
-        char *end;
-        errno = 0;
-        n = strtol(env, &end, 10);
-        if (*end != '\0' || end == env || errno != 0) {
-            fprintf(stderr,
-                    "gradjit: GRADJIT_NUM_THREADS='%s' is not a number: using the default "
-                    "(one thread per core)\n",
-                    env);
-            n = 0;
-        }
-    }
-    atomic_store(&g_nthreads, gj_rt_clamp_threads(n));
+    atomic_store(&g_nthreads, gj_rt_clamp_threads(gj_rt_env_threads()));
     pthread_atfork(NULL, NULL, gj_rt_pool_atfork_child);
 }
 
@@ -123,13 +108,12 @@ int gj_rt_num_threads(void) {
     return atomic_load(&g_nthreads);
 }
 
-/* n <= 0: one per core. Applies to gradjit's pool (at its next use) and to
- * OpenBLAS (at once if loaded, else when it loads). */
+/* n <= 0: one per core. Applies to gradjit's pool at its next use
+ * (OpenBLAS and oneDNN always run single-threaded on the pool's threads). */
 void gj_rt_set_num_threads(int n) {
     pthread_once(&g_cfg_once, gj_rt_pool_config);
     int t = gj_rt_clamp_threads(n);
     atomic_store(&g_nthreads, t);
-    gj_rt_blas_set_num_threads(t);
 }
 
 bool gj_rt_in_pool_task(void) { return t_in_task; }

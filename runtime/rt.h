@@ -53,6 +53,9 @@ void *gj_rt_malloc(size_t n);
 void *gj_rt_calloc(size_t count, size_t n);
 void *gj_rt_realloc(void *p, size_t n);
 void gj_rt_free(void *p);
+/* A metadata block aligned to align (a power of two, at least
+ * sizeof(void *)), freed with gj_rt_free; NULL with an error on failure. */
+void *gj_rt_malloc_aligned(size_t align, size_t n);
 /* Tensor data: 64-byte aligned, counted in live/peak bytes. */
 void *gj_rt_alloc_data(size_t nbytes);
 void gj_rt_free_data(void *p, size_t nbytes);
@@ -60,6 +63,84 @@ void gj_rt_free_data(void *p, size_t nbytes);
  * 0 disables. Returns how many allocations happened since the last call. */
 int64_t gj_rt_alloc_fail_at(int64_t n);
 int64_t gj_rt_alloc_count(void); /* every allocation made, both paths */
+
+/* ----------------------------------------------------------- settings */
+
+/* settings.c: the GRADJIT_* variables of the runtime, each read once on
+ * first use (a value that does not parse is reported once and the default
+ * used); the modules' setters win over them. */
+int gj_rt_env_threads(void);         /* GRADJIT_NUM_THREADS; 0: one per core */
+int64_t gj_rt_env_alloc_cache(void); /* GRADJIT_ALLOC_CACHE_MB in bytes; -1: default */
+int64_t gj_rt_env_mem_limit(void);   /* GRADJIT_MEM_LIMIT_MB in bytes; 0: none */
+int gj_rt_env_gemm(void);            /* GRADJIT_GEMM: a gj_rt_gemm_provider */
+bool gj_rt_env_hugepages(void);      /* GRADJIT_HUGEPAGES (default on) */
+/* The cache directory: GRADJIT_CACHE_DIR ("off": none), else
+ * $XDG_CACHE_HOME/gradjit, else $HOME/.cache/gradjit; NULL for none. The
+ * program cache (jit/) and the GEMM choices keep their files there. */
+const char *gj_rt_env_cache_dir(void);
+/* GRADJIT_LOG's words (the one parser of the library; "help" lists them). */
+enum {
+    GJ_RT_LOG_GRAPH = 1,
+    GJ_RT_LOG_IR = 2,
+    GJ_RT_LOG_CACHE = 4,
+    GJ_RT_LOG_FALLBACK = 8,
+    GJ_RT_LOG_PLAN = 16,
+    GJ_RT_LOG_PROF = 32,
+    GJ_RT_LOG_RECOMPILES = 64,
+    GJ_RT_LOG_INSTRS = 128,
+    GJ_RT_LOG_LEAKS = 256,
+    GJ_RT_LOG_GEMM = 512,
+    GJ_RT_LOG_ALL = 0x3ff,
+};
+unsigned gj_rt_log_flags(void);
+
+/* -------------------------------------------------------------- files */
+
+/* files.c: files written whole and read back distrustfully. Nothing here
+ * sets the thread's error: failures are described in why[]. */
+struct stat;
+/* Whether st is owned by this user and not writable by group or others
+ * (else why[] says which). */
+bool gj_rt_file_trusted(const struct stat *st, char *why, size_t why_cap);
+/* Directory dir opened one component at a time (missing ones created 0700
+ * when create), if trusted: its descriptor; -2 when it is not trusted (why[]
+ * says how: "owned by ...", "writable by ..."); -1 otherwise, with why[]
+ * set (empty when it does not exist and create is false). */
+int gj_rt_dir_open(const char *dir, bool create, char *why, size_t why_cap);
+/* File name in directory dfd, read whole if it is a regular trusted file
+ * of at most max bytes (opened without blocking or following a symlink):
+ * 0 with *data (gj_rt_free it) and *len; 1 when it does not exist; -2
+ * when it is not trusted and -1 when it cannot be read, with why[] set. */
+int gj_rt_file_read(int dfd, const char *name, size_t max, unsigned char **data, size_t *len,
+                    char *why, size_t why_cap);
+/* Reads exactly n bytes from fd: 0, or -1 (error or end of file first). */
+int gj_rt_read_all(int fd, void *buf, size_t n);
+/* flock on directory dfd, waiting at most max_ms: whether it is held. */
+bool gj_rt_dir_lock(int dfd, int max_ms);
+void gj_rt_dir_unlock(int dfd);
+/* 64 unpredictable bits (getrandom, else the clock, pid and a counter). */
+uint64_t gj_rt_nonce64(void);
+/* A file written under a fresh temporary name in its directory (dfd, or
+ * name's own directory when dfd < 0; tmp_prefix + 16 hex digits, or
+ * ".<name>.tmp-" + 16 hex when tmp_prefix is NULL), renamed over name when
+ * complete: open, write..., close(ok). mode as open(2) takes it (0600 for
+ * cache files). */
+typedef struct gj_rt_sink {
+    int fd, dfd;
+    bool own_dfd;
+    char name[208], tmp[232];
+} gj_rt_sink;
+int gj_rt_sink_open(gj_rt_sink *s, int dfd, const char *name, const char *tmp_prefix,
+                    unsigned mode, char *why, size_t why_cap);
+int gj_rt_sink_write(gj_rt_sink *s, const void *buf, size_t n, char *why, size_t why_cap);
+/* ok: sync (when asked), close and rename; else (or if one of those
+ * fails) the temporary file is removed. 0 or -1 (why[] set). */
+int gj_rt_sink_close(gj_rt_sink *s, bool ok, bool sync, char *why, size_t why_cap);
+/* The whole of a sink in one call. 0 or -1 (why[] set). */
+int gj_rt_file_write(int dfd, const char *name, const char *tmp_prefix, unsigned mode,
+                     const void *data, size_t n, bool sync, char *why, size_t why_cap);
+/* "gradjit: <message>" on stderr unless this process printed it before. */
+void gj_rt_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ------------------------------------------------------------ storage */
 
@@ -206,11 +287,11 @@ void gj_rt_parallel_for(int64_t n, int64_t grain, gj_rt_range_fn fn, void *ctx);
 void gj_rt_set_num_threads(int n);
 int gj_rt_num_threads(void);
 
-/* --------------------------------------------------------------- BLAS */
+/* --------------------------------------------------------------- GEMM */
 
-/* Loads OpenBLAS (choosing a core type from cpuid first if the user did
- * not set OPENBLAS_CORETYPE), once. 0 on success. */
-int gj_rt_blas_init(void);
+/* The GEMM layer (gemm.c, the entry; gemm_choice.c, the provider of each
+ * GEMM shape; openblas.c and onednn.c, the leaves; gemm_int.h, its inside).
+ * OpenBLAS is loaded at first use; its core and build configuration: */
 const char *gj_rt_blas_corename(void);
 const char *gj_rt_blas_config(void);
 /* Row-major C[M,N] = alpha * op(A) op(B) + beta * C with leading dims. */
@@ -222,8 +303,8 @@ void gj_rt_dgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha
                  double *C, int64_t ldc);
 /* C[M,N] = op(A) op(B) + beta * C with bf16 operands and an f32 result
  * (beta 0 or 1), accumulated in f32: oneDNN's bf16 matmul where the
- * provider setting gives it the GEMM (gj_rt_gemm_alt_block), else both
- * operands converted to f32 (exactly) for OpenBLAS's sgemm. */
+ * provider setting gives it the GEMM, else both operands converted to f32
+ * (exactly) for OpenBLAS's sgemm. */
 void gj_rt_bgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A,
                  int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
 
@@ -264,12 +345,9 @@ typedef struct gj_rt_cpu {
 void gj_rt_cpu_detect(gj_rt_cpu *c);
 /* The core for c ("Cooperlake", "SkylakeX", "Zen", "Haswell") or NULL. */
 const char *gj_rt_blas_core_for(const gj_rt_cpu *c);
-/* The OPENBLAS_CORETYPE that gj_rt_blas_init sets from cpuid:
+/* The OPENBLAS_CORETYPE that loading OpenBLAS sets from cpuid:
  * gj_rt_blas_core_for(this CPU), or NULL to let OpenBLAS decide. */
 const char *gj_rt_blas_pick_coretype(void);
-/* Sets OpenBLAS's thread count if it is loaded (gj_rt_set_num_threads calls
- * it; gj_rt_blas_init applies gj_rt_num_threads() after loading). */
-void gj_rt_blas_set_num_threads(int n);
 /* A GEMM as gj_rt_sgemm/dgemm/bgemm take it (row-major; alpha, beta in
  * double). bf16: A and B are bf16 (uint16_t), C is f32 (gj_rt_bgemm). */
 typedef struct gj_rt_gemm_call {
@@ -312,16 +390,17 @@ void gj_rt_gemm_run(const gj_rt_gemm_call *c, const gj_rt_gemm_split *sp);
  * it starts then runs inline). */
 bool gj_rt_in_pool_task(void);
 
-/* ----------------------------------------- GEMM providers (gemm_provider.c) */
+/* ------------------------------------ GEMM providers (gemm_choice.c) */
 
-/* Who computes an f32 or bf16 GEMM block: OpenBLAS (bf16 operands
- * converted to f32), or oneDNN's matmul primitive (when gradjit was built
- * with libdnnl-dev and libdnnl.so.2 loads). DEFAULT (GRADJIT_GEMM unset):
- * f32 to OpenBLAS, bf16 to oneDNN where the CPU multiplies bf16 natively
- * (AVX512_BF16); AUTO (GRADJIT_GEMM=auto) measures both once per GEMM shape
- * and keeps the faster; OPENBLAS / ONEDNN (GRADJIT_GEMM=openblas|onednn)
- * pin one. f64 GEMMs, alpha != 1 and beta other than 0 or 1 are always
- * OpenBLAS's. */
+/* Who computes an f32 or bf16 GEMM: OpenBLAS (bf16 operands converted to
+ * f32), or oneDNN's matmul primitive (when gradjit was built with
+ * libdnnl-dev and libdnnl.so.2 loads), chosen per GEMM shape. DEFAULT
+ * (GRADJIT_GEMM unset): f32 shapes measured once per machine where the
+ * cache directory keeps the choices, OpenBLAS where there is none; bf16
+ * to oneDNN where the CPU multiplies bf16 natively (AVX512_BF16). AUTO
+ * (GRADJIT_GEMM=auto) measures f32 and bf16 shapes (kept in the process
+ * where there is no directory); OPENBLAS / ONEDNN pin one. f64 GEMMs,
+ * alpha != 1 and beta other than 0 or 1 are always OpenBLAS's. */
 typedef enum gj_rt_gemm_provider {
     GJ_RT_GEMM_AUTO = 0,
     GJ_RT_GEMM_OPENBLAS = 1,
@@ -337,34 +416,18 @@ int gj_rt_gemm_provider_setting(void);
 const char *gj_rt_gemm_provider_name(int p); /* "auto", "openblas", "onednn", "default" */
 bool gj_rt_onednn_available(void);
 const char *gj_rt_onednn_version(void); /* "2.6.3 (OpenMP)" or "unavailable" */
-/* Called by gj_rt_gemm_block for block [M, N] of GEMM c (A, B, C: the
- * block's operands; arguments checked, OpenBLAS loaded): computes it with
- * oneDNN and returns true, or returns false for OpenBLAS to compute it. The
- * auto choice is made per GEMM c (not per block), so a GEMM uses one
- * provider whatever the thread count splits it into. */
-bool gj_rt_gemm_alt_block(const gj_rt_gemm_call *c, int64_t M, int64_t N, const void *A,
-                          const void *B, float *C);
-/* The single-threaded OpenBLAS sgemm of a block (alpha 1; OpenBLAS loaded). */
-void gj_rt_sgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float *A,
-                            int64_t lda, const float *B, int64_t ldb, float beta, float *C,
-                            int64_t ldc);
-/* The same for bf16 operands: both converted to f32 (exactly) into the
- * calling thread's scratch, then that sgemm (the plain loop without
- * OpenBLAS). */
-void gj_rt_bgemm_block_blas(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A,
-                            int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C,
-                            int64_t ldc);
 /* Whether the CPU multiplies bf16 natively (AVX512_BF16): where the default
  * setting sends bf16 GEMMs to oneDNN. */
 bool gj_rt_cpu_native_bf16(void);
-/* The auto mode's decision for a GEMM: 0 none yet, 1 OpenBLAS, 2 oneDNN. */
-int gj_rt_gemm_choice(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                      int64_t ldc, bool beta1, bool bf16);
+/* The measured decision for a GEMM shape: 0 none yet, 1 OpenBLAS, 2 oneDNN. */
+int gj_rt_gemm_choice(bool ta, bool tb, int64_t M, int64_t N, int64_t K, bool beta1, bool bf16);
 typedef struct gj_rt_gemm_stats {
     int64_t openblas_blocks, onednn_blocks; /* f32 and bf16 blocks computed by each */
     int64_t bf16_blocks;                    /* of which bf16 */
-    int64_t measured, loaded, refused;      /* keys measured, read from the file, refused */
-    int64_t entries;                        /* keys in the table */
+    int64_t measured, loaded;               /* shapes measured here, read from the file */
+    int64_t refused;                        /* block shapes oneDNN refused */
+    int64_t entries;                        /* shapes in the table */
+    int64_t sample_macs;                    /* the largest sample a decision timed */
 } gj_rt_gemm_stats;
 void gj_rt_gemm_get_stats(gj_rt_gemm_stats *s);
 /* Tests: forgets every choice and primitive and zeroes the counters (no

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * test_gemm_provider.c - the GEMM providers behind gj_rt_sgemm and the
- * compiled program's blocks (runtime/gemm_provider.c): OpenBLAS and oneDNN's
- * matmul primitive, chosen per block shape.
+ * compiled program's blocks (runtime/gemm*.c, openblas.c, onednn.c):
+ * OpenBLAS and oneDNN's matmul primitive, chosen per GEMM shape.
  *
  *   - Each provider (pinned) and the automatic choice agree with a naive
  *     f64 reference within an f32 error bound, on random shapes with every
@@ -19,10 +19,16 @@
  *     of gj_rt_sgemm on the pool, for 1, 2 and 3 threads; oneDNN's bits do
  *     not depend on the thread count. (`--thread-bits` prints, per
  *     provider, how many elements change with the thread count.)
- *   - The automatic choice is measured once per GEMM shape, kept for every
- *     thread count, and read
- *     back from the cache directory by a fresh table (no new measurement);
- *     a damaged, group-writable or symlinked file is not used.
+ *   - The automatic choice is measured once per GEMM shape (whatever the
+ *     leading dimensions: a strided view and a dense copy of one GEMM take
+ *     one provider, and each provider's bits do not depend on them), on a
+ *     bounded sample of the GEMM, kept for every thread count, decided once
+ *     when two threads meet a new shape at once, and read back from the
+ *     cache directory by a fresh table (no new measurement); a damaged,
+ *     group-writable or symlinked file is not used.
+ *   - The default with a cache directory that cannot keep the choices (a
+ *     plain file, a directory below a plain file, a world-writable
+ *     directory): OpenBLAS, nothing measured, one warning naming the path.
  *   - oneDNN starts no threads of its own (OpenMP): the process has no more
  *     threads than gradjit's pool.
  *   - bf16 GEMMs (gj_rt_bgemm: bf16 operands, f32 result, beta 0 or 1):
@@ -43,7 +49,9 @@
  * the pool, N pairs per shape) and the automatic choice per shape.
  */
 #include "gjtest.h"
-#include "runtime/rt.h"
+#include "runtime/gemm_int.h"
+
+#include <pthread.h>
 
 #include <dirent.h>
 #include <errno.h>
@@ -250,7 +258,7 @@ static void case_random(gemm_case *g, gjt_rng *r, int s, int64_t kmax, bool alph
 
 static void test_reference(void **state) {
     (void)state;
-    assert_int_equal(gj_rt_blas_init(), 0);
+    assert_int_equal(gj_rt_openblas_init(), 0);
     int prov[3], np = providers(prov);
     gjt_rng r;
     gjt_rng_seed(&r, 31);
@@ -438,7 +446,8 @@ static void test_deterministic(void **state) {
 }
 
 /* Auto: one measurement per GEMM shape, the choice kept at every thread
- * count. */
+ * count and for every leading dimension; a thread count gives the bits of
+ * the first run at that count, and oneDNN's bits do not depend on it. */
 static void test_auto_once(void **state) {
     (void)state;
     if (!gj_rt_onednn_available()) skip();
@@ -452,26 +461,215 @@ static void test_auto_once(void **state) {
     float *C1 = case_run(&g);
     gj_rt_gemm_stats s1, s2;
     gj_rt_gemm_get_stats(&s1);
-    assert_int_equal(s1.measured, 1); /* one GEMM, measured on one of its blocks */
-    int choice = gj_rt_gemm_choice(false, false, 128, 512, 256, 256, 512, 512, false, false);
+    assert_int_equal(s1.measured, 1); /* one GEMM, measured on a sample of one block */
+    int choice = gj_rt_gemm_choice(false, false, 128, 512, 256, false, false);
     assert_true(choice == 1 || choice == 2);
-    /* other thread counts keep the choice: no new measurement, same bits */
+    /* other thread counts keep the choice: no new measurement; each count's
+     * bits are its own run after run (OpenBLAS's may differ between counts:
+     * its blocks round differently), and oneDNN's are the first run's */
     for (int t = 1; t <= 3; t++) {
         gj_rt_set_num_threads(t);
-        float *C = case_run(&g);
-        assert_true(same_bits(C, C1, g.csz));
-        free(C);
+        float *C = case_run(&g), *Cb = case_run_blocks(&g, t), *Cc = case_run(&g);
+        assert_true(same_bits(C, Cb, g.csz));
+        assert_true(same_bits(C, Cc, g.csz));
+        if (choice == 2) assert_true(same_bits(C, C1, g.csz));
+        free(C), free(Cb), free(Cc);
     }
+    /* the same shape on padded (strided) operands: the same decision */
+    gemm_case gp;
+    gjt_rng_seed(&r, 9);
+    case_make(&gp, &r, false, false, 128, 512, 256, 2, 1.0f, 0.0f);
     gj_rt_set_num_threads(2);
-    for (int i = 0; i < 3; i++) {
-        float *C = case_run(&g);
-        assert_true(same_bits(C, C1, g.csz));
-        free(C);
-    }
+    free(case_run(&gp));
     gj_rt_gemm_get_stats(&s2);
     assert_int_equal(s2.measured, 1);
+    assert_int_equal(gj_rt_gemm_choice(false, false, 128, 512, 256, false, false), choice);
     free(C1);
+    case_free(&gp);
     case_free(&g);
+}
+
+/* The bits of a GEMM do not depend on its operands' leading dimensions,
+ * for either provider pinned: eager may multiply a strided view where a
+ * compiled program multiplies a dense copy of it, and the choice per shape
+ * gives both one provider, so both must give one result. */
+static void test_leading_dims(void **state) {
+    (void)state;
+    int prov[3], np = providers(prov);
+    const int64_t shapes[][5] = {/* ta tb M N K */
+                                 {0, 0, 128, 64, 128}, {0, 1, 128, 128, 64}, {1, 0, 64, 128, 128},
+                                 {1, 1, 97, 211, 133}, {0, 0, 256, 10, 128}, {0, 1, 512, 768, 256}};
+    for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+        for (int p = 0; p < np; p++) {
+            if (prov[p] == GJ_RT_GEMM_AUTO) continue;
+            assert_int_equal(gj_rt_set_gemm_provider(prov[p]), 0);
+            for (int t = 1; t <= 2; t++) {
+                gj_rt_set_num_threads(t);
+                gjt_rng r;
+                gjt_rng_seed(&r, 31 + sh);
+                gemm_case dense, padded;
+                case_make(&dense, &r, shapes[sh][0], shapes[sh][1], shapes[sh][2], shapes[sh][3],
+                          shapes[sh][4], 0, 1.0f, 0.0f);
+                gjt_rng_seed(&r, 31 + sh);
+                case_make(&padded, &r, shapes[sh][0], shapes[sh][1], shapes[sh][2],
+                          shapes[sh][3], shapes[sh][4], 5, 1.0f, 0.0f);
+                /* the padded case holds the dense case's values */
+                int64_t ar = dense.ta ? dense.K : dense.M, ac = dense.ta ? dense.M : dense.K;
+                int64_t br = dense.tb ? dense.N : dense.K, bc = dense.tb ? dense.K : dense.N;
+                for (int64_t i = 0; i < ar; i++)
+                    memcpy(padded.A + i * padded.lda, dense.A + i * dense.lda, (size_t)ac * 4);
+                for (int64_t i = 0; i < br; i++)
+                    memcpy(padded.B + i * padded.ldb, dense.B + i * dense.ldb, (size_t)bc * 4);
+                float *Cd = case_run(&dense), *Cp = case_run(&padded);
+                for (int64_t i = 0; i < dense.M; i++)
+                    if (memcmp(Cd + i * dense.ldc, Cp + i * padded.ldc, (size_t)dense.N * 4) != 0) {
+                        print_error("%s, %d threads, shape %zu: row %lld differs with padded "
+                                    "operands\n", gj_rt_gemm_provider_name(prov[p]), t, sh,
+                                    (long long)i);
+                        fail();
+                    }
+                free(Cd), free(Cp);
+                case_free(&dense), case_free(&padded);
+            }
+        }
+}
+
+/* Two threads meeting a new shape at once: one decision, both wait for it
+ * and compute the same bits. */
+typedef struct race_arg {
+    const gemm_case *g;
+    pthread_barrier_t *bar;
+    float *C;
+} race_arg;
+
+static void *race_run(void *v) {
+    race_arg *a = v;
+    pthread_barrier_wait(a->bar);
+    a->C = case_run(a->g);
+    return NULL;
+}
+
+static void test_concurrent_first_calls(void **state) {
+    (void)state;
+    if (!gj_rt_onednn_available()) skip();
+    gj_rt_set_num_threads(1); /* each caller computes its GEMM itself */
+    assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_AUTO), 0);
+    for (int round = 0; round < 4; round++) {
+        gj_rt_gemm_provider_reset();
+        gjt_rng r;
+        gjt_rng_seed(&r, 41 + round);
+        gemm_case g;
+        case_make(&g, &r, round & 1, round >> 1, 192, 160, 144, 0, 1.0f, 0.0f);
+        pthread_barrier_t bar;
+        pthread_barrier_init(&bar, NULL, 2);
+        race_arg a[2] = {{&g, &bar, NULL}, {&g, &bar, NULL}};
+        pthread_t th[2];
+        for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, race_run, &a[i]), 0);
+        for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+        pthread_barrier_destroy(&bar);
+        gj_rt_gemm_stats s;
+        gj_rt_gemm_get_stats(&s);
+        assert_int_equal(s.measured, 1);
+        assert_int_equal(s.entries, 1);
+        assert_true(same_bits(a[0].C, a[1].C, g.csz));
+        free(a[0].C), free(a[1].C);
+        case_free(&g);
+    }
+}
+
+/* A decision times a bounded sample, however large the GEMM. */
+static void test_sample_bounded(void **state) {
+    (void)state;
+    if (!gj_rt_onednn_available()) skip();
+    gj_rt_gemm_provider_reset();
+    gj_rt_set_num_threads(2);
+    assert_int_equal(gj_rt_set_gemm_provider(GJ_RT_GEMM_AUTO), 0);
+    gjt_rng r;
+    gjt_rng_seed(&r, 43);
+    const int64_t shapes[][5] = {{0, 1, 256, 8192, 384}, {1, 0, 2048, 768, 512}, {0, 0, 64, 96, 80}};
+    for (size_t k = 0; k < 3; k++) {
+        gemm_case g;
+        case_make(&g, &r, shapes[k][0], shapes[k][1], shapes[k][2], shapes[k][3], shapes[k][4], 0,
+                  1.0f, 0.0f);
+        double *ref, *tol;
+        case_ref(&g, &ref, &tol);
+        float *C = case_run(&g);
+        case_check(&g, C, ref, tol, "auto, sampled decision");
+        free(C), free(ref), free(tol);
+        case_free(&g);
+    }
+    gj_rt_gemm_stats s;
+    gj_rt_gemm_get_stats(&s);
+    assert_int_equal(s.measured, 3);
+    /* the two large GEMMs (0.8 and 0.8 G multiply-adds) timed on samples of at
+     * most 2^26; the small one whole */
+    assert_true(s.sample_macs > 0);
+    assert_true(s.sample_macs <= ((int64_t)1 << 26));
+}
+
+/* The default with a cache directory that cannot keep choices: in a child
+ * process (the setting and the directory are read once), OpenBLAS for f32,
+ * nothing measured, and one warning naming the path and why. */
+static int child_default_gemm(void) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 47);
+    for (int k = 0; k < 3; k++) {
+        gemm_case g;
+        case_make(&g, &r, false, k == 1, 256, 384 + 16 * k, 384, 0, 1.0f, 0.0f);
+        free(case_run(&g));
+        case_free(&g);
+    }
+    gj_rt_gemm_stats s;
+    gj_rt_gemm_get_stats(&s);
+    printf("setting %s measured %lld onednn %lld openblas %lld\n",
+           gj_rt_gemm_provider_name(gj_rt_gemm_provider_setting()), (long long)s.measured,
+           (long long)s.onednn_blocks, (long long)s.openblas_blocks);
+    return 0;
+}
+
+static void test_default_unusable_dir(void **state) {
+    (void)state;
+    if (!gj_rt_onednn_available()) skip();
+    char dir[] = "/tmp/gj-gemm-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char file[600], below[700], open_dir_[600], good[600], env[4][800];
+    snprintf(file, sizeof file, "%s/plain", dir);
+    snprintf(below, sizeof below, "%s/plain/sub", dir);
+    snprintf(open_dir_, sizeof open_dir_, "%s/shared", dir);
+    snprintf(good, sizeof good, "%s/good", dir);
+    FILE *f = fopen(file, "w");
+    assert_non_null(f);
+    fclose(f);
+    assert_int_equal(mkdir(open_dir_, 0700), 0);
+    assert_int_equal(chmod(open_dir_, 0777), 0);
+    const char *paths[] = {file, below, open_dir_, good};
+    const char *whys[] = {"not a directory", "not a directory", "writable by group or others", NULL};
+    for (int k = 0; k < 4; k++) {
+        snprintf(env[k], sizeof env[k], "GRADJIT_CACHE_DIR=%s", paths[k]);
+        const char *e[] = {env[k], "GRADJIT_GEMM", "GRADJIT_NUM_THREADS=2", NULL};
+        char *out = NULL, *err = NULL;
+        int st = gjt_run_self(g_self, "--child-default-gemm", e, &out, &err);
+        assert_int_equal(st, 0);
+        if (whys[k]) {
+            bool ok = strstr(out, "setting default measured 0 onednn 0") && strstr(err, paths[k]) &&
+                      strstr(err, whys[k]) && strstr(err, "f32 GEMMs use OpenBLAS");
+            int lines = 0;
+            for (const char *c = err; (c = strstr(c, "cannot keep GEMM choices")); c++) lines++;
+            if (!ok || lines != 1)
+                print_error("%s: stdout: %s\nstderr: %s\n", paths[k], out, err);
+            assert_true(ok);
+            assert_int_equal(lines, 1);
+        } else { /* a usable directory: measured, and no warning */
+            if (!strstr(out, "setting default measured 3") || strstr(err, "cannot keep"))
+                print_error("%s: stdout: %s\nstderr: %s\n", paths[k], out, err);
+            assert_non_null(strstr(out, "setting default measured 3"));
+            assert_null(strstr(err, "cannot keep"));
+        }
+        free(out), free(err);
+    }
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
 }
 
 /* Removes test directory dir and the files in it (asserts it is gone). */
@@ -506,7 +704,7 @@ static void test_file(void **state) {
     gj_rt_gemm_stats s;
     gj_rt_gemm_get_stats(&s);
     assert_int_equal(s.measured, 1);
-    int choice = gj_rt_gemm_choice(true, false, 200, 150, 100, 200, 150, 150, false, false);
+    int choice = gj_rt_gemm_choice(true, false, 200, 150, 100, false, false);
     /* one file, ours, 0600 */
     char path[512] = "";
     DIR *d = opendir(dir);
@@ -530,7 +728,7 @@ static void test_file(void **state) {
     gj_rt_gemm_get_stats(&s);
     assert_int_equal(s.measured, 0);
     assert_int_equal(s.loaded, 1);
-    assert_int_equal(gj_rt_gemm_choice(true, false, 200, 150, 100, 200, 150, 150, false, false), choice);
+    assert_int_equal(gj_rt_gemm_choice(true, false, 200, 150, 100, false, false), choice);
     /* group-writable: not used (measured again; the save replaces it) */
     assert_int_equal(chmod(path, 0620), 0);
     gj_rt_gemm_provider_reset();
@@ -602,7 +800,7 @@ static void test_default_f32_rule(void **state) {
     float *C1 = case_run(&g);
     gj_rt_gemm_get_stats(&s);
     assert_int_equal(s.measured, 1);
-    int choice = gj_rt_gemm_choice(false, true, 256, 384, 384, g.lda, g.ldb, g.ldc, false, false);
+    int choice = gj_rt_gemm_choice(false, true, 256, 384, 384, false, false);
     assert_true(choice == 1 || choice == 2); /* (openblas or onednn, as measured) */
     if (s.onednn_blocks == 0) assert_true(same_bits(C0, C1, g.csz)); /* OpenBLAS won */
     /* the next process (a fresh table) takes the kept choice: the same bits */
@@ -761,7 +959,7 @@ static int paired(int pairs) {
             gj_rt_sgemm(ta, tb, M, N, K, 1.0f, g.A, g.lda, g.B, g.ldb, 0.0f, C, g.ldc);
             gj_rt_gemm_split sp;
             gj_rt_gemm_split_of(ta, M, N, K, gj_rt_num_threads(), &sp);
-            int ch = gj_rt_gemm_choice(ta, tb, M, N, K, g.lda, g.ldb, g.ldc, false, false);
+            int ch = gj_rt_gemm_choice(ta, tb, M, N, K, false, false);
             const char *pick = ch == 2 ? "onednn" : ch == 1 ? "openblas" : "openblas (small)";
             printf("%s%s   %5lld %5lld %5lld | %9.1f %9.1f | %6.3f [%5.3f,%5.3f] | %s (%d %s blocks)\n",
                    ta ? "T" : "N", tb ? "T" : "N", (long long)M, (long long)N, (long long)K,
@@ -896,7 +1094,7 @@ static float *case_run_split_bf16(const gemm_case *g) {
 
 static void test_bf16(void **state) {
     (void)state;
-    assert_int_equal(gj_rt_blas_init(), 0);
+    assert_int_equal(gj_rt_openblas_init(), 0);
     int prov[4], np = providers(prov);
     prov[np++] = GJ_RT_GEMM_DEFAULT;
     gjt_rng r;
@@ -1082,6 +1280,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (argc >= 2 && strcmp(argv[1], "--thread-bits") == 0) return thread_bits();
+    if (argc >= 2 && strcmp(argv[1], "--child-default-gemm") == 0) return child_default_gemm();
     if (argc >= 3 && strcmp(argv[1], "--paired") == 0) return paired(atoi(argv[2]) > 0 ? atoi(argv[2]) : 30);
     if (argc >= 3 && strcmp(argv[1], "--paired-bf16") == 0)
         return paired_bf16(atoi(argv[2]) > 0 ? atoi(argv[2]) : 30);
@@ -1093,6 +1292,10 @@ int main(int argc, char **argv) {
         cmocka_unit_test_teardown(test_without_onednn, restore),
         cmocka_unit_test_teardown(test_deterministic, restore),
         cmocka_unit_test_teardown(test_auto_once, restore),
+        cmocka_unit_test_teardown(test_leading_dims, restore),
+        cmocka_unit_test_teardown(test_concurrent_first_calls, restore),
+        cmocka_unit_test_teardown(test_sample_bounded, restore),
+        cmocka_unit_test_teardown(test_default_unusable_dir, restore),
         cmocka_unit_test_teardown(test_file, restore),
         cmocka_unit_test_teardown(test_default_f32_rule, restore),
         cmocka_unit_test_teardown(test_no_extra_threads, restore),

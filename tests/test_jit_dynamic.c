@@ -489,7 +489,7 @@ static void test_disk(void **state) {
     (void)state;
     char dir[] = "/tmp/gj-dyn-XXXXXX";
     assert_non_null(mkdtemp(dir));
-    assert_int_equal(setenv("GRADJIT_CACHE_DIR", dir, 1), 0);
+    gj_jit_set_disk_cache(dir);
     fresh(GJ_CA_DYNAMIC_ALWAYS);
     model m;
     mlp_init(&m, GJ_F32);
@@ -504,7 +504,7 @@ static void test_disk(void **state) {
     assert_int_equal(s.compiles, 0);
     model_free(&m);
     gj_jit_clear_cache();
-    setenv("GRADJIT_CACHE_DIR", "off", 1);
+    gj_jit_set_disk_cache(NULL);
     gj_compiled_autograd_set_dynamic(GJ_CA_DYNAMIC_AUTO);
     char cmd[64];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);

@@ -356,8 +356,7 @@ static void test_parallel_compile(void **state) {
     (void)state;
     char dir[] = "/tmp/gj_parcompile_XXXXXX";
     assert_non_null(mkdtemp(dir));
-    char *old = getenv("GRADJIT_CACHE_DIR") ? strdup(getenv("GRADJIT_CACHE_DIR")) : NULL;
-    setenv("GRADJIT_CACHE_DIR", dir, 1);
+    gj_jit_set_disk_cache(dir);
     gj_manual_seed(21);
     gj_linear_layer l[2 * DL];
     for (int i = 0; i < DL; i++) {
@@ -376,7 +375,7 @@ static void test_parallel_compile(void **state) {
         {2, dir, 2, 0, 1},
     };
     for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
-        setenv("GRADJIT_CACHE_DIR", runs[k].cache, 1);
+        gj_jit_set_disk_cache(strcmp(runs[k].cache, "off") == 0 ? NULL : runs[k].cache);
         gj_set_num_threads(runs[k].threads);
         gj_jit_clear_cache();
         gj_ca_stats a, b;
@@ -401,9 +400,7 @@ static void test_parallel_compile(void **state) {
     }
     gj_set_num_threads(0);
     gj_jit_clear_cache();
-    if (old) setenv("GRADJIT_CACHE_DIR", old, 1);
-    else unsetenv("GRADJIT_CACHE_DIR");
-    free(old);
+    gj_jit_default_disk_cache();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     assert_int_equal(system(cmd), 0);

@@ -10,7 +10,7 @@
  */
 #include "gjtest.h"
 
-#include "runtime/rt.h"
+#include "runtime/gemm_int.h"
 
 #include <dlfcn.h>
 #include <math.h>
@@ -908,7 +908,7 @@ static void test_gemm(void **state) {
 
 static void test_blas_info(void **state) {
     (void)state;
-    assert_int_equal(gj_rt_blas_init(), 0);
+    assert_int_equal(gj_rt_openblas_init(), 0);
     const char *core = gj_rt_blas_corename();
     assert_non_null(core);
     assert_true(core[0] != '\0');
@@ -995,7 +995,7 @@ static void test_blas_coretype_rule(void **state) {
         skip();
     }
     assert_true(g_probe_core[0] != '\0');
-    assert_int_equal(gj_rt_blas_init(), 0);
+    assert_int_equal(gj_rt_openblas_init(), 0);
     const char *used = gj_rt_blas_corename();
     print_message("cpuid rule: %s, OpenBLAS's own detection: %s, in use: %s\n",
                   pick ? pick : "(none)", g_probe_core, used);

@@ -30,7 +30,7 @@
  */
 #include "bench/clock.h"
 #include "runtime/gj_math.h"
-#include "runtime/rt.h"
+#include "runtime/gemm_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -237,7 +237,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     gj_rt_set_num_threads(threads);
-    if (gj_rt_blas_init() != 0) {
+    if (gj_rt_openblas_init() != 0) {
         fprintf(stderr, "gradjit-gemm-split: %s\n", gj_last_error());
         free(shapes);
         return 1;

@@ -92,19 +92,21 @@ void gj_jit_set_disk_limit(int64_t bytes);
 
 /* ----------------------------------------------------------- logging */
 
+/* GRADJIT_LOG's words: the runtime's flags (runtime/settings.c parses the
+ * variable once for every layer). */
 enum {
-    GJ_JIT_LOG_GRAPH = 1,
-    GJ_JIT_LOG_IR = 2,
-    GJ_JIT_LOG_CACHE = 4,
-    GJ_JIT_LOG_FALLBACK = 8,
-    GJ_JIT_LOG_PLAN = 16,
-    GJ_JIT_LOG_PROF = 32, /* time of every instruction of every compiled run */
-    GJ_JIT_LOG_RECOMPILES = 64, /* why a call site compiles again (first key difference) */
-    GJ_JIT_LOG_INSTRS = 128, /* one line per backward and per step of every compiled run */
-    GJ_JIT_LOG_LEAKS = 256, /* at exit: live tensors and open scopes (frontend/tensor.c) */
-    GJ_JIT_LOG_GEMM = 512,  /* the auto GEMM provider's decisions (runtime/gemm_provider.c) */
+    GJ_JIT_LOG_GRAPH = GJ_RT_LOG_GRAPH,
+    GJ_JIT_LOG_IR = GJ_RT_LOG_IR,
+    GJ_JIT_LOG_CACHE = GJ_RT_LOG_CACHE,
+    GJ_JIT_LOG_FALLBACK = GJ_RT_LOG_FALLBACK,
+    GJ_JIT_LOG_PLAN = GJ_RT_LOG_PLAN,
+    GJ_JIT_LOG_PROF = GJ_RT_LOG_PROF, /* time of every instruction of every compiled run */
+    GJ_JIT_LOG_RECOMPILES = GJ_RT_LOG_RECOMPILES, /* why a call site compiles again */
+    GJ_JIT_LOG_INSTRS = GJ_RT_LOG_INSTRS, /* one line per backward and per instruction */
+    GJ_JIT_LOG_LEAKS = GJ_RT_LOG_LEAKS, /* at exit: live tensors and open scopes */
+    GJ_JIT_LOG_GEMM = GJ_RT_LOG_GEMM,   /* GEMM provider decisions (runtime/gemm_choice.c) */
 };
-/* Flags parsed from GRADJIT_LOG (read once; comma separated words). */
+/* Flags parsed from GRADJIT_LOG (read once). */
 unsigned gj_jit_log_flags(void);
 /* GRADJIT_LOG=prof: adds one instruction's time to the summary printed at exit,
  * under its kind or kernel name. */

@@ -41,63 +41,16 @@ static size_limit g_mem_limit = {PTHREAD_ONCE_INIT, mem_limit_read, "GRADJIT_CAC
 static size_limit g_disk_limit = {PTHREAD_ONCE_INIT, disk_limit_read, "GRADJIT_CACHE_DISK_LIMIT",
                                   GJ_JIT_DISK_LIMIT_DEFAULT, 0};
 
-/* GRADJIT_LOG, parsed once per process: comma/space separated words,
- * matched whole and in any case. An unknown word is reported once on
- * stderr (the known ones still count); "help" prints the words. */
+/* GRADJIT_LOG: the runtime parses it once for every layer (runtime/
+ * settings.c, where the words are listed); jit/ adds the exit summary,
+ * registered through gj_jit_on_log_flags, on the first read. */
 static _Atomic int g_log_cached = -1; /* the parsed GRADJIT_LOG flags, -1: not yet */
 
 unsigned gj_jit_log_flags(void) {
-    _Atomic int *cached = &g_log_cached;
-    int v = atomic_load(cached);
+    int v = atomic_load(&g_log_cached);
     if (v >= 0) return (unsigned)v;
-    static const struct {
-        const char *word, *what;
-        unsigned flag;
-    } words[] = {
-        {"graph", "the captured graph, before and after CSE/DCE", GJ_JIT_LOG_GRAPH},
-        {"ir", "the LLVM IR of each compiled module", GJ_JIT_LOG_IR},
-        {"plan", "buffers, kernels and steps of each plan", GJ_JIT_LOG_PLAN},
-        {"cache", "memory/disk hits, compiles, saves, evictions, rejected disk entries",
-         GJ_JIT_LOG_CACHE},
-        {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
-        {"prof", "compile phases, and at exit a summary of the compiled runs (phases, "
-                 "the steps that took the most time)", GJ_JIT_LOG_PROF},
-        {"instrs", "one line per compiled backward and per instruction of it", GJ_JIT_LOG_INSTRS},
-        {"recompiles", "why a call site compiles again: the first difference from its "
-                       "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
-        {"leaks", "at exit: tensors still alive, their bytes, scopes still open", GJ_JIT_LOG_LEAKS},
-        {"gemm", "each GEMM shape's provider as GRADJIT_GEMM=auto decides it, with the "
-                 "measured times (runtime/gemm_provider.c)", GJ_JIT_LOG_GEMM},
-        {"all", "all of the above", 0x3ffu},
-    };
-    static atomic_bool reported;
-    bool report = !atomic_exchange(&reported, true); /* one parse prints */
-    unsigned fl = 0;
-    const char *e = getenv("GRADJIT_LOG");
-    while (e && *e) {
-        size_t n = strcspn(e, ", ");
-        bool known = n == 4 && strncasecmp(e, "help", 4) == 0;
-        if (known && report) {
-            fprintf(stderr, "gradjit: GRADJIT_LOG takes comma- or space-separated words "
-                            "(any case), output on stderr:\n");
-            for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
-                fprintf(stderr, "  %-10s %s\n", words[k].word, words[k].what);
-            fprintf(stderr, "  %-10s this list\n", "help");
-        }
-        for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
-            if (n == strlen(words[k].word) && strncasecmp(e, words[k].word, n) == 0) {
-                fl |= words[k].flag;
-                known = true;
-            }
-        if (!known && report)
-            fprintf(stderr, "gradjit: unknown word '%.*s' in GRADJIT_LOG ignored (the words: "
-                            "graph, ir, plan, cache, fallback, prof, instrs, recompiles, leaks, "
-                            "gemm, all, help)\n",
-                    (int)n, e);
-        e += n;
-        e += strspn(e, ", ");
-    }
-    atomic_store(cached, (int)fl);
+    unsigned fl = gj_rt_log_flags();
+    atomic_store(&g_log_cached, (int)fl);
     void (*fn)(unsigned) = atomic_load(&g_on_flags);
     if (fn && !atomic_exchange(&g_flags_told, true)) fn(fl);
     return fl;

@@ -58,7 +58,8 @@
  *     summed; while the sum is over the limit the least recently used one
  *     (oldest modification time; a used load sets it to the present) is
  *     unlinked, never the entry just written. A temporary file of ours
- *     (exactly tmp_name's pattern, a regular file of this user) is not
+ *     (exactly the pattern of the temporary names its writes use, ".gjc-" and 16
+ *     hex digits (runtime/files.c), a regular file of this user) is not
  *     counted, and is deleted once it is more than an hour old (a writer
  *     died before its rename). Anything else in the directory (other
  *     names, symlinks, directories, other users' files) is neither
@@ -94,7 +95,6 @@ static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '0'};
 static pthread_mutex_t g_dir_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *g_dir_override; /* gj_rt_malloc'd */
 static int g_dir_mode = -1;  /* -1: environment, 0: off, 1: override */
-static char *g_dir_default;  /* $XDG_CACHE_HOME/gradjit or $HOME/.cache/gradjit */
 
 void gj_jit_set_disk_cache(const char *dir) {
     pthread_mutex_lock(&g_dir_lock);
@@ -112,139 +112,39 @@ void gj_jit_set_disk_cache(const char *dir) {
     pthread_mutex_unlock(&g_dir_lock);
 }
 
-/* The default directory is built once per process (on first use) from
- * XDG_CACHE_HOME or HOME; the result stays valid until exit. */
+void gj_jit_default_disk_cache(void) {
+    pthread_mutex_lock(&g_dir_lock);
+    gj_rt_free(g_dir_override);
+    g_dir_override = NULL;
+    g_dir_mode = -1;
+    pthread_mutex_unlock(&g_dir_lock);
+}
+
+/* The override, else the runtime's cache directory (GRADJIT_CACHE_DIR,
+ * XDG_CACHE_HOME or HOME, read once: runtime/settings.c). */
 const char *gj_jit_disk_dir(void) {
     const char *r = NULL;
     pthread_mutex_lock(&g_dir_lock);
-    if (g_dir_mode == 1) {
-        r = g_dir_override;
-    } else if (g_dir_mode < 0) {
-        const char *e = getenv("GRADJIT_CACHE_DIR");
-        if (e) {
-            r = (*e && strcmp(e, "off") != 0) ? e : NULL;
-        } else if (g_dir_default) {
-            r = g_dir_default;
-        } else {
-            const char *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
-            const char *root = x && *x ? x : h && *h ? h : NULL;
-            const char *tail = x && *x ? "/gradjit" : "/.cache/gradjit";
-            if (root) {
-                size_t n = strlen(root) + strlen(tail) + 1;
-                g_dir_default = gj_rt_malloc(n);
-                if (g_dir_default) snprintf(g_dir_default, n, "%s%s", root, tail);
-            }
-            r = g_dir_default;
-        }
-    }
+    if (g_dir_mode == 1) r = g_dir_override;
+    else if (g_dir_mode < 0) r = gj_rt_env_cache_dir();
     pthread_mutex_unlock(&g_dir_lock);
     return r;
 }
 
-/* Prints "gradjit: <message>" on stderr unless this process printed the
- * same message before (the last 64 distinct ones are remembered). */
-static void warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void warn_once(const char *fmt, ...) {
-    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    static uint64_t seen[64];
-    static int n_seen;
-    char small[512], *msg = small;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(small, sizeof small, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    if ((size_t)n >= sizeof small) {
-        msg = gj_rt_malloc((size_t)n + 1);
-        if (!msg) {
-            msg = small; /* print it truncated */
-        } else {
-            va_start(ap, fmt);
-            vsnprintf(msg, (size_t)n + 1, fmt, ap);
-            va_end(ap);
-        }
-    }
-    uint64_t h[2];
-    gj_jit_hash128(msg, strlen(msg), h);
-    pthread_mutex_lock(&lock);
-    bool fresh = true;
-    for (int i = 0; i < n_seen && i < 64; i++) fresh &= seen[i] != h[0];
-    if (fresh) {
-        seen[n_seen % 64] = h[0];
-        n_seen = n_seen < 64 ? n_seen + 1 : 64 + (n_seen + 1) % 64;
-        fprintf(stderr, "gradjit: %s\n", msg);
-    }
-    pthread_mutex_unlock(&lock);
-    if (msg != small) gj_rt_free(msg);
-}
-
-/* Whether the file of st (what: "directory" or "entry", at path dir[/name])
- * may be trusted: owned by this user, not writable by group or others.
- * If not, why[] says so and the reason is reported once on stderr. */
-static bool owner_ok(const struct stat *st, const char *what, const char *dir, const char *name,
-                     char *why, size_t why_cap) {
-    const char *sep = name ? "/" : "";
-    if (!name) name = "";
-    if (st->st_uid != geteuid()) {
-        snprintf(why, why_cap, "%s owned by another user", what);
-        warn_once("disk cache %s %s%s%s is owned by uid %u, not by this user (uid %u): not "
-                  "used, compiling instead",
-                  what, dir, sep, name, (unsigned)st->st_uid, (unsigned)geteuid());
-        return false;
-    }
-    if (st->st_mode & (S_IWGRP | S_IWOTH)) {
-        snprintf(why, why_cap, "%s writable by group or others", what);
-        warn_once("disk cache %s %s%s%s is writable by group or others (mode %03o): not used, "
-                  "compiling instead (chmod go-w it to use it)",
-                  what, dir, sep, name, (unsigned)(st->st_mode & 0777));
-        return false;
-    }
-    return true;
-}
-
-/* Opens directory dir one component at a time (no length limit), creating
- * missing components 0700 when create is true, and checks that the last one
- * may be trusted (owner_ok). Returns its descriptor, or -1 with why[] set
- * (why[0] == '\0': it does not exist and create is false). */
+/* Directory dir opened (runtime/files.c: created 0700 when create, used
+ * only if trusted). A refusal for ownership or mode is reported once per
+ * message and process on stderr. The descriptor, or -1 with why[] set
+ * (empty: it does not exist and create is false). */
 static int open_dir(const char *dir, bool create, char *why, size_t why_cap) {
-    why[0] = '\0';
-    size_t n = strlen(dir);
-    char *copy = gj_rt_malloc(n + 1);
-    int fd = -1;
-    if (!copy) {
-        snprintf(why, why_cap, "out of memory");
-        goto fail;
+    char how[200];
+    int fd = gj_rt_dir_open(dir, create, how, sizeof how);
+    if (fd == -2) {
+        gj_rt_warn_once("disk cache directory %s is %s: not used, compiling instead", dir, how);
+        snprintf(why, why_cap, "directory %s", how);
+    } else if (fd < 0) {
+        snprintf(why, why_cap, "%s", how);
     }
-    memcpy(copy, dir, n + 1);
-    fd = open(dir[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) goto sys_fail;
-    for (char *c = copy; *c;) {
-        size_t len = strcspn(c, "/");
-        char *next = c + len + (c[len] == '/');
-        c[len] = '\0';
-        if (len > 0) {
-            if (create && mkdirat(fd, c, 0700) != 0 && errno != EEXIST) goto sys_fail;
-            int sub = openat(fd, c, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-            if (sub < 0) {
-                if (errno == ENOENT && !create) goto fail; /* no cache yet */
-                goto sys_fail;
-            }
-            close(fd);
-            fd = sub;
-        }
-        c = next;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0) goto sys_fail;
-    if (!owner_ok(&st, "directory", dir, NULL, why, why_cap)) goto fail;
-    gj_rt_free(copy);
-    return fd;
-sys_fail:
-    snprintf(why, why_cap, "cannot open the directory: %s", strerror(errno));
-fail:
-    if (fd >= 0) close(fd);
-    gj_rt_free(copy);
-    return -1;
+    return fd < 0 ? -1 : fd;
 }
 
 static void entry_name(char out[40], const uint64_t h[2]) {
@@ -263,7 +163,7 @@ static bool is_entry_name(const char *name) {
     return strlen(name) == 36 && all_hex(name, 32) && strcmp(name + 32, ".gjc") == 0;
 }
 
-/* Whether name is exactly what tmp_name makes: ".gjc-" and 16 lowercase
+/* Whether name is exactly a temporary name of ours: ".gjc-" and 16 lowercase
  * hex digits. */
 static bool is_tmp_name(const char *name) {
     return strlen(name) == 21 && strncmp(name, ".gjc-", 5) == 0 && all_hex(name + 5, 16);
@@ -622,40 +522,6 @@ static bool disk_able(const gj_jit_program *pr) {
     return true;
 }
 
-/* ------------------------------------------------------ random names */
-
-/* A fresh temporary entry name ".gjc-<16 hex>" (not guessable from the
- * pid: the time, a counter and the address of a local go in too). */
-static void tmp_name(char out[32]) {
-    uint64_t h[2];
-    gj_jit_nonce(h);
-    snprintf(out, 32, ".gjc-%016llx", (unsigned long long)(h[0] ^ h[1]));
-}
-
-/* Writes n bytes to fd. 0 or -1. */
-static int write_all(int fd, const unsigned char *p, size_t n) {
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return -1;
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
-/* Reads n bytes from fd. 0, or -1 (error or end of file first). */
-static int read_all(int fd, unsigned char *p, size_t n) {
-    while (n > 0) {
-        ssize_t r = read(fd, p, n);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return -1;
-        p += r;
-        n -= (size_t)r;
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------- save/load */
 
 /* What names an entry and what a load compares: its key text and hash
@@ -738,8 +604,8 @@ static int save_entry(const entry_id *id, const gj_jit_program *pr, const char *
     bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
     if (!dir) return -1;
     wbuf b = {0};
-    int rc = -1, dfd = -1, fd = -1;
-    char name[40], tmp[32] = "", why[300] = "";
+    int rc = -1, dfd = -1;
+    char name[40], why[300] = "";
     if (!host[0]) {
         snprintf(why, sizeof why, "LLVM did not start");
         goto done;
@@ -770,24 +636,8 @@ static int save_entry(const entry_id *id, const gj_jit_program *pr, const char *
     dfd = open_dir(dir, true, why, sizeof why);
     if (dfd < 0) goto done;
     entry_name(name, id->hash);
-    for (int tries = 0; fd < 0 && tries < 16; tries++) {
-        tmp_name(tmp);
-        fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-        if (fd < 0 && errno != EEXIST) break;
-    }
-    if (fd < 0) {
-        tmp[0] = '\0';
-        snprintf(why, sizeof why, "cannot create a temporary file: %s", strerror(errno));
+    if (gj_rt_file_write(dfd, name, ".gjc-", 0600, b.p, b.n, false, why, sizeof why) != 0)
         goto done;
-    }
-    bool ok = fchmod(fd, 0600) == 0 && write_all(fd, b.p, b.n) == 0;
-    ok = close(fd) == 0 && ok;
-    fd = -1;
-    if (!ok || renameat(dfd, tmp, dfd, name) != 0) {
-        snprintf(why, sizeof why, "cannot write: %s", strerror(errno));
-        goto done;
-    }
-    tmp[0] = '\0';
     rc = 0;
     if (log)
         fprintf(stderr, "[gradjit cache] saved %s/%s (%zu bytes%s)\n", dir, name, b.n,
@@ -795,8 +645,6 @@ static int save_entry(const entry_id *id, const gj_jit_program *pr, const char *
     if (trim_dir(dfd, dir, name, gj_jit_disk_limit(), u, why, sizeof why) != 0 && log)
         fprintf(stderr, "[gradjit cache] could not apply the size limit to %s: %s\n", dir, why);
 done:
-    if (fd >= 0) close(fd);
-    if (tmp[0]) unlinkat(dfd, tmp, 0);
     if (dfd >= 0) close(dfd);
     if (rc != 0 && log)
         fprintf(stderr, "[gradjit cache] not saved to %s: %s\n", dir,
@@ -938,9 +786,9 @@ fail:
     return -1;
 }
 
-/* One load_entry, carried from check to check: the entry's id, its file
- * (dfd, fd: open from le_open on, closed by load_entry), its bytes (data,
- * len: owned, freed by load_entry), the reader over them, and the symbol
+/* One load_entry, carried from check to check: the entry's id, its
+ * directory (dfd: open from le_read on, closed by load_entry), its bytes
+ * (data, len: owned, freed by load_entry), the reader over them, and the symbol
  * prefix the entry names. Each check returns 0, or -1 with why[] set
  * (*found: an entry is there, refused). */
 typedef struct loading {
@@ -950,7 +798,7 @@ typedef struct loading {
     char *why;
     size_t why_cap;
     char name[40];
-    int dfd, fd;
+    int dfd;
     unsigned char *data;
     size_t len;
     rbuf b;
@@ -958,58 +806,30 @@ typedef struct loading {
     size_t sym_n;
 } loading;
 
-/* The entry's file: in a directory we trust, a regular file we own, not
- * too large. */
-static int le_open(loading *l) {
-    char *why = l->why;
+/* The entry's bytes (runtime/files.c: a regular file we own, in a
+ * directory we trust, not too large, read whole) and their checksum (the
+ * last 16 bytes). A refusal for ownership or mode is reported once. */
+static int le_read(loading *l) {
+    char *why = l->why, how[200];
     size_t why_cap = l->why_cap;
     l->dfd = open_dir(l->dir, false, why, why_cap);
     if (l->dfd < 0) {
         *l->found = why[0] != '\0'; /* a directory that exists but is refused */
         return -1;
     }
-    l->fd = openat(l->dfd, l->name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
-    if (l->fd < 0) {
-        if (errno == ENOENT) return -1;
-        *l->found = true;
-        snprintf(why, why_cap, "cannot open: %s", strerror(errno)); /* ELOOP: a symlink */
+    int rc = gj_rt_file_read(l->dfd, l->name, (size_t)GJ_DISK_MAX_BYTES, &l->data, &l->len, how,
+                             sizeof how);
+    *l->found = rc != 1;
+    if (rc == -2)
+        gj_rt_warn_once("disk cache entry %s/%s is %s: not used, compiling instead", l->dir,
+                        l->name, how);
+    if (rc != 0) {
+        snprintf(why, why_cap, "%s%s", rc == -2 ? "entry " : "", how); /* ELOOP: a symlink */
         return -1;
     }
-    *l->found = true;
-    struct stat st;
-    if (fstat(l->fd, &st) != 0) {
-        snprintf(why, why_cap, "cannot stat: %s", strerror(errno));
-        return -1;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        snprintf(why, why_cap, "not a regular file");
-        return -1;
-    }
-    if (!owner_ok(&st, "entry", l->dir, l->name, why, why_cap)) return -1;
-    if (st.st_size > GJ_DISK_MAX_BYTES) {
-        snprintf(why, why_cap, "too large (%lld bytes, the limit is %lld)",
-                 (long long)st.st_size, (long long)GJ_DISK_MAX_BYTES);
-        return -1;
-    }
-    l->len = (size_t)st.st_size;
-    return 0;
-}
-
-/* The entry's bytes, read whole, and their checksum (the last 16 bytes). */
-static int le_read(loading *l) {
-    char *why = l->why;
-    size_t why_cap = l->why_cap, len = l->len;
+    size_t len = l->len;
     if (len < sizeof g_magic + 16) {
         snprintf(why, why_cap, "damaged (truncated)");
-        return -1;
-    }
-    l->data = gj_rt_malloc(len);
-    if (!l->data) {
-        snprintf(why, why_cap, "out of memory");
-        return -1;
-    }
-    if (read_all(l->fd, l->data, len) != 0) {
-        snprintf(why, why_cap, "damaged (read error)");
         return -1;
     }
     uint64_t h[2], want[2];
@@ -1096,14 +916,13 @@ static int load_entry(const entry_id *id, gj_jit_program *pr, const char *prefix
     l.found = found;
     l.why = why;
     l.why_cap = why_cap;
-    l.dfd = l.fd = -1;
+    l.dfd = -1;
     entry_name(l.name, id->hash);
-    int rc = le_open(&l);
-    if (rc == 0) rc = le_read(&l);
+    int rc = le_read(&l);
     if (rc == 0) rc = le_head(&l, prefix);
     if (rc == 0 && load_objects(&l.b, pr, l.sym_n > 0 ? l.sym : NULL, why, why_cap) != 0) rc = -1;
-    if (rc == 0) (void)futimens(l.fd, NULL); /* used now: the LRU stamp (we own it; failure is harmless) */
-    if (l.fd >= 0) close(l.fd);
+    if (rc == 0) /* used now: the LRU stamp (we own it; failure is harmless) */
+        (void)utimensat(l.dfd, l.name, NULL, AT_SYMLINK_NOFOLLOW);
     if (l.dfd >= 0) close(l.dfd);
     gj_rt_free(l.data);
     return rc;
