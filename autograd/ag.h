@@ -298,6 +298,9 @@ extern const gj_ag_opdef gj_ag_op_masked_fill, gj_ag_op_linear;
 /* Appended by conv (ops_conv.c, its header lists the attributes): conv2d(x,
  * w[, b]), max_pool2d(x), avg_pool2d(x), NCHW. */
 extern const gj_ag_opdef gj_ag_op_conv2d, gj_ag_op_max_pool2d, gj_ag_op_avg_pool2d;
+/* The fused ops (ops_fused.c, its header lists the attributes): scaled
+ * dot-product attention. */
+extern const gj_ag_opdef gj_ag_op_sdpa;
 
 /* ------------------------------------ checkpoint regions (helper ckpt) */
 /* Activation checkpointing (autograd/checkpoint.c, public gj_checkpoint).

@@ -341,6 +341,22 @@ GJ_API gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels);
 GJ_API gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx);
 /* Inverted dropout with probability p; identity when !train or p == 0. */
 GJ_API gj_tensor *gj_dropout(gj_tensor *x, double p, bool train);
+/* Scaled dot-product attention, fused: softmax(q k^T scale, causally
+ * masked when causal) v, for q [B, H, T, D], k [B, H, S, D], v [B, H, S, E]
+ * -> [B, H, T, E] in q's dtype. Computed in blocks of 64 queries and 64
+ * keys that never hold the T x S scores: the forward keeps the output and
+ * one log-sum-exp per query, the backward recomputes each block's
+ * probabilities from it (FlashAttention's algorithm). causal: query i sees
+ * keys j <= i (needs T == S). scale <= 0: 1/sqrt(D). When train and
+ * dropout_p > 0, dropout on the probabilities with the generator's mask of
+ * gj_dropout on the [B, H, T, S] probabilities (the counters reserved
+ * likewise). f32, bf16 (f32 statistics; under gj_set_autocast q, k and v
+ * are taken in bf16) or f64; head sizes D, E at most 128; any strides, the
+ * last dimension contiguous or copied. The eager op and every compiled path
+ * compute the same bits. */
+GJ_API gj_tensor *gj_scaled_dot_product_attention(gj_tensor *q, gj_tensor *k, gj_tensor *v,
+                                                  bool causal, double scale, double dropout_p,
+                                                  bool train);
 /* cond (any dtype, nonzero = true) broadcast with a and b. */
 GJ_API gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b);
 /* x with value where mask is nonzero. */

@@ -811,6 +811,50 @@ gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx) {
     return fe_apply1(op, &gj_ag_op_embedding, &a, 2, in);
 }
 
+gj_tensor *gj_scaled_dot_product_attention(gj_tensor *q, gj_tensor *k, gj_tensor *v,
+                                           bool causal, double scale, double dropout_p,
+                                           bool train) {
+    const char *op = "gj_scaled_dot_product_attention";
+    gj_tensor *qkv[3] = {q, k, v};
+    if (!fe_autocast(op, FE_AC_LOW, 3, qkv))
+        return gj_fe_fail();
+    q = qkv[0], k = qkv[1], v = qkv[2];
+    if (!fe_check_float(q, op, "q") || !fe_check_float(k, op, "k") ||
+        !fe_check_float(v, op, "v") || !fe_same_dtype(q, k, op, "q", "k") ||
+        !fe_same_dtype(q, v, op, "q", "v"))
+        return gj_fe_fail();
+    if (!(dropout_p >= 0.0 && dropout_p < 1.0) || scale != scale) {
+        gj_rt_set_error("%s: dropout_p must be in [0, 1) and scale a number (<= 0: 1/sqrt(D)); "
+                        "got dropout_p %g, scale %g", op, dropout_p, scale);
+        return gj_fe_fail();
+    }
+    gj_ag_attrs a = {0};
+    a.nf = 2;
+    a.ni = 3;
+    a.i[0] = causal;
+    a.f[1] = train ? dropout_p : 0.0;
+    gj_rt_meta m[3], om[GJ_RT_MAX_OUTPUTS];
+    for (int i = 0; i < 3; i++)
+        gj_rt_meta_of(qkv[i], &m[i]);
+    a.f[0] = scale > 0 ? scale : 1.0 / sqrt(q->ndim == 4 && q->shape[3] > 0 ? (double)q->shape[3] : 1.0);
+    gj_rt_inst check = {.prim = GJ_P_ATTN_FWD, .n_in = 3, .scalar = a.f[0], .scalar2 = a.f[1],
+                        .keepdim = causal};
+    if (gj_rt_infer(&check, m, om) < 0) { /* the one shape rule, with the op's name */
+        char why[512];
+        snprintf(why, sizeof why, "%s", gj_last_error());
+        gj_rt_set_error("%s: %s", op, why);
+        return gj_fe_fail();
+    }
+    if (a.f[1] > 0) { /* the counters of gj_dropout on [B, H, T, S] */
+        uint64_t seed = gj_rt_rng_seed();
+        uint64_t offset = gj_rt_rng_reserve(
+            (uint64_t)(q->shape[0] * q->shape[1] * q->shape[2] * k->shape[2]));
+        memcpy(&a.i[1], &seed, sizeof seed);
+        a.i[2] = (int64_t)offset;
+    }
+    return fe_apply1(op, &gj_ag_op_sdpa, &a, 3, qkv);
+}
+
 /* Training: reserves numel counters of the global generator, so each call
  * draws a fresh mask and backward regenerates the same one. Identity
  * (!train or p == 0): a view of x (new header, shared storage). */

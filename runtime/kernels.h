@@ -125,4 +125,8 @@ int gj_rt_k_col2im(const gj_rt_inst *inst, gj_tensor *cols, gj_tensor *out);
  * inferred (LN_FWD: xhat, mean, rstd; CE_FWD: loss, lse). */
 int gj_rt_k_composite(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
 
+/* kernels_attention.c. ATTN_FWD: outs o, lse; ATTN_BWD: outs gq, gk, gv
+ * (every output written whole). */
+int gj_rt_k_attention(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
+
 #endif /* GJ_RT_KERNELS_H */

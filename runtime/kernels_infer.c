@@ -42,6 +42,7 @@ static const char *const g_lower[GJ_P_COUNT] = {
     [GJ_P_LOG_SOFTMAX_BWD] = "log_softmax_bwd", [GJ_P_LN_FWD] = "ln_fwd",
     [GJ_P_LN_BWD] = "ln_bwd", [GJ_P_CE_FWD] = "ce_fwd", [GJ_P_CE_BWD] = "ce_bwd",
     [GJ_P_IOTA] = "iota", [GJ_P_IM2COL] = "im2col", [GJ_P_COL2IM] = "col2im",
+    [GJ_P_ATTN_FWD] = "attn_fwd", [GJ_P_ATTN_BWD] = "attn_bwd",
 };
 
 const char *gj_rt_prim_name(gj_rt_prim p) {
@@ -116,10 +117,12 @@ static int gj_rt_k_arity(gj_rt_prim p) {
     case GJ_P_MATMUL: case GJ_P_GATHER_ROWS: case GJ_P_SCATTER_ADD_ROWS:
     case GJ_P_SOFTMAX_BWD: case GJ_P_LOG_SOFTMAX_BWD: case GJ_P_CE_FWD:
         return 2;
-    case GJ_P_WHERE:
+    case GJ_P_WHERE: case GJ_P_ATTN_FWD:
         return 3;
     case GJ_P_LN_BWD: case GJ_P_CE_BWD:
         return 4;
+    case GJ_P_ATTN_BWD:
+        return 6;
     case GJ_P_FILL: case GJ_P_DROPOUT_MASK: case GJ_P_IOTA:
         return 0;
     case GJ_P_CAT:
@@ -573,8 +576,76 @@ int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out) {
         gj_rt_k_set_meta(out, x->dtype, im ? 6 : 4, sh);
         return 1;
     }
+    case GJ_P_ATTN_FWD: case GJ_P_ATTN_BWD:
+        return gj_rt_attn_infer(inst, in, out);
     default:
         break;
     }
     IERR("has no shape rule");
+}
+
+/* ATTN_FWD / ATTN_BWD (runtime/attention.h's layout). */
+int gj_rt_attn_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out) {
+    char s1[160], s2[160], s3[160];
+    const char *name = gj_rt_prim_name(inst->prim);
+    const gj_rt_meta *q = &in[0], *k = &in[1], *v = &in[2];
+    gj_dtype dt = q->dtype;
+    if (!gj_rt_k_is_float(dt) || k->dtype != dt || v->dtype != dt) {
+        gj_rt_set_error("%s: q, k and v must share one float dtype (f32, f64, bf16); got %s, %s, "
+                        "%s", name, gj_rt_dtype_name(dt), gj_rt_dtype_name(k->dtype),
+                        gj_rt_dtype_name(v->dtype));
+        return -1;
+    }
+    gj_rt_fmt_shape(s1, sizeof s1, q->ndim, q->shape);
+    gj_rt_fmt_shape(s2, sizeof s2, k->ndim, k->shape);
+    gj_rt_fmt_shape(s3, sizeof s3, v->ndim, v->shape);
+    bool ok = q->ndim == 4 && k->ndim == 4 && v->ndim == 4;
+    for (int d = 0; ok && d < 2; d++)
+        ok = k->shape[d] == q->shape[d] && v->shape[d] == q->shape[d];
+    ok = ok && k->shape[3] == q->shape[3] && v->shape[2] == k->shape[2];
+    if (!ok) {
+        gj_rt_set_error("%s: expected q [B, H, T, D], k [B, H, S, D], v [B, H, S, E]; got q %s, k "
+                        "%s, v %s", name, s1, s2, s3);
+        return -1;
+    }
+    int64_t T = q->shape[2], S = k->shape[2], D = q->shape[3], E = v->shape[3];
+    if (T < 1 || S < 1 || D < 1 || E < 1 || D > GJ_RT_ATTN_DMAX || E > GJ_RT_ATTN_DMAX) {
+        gj_rt_set_error("%s: q %s, k %s, v %s: T, S, D and E must be at least 1 and the head sizes "
+                        "D and E at most %d", name, s1, s2, s3, GJ_RT_ATTN_DMAX);
+        return -1;
+    }
+    if (inst->keepdim && T != S) {
+        gj_rt_set_error("%s: causal attention needs as many keys as queries; got q %s, k %s",
+                        name, s1, s2);
+        return -1;
+    }
+    if (!(inst->scalar2 >= 0.0 && inst->scalar2 < 1.0) || !(inst->scalar == inst->scalar)) {
+        gj_rt_set_error("%s: dropout p must be in [0, 1) and the scale a number; got p %g, scale "
+                        "%g", name, inst->scalar2, inst->scalar);
+        return -1;
+    }
+    gj_dtype st = dt == GJ_F64 ? GJ_F64 : GJ_F32; /* lse's dtype */
+    int64_t o[4] = {q->shape[0], q->shape[1], T, E};
+    if (inst->prim == GJ_P_ATTN_FWD) {
+        gj_rt_k_set_meta(&out[0], dt, 4, o);
+        gj_rt_k_set_meta(&out[1], st, 3, o);
+        return 2;
+    }
+    const gj_rt_meta *om = &in[3], *go = &in[4], *lse = &in[5];
+    bool shapes = om->dtype == dt && go->dtype == dt && lse->dtype == st && om->ndim == 4 &&
+                  go->ndim == 4 && lse->ndim == 3;
+    for (int d = 0; shapes && d < 4; d++)
+        shapes = om->shape[d] == o[d] && go->shape[d] == o[d] && (d == 3 || lse->shape[d] == o[d]);
+    if (!shapes) {
+        gj_rt_set_error("%s: expected o and go %s [%lld, %lld, %lld, %lld] and lse %s [%lld, %lld, "
+                        "%lld] for q %s, v %s", name, gj_rt_dtype_name(dt), (long long)o[0],
+                        (long long)o[1], (long long)o[2], (long long)o[3], gj_rt_dtype_name(st),
+                        (long long)o[0], (long long)o[1], (long long)o[2], s1, s3);
+        return -1;
+    }
+    out[0] = *q;
+    out[0].ndim = 4;
+    out[1] = *k;
+    out[2] = *v;
+    return 3;
 }

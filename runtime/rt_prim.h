@@ -62,7 +62,10 @@
     X(IOTA)             /* inst.shape/dtype: value = index along inst.axis */        \
     /* sliding windows (conv2d, pooling), appended; geometry in inst.shape, below */  \
     X(IM2COL)  /* x[N,C,H,W] -> [N,C,kh,kw,OH,OW], scalar outside the image */        \
-    X(COL2IM)  /* cols[N,C,kh,kw,OH,OW] -> [N,C,H=start,W=len], overlaps summed */
+    X(COL2IM)  /* cols[N,C,kh,kw,OH,OW] -> [N,C,H=start,W=len], overlaps summed */   \
+    /* fused attention (runtime/attention.h), appended */                            \
+    X(ATTN_FWD) /* q[B,H,T,D], k[B,H,S,D], v[B,H,S,E] -> o[B,H,T,E], lse[B,H,T] */    \
+    X(ATTN_BWD) /* (q, k, v, o, go, lse) -> gq, gk, gv */
 
 typedef enum gj_rt_prim {
 #define GJ_RT_PRIM_ENUM(name) GJ_P_##name,
@@ -74,6 +77,7 @@ typedef enum gj_rt_prim {
 const char *gj_rt_prim_name(gj_rt_prim p);
 
 #define GJ_RT_MAX_INPUTS 16 /* CAT takes at most this many */
+#define GJ_RT_ATTN_DMAX 128 /* ATTN_*: the largest head size (attention.h's GJ_ATTN_DMAX) */
 #define GJ_RT_MAX_OUTPUTS 3
 
 /* One instruction: the primitive and its attributes (unused fields zero). */
@@ -90,7 +94,8 @@ typedef struct gj_rt_inst {
     int axis;        /* SLICE/PAD/CAT */
     int64_t start;   /* SLICE/PAD */
     int64_t len;     /* SLICE: length taken; PAD: output length; SCATTER_ADD_ROWS: V */
-    uint64_t seed, rng_offset; /* DROPOUT_MASK */
+    uint64_t seed, rng_offset; /* DROPOUT_MASK, ATTN_*'s dropout */
+    double scalar2;  /* ATTN_*: dropout p (scalar: the scale; keepdim: causal) */
     int ndim;        /* RESHAPE/EXPAND/FILL/DROPOUT_MASK target, PERMUTE rank;
                         IM2COL/COL2IM: 8, the window geometry in shape[] */
     int64_t shape[GJ_MAX_DIMS];
@@ -118,6 +123,8 @@ void gj_rt_meta_of(const gj_tensor *t, gj_rt_meta *out);
  * number of outputs (1..3) or -1 with an error naming the primitive, the
  * shapes and dtypes. The one shape rule of eager and compiled modes. */
 int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
+/* gj_rt_infer's rule for ATTN_FWD / ATTN_BWD (inputs already counted). */
+int gj_rt_attn_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
 
 /* Runs inst on real tensors. outs must have room for GJ_RT_MAX_OUTPUTS
  * entries (all are cleared first); outs[k] receive new references (movement

@@ -48,6 +48,7 @@ static uint64_t ptr_hash(const void *p) { return gj_m_mix64((uint64_t)(uintptr_t
 
 uint32_t gj_jit_runtime_attrs(const gj_ag_opdef *op) {
     if (op == &gj_ag_op_dropout) return 0x3u; /* i[0] = seed bits, i[1] = offset */
+    if (op == &gj_ag_op_sdpa) return 0x6u;    /* i[1] = seed bits, i[2] = offset */
     /* a region's i[0..1] hash its tape with the seeds and offsets of its
      * dropouts; the key holds the tape's own text instead (put_tape) */
     if (op == &gj_ag_op_checkpoint) return 0x3u;

@@ -179,7 +179,9 @@ bool gj_jit_inst_equal(const gj_rt_inst *a, const gj_rt_inst *b) {
         a->start != b->start || a->len != b->len || a->seed != b->seed ||
         a->rng_offset != b->rng_offset || a->ndim != b->ndim)
         return false;
-    if (memcmp(&a->scalar, &b->scalar, sizeof a->scalar) != 0) return false;
+    if (memcmp(&a->scalar, &b->scalar, sizeof a->scalar) != 0 ||
+        memcmp(&a->scalar2, &b->scalar2, sizeof a->scalar2) != 0)
+        return false;
     for (int k = 0; k < a->ndim && k < GJ_MAX_DIMS; k++)
         if (a->shape[k] != b->shape[k]) return false;
     return true;
