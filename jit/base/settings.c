@@ -57,17 +57,18 @@ unsigned gj_jit_log_flags(void) {
         {"graph", "the captured graph, before and after CSE/DCE", GJ_JIT_LOG_GRAPH},
         {"ir", "the LLVM IR of each compiled module", GJ_JIT_LOG_IR},
         {"plan", "buffers, kernels and steps of each plan", GJ_JIT_LOG_PLAN},
-        {"cache", "memory/disk hits, compiles, saves, evictions, rejected disk entries",
-         GJ_JIT_LOG_CACHE},
+        {"cache", "memory/disk hits, compiles, saves, evictions, rejected disk entries; at exit "
+                  "the counters of compiled autograd and of the compiled step", GJ_JIT_LOG_CACHE},
         {"fallback", "each backward that runs eagerly, not only the first per key", GJ_JIT_LOG_FALLBACK},
         {"prof", "compile phases, and at exit a summary of the compiled runs (phases, "
                  "the steps that took the most time)", GJ_JIT_LOG_PROF},
         {"instrs", "one line per compiled backward and per instruction of it", GJ_JIT_LOG_INSTRS},
         {"recompiles", "why a call site compiles again: the first difference from its "
-                       "nearest earlier key", GJ_JIT_LOG_RECOMPILES},
+                       "nearest earlier key (a size bound to a symbolic program compiles "
+                       "nothing and prints nothing)", GJ_JIT_LOG_RECOMPILES},
         {"leaks", "at exit: tensors still alive, their bytes, scopes still open", GJ_JIT_LOG_LEAKS},
-        {"gemm", "each GEMM shape's provider as GRADJIT_GEMM=auto decides it, with the "
-                 "measured times (runtime/gemm_provider.c)", GJ_JIT_LOG_GEMM},
+        {"gemm", "each GEMM shape's provider when it is measured (the default with a cache "
+                 "directory, or GRADJIT_GEMM=auto), with the measured times", GJ_JIT_LOG_GEMM},
         {"all", "all of the above", 0x3ffu},
     };
     static atomic_bool reported;
