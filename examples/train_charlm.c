@@ -65,8 +65,10 @@
  * run. --resume FILE continues: parameters ("tok_emb.weight",
  * "blocks.0.attn.qkv.weight", ...), AdamW state, RNG, the batch generator,
  * the step and the loss curve so far are restored, so with the same
- * --steps/--epochs, --batch, --ctx, --seed, text and --threads the loss
- * curve, model and sample are bit-identical to a run that never stopped.
+ * --steps/--epochs, --batch, --ctx, --vary-ctx, --seed, text and --threads
+ * the loss curve, model and sample are bit-identical to a run that never
+ * stopped. The precision (--bf16) and --lr are recorded too (trainer.h): a
+ * checkpoint resumes only with its own.
  *
  * Invariants: every training step, evaluation batch and generated character
  * runs inside gj_scope_push/pop; model, optimizer and text are released
@@ -706,6 +708,7 @@ static int lm_save(train_run *r, gj_state_dict *sd) {
     int rc = 0;
     rc = rc || meta_i64(sd, "train.step", s) || meta_i64(sd, "train.steps", o->steps);
     rc = rc || meta_i64(sd, "train.batch_size", o->f.batch) || meta_i64(sd, "train.ctx", o->ctx);
+    rc = rc || meta_i64(sd, "train.vary_ctx", o->vary_ctx);
     rc = rc || meta_i64(sd, "train.seed", (int64_t)o->f.seed);
     rc = rc || meta_i64(sd, "train.vocab", c->vocab) || meta_i64(sd, "train.chars", c->n);
     rc = rc || meta_u64(sd, "train.batch_rng", r->rng);
@@ -727,11 +730,14 @@ static int lm_resume(train_run *r, ckpt_reader *rd, const char *path) {
     const corpus *c = r->def->data;
     int64_t s;
     uint64_t rng;
-    rd->same = "--steps/--epochs, --batch, --ctx, --seed and text";
+    rd->same = "--steps/--epochs, --batch, --ctx, --vary-ctx, --seed and text";
     snprintf(rd->where, sizeof rd->where, PROG ": %s", path);
     if (ckpt_same(rd, "train.steps", o->steps, NULL) ||
         ckpt_same(rd, "train.batch_size", o->f.batch, NULL) ||
-        ckpt_same(rd, "train.ctx", o->ctx, NULL) || ckpt_same(rd, "train.vocab", c->vocab, NULL) ||
+        ckpt_same(rd, "train.ctx", o->ctx, NULL) ||
+        (gj_state_dict_get_metadata(rd->sd, "train.vary_ctx") && /* (older versions: absent) */
+         ckpt_same(rd, "train.vary_ctx", o->vary_ctx, NULL)) ||
+        ckpt_same(rd, "train.vocab", c->vocab, NULL) ||
         ckpt_same(rd, "train.chars", c->n, NULL) || ckpt_same(rd, "train.step", -1, &s))
         return 1;
     const char *sv = gj_state_dict_get_metadata(rd->sd, "train.seed");
@@ -800,7 +806,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("png", ARG_FILE, &f->png, 0, 0, "loss curves as PNG (\"-\": none)"),
         TRAIN_ARG_SAVE(f),
         ARG_OPT("resume", ARG_FILE, &f->resume, 0, 0,
-                "continue a saved run bit-identically (same settings and --threads)"),
+                "continue a saved run bit-identically (same settings, --bf16 and --threads)"),
         TRAIN_ARG_STOP_AFTER(f),
     };
     int rc = args_parse(PROG,

@@ -31,7 +31,8 @@
  * RNG, the shuffle generator, the epoch's order and position, and the
  * losses so far are restored, so with the same --batch, --seed and
  * --threads the loss curve and the final model are bit-identical to a run
- * that never stopped (--epochs may grow).
+ * that never stopped (--epochs may grow). The precision (--bf16) and --lr
+ * are recorded too (trainer.h): a checkpoint resumes only with its own.
  *
  * Output: a progress bar (on a terminal) with loss, examples/s and backward
  * ms (whole step ms in gj_step's modes); a line per epoch with test
@@ -326,7 +327,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("png", ARG_FILE, &f->png, 0, 0, "loss curve and accuracy as PNG (\"-\": none)"),
         TRAIN_ARG_SAVE(f),
         ARG_OPT("resume", ARG_FILE, &f->resume, 0, 0,
-         "continue a saved run bit-identically (same --batch, --seed, --threads)"),
+         "continue a saved run bit-identically (same --batch, --seed, --lr, --bf16, --threads)"),
         TRAIN_ARG_STOP_AFTER(f),
         ARG_OPT("ddp", ARG_FLAG, &o->ddp, 0, 0,
          "data parallel over MPI ranks (mpirun -np N ... --ddp): each rank takes 1/N of every "

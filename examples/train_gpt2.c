@@ -64,9 +64,10 @@
  * llm.c's names ("model.wte", ...), the AdamW state, the step, the loaders'
  * positions and the sampler's state through gradjit's state dict API, and
  * --resume FILE.safetensors continues from it bit-identically (same
- * --batch, --seq, --shuffle, files and --threads). --save is written at
- * the end, on Ctrl-C (the step under way finishes; exit status 130) and at
- * --stop-after N steps of this run.
+ * --batch, --seq, --shuffle, files and --threads; the precision (--bf16)
+ * and --lr are recorded and must be the checkpoint's: trainer.h). --save
+ * is written at the end, on Ctrl-C (the step under way finishes; exit
+ * status 130) and at --stop-after N steps of this run.
  *
  * Invariants: every training step, evaluation batch and generated token
  * runs inside gj_scope_push/pop; the model, optimizer, loaders and
@@ -431,7 +432,7 @@ static int run_save_files(run *r, const char *path) {
     int64_t epoch = 0, batch = 0;
     int v[6];
     cfg_values(&r->m.cfg, v);
-    int rc = ckpt_add_common(sd, r->opt, r->o->zero ? r->ddp : NULL, PROG, path);
+    int rc = ckpt_add_common(sd, r->opt, r->o->zero ? r->ddp : NULL, &o->f, PROG, path);
     for (int k = 0; k < 6; k++)
         rc = rc || meta_i64(sd, cfg_keys[k], v[k]);
     rc = rc || meta_i64(sd, "train.step", r->step);
@@ -571,6 +572,8 @@ static int train(const opts *o, step_mode mode) {
     gj_state_dict *resume = NULL;
     if (o->f.resume && !(resume = gj_load_safetensors(o->f.resume)))
         goto gj_fail;
+    if (resume && ckpt_check_settings(resume, &o->f, PROG, o->f.resume) != 0)
+        goto done; /* (trained in another precision or with another --lr) */
     if (o->model) {
         if (gpt2_load(&r.m, o->model, GJ_F32) != 0)
             goto gj_fail;
@@ -774,7 +777,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("save", ARG_FILE, &f->save, 0, 0,
                 "checkpoint at the end and on Ctrl-C: FILE.bin (llm.c) or FILE.safetensors"),
         ARG_OPT("resume", ARG_FILE, &f->resume, 0, 0,
-                "continue a FILE.safetensors of --save bit-identically"),
+                "continue a FILE.safetensors of --save bit-identically (same --bf16, --lr)"),
         TRAIN_ARG_STOP_AFTER(f),
         ARG_OPT("init-model", ARG_FILE, &o->init_model, 0, 0,
                 "write a GPT-2-initialised llm.c checkpoint and exit"),

@@ -17,8 +17,10 @@
  *                each epoch's paired ratio with its interquartile range
  *   stopping     the step boundary where a run stops and what it prints
  *   checkpoints  the parts every checkpoint holds (optimizer, RNG, format
- *                and program), arrays, and reading metadata back with a
- *                message naming the key, the value and what was expected
+ *                and program, the precision, --lr and threads it was
+ *                trained with, checked on --resume), arrays, and reading
+ *                metadata back with a message naming the key, the value
+ *                and what was expected
  *   output       the loss curves as CSV, the compiled mode's counters, the
  *                loss curves compared, the "wrote" line
  *
@@ -321,8 +323,99 @@ static inline void ckpt_shard_path(char *out, size_t cap, const char *path, int 
     snprintf(out, cap, "%s.rank%d", path, r);
 }
 
+/* x in the fewest digits that read back as x ("0.006", not
+ * "0.0060000000000000001"). */
+static inline void shortest_g(char *buf, size_t cap, double x) {
+    for (int p = 1; p <= 17; p++) {
+        snprintf(buf, cap, "%.*g", p, x);
+        if (strtod(buf, NULL) == x)
+            return;
+    }
+}
+
+/* The precision a run computes in, as checkpoints record it: "bf16" (bf16
+ * mixed precision: --bf16, autocast on) or "f32". A static string. */
+static inline const char *train_precision(void) {
+    return gj_get_autocast() == GJ_BF16 ? "bf16" : "f32";
+}
+
+/* How the trainers' messages name a recorded precision p ("bf16", "f32"). */
+static inline const char *precision_words(const char *p) {
+    return strcmp(p, "bf16") == 0 ? "bf16 mixed precision (--bf16)" : "f32 (without --bf16)";
+}
+
+/* The settings every trainer takes that change a run's bits but no shape
+ * of its checkpoint, as metadata of sd: train.precision (train_precision),
+ * train.lr (--lr, exactly), train.threads (gradjit's threads: OpenBLAS
+ * sums some GEMMs differently over another number of blocks). 0 or -1
+ * with gj_last_error() set. */
+static inline int ckpt_add_settings(gj_state_dict *sd, const train_flags *f) {
+    int rc = gj_state_dict_set_metadata(sd, "train.precision", train_precision());
+    rc = rc || meta_f64(sd, "train.lr", f->lr);
+    rc = rc || meta_i64(sd, "train.threads", gj_get_num_threads());
+    return rc ? -1 : 0;
+}
+
+/* --resume: ckpt_add_settings' records of checkpoint sd (read from path)
+ * against this run's (f, and the precision and threads in force). A run
+ * continues bit-identically only as it was trained, so another precision
+ * or --lr is refused, with both values and the flag to resume with;
+ * another thread count is allowed with a warning (the last bits may
+ * differ, as on another machine). A checkpoint of an older version, which
+ * recorded none of them, resumes as this command line says, with a note
+ * saying so. 0, or 1 after "<prog>: --resume <path>: ..." on stderr. */
+static inline int ckpt_check_settings(const gj_state_dict *sd, const train_flags *f,
+                                      const char *prog, const char *path) {
+    const char *p = gj_state_dict_get_metadata(sd, "train.precision");
+    const char *lr = gj_state_dict_get_metadata(sd, "train.lr");
+    const char *th = gj_state_dict_get_metadata(sd, "train.threads");
+    const char *mine = train_precision();
+    if (!p) {
+        fprintf(stderr, "%s: note: --resume %s: the checkpoint does not record its precision, "
+                        "--lr or threads (an older version wrote it); continuing in %s with "
+                        "--lr %g as this command line asks: bit-identical only if the run was "
+                        "trained so\n", prog, path, precision_words(mine), f->lr);
+    } else if (strcmp(p, "f32") != 0 && strcmp(p, "bf16") != 0) {
+        fprintf(stderr, "%s: --resume %s: train.precision is \"%.40s\", expected f32 or bf16\n",
+                prog, path, p);
+        return 1;
+    } else if (strcmp(p, mine) != 0) {
+        fprintf(stderr, "%s: --resume %s: the checkpoint was trained in %s, this run would "
+                        "train in %s; a run continues bit-identically only in its own "
+                        "precision: %s, or start a new run (without --resume) to train in %s\n",
+                prog, path, precision_words(p), precision_words(mine),
+                strcmp(p, "bf16") == 0 ? "add --bf16" : "drop --bf16", mine);
+        return 1;
+    }
+    char *end = NULL;
+    double v = lr ? strtod(lr, &end) : 0.0;
+    if (lr && (!*lr || *end)) {
+        fprintf(stderr, "%s: --resume %s: train.lr is \"%.40s\", expected a number\n", prog,
+                path, lr);
+        return 1;
+    }
+    if (lr && v != f->lr) {
+        char a[32], b[32];
+        shortest_g(a, sizeof a, v);
+        shortest_g(b, sizeof b, f->lr);
+        fprintf(stderr, "%s: --resume %s: the checkpoint was trained with --lr %s, this run has "
+                        "--lr %s; resume with --lr %s to continue it bit-identically\n",
+                prog, path, a, b, a);
+        return 1;
+    }
+    long long t = th ? strtoll(th, &end, 10) : 0;
+    if (th && *th && !*end && t != gj_get_num_threads())
+        fprintf(stderr, "%s: warning: --resume %s: the checkpoint was trained on %lld thread%s, "
+                        "this run has %d; a GEMM split over another number of threads may round "
+                        "differently, so the rest of the run may differ in the last bits from "
+                        "one that never stopped (--threads %lld continues it bit-identically)\n",
+                prog, path, t, t == 1 ? "" : "s", gj_get_num_threads(), t);
+    return 0;
+}
+
 /* What every trainer's checkpoint holds besides its model and its run:
- * the optimizer's state ("optim."), the RNG ("rng."), and the metadata
+ * the optimizer's state ("optim."), the RNG ("rng."), the settings that
+ * change its bits (ckpt_add_settings, from f), and the metadata
  * format = gradjit and train.program = prog. Adds them to sd (NULL: fails,
  * so a failed dict passes through). With ZeRO (zero: the gj_ddp whose
  * shards opt updates) nothing is gathered: this rank writes its own shards
@@ -331,7 +424,7 @@ static inline void ckpt_shard_path(char *out, size_t cap, const char *path, int 
  * did ("optim.zero.ranks"); ckpt_load_common consolidates them. 0, or -1
  * with gj_last_error() set. */
 static inline int ckpt_add_common(gj_state_dict *sd, gj_optim *opt, gj_ddp *zero,
-                                  const char *prog, const char *path) {
+                                  const train_flags *f, const char *prog, const char *path) {
     int rc = sd ? 0 : -1;
     if (zero && rc == 0) {
         gj_state_dict *mine = gj_state_dict_new();
@@ -349,6 +442,7 @@ static inline int ckpt_add_common(gj_state_dict *sd, gj_optim *opt, gj_ddp *zero
     rc = rc || gj_rng_state_dict_add(sd, "rng");
     rc = rc || gj_state_dict_set_metadata(sd, "format", "gradjit");
     rc = rc || gj_state_dict_set_metadata(sd, "train.program", prog);
+    rc = rc || ckpt_add_settings(sd, f);
     return rc ? -1 : 0;
 }
 
@@ -777,7 +871,7 @@ static inline int train_save(train_run *r, const char *path) {
         return 1;
     }
     gj_state_dict *sd = train_model_dict(r);
-    int rc = ckpt_add_common(sd, r->opt, r->zero, d->prog, path);
+    int rc = ckpt_add_common(sd, r->opt, r->zero, d->f, d->prog, path);
     rc = rc || d->save(r, sd);
     if (r->no_write) { /* (a ZeRO rank but 0: its shard file written, rank 0 writes the rest) */
         gj_state_dict_free(sd);
@@ -789,8 +883,10 @@ static inline int train_save(train_run *r, const char *path) {
     return rc;
 }
 
-/* --resume: the run (def->resume), then model, optimizer and RNG
- * (ckpt_load_common) from the checkpoint at path, into a fresh run; then
+/* --resume: the settings that change the run's bits (ckpt_check_settings:
+ * another precision or --lr is refused), the run (def->resume), then
+ * model, optimizer and RNG (ckpt_load_common) from the checkpoint at
+ * path, into a fresh run; then
  * "[tag] resumed from <path> at ..." (unless --quiet) with the position.
  * 0, or 1 after a message ("<prog>: resuming from <path>: ..." for
  * gradjit's errors). */
@@ -798,7 +894,8 @@ static inline int train_resume(train_run *r, const char *path) {
     const train_def *d = r->def;
     gj_state_dict *f = gj_load_safetensors(path), *m = f ? train_model_dict(r) : NULL;
     ckpt_reader rd = {.sd = f};
-    int rc = f && m ? d->resume(r, &rd, path) : -1;
+    int rc = f && m ? ckpt_check_settings(f, d->f, d->prog, path) : -1;
+    rc = rc == 0 ? d->resume(r, &rd, path) : rc;
     if (rc == 0 && r->zero3 && gj_ddp_unshard(r->zero) != 0) /* (written, then kept) */
         rc = -1;
     else if (rc == 0 && r->zero3)

@@ -33,8 +33,8 @@ static const struct {
     {"graph", "the captured graph, before and after CSE/DCE", GJ_RT_LOG_GRAPH},
     {"ir", "the LLVM IR of each compiled module", GJ_RT_LOG_IR},
     {"plan", "buffers, kernels and steps of each plan", GJ_RT_LOG_PLAN},
-    {"cache", "memory/disk hits, compiles (compiled autograd's and the step's), saves, "
-              "evictions, rejected disk entries",
+    {"cache", "memory/disk hits, compiles, saves, evictions, rejected disk entries; at exit "
+              "the counters of compiled autograd and of the compiled step",
      GJ_RT_LOG_CACHE},
     {"fallback", "each backward that runs eagerly, not only the first per key",
      GJ_RT_LOG_FALLBACK},
@@ -43,11 +43,13 @@ static const struct {
      GJ_RT_LOG_PROF},
     {"instrs", "one line per compiled backward and per instruction of it", GJ_RT_LOG_INSTRS},
     {"recompiles", "why a call site compiles again: the first difference from its nearest "
-                   "earlier key",
+                   "earlier key (a size bound to a symbolic program compiles nothing and prints "
+                   "nothing)",
      GJ_RT_LOG_RECOMPILES},
     {"leaks", "at exit: tensors still alive, their bytes, scopes still open", GJ_RT_LOG_LEAKS},
-    {"gemm", "each f32/bf16 GEMM shape's provider when it is decided (measured or read "
-             "from the cache directory), with the measured times",
+    {"gemm", "each f32/bf16 GEMM shape's provider once when it is decided: measured (the "
+             "default with a cache directory, or GRADJIT_GEMM=auto) or read back from the "
+             "cache directory, with the measured times",
      GJ_RT_LOG_GEMM},
     {"all", "all of the above", GJ_RT_LOG_ALL},
 };

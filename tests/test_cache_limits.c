@@ -760,14 +760,22 @@ static void test_env_limits(void **st) {
     free(out);
 }
 
-/* GRADJIT_LOG=cache names each eviction (limit 0 from the environment). */
+/* GRADJIT_LOG=cache names each eviction (limit 0 from the environment),
+ * and its exit summary counts them. */
 static void test_env_log_evictions(void **st) {
     (void)st;
     char *out, *err;
     assert_int_equal(run_child("--child-evict", "GRADJIT_LOG", "cache", &out, &err), 0);
     if (count_of(err, "[gradjit cache] evicted") != 2) print_error("stderr: %s\n", err);
     assert_int_equal(count_of(err, "[gradjit cache] evicted"), 2);
-    assert_int_equal(count_of(err, "compiled"), 3);
+    assert_int_equal(count_of(err, "[gradjit cache] compiled "), 3);
+    /* the exit summary: compiled autograd's counters, the step's, the evictions */
+    assert_int_equal(count_of(err, "[gradjit cache] summary, compiled autograd (backwards): 3 "
+                                   "compiles"), 1);
+    assert_int_equal(count_of(err, "[gradjit cache] summary, compiled step (gj_step runs): 0 "
+                                   "compiles"), 1);
+    assert_int_equal(count_of(err, "[gradjit cache] summary, programs evicted by the cache "
+                                   "limits: 2 from memory"), 1);
     free(out);
     free(err);
 }

@@ -769,15 +769,17 @@ static void test_env_compiled(void **st) {
 static void test_env_log(void **st) {
     (void)st;
     char *err;
-    /* cache: no warning, only its summary at exit */
+    /* cache: no warning, only its summary at exit, a line per compiled path */
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "cache", &err), GJ_JIT_LOG_CACHE);
-    assert_string_equal(err, "[gradjit cache] summary: 0 compiles (0.0 ms), 0 memory hits, 0 "
-                             "disk hits, 0 fallbacks\n");
+    assert_string_equal(err, "[gradjit cache] summary, compiled autograd (backwards): 0 compiles "
+                             "(0.0 ms), 0 memory hits, 0 disk hits, 0 fallbacks\n"
+                             "[gradjit cache] summary, compiled step (gj_step runs): 0 compiles "
+                             "(0.0 ms), 0 memory hits, 0 disk hits, 0 fallbacks\n");
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "Cache, GRAPH", &err),
                      GJ_JIT_LOG_CACHE | GJ_JIT_LOG_GRAPH);
     assert_int_equal(count_of(err, "GRADJIT_LOG"), 0);
-    assert_int_equal(count_of(err, "summary"), 1);
+    assert_int_equal(count_of(err, "summary"), 2);
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "ALL", &err), 0xff);
     free(err);
@@ -792,7 +794,7 @@ static void test_env_log(void **st) {
     free(err);
     assert_int_equal(run_child("--child-log", "GRADJIT_LOG", "help", &err), 0);
     static const char *words[] = {"graph", "ir",         "plan",  "cache", "fallback", "prof",
-                                  "instrs", "recompiles", "leaks", "all",  "help"};
+                                  "instrs", "recompiles", "leaks", "gemm", "all", "help"};
     for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
         if (!strstr(err, words[i])) print_error("help lacks '%s': %s\n", words[i], err);
         assert_non_null(strstr(err, words[i]));

@@ -29,6 +29,9 @@
  *   - The default with a cache directory that cannot keep the choices (a
  *     plain file, a directory below a plain file, a world-writable
  *     directory): OpenBLAS, nothing measured, one warning naming the path.
+ *   - GRADJIT_LOG=gemm (a child process) prints a shape once when it is
+ *     decided: measured (also under the default setting with a cache
+ *     directory) or read back from the directory; nothing without one.
  *   - oneDNN starts no threads of its own (OpenMP): the process has no more
  *     threads than gradjit's pool.
  *   - bf16 GEMMs (gj_rt_bgemm: bf16 operands, f32 result, beta 0 or 1):
@@ -819,6 +822,58 @@ static void test_default_f32_rule(void **state) {
     case_free(&g);
 }
 
+/* GRADJIT_LOG=gemm in a new process under the default setting, with the
+ * cache directory cache ("off": none): the child computes one f32 GEMM
+ * (--child-gemm-log) and *out receives its stderr. */
+static void child_gemm_log(const char *cache, char *out, size_t cap) {
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        unsetenv("GRADJIT_GEMM");
+        setenv("GRADJIT_LOG", "gemm", 1);
+        setenv("GRADJIT_CACHE_DIR", cache, 1);
+        execl(g_self, g_self, "--child-gemm-log", (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t n = 0;
+    ssize_t k;
+    while (n + 1 < cap && (k = read(fds[0], out + n, cap - 1 - n)) > 0) n += (size_t)k;
+    out[n] = '\0';
+    close(fds[0]);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+/* GRADJIT_LOG=gemm prints a shape's provider once when it is decided: when
+ * it is measured, under the default setting too (with a cache directory),
+ * not only with GRADJIT_GEMM=auto; when it is read back from the directory,
+ * saying so; the default without a directory (OpenBLAS, unmeasured) prints
+ * nothing. */
+static void test_log_default(void **state) {
+    (void)state;
+    if (!gj_rt_onednn_available()) skip();
+    char dir[] = "/tmp/gj-gemm-XXXXXX", out[4096];
+    assert_non_null(mkdtemp(dir));
+    child_gemm_log(dir, out, sizeof out); /* measured: one line */
+    fprintf(stderr, "%s", out);
+    assert_non_null(strstr(out, "[gradjit gemm] NT M=256 N=384 K=384 beta=0: "));
+    assert_null(strstr(strstr(out, "[gradjit gemm]") + 1, "[gradjit gemm]"));
+    assert_non_null(strstr(out, "measured now"));
+    child_gemm_log(dir, out, sizeof out); /* read back from the directory: said so */
+    assert_non_null(strstr(out, "[gradjit gemm] NT M=256 N=384 K=384 beta=0: "));
+    assert_non_null(strstr(out, "from the cache directory"));
+    assert_null(strstr(strstr(out, "[gradjit gemm]") + 1, "[gradjit gemm]"));
+    child_gemm_log("off", out, sizeof out); /* no directory: OpenBLAS, unmeasured */
+    assert_null(strstr(out, "[gradjit gemm]"));
+    remove_dir(dir);
+}
+
 static int count_threads(void) {
     int tasks = 0;
     DIR *d = opendir("/proc/self/task");
@@ -1279,6 +1334,16 @@ int main(int argc, char **argv) {
         printf("setting %s\n", gj_rt_gemm_provider_name(gj_rt_gemm_provider_setting()));
         return 0;
     }
+    if (argc >= 2 && strcmp(argv[1], "--child-gemm-log") == 0) { /* (test_log_default) */
+        gjt_rng r;
+        gjt_rng_seed(&r, 29);
+        gemm_case g;
+        case_make(&g, &r, false, true, 256, 384, 384, 0, 1.0f, 0.0f);
+        gj_rt_set_num_threads(1);
+        free(case_run(&g));
+        case_free(&g);
+        return 0;
+    }
     if (argc >= 2 && strcmp(argv[1], "--thread-bits") == 0) return thread_bits();
     if (argc >= 2 && strcmp(argv[1], "--child-default-gemm") == 0) return child_default_gemm();
     if (argc >= 3 && strcmp(argv[1], "--paired") == 0) return paired(atoi(argv[2]) > 0 ? atoi(argv[2]) : 30);
@@ -1298,6 +1363,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test_teardown(test_default_unusable_dir, restore),
         cmocka_unit_test_teardown(test_file, restore),
         cmocka_unit_test_teardown(test_default_f32_rule, restore),
+        cmocka_unit_test_teardown(test_log_default, restore),
         cmocka_unit_test_teardown(test_no_extra_threads, restore),
         cmocka_unit_test_teardown(test_public_switch, restore),
         cmocka_unit_test_teardown(test_bf16, restore),

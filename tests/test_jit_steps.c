@@ -12,11 +12,15 @@
  *     weights, bit for bit (the recomputed masks are eager's masks). The
  *     program is the same plan whatever the seeds, so the disk cache
  *     serves it after the memory cache is cleared (1 compile, 1 disk hit).
- *   - GRADJIT_LOG=recompiles: an MLP at batch 32 then 48 in an exec'ed
- *     child of this binary (GJT_STEPS_CHILD=recompiles): its stderr holds
- *     one line naming the node and the size that changed, 32 -> 48; the
- *     key difference of two regions with other dropout p names the tape
- *     op and the attribute.
+ *   - GRADJIT_LOG=recompiles: an MLP at batch 32, 48, then 40 in an
+ *     exec'ed child of this binary (GJT_STEPS_CHILD=recompiles): its
+ *     stderr holds one line naming the node and the size that changed, 32
+ *     -> 48 (the symbolic program's compile), none for 40 (bound to that
+ *     program, no compile); the key difference of two regions with other
+ *     dropout p names the tape op and the attribute.
+ *   - GRADJIT_LOG=cache's exit summary counts both compiled paths, each on
+ *     its line: a child (GJT_STEPS_CHILD=summary) that compiles one
+ *     backward and one gj_step program prints 1 compile on each.
  *   - A region that must recompute a custom op (a C forward): 5 steps
  *     compiled give 1 compile, 4 hits, 0 fallbacks, the user's forward
  *     and backward called as often as eagerly, and eager's gradients bit
@@ -262,8 +266,10 @@ static int child_recompiles(void) {
     gj_set_requires_grad(b1, true);
     gj_set_requires_grad(w2, true);
     gj_set_compiled_autograd(true);
-    const int64_t batch[2] = {32, 48};
-    for (int i = 0; i < 2; i++) {
+    /* 32 compiles, 48 compiles the site's symbolic program, 40 is bound to
+     * it without a compile */
+    const int64_t batch[3] = {32, 48, 40};
+    for (int i = 0; i < 3; i++) {
         gj_scope_push();
         gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){batch[i], C}, -1, 1);
         gj_tensor *h = gj_relu(gj_add(gj_matmul(x, w1), b1));
@@ -278,12 +284,57 @@ static int child_recompiles(void) {
     }
     gj_ca_stats st;
     gj_compiled_autograd_stats(&st);
-    fprintf(stderr, "child: compiles %lld, hits %lld, fallbacks %lld\n", (long long)st.compiles,
-            (long long)st.mem_hits, (long long)st.fallbacks);
+    fprintf(stderr, "child: compiles %lld, bound %lld, hits %lld, fallbacks %lld\n",
+            (long long)st.compiles, (long long)st.instantiations, (long long)st.mem_hits,
+            (long long)st.fallbacks);
     gj_release(w1);
     gj_release(b1);
     gj_release(w2);
-    return st.compiles == 2 && st.fallbacks == 0 ? 0 : 4;
+    return st.compiles == 2 && st.instantiations == 1 && st.fallbacks == 0 ? 0 : 4;
+}
+
+/* The loss of the summary child's step: mean((x w)^2). */
+static gj_tensor *summary_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    (void)n_in;
+    gj_tensor *y = gj_matmul(in[0], (gj_tensor *)ctx);
+    return gj_mean(gj_mul(y, y), 0, NULL, false);
+}
+
+/* GJT_STEPS_CHILD=summary: two compiled backwards (1 compile, 1 hit), then
+ * three runs of a compiled step (1 compile, 2 hits), each path's counters
+ * on stderr; the exit summary of GRADJIT_LOG=cache follows. */
+static int child_summary(void) {
+    gjt_rng r;
+    gjt_rng_seed(&r, 7);
+    gj_tensor *w = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){C, H}, -1, 1);
+    gj_tensor *x = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){N, C}, -1, 1);
+    if (!w || !x) return 2;
+    gj_set_requires_grad(w, true);
+    gj_set_compiled_autograd(true);
+    for (int i = 0; i < 2; i++) {
+        gj_scope_push();
+        gj_tensor *l = summary_loss(w, 1, &x);
+        if (!l || gj_backward(l, NULL) != 0) return 3;
+        gj_scope_pop();
+        gj_tensor_set_grad(w, NULL);
+    }
+    gj_set_compiled_autograd(false);
+    gj_optim *opt = gj_sgd_new(1, &w, 0.1, 0.0, 0.0);
+    gj_step *step = opt ? gj_step_new(summary_loss, w, opt, NULL) : NULL;
+    if (!step) return 4;
+    for (int i = 0; i < 3; i++)
+        if (gj_step_run(step, 1, &x, NULL) != 0) return 5;
+    gj_ca_stats ca, cs;
+    gj_compiled_autograd_stats(&ca);
+    gj_step_stats(&cs);
+    fprintf(stderr, "child: backwards: compiles %lld, hits %lld; steps: compiles %lld, hits %lld\n",
+            (long long)ca.compiles, (long long)ca.mem_hits, (long long)cs.compiles,
+            (long long)cs.mem_hits);
+    gj_step_free(step);
+    gj_optim_free(opt);
+    gj_release(w);
+    gj_release(x);
+    return ca.compiles == 1 && ca.mem_hits == 1 && cs.compiles == 1 && cs.mem_hits == 2 ? 0 : 6;
 }
 
 static char g_self[4096];
@@ -348,7 +399,8 @@ static void test_log_recompiles(void **s) {
     (void)s;
     char *err = child_stderr("recompiles", "recompiles");
     fprintf(stderr, "%s", err);
-    /* one line, for the second compile only */
+    /* one line, for the second compile only: none for the size bound to
+     * the symbolic program (no compile) */
     assert_int_equal(lines_with(err, "[gradjit recompiles]"), 1);
     const char *line = strstr(err, "[gradjit recompiles]");
     const char *end = strchr(line, '\n');
@@ -358,11 +410,28 @@ static void test_log_recompiles(void **s) {
     assert_non_null(strstr(one, "size mismatch at dim 0: expected 32, actual 48"));
     assert_non_null(strstr(one, "node #0 sum (creation rank"));
     assert_non_null(strstr(one, "input 0 size mismatch"));
-    assert_non_null(strstr(one, "program 2 of the site"));
+    assert_non_null(strstr(one, "program 2 of the site, compiles symbolic"));
+    assert_null(strstr(err, "actual 40"));
     free(err);
     /* without the word: no line */
     err = child_stderr("recompiles", "cache");
     assert_int_equal(lines_with(err, "[gradjit recompiles]"), 0);
+    free(err);
+}
+
+/* GRADJIT_LOG=cache's summary names each compiled path and counts its
+ * compiles: the step's too (it once counted the backwards' only). */
+static void test_log_cache_summary(void **s) {
+    (void)s;
+    char *err = child_stderr("summary", "cache");
+    fprintf(stderr, "%s", err);
+    assert_int_equal(lines_with(err, "[gradjit cache] summary"), 2);
+    assert_non_null(strstr(err, "[gradjit cache] summary, compiled autograd (backwards): 1 "
+                                "compiles ("));
+    assert_non_null(strstr(err, "ms), 1 memory hits, 0 disk hits, 0 fallbacks\n"));
+    assert_non_null(strstr(err, "[gradjit cache] summary, compiled step (gj_step runs): 1 "
+                                "compiles ("));
+    assert_non_null(strstr(err, "ms), 2 memory hits, 0 disk hits, 0 fallbacks\n"));
     free(err);
 }
 
@@ -520,6 +589,7 @@ int main(int argc, char **argv) {
     const char *child = getenv("GJT_STEPS_CHILD");
     gj_jit_set_disk_cache(NULL); /* counters of this process's compiles only */
     if (child && strcmp(child, "recompiles") == 0) return child_recompiles();
+    if (child && strcmp(child, "summary") == 0) return child_summary();
     ssize_t n = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
     if (n <= 0)
         snprintf(g_self, sizeof g_self, "%s", argv[0]);
@@ -527,6 +597,7 @@ int main(int argc, char **argv) {
         g_self[n] = '\0';
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_log_recompiles),
+        cmocka_unit_test(test_log_cache_summary),
         cmocka_unit_test(test_key_diff_tape),
         cmocka_unit_test(test_custom_recompute),
         cmocka_unit_test(test_dropout_disk_cache),

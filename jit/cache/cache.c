@@ -132,10 +132,13 @@ static bool site_symbolic(const gj_jit_key *w) {
 }
 
 /* GRADJIT_LOG=recompiles (lock held): a new key w of a call site that has
- * programs already; prints which part of the graph differs from the
- * nearest key of that site (fewest differing lines, the latest on a tie)
- * and whether it compiles or meets the recompile limit. */
-static void log_recompile(const gj_jit_key *w, int n_site, int limit, bool symbolic) {
+ * programs already, about to compile or refused by the recompile limit
+ * (not a size bound to the site's symbolic kernels, a disk hit or a
+ * program bound to other programs' kernels: none of those compiles);
+ * prints which part of the graph differs from the nearest key of that
+ * site (fewest differing lines, the latest on a tie) and state, what
+ * happens to it. */
+static void log_recompile(const gj_jit_key *w, const char *state) {
     const cache_entry *best = NULL;
     int best_d = 0;
     for (int i = 0; i < g_n_cache; i++) {
@@ -150,13 +153,6 @@ static void log_recompile(const gj_jit_key *w, int n_site, int limit, bool symbo
     if (!best) return;
     char what[600];
     gj_jit_key_diff(best->key, best->key_len, w->text, w->len, what, sizeof what);
-    char state[96];
-    if (limit >= 0 && n_site >= limit)
-        snprintf(state, sizeof state, "recompile limit %d reached: runs eagerly%s", limit,
-                 symbolic ? " unless bound to symbolic kernels" : "");
-    else
-        snprintf(state, sizeof state, "program %d of the site%s", n_site + 1,
-                 symbolic ? ", symbolic" : "");
     fprintf(stderr,
             "[gradjit recompiles] call site %016llx%016llx, key %016llx%016llx (%s): %s; "
             "%d key line%s differ from the nearest key %016llx%016llx\n",
@@ -400,6 +396,7 @@ typedef struct making {
     bool disk;        /* the disk cache is on */
     bool permanent;   /* (of the last failure) */
     bool report;      /* a fallback decided here: the caller reports it */
+    int n_site;       /* the site's programs before this one */
     char lwhy[200];   /* the recompile limit's message */
     char prefix[48];  /* the symbol prefix of the program's code */
     double t0;
@@ -428,9 +425,22 @@ static int mk_eager(making *m, gj_ca_reason code, const char *why, bool permanen
     return GJ_JIT_FELL;
 }
 
+/* A new key that would compile at a site at the recompile limit: eager
+ * for good (logged under GRADJIT_LOG=recompiles). */
+static int mk_at_limit(making *m) {
+    if (m->fl & GJ_JIT_LOG_RECOMPILES) {
+        char state[96];
+        snprintf(state, sizeof state, "recompile limit %d reached: runs eagerly",
+                 gj_jit_recompile_limit());
+        log_recompile(m->w, state);
+    }
+    return mk_eager(m, GJ_CA_RECOMPILE_LIMIT, m->lwhy, true);
+}
+
 /* The site's decisions: symbolic or not, the recompile limit. */
 static int mk_site(making *m) {
     int limit = gj_jit_recompile_limit(), n_site = site_programs(m->w);
+    m->n_site = n_site;
     m->at_limit = limit >= 0 && n_site >= limit;
     /* dynamic shapes: the site's second program and later ones (every
      * program under ALWAYS) are symbolic; a new size of such a site
@@ -439,13 +449,12 @@ static int mk_site(making *m) {
     m->dm = gj_jit_dynamic();
     m->symbolic = m->dm == GJ_CA_DYNAMIC_ALWAYS ||
                   (m->dm == GJ_CA_DYNAMIC_AUTO && site_count(m->w, true) > 0);
-    if (m->fl & GJ_JIT_LOG_RECOMPILES) log_recompile(m->w, n_site, limit, m->symbolic);
     if (!m->at_limit) return MK_ON;
     snprintf(m->lwhy, sizeof m->lwhy,
              "%d programs already compiled for this call site (limit %d: "
              "gj_compiled_autograd_set_recompile_limit)",
              n_site, limit);
-    return m->symbolic ? MK_ON : mk_eager(m, GJ_CA_RECOMPILE_LIMIT, m->lwhy, true);
+    return m->symbolic ? MK_ON : mk_at_limit(m);
 }
 
 /* Capture and plan (the source's), and the program's symbol prefix: its
@@ -572,6 +581,12 @@ static int mk_compile(making *m) {
      * prefix: see cache_int.h) */
     if (m->prog->plan.generic || gj_jit_code_prefix_live(m->prefix))
         gj_jit_generic_prefix(m->prefix);
+    if (m->fl & GJ_JIT_LOG_RECOMPILES) {
+        char state[96];
+        snprintf(state, sizeof state, "program %d of the site, compiles%s", m->n_site + 1,
+                 m->prog->plan.generic ? " symbolic" : "");
+        log_recompile(w, state);
+    }
     m->permanent = false;
     int c = gj_jit_program_compile(m->prog, m->prefix, m->disk, why, sizeof m->got->why,
                                    &m->permanent);
@@ -614,7 +629,7 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
     if (rc == MK_ON) rc = mk_plan(&m);
     if (rc == MK_ON) rc = mk_bind_symbolic(&m);
     if (rc == MK_ON && m.at_limit) /* not bound: a compile, which the limit forbids */
-        rc = mk_eager(&m, GJ_CA_RECOMPILE_LIMIT, m.lwhy, true);
+        rc = mk_at_limit(&m);
     if (rc == MK_ON) rc = mk_from_disk(&m);
     if (rc == MK_ON) rc = mk_bind_kernels(&m);
     if (rc == MK_ON) rc = mk_compile(&m);

@@ -29,11 +29,20 @@
 #     of that name (or a CMAKE_ variable).
 #  3. Environment. Every GRADJIT_* variable either doc names is read
 #     somewhere in the sources (appears as "GRADJIT_..." in a .c or .h).
-#  4. Log words. Every word of README's GRADJIT_LOG=... example is one of
-#     the words GRADJIT_LOG=help prints.
+#  4. Log words. README's GRADJIT_LOG=... example lists the words
+#     GRADJIT_LOG=help prints (but "help"), no more, no fewer.
 #  5. Paths. Every repository path in a code span or a link of README.md,
 #     docs/README.md or docs/guide.md (docs/x.md, tests/..., a bare x.md of
 #     docs/) exists.
+#  6. The GEMM default. gradjit-bench --help says what GRADJIT_GEMM's
+#     default does (runtime/gemm_provider.c, "Settings"): f32 GEMMs measured
+#     per shape where a cache directory keeps the choices, OpenBLAS where
+#     GRADJIT_CACHE_DIR=off; neither doc says that matmuls go to OpenBLAS.
+#  7. C snippets. Every ```c fence of README.md is a complete program whose
+#     first line is "/* <name>.c": each is compiled with -Wall -Wextra
+#     -Werror against the installed library and run in the scratch
+#     directory with GRADJIT_LOG=leaks; it must exit 0 and report 0 tensors
+#     alive and 0 scopes open at exit.
 set -uo pipefail
 src=$(cd "$1" && pwd) build=$(cd "$2" && pwd) py=$3
 fail=0
@@ -42,7 +51,7 @@ programs="train_fashion_mnist train_fashion_cnn train_charlm demo_w1 gradjit-ben
 scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT
 
 # Extraction (python: markdown is not line-oriented enough for sed).
-extract() { # mode docs...: prints one item per line
+extract() { # mode docs... [out dir, for snippets]: prints one item per line
   "$py" - "$@" <<'PYEOF'
 import re, sys
 mode, paths = sys.argv[1], sys.argv[2:]
@@ -71,6 +80,7 @@ def joined(lines):
 def prose(text):
     """the text outside fences"""
     return re.sub(r"^\s*```.*?^\s*```\s*$", "", text, flags=re.S | re.M)
+out_dir = paths.pop() if mode == "snippets" else None
 for p in paths:
     text = open(p).read()
     if mode == "cheap":
@@ -85,6 +95,16 @@ for p in paths:
                     print(ln)
         for span in re.findall(r"`([^`\n]+)`", prose(text)):
             print(span)
+    elif mode == "snippets":   # README's ```c fences into <dir>/<name>.c, one name a line
+        for info, body in fences(text):
+            if info != "c":
+                continue
+            m = re.match(r"^/\* ([A-Za-z0-9_]+)\.c\b", body[0] if body else "")
+            if not m:
+                print("-\t" + (body[0] if body else "(empty)"))
+                continue
+            open(out_dir + "/" + m.group(1) + ".c", "w").write("\n".join(body) + "\n")
+            print(m.group(1))
     elif mode == "fit":
         for info, body in fences(text):
             if info == "c" and body and body[0].startswith("/* fit.c"):
@@ -190,10 +210,25 @@ help_words=$(cd "$scratch" && GRADJIT_LOG=help GRADJIT_CACHE_DIR=off \
              "$build/train_charlm" --steps 1 --sample 0 --quiet --csv - --png - 2>&1 >/dev/null |
              awk '/^  [a-z]/ {print $1}')
 [ -n "$help_words" ] || bad "GRADJIT_LOG=help printed no words"
-for w in $(extract logwords "$src/README.md"); do
+readme_words=$(extract logwords "$src/README.md")
+for w in $readme_words; do
   grep -qx -- "$w" <<<"$help_words" || bad "README's GRADJIT_LOG word '$w' is not in GRADJIT_LOG=help"
 done
-say "log words: $(extract logwords "$src/README.md" | wc -l) checked against GRADJIT_LOG=help"
+for w in $help_words; do
+  [ "$w" = help ] || grep -qx -- "$w" <<<"$readme_words" ||
+    bad "GRADJIT_LOG=help's word '$w' is missing from README's GRADJIT_LOG=... list"
+done
+say "log words: README's $(wc -w <<<"$readme_words") = GRADJIT_LOG=help's"
+
+# ------------------------------------------------------- 6. the GEMM default
+bench_help=$(help_of gradjit-bench | tr '\n' ' ' | tr -s ' ')
+grep -q "measured.*cache directory.*OpenBLAS.*GRADJIT_CACHE_DIR=off.*bf16 by oneDNN" <<<"$bench_help" ||
+  bad "gradjit-bench --help does not say the default GEMM provider (measured per shape with a cache directory, OpenBLAS without)"
+for d in "${docs[@]}"; do
+  tr '\n' ' ' <"$d" | tr -s ' ' | grep -q "matmuls go to OpenBLAS)" &&
+    bad "$(basename "$d") says that matmuls go to OpenBLAS (the default measures OpenBLAS against oneDNN)"
+done
+say "GEMM default: gradjit-bench --help and the docs' openings checked"
 
 # ---------------------------------------------------------------- 5. paths
 n_path=0
@@ -226,4 +261,24 @@ while IFS= read -r line; do
   else say "ok   $line"; fi
 done < <(extract cheap "${docs[@]}")
 [ $n_run -gt 0 ] || bad "no \`\`\`sh cheap fence found"
+
+# ------------------------------------------------------------ 7. C snippets
+mkdir -p "$scratch/snippets"
+pc=$(PKG_CONFIG_PATH="$prefix/lib/pkgconfig" pkg-config --cflags --libs gradjit)
+n_snip=0
+while IFS=$'\t' read -r name first; do
+  if [ "$name" = - ]; then bad "README's \`\`\`c fence starting '$first' is not a /* name.c program"; continue; fi
+  n_snip=$((n_snip+1))
+  out=$(cd "$scratch/snippets" && cc -std=c11 -Wall -Wextra -Werror "$name.c" $pc -o "$name" 2>&1) ||
+    { bad "README's $name.c does not compile:"; echo "$out" | head -10 | sed 's/^/    /'; continue; }
+  out=$(cd "$scratch/snippets" && LD_LIBRARY_PATH="$prefix/lib" GRADJIT_LOG=leaks \
+        GRADJIT_CACHE_DIR="$scratch/cache" timeout 300 "./$name" 2>&1)
+  st=$?
+  leaks=$(grep "^\[gradjit leaks\]" <<<"$out")
+  if [ $st -ne 0 ]; then bad "README's $name.c: status $st"; echo "$out" | tail -5 | sed 's/^/    /'
+  elif ! grep -q "^\[gradjit leaks\] at exit: 0 tensors alive (0 bytes of tensor storage), 0 scopes open" <<<"$leaks"; then
+    bad "README's $name.c leaks: ${leaks:-no [gradjit leaks] line}"
+  else say "ok   README's $name.c: compiles, runs, $leaks"; fi
+done < <(extract snippets "$src/README.md" "$scratch/snippets")
+[ $n_snip -gt 0 ] || bad "README.md has no \`\`\`c program"
 exit $fail

@@ -13,7 +13,11 @@
 # 4. --save FILE.safetensors: a run stopped by --stop-after and one
 #    interrupted by SIGINT (exit 130 both) and resumed with --resume print
 #    the same losses as an uninterrupted run and end with byte-identical
-#    checkpoints.
+#    checkpoints;
+# 5. the checkpoint's precision: a --bf16 checkpoint resumed without --bf16
+#    and an f32 one resumed with it are refused naming both precisions, as
+#    is another --lr; resumed with --bf16 it prints the unbroken --bf16
+#    run's losses.
 set -uo pipefail
 build=$1
 prog=$build/train_gpt2
@@ -79,6 +83,24 @@ cmp straight.safetensors resumed.safetensors || fail "checkpoints differ after -
 "$prog" "${args[@]}" --steps 30 --seq 8 --resume stop.safetensors > mism.out 2>&1
 [ $? -eq 1 ] && grep -q "train.seq_len is 16, this run has 8" mism.out || { cat mism.out; fail "--seq mismatch"; }
 echo "ok   --stop-after 13 + --resume: 30 losses and the checkpoint bit-identical"
+
+"$prog" "${args[@]}" --steps 12 --bf16 > b-straight.out 2>&1 || { cat b-straight.out; fail "--bf16 run"; }
+"$prog" "${args[@]}" --steps 12 --bf16 --save b-stop.safetensors --stop-after 5 > b-stop.out 2>&1
+[ $? -eq 130 ] || { cat b-stop.out; fail "--bf16 --stop-after: exit status"; }
+"$prog" "${args[@]}" --steps 12 --resume b-stop.safetensors > b-as-f32.out 2>&1
+[ $? -eq 1 ] && grep -q "trained in bf16 mixed precision (--bf16), this run would train in f32 (without --bf16).*add --bf16" b-as-f32.out ||
+  { cat b-as-f32.out; fail "a --bf16 checkpoint resumed without --bf16 was not refused naming both"; }
+"$prog" "${args[@]}" --steps 30 --bf16 --resume stop.safetensors > f32-as-b.out 2>&1
+[ $? -eq 1 ] && grep -q "trained in f32 (without --bf16), this run would train in bf16 mixed precision (--bf16).*drop --bf16" f32-as-b.out ||
+  { cat f32-as-b.out; fail "an f32 checkpoint resumed with --bf16 was not refused naming both"; }
+"$prog" "${args[@]}" --steps 30 --lr 0.25 --resume stop.safetensors > lr.out 2>&1
+[ $? -eq 1 ] && grep -q "trained with --lr 0.0001, this run has --lr 0.25" lr.out ||
+  { cat lr.out; fail "another --lr was not refused"; }
+"$prog" "${args[@]}" --steps 12 --bf16 --resume b-stop.safetensors > b-resumed.out 2>&1 ||
+  { cat b-resumed.out; fail "--bf16 --resume"; }
+cmp <(losses b-straight.out) <(cat <(losses b-stop.out) <(losses b-resumed.out)) ||
+  fail "--bf16 losses differ after --stop-after and --resume"
+echo "ok   the precision and --lr are the checkpoint's: others refused, --bf16 resumed bit for bit"
 
 "$prog" "${args[@]}" --val val.bin --steps 3000 --save int.safetensors > int.out 2>&1 &
 pid=$!

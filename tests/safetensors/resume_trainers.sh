@@ -10,6 +10,13 @@
 #   3. a run stopped by a real SIGINT in mid-run, resumed likewise.
 #   4. a run stopped with --compiled-autograd, resumed with --compiled-step:
 #      every mode computes eager's bits, so it must end where 1. ended.
+#   5. the precision is the checkpoint's: a --bf16 checkpoint resumed
+#      without --bf16, and an f32 one resumed with it, are refused with a
+#      message naming both precisions and the flag to resume with; another
+#      --lr is refused likewise; a --bf16 run stopped and resumed with
+#      --bf16 ends where an unbroken --bf16 run ends. A checkpoint of an
+#      older version (without these records) resumes as the command line
+#      says, with a note, and bit for bit when that is how it was trained.
 # The loss curves (CSV) must be identical, and the final checkpoints must
 # hold the same bytes for every tensor (model, AdamW state, losses) and the
 # same metadata (RNG, step), timings excepted.
@@ -39,6 +46,20 @@ if bad:
     sys.exit(f"{sys.argv[2]} differs from {sys.argv[1]} in {bad}")
 print(f"  {sys.argv[2]}: {len(ta)} tensors and {len(ma)} metadata entries equal to "
       f"{sys.argv[1]} (timings aside)")
+PYEOF
+}
+
+old_version() { # in.st out.st: in.st without the records of the precision, --lr, threads
+  "$py" - "$1" "$2" <<'PYEOF'
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+h = json.loads(raw[8:8 + n])
+for k in ("train.precision", "train.lr", "train.threads"):
+    del h["__metadata__"][k]
+b = json.dumps(h).encode()
+b += b" " * (-len(b) % 8)
+open(sys.argv[2], "wb").write(struct.pack("<Q", len(b)) + b + raw[8 + n:])
 PYEOF
 }
 
@@ -89,12 +110,63 @@ check_modes() {
   echo "  $name: eager = compiled autograd, then the compiled step after --resume, bit for bit"
 }
 
+# check_precision NAME PROGRAM STOP_AFTER ARGS...: right after `check NAME`
+# (whose f32 checkpoint stop.st it resumes with --bf16), 5. above.
+check_precision() {
+  local name=$1 prog=$2 stop=$3; shift 3
+  echo "== $name: the checkpoint's precision"
+  "$prog" "$@" --bf16 --csv b-straight.csv --save b-straight.st > b-straight.out 2>&1 ||
+    { echo "--bf16 straight run failed:"; cat b-straight.out; return 1; }
+  "$prog" "$@" --bf16 --csv - --save b-stop.st --stop-after "$stop" > b-stop.out 2>&1
+  local rc=$?
+  [ $rc -eq 130 ] || { echo "--bf16 --stop-after: exit $rc, expected 130"; cat b-stop.out; return 1; }
+  # refused: resuming each precision's checkpoint in the other one
+  "$prog" "$@" --csv - --resume b-stop.st > b-as-f32.out 2>&1
+  rc=$?
+  [ $rc -eq 1 ] && grep -q "trained in bf16 mixed precision (--bf16), this run would train in f32 (without --bf16).*add --bf16" b-as-f32.out ||
+    { echo "a --bf16 checkpoint resumed without --bf16: exit $rc, expected 1 naming both precisions:"
+      cat b-as-f32.out; return 1; }
+  grep -- "--resume" b-as-f32.out | sed "s/^/  /"
+  "$prog" "$@" --bf16 --csv - --resume stop.st > f32-as-b.out 2>&1
+  rc=$?
+  [ $rc -eq 1 ] && grep -q "trained in f32 (without --bf16), this run would train in bf16 mixed precision (--bf16).*drop --bf16" f32-as-b.out ||
+    { echo "an f32 checkpoint resumed with --bf16: exit $rc, expected 1 naming both precisions:"
+      cat f32-as-b.out; return 1; }
+  grep -- "--resume" f32-as-b.out | sed "s/^/  /"
+  "$prog" "$@" --lr 0.25 --csv - --resume stop.st > lr.out 2>&1
+  rc=$?
+  [ $rc -eq 1 ] && grep -q "this run has --lr 0.25; resume with --lr" lr.out ||
+    { echo "another --lr: exit $rc, expected 1:"; cat lr.out; return 1; }
+  grep -- "--resume" lr.out | sed "s/^/  /"
+  # accepted: the same precision, bit for bit
+  "$prog" "$@" --bf16 --csv b-resumed.csv --save b-resumed.st --resume b-stop.st > b-resumed.out 2>&1 ||
+    { echo "--bf16 resumed with --bf16 failed:"; cat b-resumed.out; return 1; }
+  cmp b-straight.csv b-resumed.csv || { echo "--bf16 loss curves differ after --resume"; return 1; }
+  cmp -s straight.csv b-straight.csv && { echo "--bf16 trained the f32 losses"; return 1; }
+  same_state b-straight.st b-resumed.st || return 1
+  # an older version's checkpoint: the command line's precision, with a note
+  old_version stop.st old.st || return 1
+  "$prog" "$@" --csv old.csv --resume old.st > old.out 2>&1 ||
+    { echo "an older version's checkpoint was not resumed:"; cat old.out; return 1; }
+  grep -q "does not record its precision.*continuing in f32" old.out ||
+    { echo "no note on the older version's checkpoint:"; cat old.out; return 1; }
+  cmp straight.csv old.csv || { echo "loss curves differ after resuming the older checkpoint"; return 1; }
+  echo "  $name: --bf16 and f32 checkpoints refused in the other precision; --bf16 resumed bit for" \
+       "bit; an older version's checkpoint resumed with a note"
+}
+
 lm_args=(--steps 60 --batch 8 --ctx 32 --threads 1 --sample 40 --png -)
 check train_charlm "$build/train_charlm" "step 12/60" 23 "${lm_args[@]}" &&
+  check_precision train_charlm "$build/train_charlm" 23 "${lm_args[@]}" &&
+  { "$build/train_charlm" "${lm_args[@]}" --vary-ctx --csv - --resume stop.st > vary.out 2>&1
+    [ $? -eq 1 ] && grep -q "train.vary_ctx is 0, this run has 1" vary.out ||
+      { echo "train_charlm: a checkpoint resumed with another --vary-ctx was not refused:"
+        cat vary.out; false; }; } &&
   check_modes train_charlm "$build/train_charlm" 23 "${lm_args[@]}" || status=1
 if [ -r /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
   fm_args=(--epochs 1 --batch 1500 --threads 1 --png -)
   check train_fashion_mnist "$build/train_fashion_mnist" "epoch 1/1 \[" 17 "${fm_args[@]}" &&
+    check_precision train_fashion_mnist "$build/train_fashion_mnist" 17 "${fm_args[@]}" &&
     check_modes train_fashion_mnist "$build/train_fashion_mnist" 17 "${fm_args[@]}" || status=1
 else
   echo "== train_fashion_mnist: skipped (dataset-fashion-mnist is not installed)"
