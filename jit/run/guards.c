@@ -144,6 +144,15 @@ static int guard_leaves(gj_jit_runctx *hc, const char *who) {
     return 0;
 }
 
+/* How a message names program input i: "input #3", "the .grad of input
+ * #3", or, in a step (whose input numbers mean nothing to its user), "a
+ * tensor of the step". */
+static const char *input_name(const gj_jit_input *in, int i, char *buf, size_t cap) {
+    if (in->role == GJ_JIT_IN_STEP) return "a tensor of the step";
+    snprintf(buf, cap, "%sinput #%d", in->role == GJ_JIT_IN_GRAD ? "the .grad of " : "", i);
+    return buf;
+}
+
 /* Checks, after user code `who` ("hook #3", "custom op ns::f") ran at
  * instruction `instr`, that every tensor the program reads or writes is
  * still the one it was compiled for: inputs (saved tensors, seeds, .grads,
@@ -156,18 +165,17 @@ static int guard_leaves(gj_jit_runctx *hc, const char *who) {
  * 0, 1 (tripped: abandon) or -1 (error). */
 int gj_jit_guard_inputs(gj_jit_runctx *hc, const char *who, int instr) {
     const gj_jit_plan *p = &hc->pr->plan;
-    char a[96], b[96];
+    char a[96], b[96], nm[48];
     for (int i = 0; i < hc->pr->n_inputs; i++) {
         gj_tensor *t = hc->tensors[i];
         const gj_jit_input *in = &hc->pr->inputs[i];
         gj_rt_meta m;
         gj_rt_meta_of(t, &m);
         if (!gj_jit_meta_equal(&m, &p->in_meta[i])) {
-            gj_jit_trip(hc, GJ_CA_SET_MISMATCH,
-                 "%s changed %s #%d from %s to %s (set_) during a compiled %s", who,
-                 in->role == GJ_JIT_IN_GRAD ? "the .grad of input" : "input", i,
-                 gj_jit_fmt_meta(a, sizeof a, &p->in_meta[i]), gj_jit_fmt_meta(b, sizeof b, &m),
-                 path_name(hc));
+            gj_jit_trip(hc, GJ_CA_SET_MISMATCH, "%s changed %s from %s to %s (set_) during a "
+                        "compiled %s", who, input_name(in, i, nm, sizeof nm),
+                        gj_jit_fmt_meta(a, sizeof a, &p->in_meta[i]),
+                        gj_jit_fmt_meta(b, sizeof b, &m), path_name(hc));
             return 1;
         }
         if (in->role == GJ_JIT_IN_GRAD) {
@@ -191,8 +199,8 @@ int gj_jit_guard_inputs(gj_jit_runctx *hc, const char *who, int instr) {
         }
         /* (a remote storage's bytes come and go: ZeRO stage 3's gathers) */
         if (!t->storage->fetch && gj_rt_data_ptr(t) != hc->data0[i]) {
-            gj_jit_trip(hc, GJ_CA_SET_MISMATCH, "%s swapped the storage of input #%d (set_) "
-                 "during a compiled %s", who, i, path_name(hc));
+            gj_jit_trip(hc, GJ_CA_SET_MISMATCH, "%s swapped the storage of %s (set_) during a "
+                        "compiled %s", who, input_name(in, i, nm, sizeof nm), path_name(hc));
             return 1;
         }
     }
