@@ -6,7 +6,8 @@
  *
  * The flag is process-wide (like torch's compiled_autograd context, but
  * sticky): gj_set_compiled_autograd wins over the environment variable
- * GRADJIT_COMPILED_AUTOGRAD, which is read once, at the first query.
+ * GRADJIT_COMPILED_AUTOGRAD, which is read once, at the first query
+ * (settings.c).
  * gj_backward and gj_grad (torch.autograd.grad) both ask the compiled path
  * first (jit/run/backward.c) and both count in gj_ca_stats: a backward each,
  * then a compile, hit or fallback.
@@ -17,43 +18,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
-static atomic_int g_flag = -1; /* -1: not decided yet */
 static atomic_llong g_backwards;
-
-/* The switch named by environment value v (NULL: unset): true for 1, on,
- * true, yes; false for 0, off, false, no, empty or unset (any case).
- * Anything else is false with one warning on stderr per process. */
-static bool env_switch(const char *v) {
-    static const char *on[] = {"1", "on", "true", "yes"}, *off[] = {"0", "off", "false", "no"};
-    static atomic_bool warned;
-    if (!v || !*v) return false;
-    for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
-        if (strcasecmp(v, on[i]) == 0) return true;
-        if (strcasecmp(v, off[i]) == 0) return false;
-    }
-    if (!atomic_exchange(&warned, true))
-        fprintf(stderr,
-                "gradjit: GRADJIT_COMPILED_AUTOGRAD='%s' is not 1/on/true/yes or "
-                "0/off/false/no: compiled autograd stays off\n",
-                v);
-    return false;
-}
-
-bool gj_fe_compiled_enabled(void) {
-    int f = atomic_load(&g_flag);
-    if (f < 0) {
-        int want = env_switch(getenv("GRADJIT_COMPILED_AUTOGRAD")) ? 1 : 0;
-        atomic_compare_exchange_strong(&g_flag, &f, want);
-        f = atomic_load(&g_flag);
-    }
-    return f == 1;
-}
 
 void gj_fe_count_backward(void) { atomic_fetch_add(&g_backwards, 1); }
 
-void gj_set_compiled_autograd(bool on) { atomic_store(&g_flag, on ? 1 : 0); }
+void gj_set_compiled_autograd(bool on) { gj_fe_set_compiled(on); }
 
 bool gj_compiled_autograd_enabled(void) { return gj_fe_compiled_enabled(); }
 

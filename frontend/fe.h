@@ -55,9 +55,18 @@ void gj_fe_optim_describe(const gj_optim *o, struct gj_jit_opt *out, gj_tensor *
                           gj_tensor **s2, double *hyper);
 void gj_fe_optim_updated(gj_optim *o, const bool *updated);
 
+/* ---- settings (settings.c): the front end's GRADJIT_* variables */
+
 /* The compiled-autograd flag as seen by gj_backward/gj_grad (reads
- * GRADJIT_COMPILED_AUTOGRAD once). */
+ * GRADJIT_COMPILED_AUTOGRAD once); gj_fe_set_compiled sets it and wins
+ * over the variable (gj_set_compiled_autograd). */
 bool gj_fe_compiled_enabled(void);
+void gj_fe_set_compiled(bool on);
+/* GRADJIT_STEP_CHECK=N, read now: N (>= 1), or 0 when unset or not a
+ * count (then reported on stderr). */
+int gj_fe_step_check_env(void);
+
+/* Counts a backward in gj_ca_stats (compiled_autograd.c). */
 void gj_fe_count_backward(void);
 
 /* Registers the frontend's scopes with autograd, for user code the engine

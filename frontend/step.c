@@ -184,15 +184,7 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
         gj_rt_set_error("%s: check_every must be >= 0 (0: off), got %d", op, o.check_every);
         return NULL;
     }
-    if (o.check_every == 0) { /* GRADJIT_STEP_CHECK=N */
-        const char *e = getenv("GRADJIT_STEP_CHECK");
-        if (e && *e) {
-            char *end = NULL;
-            long n = strtol(e, &end, 10);
-            if (*end == '\0' && n > 0 && n <= INT32_MAX) o.check_every = (int)n;
-            else fprintf(stderr, "gradjit: GRADJIT_STEP_CHECK=%s is not a count >= 1: ignored\n", e);
-        }
-    }
+    if (o.check_every == 0) o.check_every = gj_fe_step_check_env(); /* GRADJIT_STEP_CHECK=N */
     if (o.autocast != GJ_F32 && o.autocast != GJ_BF16) {
         gj_rt_set_error("%s: opts.autocast must be GJ_F32 (off) or GJ_BF16, got %d", op,
                         (int)o.autocast);

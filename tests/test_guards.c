@@ -9,7 +9,9 @@
  *      tensor hook, a post-accumulate hook or a custom op's backward: the
  *      compiled backward falls back (GJ_CA_SET_MISMATCH) and every .grad
  *      equals the eager run's (same dtype, same bits), on the first
- *      compiled step and on a later step that runs the cached program.
+ *      compiled step and on a later step that runs the cached program;
+ *      also by a custom op's forward that a checkpoint region recomputes
+ *      during the backward (the program's forward call instruction).
  *   2. A failed op followed by a chain of ops keeps the innermost cause.
  *   3. A successful compiled backward leaves gj_last_error() as eager does.
  *   4. A leaf given another shape by set_ between forward and backward (or
@@ -49,6 +51,7 @@ typedef enum who {
     BY_TENSOR_HOOK,
     BY_POST_HOOK,
     BY_CUSTOM_OP,
+    BY_CKPT_FWD,       /* the custom op's forward, recomputed in a checkpoint region */
     BY_TENSOR_HOOK_RS, /* 6.: a tensor hook records a stream, then swaps */
     BY_ZERO3_HOOK,     /* 6.: a post hook copies to a bucket, records it, then swaps */
 } who;
@@ -58,12 +61,14 @@ typedef struct mlp {
     who by;
     int from;        /* first step whose backward swaps w1 to bf16 */
     int step, calls; /* calls: of the swapping user code */
+    bool in_backward;  /* BY_CKPT_FWD: the forward runs as the region's recomputation */
     gj_tensor *bucket; /* BY_ZERO3_HOOK: flat f32 bucket [NO * NH] (owned) */
     gj_stream *s;      /* BY_*_RS, BY_ZERO3_HOOK: the reduce stream (owned) */
     int64_t hook;      /* the handle of the hook that swaps */
 } mlp;
 
 static mlp *g_mlp; /* for the custom op's backward */
+static int g_scale_bwd_calls; /* calls of the custom op's backward in this run */
 
 /* w1 := a bf16 copy of itself (set_), from step `from` on. */
 static void swap_w1(mlp *m) {
@@ -111,15 +116,18 @@ static void post_zero3(gj_tensor *leaf, void *user) {
     swap_w1(m);
 }
 
-/* guards::scale(x, alpha) = alpha * x; its backward swaps w1. */
+/* guards::scale(x, alpha) = alpha * x; its backward swaps w1, and so does
+ * its forward when a checkpoint region recomputes it (BY_CKPT_FWD). */
 static int scale_fwd(gj_tensor *x, double alpha, gj_tensor **out) {
+    if (g_mlp && g_mlp->by == BY_CKPT_FWD && g_mlp->in_backward) swap_w1(g_mlp);
     *out = gj_mul_scalar(x, alpha);
     return *out ? 0 : 1;
 }
 
 static int scale_bwd(gj_tensor *g, gj_tensor *x, double alpha, gj_tensor **gx) {
     (void)x;
-    swap_w1(g_mlp);
+    g_scale_bwd_calls++;
+    if (g_mlp->by == BY_CUSTOM_OP) swap_w1(g_mlp);
     *gx = gj_mul_scalar(g, alpha);
     return *gx ? 0 : 1;
 }
@@ -131,6 +139,18 @@ static gj_custom_op *scale_op(void) {
                                  (void *)scale_fwd, (void *)scale_bwd);
     assert_non_null(op);
     return op;
+}
+
+/* The checkpoint region of BY_CKPT_FWD: tanh(scale(h, 0.75)), nothing
+ * saved, so tanh's backward has the region recompute scale's forward. */
+static int scale_tanh_region(void *user, int n_in, gj_tensor *const *in, int n_out,
+                             gj_tensor **out) {
+    (void)user, (void)n_in, (void)n_out;
+    gj_tensor *s = NULL;
+    double alpha = 0.75;
+    if (gj_custom_op_call(scale_op(), (gj_tensor **)&in[0], &alpha, &s) != 0) return -1;
+    out[0] = gj_tanh(s);
+    return out[0] ? 0 : -1;
 }
 
 static void mlp_init(mlp *m) {
@@ -177,9 +197,17 @@ static void mlp_step(mlp *m, bool compiled) {
         assert_int_equal(gj_custom_op_call(scale_op(), &h, &alpha, &out), 0);
         h = out;
     }
-    gj_tensor *loss = gj_cross_entropy(gj_linear(gj_tanh(h), m->p[2], m->p[3]), y);
+    if (m->by == BY_CKPT_FWD) {
+        gj_tensor *out = NULL;
+        assert_int_equal(gj_checkpoint(scale_tanh_region, NULL, 1, &h, 1, &out, NULL, NULL), 0);
+        h = out;
+    }
+    gj_tensor *a = m->by == BY_CKPT_FWD ? h : gj_tanh(h);
+    gj_tensor *loss = gj_cross_entropy(gj_linear(a, m->p[2], m->p[3]), y);
     assert_non_null(loss);
+    m->in_backward = true;
     if (gj_backward(loss, NULL) != 0) fail_msg("backward failed: %s", gj_last_error());
+    m->in_backward = false;
     gj_scope_pop();
     gj_set_compiled_autograd(false);
     m->step++;
@@ -195,8 +223,9 @@ typedef struct grads {
 /* Runs steps 0..from (the last one swaps w1) on a fresh model; the .grads
  * after the last step. */
 static grads mlp_run(who by, int from, bool compiled, int *calls) {
-    mlp m = {{0}, by, from, 0, 0, NULL, NULL, 0};
+    mlp m = {{0}, by, from, 0, 0, false, NULL, NULL, 0};
     g_mlp = &m;
+    g_scale_bwd_calls = 0;
     mlp_init(&m);
     for (int s = 0; s <= from; s++) mlp_step(&m, compiled);
     grads g = {{0}, {0}, NULL, m.hook};
@@ -225,11 +254,13 @@ static void check_swap(who by, int from) {
     static const int64_t n[4] = {NH * NI, NH, NO * NH, NO};
     int ecalls, ccalls;
     grads want = mlp_run(by, from, false, &ecalls);
+    int ebwd = g_scale_bwd_calls;
     assert_int_equal(want.dt[0], GJ_BF16); /* eager: w1 was bf16 when its .grad was made */
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     gj_compiled_autograd_set_quiet(true);
     grads got = mlp_run(by, from, true, &ccalls);
+    int cbwd = g_scale_bwd_calls;
     gj_ca_stats s = gjt_ca_now();
     for (int i = 0; i < 4; i++) {
         if (got.dt[i] != want.dt[i])
@@ -254,6 +285,9 @@ static void check_swap(who by, int from) {
     /* a tensor hook's or custom op's trip abandons the run: the eager
      * rerun calls it again; a post hook's trip keeps the run */
     assert_int_equal(ccalls, ecalls + (by == BY_POST_HOOK ? 0 : 1));
+    /* the guards right after the recomputing forward call stopped the
+     * program before it called the op's backward: only the eager rerun did */
+    if (by == BY_CKPT_FWD) assert_int_equal(cbwd, ebwd);
     gj_jit_clear_cache();
     assert_int_equal(gjt_live_bytes(), live0);
 }
@@ -284,6 +318,15 @@ static void test_custom_op_set_bf16(void **st) {
     (void)st;
     check_swap(BY_CUSTOM_OP, 0);
     check_swap(BY_CUSTOM_OP, 1);
+}
+
+/* A custom op's forward swaps w1 while a checkpoint region recomputes it
+ * in the backward (a forward call instruction of the program): the guards
+ * after that call trip as after any other, and the run is abandoned. */
+static void test_recomputed_custom_fwd_set_bf16(void **st) {
+    (void)st;
+    check_swap(BY_CKPT_FWD, 0);
+    check_swap(BY_CKPT_FWD, 1);
 }
 
 /* ------------------------------------------------- 2. error chains */
@@ -341,7 +384,7 @@ static void test_compiled_backward_clears_error(void **st) {
     gj_jit_clear_cache();
     gj_compiled_autograd_reset_stats();
     for (int mode = 0; mode < 2; mode++) {
-        mlp m = {{0}, BY_NONE, 0, 0, 0, NULL, NULL, 0};
+        mlp m = {{0}, BY_NONE, 0, 0, 0, false, NULL, NULL, 0};
         mlp_init(&m);
         for (int s = 0; s < 2; s++) {
             assert_null(gj_matmul(m.p[0], m.p[0])); /* [96, 64] @ [96, 64]: an error */
@@ -626,6 +669,7 @@ int main(void) {
         cmocka_unit_test(test_hook_set_bf16_cached),
         cmocka_unit_test(test_post_hook_set_bf16),
         cmocka_unit_test(test_custom_op_set_bf16),
+        cmocka_unit_test(test_recomputed_custom_fwd_set_bf16),
         cmocka_unit_test(test_error_chain_keeps_cause),
         cmocka_unit_test(test_compiled_backward_clears_error),
         cmocka_unit_test(test_set_leaf_shape_is_error),

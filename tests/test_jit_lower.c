@@ -14,6 +14,7 @@
 
 #include "jit/jit.h"
 #include "jit/cache/cache.h"
+#include "jit/run/run.h" /* gj_jit_plan_exec */
 #include "runtime/gj_math.h"
 
 #include <math.h>

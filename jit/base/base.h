@@ -89,6 +89,11 @@ void gj_jit_store_mem_limit(int64_t bytes);
 #define GJ_JIT_DISK_LIMIT_DEFAULT ((int64_t)1 << 30)
 int64_t gj_jit_disk_limit(void);
 void gj_jit_set_disk_limit(int64_t bytes);
+/* Test switch: while on, codegen's compiles fail with an LLVM error (a
+ * lookup of a symbol that does not exist), as if LLVM had failed. Until
+ * set, GRADJIT_TEST_FAIL_LLVM (on unless empty or "0"). */
+void gj_jit_test_fail_llvm(bool on);
+bool gj_jit_fail_llvm(void);
 
 /* ----------------------------------------------------------- logging */
 

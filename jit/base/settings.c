@@ -20,6 +20,7 @@ static atomic_bool g_flags_told;
 
 static atomic_int g_recompile_limit = 8;
 static atomic_int g_dynamic = -1; /* gj_ca_dynamic; -1: GRADJIT_DYNAMIC not read yet */
+static atomic_int g_fail_llvm = -1; /* -1: GRADJIT_TEST_FAIL_LLVM not read yet */
 
 /* A size limit in bytes (< 0: none): its variable read once, by whichever
  * of the getter and the setter comes first (pthread_once, so a value that
@@ -129,6 +130,17 @@ gj_ca_dynamic gj_jit_dynamic(void) {
 }
 
 int gj_jit_recompile_limit(void) { return atomic_load(&g_recompile_limit); }
+
+void gj_jit_test_fail_llvm(bool on) { atomic_store(&g_fail_llvm, on ? 1 : 0); }
+
+bool gj_jit_fail_llvm(void) {
+    int v = atomic_load(&g_fail_llvm);
+    if (v >= 0) return v == 1;
+    const char *e = getenv("GRADJIT_TEST_FAIL_LLVM");
+    int want = e && *e && strcmp(e, "0") != 0 ? 1 : 0;
+    atomic_compare_exchange_strong(&g_fail_llvm, &v, want); /* the setter wins */
+    return atomic_load(&g_fail_llvm) == 1;
+}
 
 /* Reads limit l's variable (once: its read_env, through pthread_once). */
 static void limit_read(size_limit *l) {

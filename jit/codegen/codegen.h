@@ -70,9 +70,4 @@ size_t gj_jit_code_bytes(const gj_jit_code *c);
  * again on demand). Every gj_jit_code must have been freed. */
 void gj_jit_llvm_shutdown(void);
 
-/* Test switch: while on, compilation fails with an LLVM error (a lookup of a
- * symbol that does not exist), as if LLVM had failed. Also turned on by the
- * environment variable GRADJIT_TEST_FAIL_LLVM=1. */
-void gj_jit_test_fail_llvm(bool on);
-
 #endif /* GJ_JIT_CODE_H */

@@ -77,20 +77,6 @@ static struct {
     char session_error[512]; /* last message of the session error reporter */
     gj_jit_code *live;       /* every live code object (their prefixes are distinct) */
 } g;
-static atomic_int g_fail_llvm = -1; /* -1: read GRADJIT_TEST_FAIL_LLVM once */
-
-void gj_jit_test_fail_llvm(bool on) { atomic_store(&g_fail_llvm, on ? 1 : 0); }
-
-static bool fail_llvm_requested(void) {
-    int v = atomic_load(&g_fail_llvm);
-    if (v < 0) {
-        const char *e = getenv("GRADJIT_TEST_FAIL_LLVM");
-        v = (e && *e && strcmp(e, "0") != 0) ? 1 : 0;
-        atomic_store(&g_fail_llvm, v);
-    }
-    return v == 1;
-}
-
 /* Consumes err into why ("LLVM error (what): message"). */
 static void take_error(LLVMErrorRef err, const char *what, char *why, size_t cap) {
     char *msg = LLVMGetErrorMessage(err);
@@ -331,10 +317,11 @@ static int add_objects_rt(LLVMOrcResourceTrackerRef rt, const char *prefix, cons
     return 0;
 }
 
-/* The tests' forced LLVM failure (fail_llvm_requested): a lookup of a
- * symbol no object defines. 0 when not asked, else -1 with why[] set. */
+/* The tests' forced LLVM failure (gj_jit_fail_llvm, base/settings.c): a
+ * lookup of a symbol no object defines. 0 when not asked, else -1 with
+ * why[] set. */
 static int forced_failure(char *why, size_t why_cap) {
-    if (!fail_llvm_requested()) return 0;
+    if (!gj_jit_fail_llvm()) return 0;
     LLVMOrcExecutorAddress addr = 0;
     LLVMErrorRef err = LLVMOrcLLJITLookup(g.jit, &addr, "gradjit_test_forced_llvm_failure");
     if (err) {

@@ -2,7 +2,8 @@
 /*
  * backward.c - gj_jit_backward and gj_jit_grad: a backward's key (its walk,
  * key.c) -> its program (cache.c) -> a run on this backward's tensors
- * (run.c, guards.c), or a fallback to the eager engine (fallback.c).
+ * (grads.c, with user code through calls.c), or a fallback to the eager
+ * engine (fallback.c).
  *
  * Invariants:
  *   - A fallback (handled = false) has changed nothing: no .grad written,

@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * grads.c - running a backward's program on this backward's tensors
- * (run.h): its inputs from the walk, the .grads it writes (in the eager
- * engine's order, post-accumulate hooks in between), a gj_grad's returned
- * gradients, and freeing the graph afterwards.
+ * (run_int.h): its inputs from the walk, the .grads it writes (in the
+ * eager engine's order, post-accumulate hooks in between), a gj_grad's
+ * returned gradients, and freeing the graph afterwards; and what a
+ * backward's run brings to the user code it calls (calls.c): its hooks and
+ * custom ops found on the walk.
  *
  * Invariants:
  *   - Inputs are read in place, in the layout the key recorded; saved
@@ -21,8 +23,6 @@
  *     gj_grad frees the nodes it ran.
  */
 #include "jit/run/run_int.h"
-
-#include "jit/run/run.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -121,6 +121,29 @@ static int write_early(void *ctx, int done) {
     return write_outputs_until(hc, hc->pr, hc->w, hc->tensors, true, done);
 }
 
+/* ------------------------------------------ the backward's user code */
+
+/* The hook reference i names: resolved from the walk when the run
+ * started (rp_hooks). */
+static const gj_ag_hook *bwd_hook(gj_jit_runctx *hc, int i) { return hc->hooks[i]; }
+
+/* The custom op of call instruction cs: the op of the walk's node cs->node,
+ * or op cs->tape of that checkpoint node's tape. */
+static const gj_ag_opdef *bwd_custom(gj_jit_runctx *hc, const gj_jit_call_instr *cs,
+                                     const gj_ag_attrs **at) {
+    const gj_ag_node *node = cs->node >= 0 && cs->node < hc->w->n ? hc->w->nodes[cs->node] : NULL;
+    if (!node) return NULL;
+    if (cs->tape < 0) {
+        *at = &node->attrs;
+        return node->op;
+    }
+    return gj_ag_ckpt_op(node, cs->tape, at);
+}
+
+/* A backward's user code (calls.c): a tensor hook's or custom call's trip
+ * abandons the run, a record_stream or a post hook's trip keeps it. */
+static const gj_jit_run_path g_backward = {"run", false, bwd_hook, bwd_custom, NULL};
+
 /* One gj_jit_run_program, carried from stage to stage: the program, the
  * walk and its tensors, where a fallback's reason goes, the run's context
  * (hooks), and what the run allocates, all freed by rp_free: contig[i] (a
@@ -155,11 +178,12 @@ static int rp_hooks(running *r) {
     r->in = gj_rt_calloc((size_t)r->n_in + 1, sizeof *r->in);
     r->out = gj_rt_calloc((size_t)r->n_out + 1, sizeof *r->out);
     if (!r->contig || !r->news || !r->in || !r->out) return -1;
-    r->hooks = pr->n_hooks > 0 || pr->n_calls > 0;
-    if (!r->hooks) return RP_ON;
+    hc->path = &g_backward;
     hc->pr = pr;
     hc->w = r->w;
     hc->tensors = r->tensors;
+    r->hooks = pr->n_hooks > 0 || pr->n_calls > 0;
+    if (!r->hooks) return RP_ON;
     hc->data0 = gj_rt_calloc((size_t)r->n_in + 1, sizeof *hc->data0);
     hc->hooks = gj_rt_calloc((size_t)pr->n_hooks + 1, sizeof *hc->hooks);
     if (!hc->data0 || !hc->hooks) return -1;
@@ -277,10 +301,7 @@ static int rp_exec(running *r, gj_tensor **ret_out) {
     for (int s = 0; s < p->n_instrs; s++)
         if (p->instrs[s].kind == GJ_JIT_INSTR_HOOK || p->instrs[s].kind == GJ_JIT_INSTR_CALL)
             hc->early_from = s + 1;
-    int er = gj_jit_plan_exec_calls(p, r->in, r->params, r->out, gj_jit_alloc_output, &oc,
-                                    r->hooks ? gj_jit_call_tensor_hook : NULL,
-                                    r->hooks ? gj_jit_call_custom : NULL,
-                                    early ? write_early : NULL, NULL, hc);
+    int er = gj_jit_run_calls(hc, r->in, r->params, r->out, &oc, early ? write_early : NULL);
     if (er == 1) return 2;
     if (er != 0) return -1;
     if (write_outputs_until(hc, pr, r->w, r->tensors, r->hooks, p->n_instrs) != 0) return -1;

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * run_int.h - running a backward's program on the tensors of one backward
- * (run.c). Internal to jit/.
+ * (grads.c). Internal to jit/run/.
  */
 #ifndef GJ_JIT_RUN_INT_H
 #define GJ_JIT_RUN_INT_H

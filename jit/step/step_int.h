@@ -64,10 +64,6 @@ int gj_jit_capture_step(gj_jit_capture *cap, const gj_jit_walk *w, const gj_jit_
 
 /* ------------------------------------------------ a run's calls (calls.c) */
 
-/* One run of a step program with call instructions: user code (tensor
- * hooks on leaves, parameters' post-accumulate hooks) or a reducer's gives
- * and takes. What the guards after each user call compare against, and
- * the first trip. */
 /* A custom op call instruction of a step program and the op it calls:
  * tape GJ_JIT_CALL_STEP_FWD (the forward of trace entry `node`), -1 (the
  * backward of the walk's node `node`) or >= 0 (the forward of op `tape` of
@@ -78,25 +74,26 @@ typedef struct gj_jit_step_custom {
     gj_ag_attrs attrs;
 } gj_jit_step_custom;
 
+/* One run of a step program with call instructions (user code: tensor
+ * hooks on leaves, custom ops, parameters' post-accumulate hooks; a
+ * reducer's gives and takes) or remote inputs. hc is the run's shared
+ * state (run.h): the caller sets its program (pr), its inputs (tensors:
+ * per program input its tensor in this run; data0: their data when the
+ * run started) and remote; gj_jit_step_exec the rest. After a trip, hc
+ * says why (tripped, code, why; !transient: for good, the step turns
+ * eager). */
 typedef struct gj_jit_step_run {
+    gj_jit_runctx hc;
     const gj_jit_step_call *call;
     const gj_jit_step_custom *customs; /* the program's custom op calls */
     int n_customs;
-    const gj_jit_program *pr;
-    gj_tensor *const *bound;     /* per program input: its tensor in this run */
-    void *const *data;           /* per program input: its data when the run started */
     gj_tensor *const *hook_leaf; /* per hook of the program: the leaf it is on */
-    bool remote;                 /* an input's storage is remote (ZeRO stage 3): fetched
-                                    as the program reads it */
-    bool tripped, permanent;     /* a guard tripped; for good (the step turns eager) */
-    gj_ca_reason code;
-    char why[320];
 } gj_jit_step_run;
 
-/* Runs the plan of sr->pr (data: sr->data) with its calls: 0, 1 (user
- * code tripped a guard: the run stopped before any update, sr says why;
- * the caller runs the step eagerly) or -1 (error set). With a reducer, its
- * end() is called whatever the result. */
+/* Runs the plan of sr->hc.pr with its calls: 0, 1 (user code tripped a
+ * guard: the run stopped before any update, sr->hc says why; the caller
+ * runs the step eagerly) or -1 (error set). With a reducer, its end() is
+ * called whatever the result. */
 int gj_jit_step_exec(gj_jit_step_run *sr, const uint64_t *params, void **out, gj_jit_outs *ac);
 
 #endif /* GJ_JIT_STEP_H */

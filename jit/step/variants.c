@@ -88,7 +88,7 @@ struct gj_jit_cstep {
     /* the last run abandoned by user code (gj_jit_cstep_last_trip) */
     gj_ca_reason trip_code;
     bool trip_permanent;
-    char trip_why[320];
+    char trip_why[sizeof ((gj_jit_runctx *)0)->why];
 };
 
 gj_jit_cstep *gj_jit_cstep_new(void) { return gj_rt_calloc(1, sizeof(gj_jit_cstep)); }
@@ -821,6 +821,179 @@ static int select_variant(gj_jit_cstep *st, const gj_jit_step_call *call, gj_ten
     return 0;
 }
 
+/* One gj_jit_cstep_run, carried from stage to stage: the call and where
+ * its results go, the variant chosen and its program, the run's scalars
+ * (hyper, a new tensor) and what the run allocates, all freed by cr_free:
+ * data[] (the data of each program input when the run starts), out[] and
+ * news[] (new outputs, references), bound[] (a run with calls: the tensor
+ * of each program input and of each hook's leaf), params[] (the dropout
+ * seeds and offsets). Each stage returns CR_ON (the next stage runs) or
+ * the run's result (jit.h: gj_jit_cstep_run). */
+typedef struct cstep_run {
+    gj_jit_cstep *st;
+    const gj_jit_step_call *call;
+    gj_tensor **loss_out, **grads_out;
+    bool *updated;
+    double t0;
+    gj_tensor *hyper;
+    variant *v;
+    const gj_jit_program *pr;
+    void **data, **out;
+    gj_tensor **news, **bound;
+    uint64_t *params;
+} cstep_run;
+
+enum { CR_ON = -2 }; /* the next stage decides */
+
+/* The run's scalars and the first variant whose guards hold (1: none,
+ * trace again), then the eager forward's value checks: nothing has run or
+ * changed when this stage ends the run. */
+static int cr_select(cstep_run *r) {
+    const gj_jit_opt *opt = r->call->opt;
+    int64_t nh = (int64_t)opt->n * GJ_AG_OPT_MAX_HYPER + 1;
+    r->hyper = gj_rt_tensor_empty(GJ_F64, 1, &nh);
+    if (!r->hyper) return -1;
+    memcpy(gj_rt_data_ptr(r->hyper), opt->hyper, (size_t)nh * sizeof(double));
+    if (select_variant(r->st, r->call, r->hyper, &r->v, &r->data) != 0) return -1;
+    if (!r->v) return 1; /* trace again */
+    r->v->last_use = r->st->runs;
+    r->pr = r->v->prog;
+    if (!checks_pass(r->v, r->call)) return -1; /* (nothing ran, nothing changed) */
+    return CR_ON;
+}
+
+/* The output tables, and the step's dropout seeds and offsets: the
+ * generator's stretch the eager step would draw from, reserved. */
+static int cr_tables(cstep_run *r) {
+    const gj_jit_program *pr = r->pr;
+    const gj_jit_plan *p = &pr->plan;
+    r->out = gj_rt_calloc((size_t)pr->n_outputs + 1, sizeof *r->out);
+    r->news = gj_rt_calloc((size_t)pr->n_outputs + 1, sizeof *r->news);
+    if (!r->out || !r->news) return -1;
+    if (p->n_rt_params == 0) {
+        if (r->v->rng > 0) /* (draws no instruction reads: keep eager's stream) */
+            (void)gj_rt_rng_reserve(r->v->rng);
+        return CR_ON;
+    }
+    r->params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *r->params);
+    if (!r->params) return -1;
+    uint64_t seed = gj_rt_rng_seed(), base = gj_rt_rng_reserve(r->v->rng);
+    for (int k = 0; k < p->n_rt_params; k++) {
+        if (p->rt_param_tape[k] != GJ_JIT_RT_STEP) {
+            gj_rt_set_error("gj_step_run: internal: a dropout mask of unknown origin");
+            return -1;
+        }
+        r->params[2 * k] = seed;
+        r->params[2 * k + 1] = base + (uint64_t)p->rt_param_node[k];
+    }
+    return CR_ON;
+}
+
+/* Runs the program with its calls (user code, the reducer, remote inputs
+ * gathered as read: gj_jit_step_exec). 3 when user code tripped a guard
+ * (nothing updated; st keeps why), else 0 or -1. */
+static int cr_exec_calls(cstep_run *r, bool remote, gj_jit_outs *ac) {
+    const gj_jit_program *pr = r->pr;
+    const gj_jit_step_call *call = r->call;
+    const variant *v = r->v;
+    r->bound = gj_rt_calloc((size_t)(pr->n_inputs + pr->n_hooks) + 1, sizeof *r->bound);
+    if (!r->bound) return -1;
+    for (int i = 0; i < pr->n_inputs; i++)
+        r->bound[i] = bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, r->hyper);
+    for (int i = 0; i < pr->n_hooks; i++)
+        r->bound[pr->n_inputs + i] = bound_at(v->hook_bound[i], call->n_in, call->in, call->opt,
+                                              v->consts);
+    gj_jit_step_run sr;
+    memset(&sr, 0, sizeof sr);
+    sr.hc.pr = pr;
+    sr.hc.tensors = r->bound;
+    sr.hc.data0 = r->data;
+    sr.hc.remote = remote;
+    sr.call = call;
+    sr.customs = v->customs;
+    sr.n_customs = v->n_customs;
+    sr.hook_leaf = r->bound + pr->n_inputs;
+    int er = gj_jit_step_exec(&sr, r->params, r->out, ac);
+    if (er != 1) return er;
+    gj_jit_cstep *st = r->st; /* user code tripped a guard: nothing updated, rerun eagerly */
+    st->trip_code = sr.hc.code;
+    st->trip_permanent = !sr.hc.transient;
+    snprintf(st->trip_why, sizeof st->trip_why, "%s", sr.hc.why);
+    return 3;
+}
+
+/* The program's run, then the reducer's after() (ZeRO: the updated shards
+ * into every rank's parameters); the run counted. */
+static int cr_exec(cstep_run *r) {
+    const gj_jit_program *pr = r->pr;
+    gj_jit_outs ac = {&pr->plan, r->news};
+    bool remote = false; /* (ZeRO stage 3: parameters gathered as the program reads them) */
+    for (int i = 0; i < pr->n_inputs && !remote; i++) {
+        gj_tensor *t = bound_tensor(r->v, pr->inputs[i].node, pr->inputs[i].slot, r->call,
+                                    r->hyper);
+        remote = t && t->storage->fetch != NULL;
+    }
+    int er;
+    if (pr->n_hooks > 0 || pr->n_calls > 0 || remote) /* user code, the reducer, or gathers */
+        er = cr_exec_calls(r, remote, &ac);
+    else
+        er = gj_jit_plan_exec(&pr->plan, r->data, r->params, r->out, gj_jit_alloc_output, &ac);
+    if (er != 0) return er == 3 ? 3 : -1;
+    const gj_jit_reducer *red = r->call->red;
+    if (r->v->reduced && red->after && red->after(red->ctx) != 0) return -1;
+    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - r->t0); /* it ran */
+    return CR_ON;
+}
+
+/* What the run leaves: a clipping step's norm checked (finite, as eager's),
+ * the versions of what the update wrote bumped, the gradients of leaves
+ * outside the optimizer accumulated, and the loss, the kept gradients and
+ * the updated flags handed to the caller. */
+static int cr_results(cstep_run *r) {
+    const gj_jit_program *pr = r->pr;
+    const gj_jit_opt *opt = r->call->opt;
+    int no = pr->ret[2 * opt->n];
+    if (no >= 0 && r->news[no]) {
+        double norm = *(const double *)gj_rt_data_ptr(r->news[no]);
+        if (!isfinite(norm)) { /* (the program left every parameter and state as they were) */
+            gj_rt_set_error("gj_clip_grad_norm: the total gradient norm is %g: gradients left "
+                            "as they are", norm);
+            return 2;
+        }
+    }
+    for (int i = 0; i < pr->n_inputs; i++) { /* what the update wrote in place */
+        bool written = false;
+        for (int o = 0; o < pr->n_outputs && !written; o++) written = pr->outputs[o].grad_input == i;
+        if (written)
+            gj_rt_bump_version(bound_tensor(r->v, pr->inputs[i].node, pr->inputs[i].slot, r->call,
+                                            r->hyper));
+    }
+    if (accumulate_extra(r->v, r->call, r->news) != 0) return -1;
+    *r->loss_out = r->news[0];
+    r->news[0] = NULL;
+    for (int q = 0; q < opt->n; q++) {
+        r->updated[q] = !r->v->eval && pr->ret[opt->n + q] != 0;
+        int o = pr->ret[q];
+        if (r->grads_out && o >= 0) {
+            r->grads_out[q] = r->news[o];
+            r->news[o] = NULL;
+        }
+    }
+    return 0;
+}
+
+/* Releases what the run holds, whatever the result. */
+static void cr_free(cstep_run *r) {
+    for (int o = 0; r->news && r->pr && o < r->pr->n_outputs; o++)
+        if (r->news[o]) gj_rt_tensor_release(r->news[o]);
+    if (r->hyper) gj_rt_tensor_release(r->hyper);
+    gj_rt_free(r->data);
+    gj_rt_free(r->out);
+    gj_rt_free(r->news);
+    gj_rt_free(r->bound);
+    gj_rt_free(r->params);
+}
+
 int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor **loss_out,
                      bool *updated, gj_tensor **grads_out) {
     const gj_jit_opt *opt = call->opt;
@@ -831,114 +1004,19 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     }
     if (st->n_v == 0) return 1;
     st->runs++;
-    double t0 = gj_jit_now_ms();
-    int64_t nh = (int64_t)opt->n * GJ_AG_OPT_MAX_HYPER + 1;
-    gj_tensor *hyper = gj_rt_tensor_empty(GJ_F64, 1, &nh);
-    if (!hyper) return -1;
-    memcpy(gj_rt_data_ptr(hyper), opt->hyper, (size_t)nh * sizeof(double));
-    int rc = 1;
-    void **data = NULL, **out = NULL;
-    gj_tensor **news = NULL, **bound = NULL;
-    uint64_t *params = NULL;
-    variant *v = NULL;
-    if (select_variant(st, call, hyper, &v, &data) != 0) {
-        rc = -1;
-        goto done;
-    }
-    if (!v) goto done; /* rc 1: trace again */
-    v->last_use = st->runs;
-    rc = -1;
-    if (!checks_pass(v, call)) goto done; /* (nothing ran, nothing changed) */
-    const gj_jit_program *pr = v->prog;
-    const gj_jit_plan *p = &pr->plan;
-    out = gj_rt_calloc((size_t)pr->n_outputs + 1, sizeof *out);
-    news = gj_rt_calloc((size_t)pr->n_outputs + 1, sizeof *news);
-    if (!out || !news) goto done;
-    if (p->n_rt_params > 0) { /* the step's dropout masks, from the generator as eager draws */
-        params = gj_rt_calloc((size_t)p->n_rt_params * 2, sizeof *params);
-        if (!params) goto done;
-        uint64_t seed = gj_rt_rng_seed(), base = gj_rt_rng_reserve(v->rng);
-        for (int k = 0; k < p->n_rt_params; k++) {
-            if (p->rt_param_tape[k] != GJ_JIT_RT_STEP) {
-                gj_rt_set_error("gj_step_run: internal: a dropout mask of unknown origin");
-                goto done;
-            }
-            params[2 * k] = seed;
-            params[2 * k + 1] = base + (uint64_t)p->rt_param_node[k];
-        }
-    } else if (v->rng > 0) {
-        (void)gj_rt_rng_reserve(v->rng); /* (draws no program step reads: keep eager's stream) */
-    }
-    gj_jit_outs ac = {p, news};
-    int er;
-    bool remote = false; /* (ZeRO stage 3: parameters gathered as the program reads them) */
-    for (int i = 0; i < pr->n_inputs && !remote; i++) {
-        gj_tensor *t = bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, hyper);
-        remote = t && t->storage->fetch != NULL;
-    }
-    if (pr->n_hooks > 0 || pr->n_calls > 0 || remote) { /* user code, the reducer, or gathers */
-        gj_jit_step_run sr = {.call = call, .pr = pr, .data = data, .customs = v->customs,
-                              .n_customs = v->n_customs, .remote = remote};
-        bound = gj_rt_calloc((size_t)(pr->n_inputs + pr->n_hooks) + 1, sizeof *bound);
-        if (!bound) goto done;
-        for (int i = 0; i < pr->n_inputs; i++)
-            bound[i] = bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, hyper);
-        for (int i = 0; i < pr->n_hooks; i++)
-            bound[pr->n_inputs + i] = bound_at(v->hook_bound[i], call->n_in, call->in, opt, v->consts);
-        sr.bound = bound;
-        sr.hook_leaf = bound + pr->n_inputs;
-        er = gj_jit_step_exec(&sr, params, out, &ac);
-        if (er == 1) { /* user code tripped a guard: nothing updated, rerun eagerly */
-            st->trip_code = sr.code;
-            st->trip_permanent = sr.permanent;
-            snprintf(st->trip_why, sizeof st->trip_why, "%s", sr.why);
-            rc = 3;
-            goto done;
-        }
-    } else {
-        er = gj_jit_plan_exec(p, data, params, out, gj_jit_alloc_output, &ac);
-    }
-    if (er != 0) goto done;
-    if (v->reduced && call->red->after && call->red->after(call->red->ctx) != 0)
-        goto done; /* (ZeRO: the updated shards into every rank's parameters) */
-    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - t0); /* it ran */
-    int no = pr->ret[2 * opt->n];
-    if (no >= 0 && news[no]) { /* a clipping step: its norm must be finite, as eager's */
-        double norm = *(const double *)gj_rt_data_ptr(news[no]);
-        if (!isfinite(norm)) { /* (the program left every parameter and state as they were) */
-            gj_rt_set_error("gj_clip_grad_norm: the total gradient norm is %g: gradients left "
-                            "as they are", norm);
-            rc = 2;
-            goto done;
-        }
-    }
-    for (int i = 0; i < pr->n_inputs; i++) { /* what the update wrote in place */
-        bool written = false;
-        for (int o = 0; o < pr->n_outputs && !written; o++) written = pr->outputs[o].grad_input == i;
-        if (written)
-            gj_rt_bump_version(bound_tensor(v, pr->inputs[i].node, pr->inputs[i].slot, call, hyper));
-    }
-    if (accumulate_extra(v, call, news) != 0) goto done;
-    *loss_out = news[0];
-    news[0] = NULL;
-    for (int q = 0; q < opt->n; q++) {
-        updated[q] = !v->eval && pr->ret[opt->n + q] != 0;
-        int o = pr->ret[q];
-        if (grads_out && o >= 0) {
-            grads_out[q] = news[o];
-            news[o] = NULL;
-        }
-    }
-    rc = 0;
-done:
-    for (int o = 0; news && v && o < v->prog->n_outputs; o++)
-        if (news[o]) gj_rt_tensor_release(news[o]);
-    gj_rt_tensor_release(hyper);
-    gj_rt_free(data);
-    gj_rt_free(out);
-    gj_rt_free(news);
-    gj_rt_free(bound);
-    gj_rt_free(params);
+    cstep_run r;
+    memset(&r, 0, sizeof r);
+    r.st = st;
+    r.call = call;
+    r.loss_out = loss_out;
+    r.grads_out = grads_out;
+    r.updated = updated;
+    r.t0 = gj_jit_now_ms();
+    int rc = cr_select(&r);
+    if (rc == CR_ON) rc = cr_tables(&r);
+    if (rc == CR_ON) rc = cr_exec(&r);
+    if (rc == CR_ON) rc = cr_results(&r);
+    cr_free(&r);
     return rc;
 }
 
