@@ -26,9 +26,25 @@
  * So the decomposition gives the composite's values bit for bit (f32 and
  * f64), except LOG_SOFTMAX and CE_FWD with more than 512 classes, whose
  * eager kernels sum exp() in tiles of 512 (one rounding step apart).
+ * The eager composites read a non-contiguous input as a contiguous copy,
+ * and a SUM or MAX adds in an order that follows the strides of what it
+ * reads (runtime/kernels_reduce.c), so a row reduction of one of the
+ * composite's inputs itself (an f64 input, whose casts are no-ops)
+ * reduces a COPY of it (own_rows): the rows of a contiguous tensor, as
+ * the composite's lanes take them, whatever view the input is.
  */
 #include "autograd/ops_common.h"
 
+
+/* v, or when v is one of the composite's inputs in[0..n_in) itself, a
+ * contiguous copy of it (to be reduced; see the top of the file). */
+static gj_val *own_rows(gj_ag_builder *b, gj_val *v, gj_val *const *in, int n_in) {
+    bool input = false;
+    for (int k = 0; k < n_in; k++) input |= v && v == in[k];
+    if (!input) return v;
+    gj_rt_inst inst = {.prim = GJ_P_COPY, .n_in = 1};
+    return gj_ag_emit1(b, &inst, &v);
+}
 
 /* Reduction of x over `axes` with keepdim. */
 static gj_val *reduce(gj_ag_builder *b, gj_rt_prim p, gj_val *x, uint32_t axes, bool keep) {
@@ -62,11 +78,11 @@ static gj_val *row_mean_d(gj_ag_builder *b, gj_val *v, uint32_t last, int64_t c)
     return n ? gj_ag_binary(b, GJ_P_DIV, s, n) : NULL;
 }
 
-/* Row-wise max m of x (keepdim), z = x - m, e = exp(z) in x's dtype, and
- * s = sum(e) accumulated in double (f64). */
-static int shifted_exp_sum(gj_ag_builder *b, gj_val *x, uint32_t last, gj_val **m,
+/* Row-wise max m of x (keepdim; of xr, x as own_rows gives it), z = x - m,
+ * e = exp(z) in x's dtype, and s = sum(e) accumulated in double (f64). */
+static int shifted_exp_sum(gj_ag_builder *b, gj_val *x, gj_val *xr, uint32_t last, gj_val **m,
                            gj_val **z, gj_val **e, gj_val **s) {
-    *m = reduce(b, GJ_P_MAX, x, last, true);
+    *m = xr ? reduce(b, GJ_P_MAX, xr, last, true) : NULL;
     *z = *m ? gj_ag_binary(b, GJ_P_SUB, x, *m) : NULL;
     *e = *z ? gj_ag_unary(b, GJ_P_EXP, *z) : NULL;
     gj_val *ed = *e ? gj_ag_cast(b, *e, GJ_F64) : NULL;
@@ -101,7 +117,7 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     switch (inst->prim) {
     case GJ_P_SOFTMAX: { /* y = e * (1 / sum(e)), e = exp(x - max), 1/sum in double */
         gj_val *m, *z, *e, *s;
-        if (shifted_exp_sum(b, x, last, &m, &z, &e, &s) != 0)
+        if (shifted_exp_sum(b, x, own_rows(b, x, in, inst->n_in), last, &m, &z, &e, &s) != 0)
             return -1;
         gj_val *inv = gj_ag_unary(b, GJ_P_RECIP, s);
         inv = inv ? gj_ag_cast(b, inv, cdt) : NULL;
@@ -110,7 +126,7 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     }
     case GJ_P_LOG_SOFTMAX: { /* y = (x - max) - log(sum(exp(x - max))), log in double */
         gj_val *m, *z, *e, *s;
-        if (shifted_exp_sum(b, x, last, &m, &z, &e, &s) != 0)
+        if (shifted_exp_sum(b, x, own_rows(b, x, in, inst->n_in), last, &m, &z, &e, &s) != 0)
             return -1;
         gj_val *l = gj_ag_unary(b, GJ_P_LOG, s);
         l = l ? gj_ag_cast(b, l, cdt) : NULL;
@@ -131,7 +147,8 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     case GJ_P_LOG_SOFTMAX_BWD: { /* (y, gy) -> gy - exp(y) * s, s = sum(gy) in double */
         gj_val *gy = gj_ag_cast(b, in[1], cdt);
         gj_val *gyd = gy ? gj_ag_cast(b, gy, GJ_F64) : NULL;
-        gj_val *s = gyd ? reduce(b, GJ_P_SUM, gyd, last, true) : NULL;
+        gj_val *gyr = gyd ? own_rows(b, gyd, in, inst->n_in) : NULL;
+        gj_val *s = gyr ? reduce(b, GJ_P_SUM, gyr, last, true) : NULL;
         s = s ? gj_ag_cast(b, s, cdt) : NULL;
         gj_val *e = s ? gj_ag_unary(b, GJ_P_EXP, x) : NULL;
         gj_val *t = e ? gj_ag_binary(b, GJ_P_MUL, e, s) : NULL;
@@ -140,7 +157,8 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     }
     case GJ_P_LN_FWD: { /* two-pass mean and biased var in double; rstd = 1/sqrt(var + eps) */
         gj_val *xd = gj_ag_cast(b, x, GJ_F64);
-        gj_val *mu = xd ? row_mean_d(b, xd, last, c) : NULL;
+        gj_val *xr = xd ? own_rows(b, xd, in, inst->n_in) : NULL;
+        gj_val *mu = xr ? row_mean_d(b, xr, last, c) : NULL;
         gj_val *dv = mu ? gj_ag_binary(b, GJ_P_SUB, xd, mu) : NULL;
         gj_val *dd = dv ? gj_ag_binary(b, GJ_P_MUL, dv, dv) : NULL;
         gj_val *var = dd ? row_mean_d(b, dd, last, c) : NULL;
@@ -161,7 +179,8 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
         gj_val *d = (mean && rstd && g) ? gj_ag_binary(b, GJ_P_SUB, x, mean) : NULL;
         gj_val *xhat = d ? gj_ag_binary(b, GJ_P_MUL, d, rstd) : NULL;
         gj_val *gd = xhat ? gj_ag_cast(b, g, GJ_F64) : NULL;
-        gj_val *a = gd ? row_mean_d(b, gd, last, c) : NULL;
+        gj_val *gr = gd ? own_rows(b, gd, in, inst->n_in) : NULL;
+        gj_val *a = gr ? row_mean_d(b, gr, last, c) : NULL;
         a = a ? gj_ag_cast(b, a, cdt) : NULL;
         gj_val *xd = a ? gj_ag_cast(b, xhat, GJ_F64) : NULL;
         gj_val *gx = xd ? gj_ag_binary(b, GJ_P_MUL, gd, xd) : NULL;
@@ -176,7 +195,7 @@ int gj_ag_decompose(gj_ag_builder *b, const gj_rt_inst *inst, gj_val *const *in,
     case GJ_P_CE_FWD: { /* loss = sum_n(lse_n - x[n, label_n]) / N in double; lse[N] */
         int64_t n = im[0].shape[0], k = im[0].shape[1];
         gj_val *m, *z, *e, *s;
-        if (shifted_exp_sum(b, x, 2u, &m, &z, &e, &s) != 0)
+        if (shifted_exp_sum(b, x, own_rows(b, x, in, inst->n_in), 2u, &m, &z, &e, &s) != 0)
             return -1;
         gj_val *l = gj_ag_unary(b, GJ_P_LOG, s);
         gj_val *md = l ? gj_ag_cast(b, m, GJ_F64) : NULL;

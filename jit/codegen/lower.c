@@ -19,7 +19,11 @@
  *     multi-index over R \ {L} (row-major) the run over L is summed into 8
  *     lane accumulators (lane = position mod 8, the tail continuing from
  *     lane 0), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) and added to
- *     the output's accumulator: the eager SUM kernel's order. A MAX store
+ *     the output's accumulator: the eager SUM kernel's order. A kernel
+ *     with run_dims > 1 (plan.h) has its run span its last run_dims dims:
+ *     the lanes go on from row to row of the run (position mod 8; blocks
+ *     of 8 when L's size is a multiple of 8, else one element at a time)
+ *     and are combined once at its end. A MAX store
  *     does the same with max(a, b) = (b > a || b != b) ? b : a in double
  *     from -inf, its lanes folded into the accumulator l0 first, then l1..l7
  *     (the eager MAX kernel).
@@ -496,29 +500,28 @@ static void outer_inner(kg *g, void *vctx) {
     g->idx[L] = NULL;
 }
 
-/* The run over the last (reduced) dim L, in blocks of 8 elements: the
- * body is emitted once per lane q (element i + q), the lanes' values are
- * gathered into a vector and added (max-combined) into the <8 x double>
- * accumulator at once, which is what lets LLVM keep the lanes in vector
- * registers (a small kernel loops over q instead: less code); then the
- * scalar tail, lanes 0.. (the eager order). */
-static void inner_run(kg *g, void *vctx) {
-    (void)vctx;
+/* Every reduce store's 8 lanes set to its starting value. */
+static void lanes_init(kg *g) {
     const gj_jit_kernel *k = g->k;
-    int L = k->nd - 1;
-    int64_t n = k->dims[L], n8 = n - n % 8;
-    /* a generic kernel emits both loops, with bounds read at run time */
-    LLVMValueRef nrun = kdim(g, L);
-    LLVMValueRef n8v = g->generic ? LLVMBuildAnd(g->B, nrun, c64(g, ~(int64_t)7), "") : c64(g, n8);
-    bool blocks = g->generic || n8 > 0, tail = g->generic || n8 < n;
-    LLVMTypeRef vt = LLVMVectorType(g->f64, 8);
     for (int s = 0; s < k->n_st; s++) {
         if (!k->st[s].reduce) continue;
         LLVMValueRef init[8];
         for (int q = 0; q < 8; q++) init[q] = red_init(g, &k->st[s]);
         LLVMBuildStore(g->B, LLVMConstVector(init, 8), g->lanes[s]);
     }
-    if (blocks && g->plain_loops) { /* small kernel: lane q in a loop (less code) */
+}
+
+/* Elements [0, n8v) of the last dim L (n8v a multiple of 8), lane q taking
+ * element i + q of each block of 8: the body is emitted once per lane, the
+ * lanes' values are gathered into a vector and added (max-combined) into
+ * the <8 x double> accumulator at once, which is what lets LLVM keep the
+ * lanes in vector registers (a small kernel loops over q instead: less
+ * code). */
+static void lanes_blocks(kg *g, LLVMValueRef n8v) {
+    const gj_jit_kernel *k = g->k;
+    int L = k->nd - 1;
+    LLVMTypeRef vt = LLVMVectorType(g->f64, 8);
+    if (g->plain_loops) { /* small kernel: lane q in a loop (less code) */
         loop li, lq;
         loop_open(g, &li, c64(g, 0), n8v, 8, "i8");
         loop_open(g, &lq, c64(g, 0), c64(g, 8), 1, "q");
@@ -527,7 +530,7 @@ static void inner_run(kg *g, void *vctx) {
         gen_body(g, NULL);
         loop_close(g, &lq);
         loop_close(g, &li);
-    } else if (blocks) { /* blocks of 8: lane q takes element i + q */
+    } else { /* blocks of 8: lane q takes element i + q */
         loop li;
         loop_open(g, &li, c64(g, 0), n8v, 8, "i8");
         LLVMValueRef *acc_vec = gj_rt_calloc((size_t)k->n_st + 1, sizeof *acc_vec);
@@ -556,15 +559,29 @@ static void inner_run(kg *g, void *vctx) {
         gj_rt_free(acc_vec);
         loop_close(g, &li);
     }
-    if (tail) { /* tail: lanes 0.. */
-        loop lt;
-        loop_open(g, &lt, n8v, nrun, 1, "tail");
-        g->idx[L] = lt.iv;
-        g->lane = LLVMBuildNSWSub(g->B, lt.iv, n8v, "");
-        gen_body(g, NULL);
-        loop_close(g, &lt);
-    }
     g->idx[L] = NULL;
+}
+
+/* Elements [from, to) of the last dim L one by one, element i into lane
+ * (base + i) mod 8 (base NULL: lane i - from, from a multiple of 8). */
+static void lanes_scalar(kg *g, LLVMValueRef from, LLVMValueRef to, LLVMValueRef base) {
+    int L = g->k->nd - 1;
+    loop lt;
+    loop_open(g, &lt, from, to, 1, "tail");
+    g->idx[L] = lt.iv;
+    g->lane = base ? LLVMBuildAnd(g->B, LLVMBuildNSWAdd(g->B, base, lt.iv, ""), c64(g, 7), "")
+                   : LLVMBuildNSWSub(g->B, lt.iv, from, "");
+    gen_body(g, NULL);
+    loop_close(g, &lt);
+    g->idx[L] = NULL;
+}
+
+/* Every reduce store's lanes folded into its accumulator: a SUM adds the
+ * fixed tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) to it, a MAX folds l0
+ * first, then l1..l7 (the eager kernels). */
+static void lanes_finish(kg *g) {
+    const gj_jit_kernel *k = g->k;
+    LLVMTypeRef vt = LLVMVectorType(g->f64, 8);
     for (int s = 0; s < k->n_st; s++) {
         if (!k->st[s].reduce) continue;
         LLVMValueRef l[8];
@@ -583,6 +600,72 @@ static void inner_run(kg *g, void *vctx) {
         LLVMValueRef old = LLVMBuildLoad2(g->B, g->f64, g->racc[s], "");
         LLVMBuildStore(g->B, LLVMBuildFAdd(g->B, old, t, ""), g->racc[s]);
     }
+}
+
+/* The run over the last (reduced) dim L: blocks of 8, then the scalar
+ * tail, lanes 0.. (the eager order); a generic kernel emits both loops,
+ * with bounds read at run time. */
+static void inner_run(kg *g, void *vctx) {
+    (void)vctx;
+    const gj_jit_kernel *k = g->k;
+    int L = k->nd - 1;
+    int64_t n = k->dims[L], n8 = n - n % 8;
+    LLVMValueRef nrun = kdim(g, L);
+    LLVMValueRef n8v = g->generic ? LLVMBuildAnd(g->B, nrun, c64(g, ~(int64_t)7), "") : c64(g, n8);
+    lanes_init(g);
+    if (g->generic || n8 > 0) lanes_blocks(g, n8v);
+    if (g->generic || n8 < n) lanes_scalar(g, n8v, nrun, NULL);
+    lanes_finish(g);
+}
+
+/* One row of a run over several dims (multi_run): the elements of the
+ * last dim L at run position pos + i, i.e. lane (pos + i) mod 8. When
+ * L's size is a multiple of 8, pos is too and the blocks of 8 keep
+ * their lanes; otherwise the elements go one by one (a generic kernel
+ * picks at run time). Then pos += L's size. */
+static void run_row(kg *g, void *vctx) {
+    LLVMValueRef pos_var = vctx;
+    const gj_jit_kernel *k = g->k;
+    int L = k->nd - 1;
+    LLVMValueRef n = kdim(g, L);
+    LLVMValueRef pos = LLVMBuildLoad2(g->B, g->i64, pos_var, "pos");
+    if (!g->generic) {
+        if (k->dims[L] % 8 == 0) lanes_blocks(g, n);
+        else lanes_scalar(g, c64(g, 0), n, pos);
+    } else {
+        LLVMValueRef aligned = LLVMBuildICmp(g->B, LLVMIntEQ, LLVMBuildAnd(g->B, n, c64(g, 7), ""),
+                                             c64(g, 0), "");
+        LLVMBasicBlockRef bb_blk = LLVMAppendBasicBlockInContext(g->C, g->fn, "aligned");
+        LLVMBasicBlockRef bb_one = LLVMAppendBasicBlockInContext(g->C, g->fn, "unaligned");
+        LLVMBasicBlockRef bb_end = LLVMAppendBasicBlockInContext(g->C, g->fn, "row_done");
+        LLVMBuildCondBr(g->B, aligned, bb_blk, bb_one);
+        LLVMPositionBuilderAtEnd(g->B, bb_blk);
+        lanes_blocks(g, n);
+        LLVMBuildBr(g->B, bb_end);
+        LLVMPositionBuilderAtEnd(g->B, bb_one);
+        lanes_scalar(g, c64(g, 0), n, pos);
+        LLVMBuildBr(g->B, bb_end);
+        LLVMPositionBuilderAtEnd(g->B, bb_end);
+    }
+    LLVMBuildStore(g->B, LLVMBuildNSWAdd(g->B, pos, n, ""), pos_var);
+}
+
+typedef struct multi_ctx {
+    const int *list; /* the run's dims before L */
+    int n;
+} multi_ctx;
+
+/* A run over the last k->run_dims dims (eager's coalesced innermost run,
+ * which an access keeps the kernel from merging into one dim): the lanes
+ * start once, the rows of the run's outer dims (row-major) continue them
+ * at the run position, and the lanes are folded once at the end. */
+static void multi_run(kg *g, void *vctx) {
+    const multi_ctx *c = vctx;
+    LLVMValueRef pos = entry_alloca(g, g->i64, "pos");
+    LLVMBuildStore(g->B, c64(g, 0), pos);
+    lanes_init(g);
+    reduced_loops(g, c->list, c->n, run_row, pos);
+    lanes_finish(g);
 }
 
 /* The body function of kernel k. */
@@ -640,7 +723,14 @@ static void gen_kernel_body(kg *g) {
     if (g->inner_mode) {
         for (int s = 0; s < k->n_st; s++)
             if (k->st[s].reduce) LLVMBuildStore(g->B, red_init(g, &k->st[s]), g->racc[s]);
-        reduced_loops(g, red, nr, inner_run, NULL);
+        /* the run's dims before L are the last of red[] (plan_kernel.c) */
+        int nrun = k->run_dims > 1 ? k->run_dims - 1 : 0;
+        multi_ctx mc = {red + nr - nrun, nrun};
+        if (nrun > nr)
+            kg_fail(g, "internal: kernel %s: a run over %d dims of %d reduced", k->name,
+                    k->run_dims, nr + 1);
+        else if (nrun > 0) reduced_loops(g, red, nr - nrun, multi_run, &mc);
+        else reduced_loops(g, red, nr, inner_run, NULL);
         for (int s = 0; s < k->n_st && !g->failed; s++)
             if (k->st[s].reduce) store_acc(g, s, LLVMBuildLoad2(g->B, g->f64, g->racc[s], ""));
     } else {

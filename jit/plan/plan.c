@@ -383,9 +383,11 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
         }
         const gj_jit_kernel *k = &st->k;
         gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->dims);
-        fprintf(f, "  instr %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld\n", s,
+        fprintf(f, "  instr %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld", s,
                 k->name, sh, (unsigned)k->red, (long long)k->rows, (long long)k->block,
                 (long long)k->grain);
+        if (k->run_dims > 1) fprintf(f, " run=%d dims", k->run_dims);
+        fprintf(f, "\n");
         for (int a = 0; a < k->n_acc; a++) {
             gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->acc[a].strides);
             fprintf(f, "    a%d: b%d %s +%lld strides %s\n", a, k->acc[a].buf,

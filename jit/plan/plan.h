@@ -27,10 +27,14 @@
  *     the first instruction that uses it and freed right after the last one; a new
  *     .grad just before the step that writes it. by_first / by_last list
  *     them in that order.
- *   - A value summed by a kernel is added in S's row-major order of the
- *     reduced indices, starting from 0, in double -- the eager SUM
- *     kernel's order and accumulator; a MAX compares in double from -inf
- *     (NaN wins), like the eager MAX kernel.
+ *   - A value summed by a kernel is added in the eager SUM kernel's order,
+ *     starting from 0, in double: that order follows the strides of the
+ *     tensor eager reduces (runtime/kernels_reduce.c), so a kernel's dims
+ *     are nested as it nests them (plan_kernel.c), and in inner mode the 8
+ *     lanes run over eager's whole innermost run, which may span the last
+ *     run_dims dims of the kernel (when an access, a broadcast operand,
+ *     keeps the kernel from merging them); a MAX compares in double from
+ *     -inf (NaN wins), like the eager MAX kernel.
  */
 #ifndef GJ_JIT_PLAN_H
 #define GJ_JIT_PLAN_H
@@ -94,6 +98,10 @@ typedef struct gj_jit_kernel {
     int nd;
     int64_t dims[GJ_MAX_DIMS];
     uint32_t red; /* reduced dims (bit k = dim k) */
+    /* inner mode (the last dim reduced): the lanes of every sum run over
+     * the last run_dims dims as one run (row-major), not over the last dim
+     * alone (0 or 1) */
+    int run_dims;
     gj_jit_access *acc;
     int n_acc, cap_acc;
     gj_jit_expr *ex;
@@ -360,7 +368,10 @@ static inline void wbuf_kernel_code(wbuf *b, const gj_jit_kernel *k, bool generi
         const gj_jit_store *x = &k->st[q];
         wbuf_i64(b, x->access);
         wbuf_i64(b, x->expr);
-        wbuf_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1);
+        /* (a run over several dims only changes the words of kernels that
+         * have one: an older cache entry's plan blob differs exactly there) */
+        uint64_t run = x->reduce && k->run_dims > 1 ? (uint64_t)k->run_dims : 0;
+        wbuf_u64(b, (uint64_t)x->reduce | (uint64_t)x->max << 1 | run << 2);
     }
 }
 

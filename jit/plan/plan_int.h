@@ -17,7 +17,9 @@
  * Value classes while planning (one per graph value):
  *   VIEW  - a strided view of a buffer (graph inputs, BLAS and reduction
  *           results, movement ops folded into index maps, virtual buffers);
- *   CONST - a FILL (a scalar broadcast anywhere, never stored);
+ *   CONST - a FILL (a scalar broadcast anywhere, never stored); its
+ *           strides are the layout eager gives it (the FILL's fresh
+ *           tensor, then views), which a reduction of it follows;
  *   FUSED - computed inside a fused group at each element of the group's
  *           iteration space; it gets a buffer ("materialised") only when
  *           something outside the group needs it.
@@ -49,6 +51,19 @@ typedef struct vinfo {
     int group; /* FUSED: its group */
 } vinfo;
 
+/* The order in which the eager SUM and MAX kernels (runtime/kernels_reduce.c)
+ * take the elements of the value they reduce, which follows that value's
+ * strides: its dims of size > 1 as a kernel must nest its loops (perm[0]
+ * outermost), and how many of the last are eager's innermost coalesced
+ * run, summed in 8 lanes (run > 0: per output; run 0: one accumulator per
+ * output, added to in sequence, perm's last dim kept). See
+ * gj_jit_pl_red_order. */
+typedef struct red_order {
+    int n;
+    int8_t perm[GJ_MAX_DIMS];
+    int run;
+} red_order;
+
 typedef struct pgroup {
     int ndim;
     int64_t shape[GJ_MAX_DIMS];
@@ -58,6 +73,7 @@ typedef struct pgroup {
     int n, cap;
     bool has_red;
     uint32_t red_axes;
+    red_order ord;          /* has_red: the eager order of every reduction of the group */
     bool is_copy;           /* a copy group: value (or constant) -> a view of a buffer */
     int copy_src;           /* the value, or -1: the constant copy_cval */
     double copy_cval;
@@ -178,6 +194,14 @@ bool gj_jit_pl_fold_view(const gj_rt_inst *inst, const gj_rt_meta *im, const vin
 int gj_jit_pl_node(planner *pl, int i);
 /* plan_nodes.c: the graph outputs (new or accumulated .grad). 0 or -1. */
 int gj_jit_pl_outputs(planner *pl);
+/* plan_kernel.c: the eager reduction order (red_order) of a value of shape
+ * S[0..nd) with strides st (its layout as the eager kernel reads it)
+ * reduced over the dims in red. */
+void gj_jit_pl_red_order(int nd, const int64_t *S, const int64_t *st, uint32_t red,
+                         red_order *o);
+static inline bool same_red_order(const red_order *a, const red_order *b) {
+    return a->n == b->n && a->run == b->run && memcmp(a->perm, b->perm, (size_t)a->n) == 0;
+}
 /* plan_kernel.c: the kernel of fused group gi, scheduled; memo[] (one per
  * graph value, all -1) caches value expressions. 0 or -1. */
 int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo);

@@ -151,30 +151,104 @@ static int drop_dead(gj_jit_kernel *k) {
     return 0;
 }
 
-/* Folds dims of size 1 and merges adjacent dims that every access walks
- * contiguously (and that are both reduced or both kept). */
-static void collapse_dims(gj_jit_kernel *k) {
-    int nd = 0;
-    int64_t dims[GJ_MAX_DIMS];
+/* The eager kernel (runtime/kernels_reduce.c, gj_k_reduce) drops the dims
+ * of size 1, sorts the reduced dims by decreasing stride (stably) and
+ * coalesces neighbours (stride[prev] == stride * size). When the innermost
+ * kept dim has a smaller stride than every reduced dim it adds row-wise:
+ * each output from 0, in the sorted order of the reduced indices (run 0).
+ * Otherwise each output sums runs of the innermost coalesced dim in 8
+ * lanes (lane = position mod 8), adding each run's fixed tree to its
+ * accumulator, the other reduced dims outside in sorted order (run = the
+ * dims in that innermost one). The kernel's loops give the same order
+ * when its dims are nested as perm says: the reduced dims in the sorted
+ * order, last for runs, before the last kept dim when row-wise. That is
+ * the natural order for a contiguous value (kept dims stay in place);
+ * otherwise the kept dims go first (row-wise: all but the innermost). */
+void gj_jit_pl_red_order(int nd, const int64_t *S, const int64_t *st, uint32_t red,
+                         red_order *o) {
+    int kept[GJ_MAX_DIMS], rd[GJ_MAX_DIMS], nat[GJ_MAX_DIMS], nk = 0, nr = 0, n = 0;
+    for (int d = 0; d < nd; d++) {
+        if (S[d] == 1) continue;
+        nat[n++] = d;
+        if ((red >> d) & 1u) rd[nr++] = d;
+        else kept[nk++] = d;
+    }
+    for (int a = 1; a < nr; a++) /* (eager's stable insertion sort) */
+        for (int b = a; b > 0 && st[rd[b - 1]] < st[rd[b]]; b--) {
+            int t = rd[b];
+            rd[b] = rd[b - 1];
+            rd[b - 1] = t;
+        }
+    bool rowwise = nk > 0;
+    for (int q = 0; q < nr && rowwise; q++) rowwise = st[kept[nk - 1]] < st[rd[q]];
+    int run = 0;
+    if (!rowwise && nr > 0)
+        for (run = 1; run < nr && st[rd[nr - run - 1]] == st[rd[nr - run]] * S[rd[nr - run]];)
+            run++;
+    bool natural = true;
+    for (int q = 0, r = 0; q < n && natural; q++)
+        if ((red >> nat[q]) & 1u) natural = rd[r++] == nat[q];
+    if (n > 0 && rowwise) natural = natural && !((red >> nat[n - 1]) & 1u);
+    for (int q = n - run; q < n && natural; q++) natural = (red >> nat[q]) & 1u;
+    o->n = n;
+    o->run = run;
+    int w = 0;
+    if (natural) {
+        for (int q = 0; q < n; q++) o->perm[w++] = (int8_t)nat[q];
+        return;
+    }
+    for (int q = 0; q < nk - (rowwise ? 1 : 0); q++) o->perm[w++] = (int8_t)kept[q];
+    for (int q = 0; q < nr; q++) o->perm[w++] = (int8_t)rd[q];
+    if (rowwise) o->perm[w++] = (int8_t)kept[nk - 1];
+}
+
+/* Nests k's dims as ord says (NULL: as they are) and drops those of size
+ * 1, then merges adjacent dims that every access walks contiguously (and
+ * that are both reduced or both kept), never across the start of ord's
+ * run; sets k->run_dims to the dims the run then spans. */
+static void collapse_dims(gj_jit_kernel *k, const red_order *ord) {
+    int n = 0, run_from = -1, run_at = -1;
+    int64_t dims[GJ_MAX_DIMS], t[GJ_MAX_DIMS];
     uint32_t red = 0;
-    for (int d = 0; d < k->nd; d++) {
-        if (k->dims[d] == 1) continue;
-        bool r = (k->red >> d) & 1u;
-        if (nd > 0) {
+    if (ord) { /* permuted, size-1 dims dropped */
+        for (int q = 0; q < ord->n; q++) {
+            dims[q] = k->dims[ord->perm[q]];
+            if ((k->red >> ord->perm[q]) & 1u) red |= 1u << q;
+        }
+        for (int a = 0; a < k->n_acc; a++) {
+            for (int q = 0; q < ord->n; q++) t[q] = k->acc[a].strides[ord->perm[q]];
+            memcpy(k->acc[a].strides, t, (size_t)ord->n * sizeof t[0]);
+        }
+        n = ord->n;
+        if (ord->run > 0) run_from = n - ord->run;
+    } else {
+        for (int d = 0; d < k->nd; d++) {
+            if (k->dims[d] == 1) continue;
+            dims[n] = k->dims[d];
+            if ((k->red >> d) & 1u) red |= 1u << n;
+            for (int a = 0; a < k->n_acc; a++) k->acc[a].strides[n] = k->acc[a].strides[d];
+            n++;
+        }
+    }
+    int nd = 0;
+    uint32_t nred = 0;
+    for (int d = 0; d < n; d++) {
+        bool r = (red >> d) & 1u;
+        if (nd > 0 && d != run_from) {
             int q = nd - 1;
-            bool rq = (red >> q) & 1u;
-            bool ok = rq == r;
+            bool ok = ((nred >> q) & 1u) == r;
             for (int a = 0; a < k->n_acc && ok; a++)
-                if (k->acc[a].strides[q] != k->acc[a].strides[d] * k->dims[d]) ok = false;
+                if (k->acc[a].strides[q] != k->acc[a].strides[d] * dims[d]) ok = false;
             if (ok) {
-                dims[q] *= k->dims[d];
+                dims[q] *= dims[d];
                 for (int a = 0; a < k->n_acc; a++) k->acc[a].strides[q] = k->acc[a].strides[d];
                 continue;
             }
         }
-        dims[nd] = k->dims[d];
+        if (d == run_from) run_at = nd;
+        dims[nd] = dims[d];
         for (int a = 0; a < k->n_acc; a++) k->acc[a].strides[nd] = k->acc[a].strides[d];
-        if (r) red |= 1u << nd;
+        if (r) nred |= 1u << nd;
         nd++;
     }
     if (nd == 0) {
@@ -183,10 +257,11 @@ static void collapse_dims(gj_jit_kernel *k) {
         for (int a = 0; a < k->n_acc; a++) k->acc[a].strides[0] = 0;
     }
     k->nd = nd;
-    memcpy(k->dims, dims, sizeof dims);
+    for (int d = 0; d < GJ_MAX_DIMS; d++) k->dims[d] = d < nd ? dims[d] : 0;
     for (int a = 0; a < k->n_acc; a++)
         for (int d = nd; d < GJ_MAX_DIMS; d++) k->acc[a].strides[d] = 0;
-    k->red = red;
+    k->red = nred;
+    k->run_dims = run_at >= 0 && nd - run_at > 1 ? nd - run_at : 0;
 }
 
 /* Rows, blocks and grain of kernel k (see plan.h). */
@@ -297,7 +372,7 @@ int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
         }
     }
     if (drop_dead(k) != 0) return -1;
-    collapse_dims(k);
+    collapse_dims(k, G->has_red ? &G->ord : NULL);
     schedule_kernel(k);
     /* params: the distinct real buffers, in first-use order, then the run's
      * parameters if a dropout mask reads them */

@@ -299,7 +299,9 @@ static int merge_groups(planner *pl, int a, int b) {
     if (a == b || A->dead || B->dead || A->is_copy || B->is_copy ||
         !same_shape(A->ndim, A->shape, B->ndim, B->shape))
         return 0;
-    if (A->has_red && B->has_red && A->red_axes != B->red_axes) return 0;
+    if (A->has_red && B->has_red &&
+        (A->red_axes != B->red_axes || !same_red_order(&A->ord, &B->ord)))
+        return 0;
     if (A->has_red != B->has_red) { /* keep enough parallel rows (see plan_sum) */
         uint32_t ax = A->has_red ? A->red_axes : B->red_axes;
         int64_t kept = 1;
@@ -335,6 +337,7 @@ static int merge_groups(planner *pl, int a, int b) {
     if (B->has_red) {
         A->has_red = true;
         A->red_axes = B->red_axes;
+        A->ord = B->ord;
     }
     if (B->first >= 0 && (A->first < 0 || B->first < A->first)) A->first = B->first;
     int sa = A->instr, sb = B->instr;
@@ -430,7 +433,12 @@ static int plan_elementwise(planner *pl, int i) {
 }
 
 /* SUM or MAX: joins the group of its input (or a recent group reducing the
- * same axes over the same space), stores into a new temporary. */
+ * same axes over the same space in the same order), stores into a new
+ * temporary. The eager kernel's order of the sum (red_order) follows the
+ * strides of the tensor it reads: a value computed in a group is a fresh
+ * contiguous tensor in eager, a view has its view's strides, a constant
+ * the layout its FILL and views gave it. A group's reductions share one
+ * order, which its kernel's loops follow (plan_kernel.c). */
 static int plan_reduce(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
     int x = n->in[0];
@@ -438,6 +446,11 @@ static int plan_reduce(planner *pl, int i) {
     const vinfo *xi = &pl->vi[x];
     uint32_t axes = n->inst.axes;
     if (xm->dtype == GJ_I64) return gj_jit_pl_no_lowering(pl, n, "on i64");
+    int64_t est[GJ_MAX_DIMS];
+    if (xi->kind == V_FUSED) contig_strides(xm->ndim, xm->shape, est);
+    else memcpy(est, xi->strides, sizeof est);
+    red_order ord;
+    gj_jit_pl_red_order(xm->ndim, xm->shape, est, axes, &ord);
 
     int gi = -1;
     /* Fusing a reduction into a big group makes the group run over the
@@ -446,13 +459,15 @@ static int plan_reduce(planner *pl, int i) {
     if (xi->kind == V_FUSED && fusable) {
         const pgroup *G = &pl->groups[xi->group];
         if (same_shape(G->ndim, G->shape, xm->ndim, xm->shape) &&
-            (!G->has_red || G->red_axes == axes) && !G->is_copy)
+            (!G->has_red || (G->red_axes == axes && same_red_order(&G->ord, &ord))) &&
+            !G->is_copy)
             gi = xi->group;
     }
     for (int c = pl->n_groups - 1; c >= 0 && c >= pl->n_groups - 16 && gi < 0; c--) {
         const pgroup *G = &pl->groups[c];
         if (fusable && !G->dead && !G->is_copy && G->has_red && G->red_axes == axes &&
-            same_shape(G->ndim, G->shape, xm->ndim, xm->shape) && inputs_allow(pl, c, 1, &x))
+            same_red_order(&G->ord, &ord) && same_shape(G->ndim, G->shape, xm->ndim, xm->shape) &&
+            inputs_allow(pl, c, 1, &x))
             gi = c;
     }
     if (gi < 0) {
@@ -464,6 +479,7 @@ static int plan_reduce(planner *pl, int i) {
     pgroup *G = &pl->groups[gi];
     G->has_red = true;
     G->red_axes = axes;
+    G->ord = ord;
     if (group_add(G, i) != 0) return gj_jit_pl_oom(pl);
     int b = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (b < 0) return gj_jit_pl_oom(pl);
@@ -563,9 +579,13 @@ static int plan_movement(planner *pl, int i) {
     int x = n->in[0];
     const gj_rt_meta *im = vmeta(pl, x), *om = vmeta(pl, n->out[0]);
     vinfo *o = &pl->vi[n->out[0]];
-    if (pl->vi[x].kind == V_CONST) {
+    if (pl->vi[x].kind == V_CONST) { /* (strides: its layout in eager, see plan_reduce) */
         o->kind = V_CONST;
         o->cval = pl->vi[x].cval;
+        vinfo cin = pl->vi[x];
+        if (!gj_jit_pl_fold_view(&n->inst, im, &cin, om, o)) /* eager copies: contiguous */
+            contig_strides(om->ndim, om->shape, o->strides);
+        o->offset = 0;
         return 0;
     }
     if (pl->vi[x].kind == V_FUSED && materialize(pl, x) != 0) return -1;
@@ -814,6 +834,7 @@ static int plan_generator(planner *pl, int i) {
     if (n->inst.prim == GJ_P_FILL) {
         o->kind = V_CONST;
         o->cval = n->inst.scalar;
+        contig_strides(om->ndim, om->shape, o->strides); /* eager's fresh tensor */
         return 0;
     }
     int64_t ne = numel_of(om->ndim, om->shape);
