@@ -16,14 +16,18 @@
  *
  * Invariants (what makes every thread count and both compilers give the
  * same bits):
- *   - Blocks of GJ_ATTN_BR queries against blocks of GJ_ATTN_BC keys. A
- *     score is the dot product over d in ascending order, one fused
- *     multiply-add per term from 0, times scale. Every sum of products is
- *     a chain of fused multiply-adds in one fixed order (keys ascending,
- *     blocks ascending); row sums of probabilities take 16 lanes and a
- *     fixed tree; maxima are order-free. No other contraction: the code
- *     is compiled without -ffast-math and with -ffp-contract=off, and the
- *     exponential and logarithm are gj_math.h's.
+ *   - Blocks of GJ_ATTN_BR queries against blocks of GJ_ATTN_BC keys (the
+ *     two equal: a query block starts where a key block does). A score is
+ *     the dot product over d in ascending order, one fused multiply-add
+ *     per term from 0, times scale. Every sum of products is a chain of
+ *     fused multiply-adds in one fixed order (keys ascending, blocks
+ *     ascending; queries ascending for the key gradients); a query's sum
+ *     of probabilities is a chain of additions over keys ascending;
+ *     maxima are order-free; D_i = dO_i . O_i takes 16 lanes and a fixed
+ *     tree. No other contraction: the code is compiled without
+ *     -ffast-math and with -ffp-contract=off, and the exponential and
+ *     logarithm are gj_math.h's. Scores are kept transposed (a row per
+ *     key), so per-query statistics are vectors over a block's queries.
  *   - The forward's unit of work is (b, h, query block); the backward's is
  *     (b, h), its key blocks in order and, for each, the query blocks that
  *     see it in order. No two units write the same output, so any thread
@@ -48,6 +52,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+/* Every function is inlined into its caller, so the caller's target (an
+ * eager kernel's per-CPU clone, or the JIT's host) compiles it, and the
+ * JIT's constants reach every loop. */
+#define GJ_ATTN_INLINE static inline __attribute__((always_inline))
+
 #define GJ_ATTN_BR 64    /* queries per block */
 #define GJ_ATTN_BC 64    /* keys per block */
 #define GJ_ATTN_DMAX 128 /* largest head size */
@@ -71,27 +80,97 @@ typedef struct gj_attn_mem {
     uint64_t seed, offset;
 } gj_attn_mem;
 
-static inline int64_t gj_attn_fwd_units(const gj_attn_geom *g) {
+/* One call as the eager kernel runs it: geometry, memory and element type
+ * (GJ_ATTN_F32, _BF16, _F64). */
+enum { GJ_ATTN_F32 = 0, GJ_ATTN_BF16 = 1, GJ_ATTN_F64 = 2 };
+typedef struct gj_attn_run {
+    gj_attn_geom g;
+    gj_attn_mem m;
+    int type;
+} gj_attn_run;
+
+GJ_ATTN_INLINE int64_t gj_attn_fwd_units(const gj_attn_geom *g) {
     return g->B * g->H * ((g->T + GJ_ATTN_BR - 1) / GJ_ATTN_BR);
 }
-static inline int64_t gj_attn_bwd_units(const gj_attn_geom *g) { return g->B * g->H; }
-/* Backward workspace per unit: dQ of the head and the rows' D_i, in
- * accumulator elements. */
-static inline int64_t gj_attn_bwd_ws_elems(const gj_attn_geom *g) { return g->T * (g->D + 1); }
+GJ_ATTN_INLINE int64_t gj_attn_bwd_units(const gj_attn_geom *g) { return g->B * g->H; }
+/* Backward workspace per unit, in accumulator elements: the head's dQ
+ * [T][D], Q^T [D][Tp] and dO^T [E][Tp] (Tp: T rounded up to a block) and
+ * the rows' D_i [T]. */
+GJ_ATTN_INLINE int64_t gj_attn_bwd_ws_elems(const gj_attn_geom *g) {
+    int64_t Tp = (g->T + GJ_ATTN_BR - 1) / GJ_ATTN_BR * GJ_ATTN_BR;
+    return g->T * (g->D + 1) + Tp * (g->D + g->E);
+}
 
 /* Multiply-adds the unit counts take (the masked blocks skipped), for
  * rates: forward 2 products, backward 5 (QK^T, dO V^T, dV, dQ, dK). */
-static inline double gj_attn_pairs(const gj_attn_geom *g) {
+GJ_ATTN_INLINE double gj_attn_pairs(const gj_attn_geom *g) {
     double pairs = (double)g->T * (double)g->S;
     if (g->causal)
         pairs = (double)g->T * ((double)g->T + 1) / 2;
     return pairs * (double)(g->B * g->H);
 }
 
+/* ------------------------------------------------------------ vectors */
+
+/* 512-bit vectors of the accumulator types (16 floats, 8 doubles), as the
+ * compilers' generic vector extension: the products keep their blocks of
+ * accumulators in these. GJ_ATTN_VFMA is one fused multiply-add per lane
+ * on every path: clang's elementwise builtin (the JIT's bitcode), the
+ * AVX-512 or FMA instructions where the translation unit targets them (the
+ * eager kernel's per-CPU builds), else a loop of fmaf. Same arithmetic,
+ * so the same bits. */
+typedef float gj_attn_vf __attribute__((vector_size(64)));
+typedef double gj_attn_vd __attribute__((vector_size(64)));
+typedef float gj_attn_vf_u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef double gj_attn_vd_u __attribute__((vector_size(64), aligned(8), may_alias));
+
+#if defined(__clang__)
+#define GJ_ATTN_VFMA(a, b, c) __builtin_elementwise_fma(a, b, c)
+#else
+/* the vector helpers are always inlined: no call passes a vector, so the
+ * ABI of 512-bit vectors on CPUs without AVX-512 never matters */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+GJ_ATTN_INLINE gj_attn_vf gj_attn_fma_vf(gj_attn_vf a, gj_attn_vf b, gj_attn_vf c) {
+#if defined(__AVX512F__)
+    return (gj_attn_vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    union { gj_attn_vf v; __m256 h[2]; } x = {a}, y = {b}, z = {c};
+    z.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+    z.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+    return z.v;
+#else
+    for (int l = 0; l < 16; l++)
+        c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return c;
+#endif
+}
+GJ_ATTN_INLINE gj_attn_vd gj_attn_fma_vd(gj_attn_vd a, gj_attn_vd b, gj_attn_vd c) {
+#if defined(__AVX512F__)
+    return (gj_attn_vd)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif defined(__FMA__)
+    union { gj_attn_vd v; __m256d h[2]; } x = {a}, y = {b}, z = {c};
+    z.h[0] = _mm256_fmadd_pd(x.h[0], y.h[0], z.h[0]);
+    z.h[1] = _mm256_fmadd_pd(x.h[1], y.h[1], z.h[1]);
+    return z.v;
+#else
+    for (int l = 0; l < 8; l++)
+        c[l] = __builtin_fma(a[l], b[l], c[l]);
+    return c;
+#endif
+}
+#define GJ_ATTN_VFMA(a, b, c) \
+    _Generic((a), gj_attn_vf: gj_attn_fma_vf, gj_attn_vd: gj_attn_fma_vd)(a, b, c)
+#endif
+
 /* ---------------------------------------------------- the three versions */
 
 #define GJ_ATTN_T float
 #define GJ_ATTN_A float
+#define GJ_ATTN_V gj_attn_vf
+#define GJ_ATTN_VU gj_attn_vf_u
 #define GJ_ATTN_SFX f32
 #define GJ_ATTN_LD(p, i) ((p)[i])
 #define GJ_ATTN_ST(x) (x)
@@ -103,6 +182,8 @@ static inline double gj_attn_pairs(const gj_attn_geom *g) {
 
 #define GJ_ATTN_T uint16_t
 #define GJ_ATTN_A float
+#define GJ_ATTN_V gj_attn_vf
+#define GJ_ATTN_VU gj_attn_vf_u
 #define GJ_ATTN_SFX bf16
 #define GJ_ATTN_LD(p, i) gj_m_bf16_to_f32((p)[i])
 #define GJ_ATTN_ST(x) gj_m_f32_to_bf16(x)
@@ -114,6 +195,8 @@ static inline double gj_attn_pairs(const gj_attn_geom *g) {
 
 #define GJ_ATTN_T double
 #define GJ_ATTN_A double
+#define GJ_ATTN_V gj_attn_vd
+#define GJ_ATTN_VU gj_attn_vd_u
 #define GJ_ATTN_SFX f64
 #define GJ_ATTN_LD(p, i) ((p)[i])
 #define GJ_ATTN_ST(x) (x)

@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * kernels_attention.c - the eager kernels of ATTN_FWD and ATTN_BWD: the
- * algorithm of runtime/attention.h over the pool, compiled with the
- * library (per-CPU clones). A compiled program runs the same algorithm as
- * a kernel of its own (the JIT specialises attention.h to its shape), so
- * the two give the same bits.
+ * algorithm of runtime/attention.h over the pool, built for the baseline
+ * and (kernels_attention_x86v3.c, _x86v4.c) for AVX2+FMA and AVX-512 CPUs,
+ * the widest the CPU runs taken. A compiled program runs the same
+ * algorithm as a kernel of its own (the JIT specialises attention.h to its
+ * shape), so the two give the same bits.
  *
  * Invariants:
  *   - Inputs may have any strides over (b, h, t); an input whose last
@@ -20,34 +21,28 @@
 
 #include "runtime/attention.h"
 
-typedef struct attn_run {
-    gj_attn_geom g;
-    gj_attn_mem m;
-    gj_dtype dt;
-} attn_run;
+/* The baseline build's units (attention_units.h); the x86-64-v3 and -v4
+ * builds are kernels_attention_x86v3.c and _x86v4.c. */
+#define GJ_ATTN_ISA base
+#include "runtime/attention_units.h"
 
-GJ_K_CLONES static void fwd_range(void *vctx, int64_t b, int64_t e) {
-    const attn_run *x = vctx;
-    for (int64_t u = b; u < e; u++) {
-        if (x->dt == GJ_F32)
-            gj_attn_fwd_unit_f32(&x->g, &x->m, u);
-        else if (x->dt == GJ_BF16)
-            gj_attn_fwd_unit_bf16(&x->g, &x->m, u);
-        else
-            gj_attn_fwd_unit_f64(&x->g, &x->m, u);
-    }
-}
+#if defined(__x86_64__)
+void gj_rt_attn_fwd_range_x86v3(void *vctx, int64_t b, int64_t e);
+void gj_rt_attn_bwd_range_x86v3(void *vctx, int64_t b, int64_t e);
+void gj_rt_attn_fwd_range_x86v4(void *vctx, int64_t b, int64_t e);
+void gj_rt_attn_bwd_range_x86v4(void *vctx, int64_t b, int64_t e);
+#endif
 
-GJ_K_CLONES static void bwd_range(void *vctx, int64_t b, int64_t e) {
-    const attn_run *x = vctx;
-    for (int64_t u = b; u < e; u++) {
-        if (x->dt == GJ_F32)
-            gj_attn_bwd_unit_f32(&x->g, &x->m, u);
-        else if (x->dt == GJ_BF16)
-            gj_attn_bwd_unit_bf16(&x->g, &x->m, u);
-        else
-            gj_attn_bwd_unit_f64(&x->g, &x->m, u);
-    }
+/* The widest build of the units this CPU runs. */
+static gj_rt_range_fn units_for(bool fwd) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4"))
+        return fwd ? gj_rt_attn_fwd_range_x86v4 : gj_rt_attn_bwd_range_x86v4;
+    if (__builtin_cpu_supports("x86-64-v3"))
+        return fwd ? gj_rt_attn_fwd_range_x86v3 : gj_rt_attn_bwd_range_x86v3;
+#endif
+    return fwd ? gj_rt_attn_fwd_range_base : gj_rt_attn_bwd_range_base;
 }
 
 /* strides[0..3) of t, a [., ., ., w] tensor whose last dimension is
@@ -73,9 +68,10 @@ int gj_rt_k_attention(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **
             t[i] = dense[i];
         }
     }
-    attn_run x;
+    gj_attn_run x;
     memset(&x, 0, sizeof x);
-    x.dt = in[0]->dtype;
+    x.type = in[0]->dtype == GJ_F32 ? GJ_ATTN_F32 : in[0]->dtype == GJ_BF16 ? GJ_ATTN_BF16
+                                                                           : GJ_ATTN_F64;
     gj_attn_geom *g = &x.g;
     g->B = in[0]->shape[0];
     g->H = in[0]->shape[1];
@@ -98,7 +94,7 @@ int gj_rt_k_attention(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **
     if (fwd) {
         m->out = gj_rt_data_ptr(outs[0]);
         m->lse = gj_rt_data_ptr(outs[1]);
-        gj_rt_parallel_for(gj_attn_fwd_units(g), 1, fwd_range, &x);
+        gj_rt_parallel_for(gj_attn_fwd_units(g), 1, units_for(true), &x);
         rc = 0;
         goto done;
     }
@@ -111,11 +107,11 @@ int gj_rt_k_attention(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **
     m->gk = gj_rt_data_ptr(outs[1]);
     m->gv = gj_rt_data_ptr(outs[2]);
     ws_bytes = (size_t)gj_attn_bwd_units(g) * (size_t)gj_attn_bwd_ws_elems(g) *
-               (x.dt == GJ_F64 ? sizeof(double) : sizeof(float));
+               (x.type == GJ_ATTN_F64 ? sizeof(double) : sizeof(float));
     if (!(ws = gj_rt_k_scratch(ws_bytes)))
         goto done;
     m->ws = ws;
-    gj_rt_parallel_for(gj_attn_bwd_units(g), 1, bwd_range, &x);
+    gj_rt_parallel_for(gj_attn_bwd_units(g), 1, units_for(false), &x);
     rc = 0;
 done:
     if (ws)
