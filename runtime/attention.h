@@ -47,6 +47,7 @@
 #ifndef GJ_ATTENTION_H
 #define GJ_ATTENTION_H
 
+#include "attention_table.h"
 #include "gj_math.h"
 
 #include <stdbool.h>
@@ -57,8 +58,8 @@
  * JIT's constants reach every loop. */
 #define GJ_ATTN_INLINE static inline __attribute__((always_inline))
 
-#define GJ_ATTN_BR 64    /* queries per block */
-#define GJ_ATTN_BC 64    /* keys per block */
+#define GJ_ATTN_BR GJ_ATTN_BLOCK /* queries per block */
+#define GJ_ATTN_BC GJ_ATTN_BLOCK /* keys per block */
 #define GJ_ATTN_DMAX 128 /* largest head size */
 
 /* The geometry of one attention: sizes, strides (elements, over b, h, t),
@@ -80,6 +81,49 @@ typedef struct gj_attn_mem {
     uint64_t seed, offset;
 } gj_attn_mem;
 
+/* ------------------------------------------------ a compiled program's view */
+
+/* The geometry and memory of table gi over buffers bufs, whose element
+ * size (q's) is el bytes. */
+GJ_ATTN_INLINE void gj_attn_from_table(const int64_t *gi, void *const *bufs, bool fwd, int64_t el,
+                                       gj_attn_geom *g, gj_attn_mem *m) {
+    g->B = gi[GJ_ATTN_GI_B];
+    g->H = gi[GJ_ATTN_GI_H];
+    g->T = gi[GJ_ATTN_GI_T];
+    g->S = gi[GJ_ATTN_GI_S];
+    g->D = gi[GJ_ATTN_GI_D];
+    g->E = gi[GJ_ATTN_GI_E];
+    int64_t *st[5] = {g->qs, g->ks, g->vs, g->os, g->gos};
+    for (int a = 0; a < 5; a++)
+        for (int d = 0; d < 3; d++)
+            st[a][d] = gi[GJ_ATTN_GI_QS + 3 * a + d];
+    g->causal = gi[GJ_ATTN_GI_CAUSAL];
+    __builtin_memcpy(&g->scale, &gi[GJ_ATTN_GI_SCALE], sizeof g->scale);
+    __builtin_memcpy(&g->p, &gi[GJ_ATTN_GI_P], sizeof g->p);
+    const char *in[5];
+    for (int a = 0; a < 5; a++)
+        in[a] = (const char *)bufs[a] + gi[GJ_ATTN_GI_OFF + a] * el;
+    m->q = in[0];
+    m->k = in[1];
+    m->v = in[2];
+    m->seed = m->offset = 0;
+    if (fwd) {
+        m->o = m->go = m->lse_in = 0;
+        m->out = bufs[3];
+        m->lse = bufs[4];
+        m->gq = m->gk = m->gv = m->ws = 0;
+        return;
+    }
+    m->o = in[3];
+    m->go = in[4];
+    m->lse_in = bufs[5];
+    m->out = m->lse = 0;
+    m->gq = bufs[6];
+    m->gk = bufs[7];
+    m->gv = bufs[8];
+    m->ws = bufs[9];
+}
+
 /* One call as the eager kernel runs it: geometry, memory and element type
  * (GJ_ATTN_F32, _BF16, _F64). */
 enum { GJ_ATTN_F32 = 0, GJ_ATTN_BF16 = 1, GJ_ATTN_F64 = 2 };
@@ -90,15 +134,13 @@ typedef struct gj_attn_run {
 } gj_attn_run;
 
 GJ_ATTN_INLINE int64_t gj_attn_fwd_units(const gj_attn_geom *g) {
-    return g->B * g->H * ((g->T + GJ_ATTN_BR - 1) / GJ_ATTN_BR);
+    return gj_attn_units_of(true, g->B, g->H, g->T);
 }
-GJ_ATTN_INLINE int64_t gj_attn_bwd_units(const gj_attn_geom *g) { return g->B * g->H; }
-/* Backward workspace per unit, in accumulator elements: the head's dQ
- * [T][D], Q^T [D][Tp] and dO^T [E][Tp] (Tp: T rounded up to a block) and
- * the rows' D_i [T]. */
+GJ_ATTN_INLINE int64_t gj_attn_bwd_units(const gj_attn_geom *g) {
+    return gj_attn_units_of(false, g->B, g->H, g->T);
+}
 GJ_ATTN_INLINE int64_t gj_attn_bwd_ws_elems(const gj_attn_geom *g) {
-    int64_t Tp = (g->T + GJ_ATTN_BR - 1) / GJ_ATTN_BR * GJ_ATTN_BR;
-    return g->T * (g->D + 1) + Tp * (g->D + g->E);
+    return gj_attn_ws_of(g->T, g->D, g->E);
 }
 
 /* Multiply-adds the unit counts take (the masked blocks skipped), for

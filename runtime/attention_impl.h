@@ -224,7 +224,7 @@ GJ_ATTN_INLINE void GJ_ATTN_FN(fwd_unit)(const gj_attn_geom *g, const gj_attn_me
             for (int64_t e = 0; e < E; e++)
                 O[i * E + e] *= al[i];
         if (g->p > 0)
-            GJ_ATTN_FN(drop)(g, m, St, NULL, NULL, b, h, i0, br, j0, bc);
+            GJ_ATTN_FN(drop)(g, m, St, 0, 0, b, h, i0, br, j0, bc);
         /* O += P V */
         GJ_ATTN_FN(prod)(O, E, br, St, 1, GJ_ATTN_BR, bc, Vr, vld, E, true);
     }

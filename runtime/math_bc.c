@@ -53,3 +53,4 @@ float gj_bc_dropout_scale_f(uint64_t seed, uint64_t counter, float p) {
 double gj_bc_dropout_scale_d(uint64_t seed, uint64_t counter, double p) {
     return gj_m_dropout_scale_d(seed, counter, p);
 }
+

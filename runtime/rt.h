@@ -447,6 +447,10 @@ void gj_rt_gemm_dump(FILE *f);
  * the JIT parses it and links it into every kernel module. */
 extern const unsigned char gj_rt_math_bc[];
 extern const size_t gj_rt_math_bc_size;
+/* runtime/attention_bc.c likewise (the fused attention's JIT entries),
+ * linked only into modules with an attention kernel. */
+extern const unsigned char gj_rt_attn_bc[];
+extern const size_t gj_rt_attn_bc_size;
 
 /* ------------------------------ caching allocator and streams (hooks) */
 

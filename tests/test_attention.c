@@ -233,6 +233,142 @@ static void test_thread_counts(void **state) {
     gj_set_num_threads(0);
 }
 
+/* ---------------------------------------------- compiled = eager */
+
+/* A causal self-attention layer: x [B, T, C] -> qkv -> heads (views of
+ * the qkv product) -> fused attention -> merged -> projection; the loss the
+ * mean of y*y. */
+typedef struct attn_model {
+    gj_tensor *wqkv, *bqkv, *wo, *bo;
+    int64_t C, H;
+    gj_dtype dt;
+} attn_model;
+
+static gj_tensor *layer_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    attn_model *m = ctx;
+    (void)n_in;
+    const int64_t *xs = gj_tensor_shape(in[0]);
+    int64_t B = xs[0], T = xs[1], C = m->C, H = m->H;
+    gj_tensor *qkv = gj_linear(in[0], m->wqkv, m->bqkv); /* [B, T, 3C] */
+    gj_tensor *h[3];
+    for (int i = 0; i < 3; i++) {
+        gj_tensor *x = qkv ? gj_narrow(qkv, 2, i * C, C) : NULL;
+        x = x ? gj_reshape(x, 4, (int64_t[]){B, T, H, C / H}) : NULL;
+        h[i] = x ? gj_permute(x, (int[]){0, 2, 1, 3}) : NULL;
+    }
+    gj_tensor *y = h[2] ? gj_scaled_dot_product_attention(h[0], h[1], h[2], true, 0, 0, true) : NULL;
+    y = y ? gj_permute(y, (int[]){0, 2, 1, 3}) : NULL;
+    y = y ? gj_reshape(y, 3, (int64_t[]){B, T, C}) : NULL;
+    y = y ? gj_linear(y, m->wo, m->bo) : NULL;
+    return y ? gj_mean(gj_mul(y, y), 0, NULL, false) : NULL;
+}
+
+static void model_init(attn_model *m, gj_dtype dt, uint64_t seed) {
+    gjt_rng r;
+    gjt_rng_seed(&r, seed);
+    m->C = 32;
+    m->H = 2;
+    m->dt = dt;
+    m->wqkv = gjt_uniform(&r, dt, 2, (int64_t[]){3 * m->C, m->C}, -0.3, 0.3);
+    m->bqkv = gjt_uniform(&r, dt, 1, (int64_t[]){3 * m->C}, -0.1, 0.1);
+    m->wo = gjt_uniform(&r, dt, 2, (int64_t[]){m->C, m->C}, -0.3, 0.3);
+    m->bo = gjt_uniform(&r, dt, 1, (int64_t[]){m->C}, -0.1, 0.1);
+    gj_tensor *p[4] = {m->wqkv, m->bqkv, m->wo, m->bo};
+    for (int i = 0; i < 4; i++) gj_set_requires_grad(p[i], true);
+}
+
+static void model_free(attn_model *m) {
+    gj_release(m->wqkv), gj_release(m->bqkv), gj_release(m->wo), gj_release(m->bo);
+}
+
+/* Training steps eager and compiled (gj_step, AdamW), over sequence lengths
+ * that change (a symbolic program's generic attention kernel after the
+ * second): the same losses and parameters, bit for bit; the compiled steps
+ * ran compiled. Under autocast (bf16) too. */
+static void test_step_bits(void **state) {
+    (void)state;
+    const int64_t Ts[] = {70, 70, 64, 130, 50};
+    for (int ac = 0; ac < 2; ac++) {
+        double loss[2][5];
+        double *par[2];
+        int64_t n_par = 0;
+        gj_ca_stats st = {0};
+        for (int mode = 0; mode < 2; mode++) {
+            attn_model m;
+            model_init(&m, GJ_F32, 77);
+            gj_tensor *p[4] = {m.wqkv, m.bqkv, m.wo, m.bo};
+            gj_optim *o = gj_adamw_new(4, p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
+            gj_step_opts so = {.eager = mode == 0, .autocast = ac ? GJ_BF16 : GJ_F32};
+            gj_step *s = gj_step_new(layer_loss, &m, o, &so);
+            assert_non_null(s);
+            gj_ca_stats s0;
+            gj_step_stats(&s0);
+            for (int i = 0; i < 5; i++) {
+                gjt_rng r;
+                gjt_rng_seed(&r, 900 + i);
+                gj_tensor *x = gjt_uniform(&r, GJ_F32, 3, (int64_t[]){2, Ts[i], m.C}, -1, 1);
+                gj_scope_push();
+                gj_tensor *l = NULL;
+                if (gj_step_run(s, 1, &x, &l) != 0) fail_msg("step %d: %s", i, gj_last_error());
+                loss[mode][i] = gj_tensor_item(l);
+                gj_scope_pop();
+                gj_release(x);
+            }
+            gj_step_stats(&st);
+            st.fallbacks -= s0.fallbacks;
+            st.compiles += st.mem_hits + st.disk_hits + st.instantiations;
+            st.compiles -= s0.compiles + s0.mem_hits + s0.disk_hits + s0.instantiations;
+            n_par = 0;
+            for (int i = 0; i < 4; i++) n_par += gj_tensor_numel(p[i]);
+            par[mode] = malloc((size_t)n_par * sizeof(double));
+            for (int i = 0, at = 0; i < 4; at += (int)gj_tensor_numel(p[i]), i++)
+                assert_int_equal(gj_tensor_to_f64(p[i], par[mode] + at), 0);
+            gj_step_free(s);
+            gj_optim_free(o);
+            model_free(&m);
+        }
+        if (memcmp(loss[0], loss[1], sizeof loss[0]) != 0)
+            fail_msg("autocast %d: losses differ (eager %.17g, compiled %.17g at step 0)", ac,
+                     loss[0][0], loss[1][0]);
+        assert_memory_equal(par[0], par[1], (size_t)n_par * sizeof(double));
+        assert_int_equal(st.fallbacks, 0);
+        assert_true(st.compiles >= 5); /* every compiled step made or ran a program */
+        free(par[0]), free(par[1]);
+    }
+}
+
+/* Compiled autograd's backward of attention: eager's gradients bit for
+ * bit, in f32, bf16 and f64. */
+static void test_compiled_autograd_bits(void **state) {
+    (void)state;
+    gj_dtype dts[3] = {GJ_F32, GJ_BF16, GJ_F64};
+    for (int d = 0; d < 3; d++) {
+        double *g[2][3];
+        for (int mode = 0; mode < 2; mode++) {
+            gj_set_compiled_autograd(mode == 1);
+            gjt_rng r;
+            gjt_rng_seed(&r, 31);
+            gj_tensor *x[3];
+            for (int i = 0; i < 3; i++) {
+                x[i] = gjt_uniform(&r, dts[d], 4, (int64_t[]){1, 2, 100, 64}, -1, 1);
+                gj_set_requires_grad(x[i], true);
+            }
+            gj_scope_push();
+            gj_tensor *y = gj_scaled_dot_product_attention(x[0], x[1], x[2], d != 1, 0, 0, true);
+            assert_int_equal(gj_backward(gj_sum(gj_mul(y, y), 0, NULL, false), NULL), 0);
+            for (int i = 0; i < 3; i++) g[mode][i] = gjt_values(gj_tensor_grad(x[i]));
+            gj_scope_pop();
+            for (int i = 0; i < 3; i++) gj_release(x[i]);
+        }
+        gj_set_compiled_autograd(gjt_compiled());
+        for (int i = 0; i < 3; i++) {
+            if (memcmp(g[0][i], g[1][i], 2 * 100 * 64 * sizeof(double)) != 0)
+                fail_msg("dtype %d: gradient %d of the compiled backward differs from eager's", d, i);
+            free(g[0][i]), free(g[1][i]);
+        }
+    }
+}
+
 /* ------------------------------------------------------- bad input */
 
 static void test_bad_input(void **state) {
@@ -276,7 +412,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gradcheck_f64), cmocka_unit_test(test_against_formula),
         cmocka_unit_test(test_bf16),          cmocka_unit_test(test_thread_counts),
-        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_bad_input),     cmocka_unit_test(test_step_bits),
+        cmocka_unit_test(test_compiled_autograd_bits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

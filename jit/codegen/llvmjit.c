@@ -47,6 +47,8 @@
 
 extern const unsigned char gj_rt_math_bc[];
 extern const size_t gj_rt_math_bc_size;
+extern const unsigned char gj_rt_attn_bc[];
+extern const size_t gj_rt_attn_bc_size;
 
 struct gj_jit_code {
     atomic_int refs;  /* gj_jit_code_ref; the last gj_jit_code_free frees */
@@ -169,23 +171,26 @@ fail:
     return -1;
 }
 
-/* Parses the embedded math bitcode into M's context and links it into M,
- * making every gj_bc_* function internal so it inlines. */
-static int link_math(LLVMModuleRef M, char *why, size_t cap) {
+/* Parses an embedded bitcode module (what: its name in messages) into M's
+ * context and links it into M, making every gj_bc_* function internal so
+ * it inlines: the scalar math (gj_rt_math_bc) into every module, the fused
+ * attention (gj_rt_attn_bc) into those with an attention kernel. */
+static int link_bitcode(LLVMModuleRef M, const unsigned char *blob, size_t size, const char *what,
+                        char *why, size_t cap) {
     LLVMContextRef C = LLVMGetModuleContext(M);
-    LLVMMemoryBufferRef buf = LLVMCreateMemoryBufferWithMemoryRange(
-        (const char *)gj_rt_math_bc, gj_rt_math_bc_size, "gj_math.bc", 0);
+    LLVMMemoryBufferRef buf =
+        LLVMCreateMemoryBufferWithMemoryRange((const char *)blob, size, what, 0);
     LLVMModuleRef bc = NULL;
     LLVMBool bad = LLVMParseBitcodeInContext2(C, buf, &bc);
     LLVMDisposeMemoryBuffer(buf);
     if (bad || !bc) {
-        snprintf(why, cap, "LLVM error: the embedded math bitcode does not parse");
+        snprintf(why, cap, "LLVM error: the embedded %s bitcode does not parse", what);
         return -1;
     }
     LLVMSetTarget(bc, g.triple);
     LLVMSetDataLayout(bc, g.layout);
     if (LLVMLinkModules2(M, bc) != 0) { /* bc is destroyed either way */
-        snprintf(why, cap, "LLVM error: linking the math bitcode failed");
+        snprintf(why, cap, "LLVM error: linking the %s bitcode failed", what);
         return -1;
     }
     for (LLVMValueRef f = LLVMGetFirstFunction(M); f; f = LLVMGetNextFunction(f)) {
@@ -405,6 +410,15 @@ typedef struct shard_job {
     char why[512];
 } shard_job;
 
+/* Whether shard j lowers an attention kernel. */
+static bool shard_has_attn(const shard_job *j) {
+    for (int s = 0; s < j->p->n_instrs; s++)
+        if (j->p->instrs[s].kind == GJ_JIT_INSTR_KERNEL && j->p->instrs[s].k.attn &&
+            !j->p->instrs[s].k.shared && (!j->shard_of_instr || j->shard_of_instr[s] == j->shard))
+            return true;
+    return false;
+}
+
 /* Lowers, optimises and compiles shard j->shard of j->p into j->obj. Runs
  * with g_lock held by the thread that started the compile; reads only g's
  * target description. */
@@ -420,7 +434,11 @@ static void *compile_shard(void *arg) {
     LLVMTargetRef target;
     LLVMSetTarget(M, g.triple);
     LLVMSetDataLayout(M, g.layout);
-    if (link_math(M, j->why, sizeof j->why) != 0) goto done;
+    if (link_bitcode(M, gj_rt_math_bc, gj_rt_math_bc_size, "math", j->why, sizeof j->why) != 0)
+        goto done;
+    if (shard_has_attn(j) && link_bitcode(M, gj_rt_attn_bc, gj_rt_attn_bc_size, "attention",
+                                          j->why, sizeof j->why) != 0)
+        goto done;
     t1 = prof ? gj_jit_now_ms() : 0;
     if (gj_jit_lower_plan(M, j->p, j->prefix, g.cpu, g.features, j->shard_of_instr, j->shard,
                           j->why, sizeof j->why) != 0)
@@ -737,11 +755,13 @@ const char *gj_jit_host_id(void) {
     char why[256];
     pthread_mutex_lock(&g_lock);
     if (!id[0] && ensure_jit(why, sizeof why) == 0) {
-        uint64_t h[2]; /* the math the kernels inline */
+        uint64_t h[2], a[2]; /* the math and the attention the kernels inline */
         gj_jit_hash128(gj_rt_math_bc, gj_rt_math_bc_size, h);
-        snprintf(id, sizeof id, "llvm %s | %s | %s | %s | math %016llx%016llx",
+        gj_jit_hash128(gj_rt_attn_bc, gj_rt_attn_bc_size, a);
+        snprintf(id, sizeof id, "llvm %s | %s | %s | %s | math %016llx%016llx | attention "
+                 "%016llx%016llx",
                  LLVM_VERSION_STRING, g.triple, g.cpu, g.features, (unsigned long long)h[0],
-                 (unsigned long long)h[1]);
+                 (unsigned long long)h[1], (unsigned long long)a[0], (unsigned long long)a[1]);
     }
     pthread_mutex_unlock(&g_lock);
     return id;

@@ -45,6 +45,7 @@
  */
 #include "jit/codegen/codegen_int.h"
 
+#include "runtime/attention_table.h"
 #include "runtime/gj_math.h"
 
 #include <llvm-c/DebugInfo.h>
@@ -934,10 +935,55 @@ static void lk_free(kg *g) {
     g->ev = g->racc = g->lanes = NULL;
 }
 
+/* Attention kernel k (plan.h) as its entry <prefix>_<name>(ptr bufs, i64
+ * begin, i64 end): a call of the attention bitcode's gj_bc_attn_<dir>_<dt>
+ * with the kernel's integer table, a private constant global (the loads
+ * fold once the call is inlined, so the algorithm is specialised to the
+ * kernel's sizes and strides) or, generic, the table after the buffers. */
+static int lower_attn(kg *g, const gj_jit_kernel *k, const char *prefix, const char *cpu,
+                      const char *features) {
+    char name[128], fname[40], gname[140];
+    snprintf(name, sizeof name, "%s_%s", prefix, k->name);
+    snprintf(fname, sizeof fname, "gj_bc_attn_%s_%s", k->attn == GJ_P_ATTN_FWD ? "fwd" : "bwd",
+             k->attn_dtype == GJ_F64 ? "f64" : k->attn_dtype == GJ_BF16 ? "bf16" : "f32");
+    LLVMValueRef callee = LLVMGetNamedFunction(g->M, fname);
+    if (!callee || !k->ints || k->n_ints != GJ_ATTN_NI) {
+        kg_fail(g, callee ? "internal: attention kernel %s without its table"
+                          : "LLVM: attention bitcode function %s missing", callee ? k->name : fname);
+        return -1;
+    }
+    LLVMTypeRef et[3] = {g->ptr, g->i64, g->i64};
+    LLVMValueRef efn = LLVMAddFunction(g->M, name, LLVMFunctionType(g->vd, et, 3, 0));
+    add_fn_attr(g, efn, "nounwind");
+    add_target_attrs(g, efn, cpu, features);
+    LLVMBasicBlockRef eb = LLVMAppendBasicBlockInContext(g->C, efn, "entry");
+    LLVMPositionBuilderAtEnd(g->B, eb);
+    LLVMValueRef bufs = LLVMGetParam(efn, 0), table;
+    if (gj_jit_kernel_generic(g->p, k)) {
+        LLVMValueRef ix = c64(g, k->n_params);
+        table = LLVMBuildLoad2(g->B, g->ptr, LLVMBuildInBoundsGEP2(g->B, g->ptr, bufs, &ix, 1, ""), "");
+    } else {
+        LLVMValueRef vals[GJ_ATTN_NI];
+        for (int i = 0; i < GJ_ATTN_NI; i++) vals[i] = c64(g, k->ints[i]);
+        LLVMTypeRef at = LLVMArrayType2(g->i64, GJ_ATTN_NI);
+        snprintf(gname, sizeof gname, "%s.table", name);
+        table = LLVMAddGlobal(g->M, at, gname);
+        LLVMSetInitializer(table, LLVMConstArray2(g->i64, vals, GJ_ATTN_NI));
+        LLVMSetGlobalConstant(table, 1);
+        LLVMSetLinkage(table, LLVMPrivateLinkage);
+        LLVMSetUnnamedAddress(table, LLVMGlobalUnnamedAddr);
+    }
+    LLVMValueRef args[4] = {bufs, LLVMGetParam(efn, 1), LLVMGetParam(efn, 2), table};
+    LLVMBuildCall2(g->B, LLVMGlobalGetValueType(callee), callee, args, 4, "");
+    LLVMBuildRetVoid(g->B);
+    return 0;
+}
+
 /* Lowers kernel k into g's module as its body and entry functions. 0, or
  * -1 with g failed. */
 static int lower_kernel(kg *g, const gj_jit_kernel *k, const char *prefix, const char *cpu,
                         const char *features) {
+    if (k->attn) return lower_attn(g, k, prefix, cpu, features);
     lowering l;
     memset(&l, 0, sizeof l);
     l.k = k;

@@ -160,6 +160,30 @@ static int pb_order(building *b) {
     return 0;
 }
 
+/* The kernel of attention instruction at: its buffers, one row per unit
+ * (grain 1), its integer table. 0, or -1 on OOM. */
+static int attn_kernel(const pattn *at, gj_jit_kernel *k) {
+    memset(k, 0, sizeof *k);
+    k->attn = at->prim;
+    k->attn_dtype = at->dtype;
+    k->rows = at->units;
+    k->grain = 1;
+    k->param_buf = gj_rt_malloc((size_t)at->n_bufs * sizeof *k->param_buf);
+    k->ints = gj_rt_malloc(GJ_ATTN_NI * sizeof *k->ints);
+    if (!k->param_buf || !k->ints) {
+        gj_rt_free(k->param_buf);
+        gj_rt_free(k->ints);
+        k->param_buf = NULL;
+        k->ints = NULL;
+        return -1;
+    }
+    memcpy(k->param_buf, at->bufs, (size_t)at->n_bufs * sizeof *k->param_buf);
+    k->n_params = at->n_bufs;
+    memcpy(k->ints, at->gi, sizeof at->gi);
+    k->n_ints = GJ_ATTN_NI;
+    return 0;
+}
+
 /* The plan's instructions in b->order: each planned instruction copied,
  * each fused group built into its kernel (plan_kernel.c); a kernel left
  * with nothing to store is dropped. */
@@ -185,6 +209,11 @@ static int pb_instrs(building *b) {
         if (ps->kind == PS_FOLD) {
             st->kind = GJ_JIT_INSTR_FOLD;
             st->fd = pl->fds[ps->idx];
+            continue;
+        }
+        if (ps->kind == PS_ATTN) {
+            st->kind = GJ_JIT_INSTR_KERNEL;
+            if (attn_kernel(&pl->ats[ps->idx], &st->k) != 0) return gj_jit_pl_oom(pl);
             continue;
         }
         if (ps->kind == PS_HOOK) {
@@ -243,6 +272,7 @@ static void pb_free(building *b) {
     gj_rt_free(pl->hks);
     gj_rt_free(pl->cls);
     gj_rt_free(pl->fds);
+    gj_rt_free(pl->ats);
     for (int t = 0; t < pl->n_ps; t++) gj_rt_free(pl->ps[t].deps);
     gj_rt_free(pl->ps);
     gj_rt_free(pl->stack);
@@ -308,6 +338,54 @@ static const char *buf_kind_name(gj_jit_buf_kind k) {
     case GJ_JIT_BUF_PARAMS: return "params";
     default: return "dropout";
     }
+}
+
+/* The plan printer's line for attention kernel k of instruction s. */
+static void print_attn(FILE *f, int s, const gj_jit_kernel *k) {
+    const int64_t *t = k->ints;
+    fprintf(f, "  instr %d: kernel %s %s %s B=%lld H=%lld T=%lld S=%lld D=%lld E=%lld%s units=%lld "
+               "bufs", s, k->name, gj_rt_prim_name((gj_rt_prim)k->attn),
+            gj_rt_dtype_name(k->attn_dtype), (long long)t[GJ_ATTN_GI_B], (long long)t[GJ_ATTN_GI_H],
+            (long long)t[GJ_ATTN_GI_T], (long long)t[GJ_ATTN_GI_S], (long long)t[GJ_ATTN_GI_D],
+            (long long)t[GJ_ATTN_GI_E], t[GJ_ATTN_GI_CAUSAL] ? " causal" : "", (long long)k->rows);
+    for (int q = 0; q < k->n_params; q++) fprintf(f, " b%d", k->param_buf[q]);
+    fprintf(f, "\n");
+}
+
+/* The plan printer's lines for kernel k of instruction s. */
+static void print_kernel(FILE *f, int s, const gj_jit_kernel *k) {
+    char sh[160];
+    if (k->attn) {
+        print_attn(f, s, k);
+        return;
+    }
+    gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->dims);
+    fprintf(f, "  instr %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld", s,
+            k->name, sh, (unsigned)k->red, (long long)k->rows, (long long)k->block,
+            (long long)k->grain);
+    if (k->run_dims > 1) fprintf(f, " run=%d dims", k->run_dims);
+    fprintf(f, "\n");
+    for (int a = 0; a < k->n_acc; a++) {
+        gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->acc[a].strides);
+        fprintf(f, "    a%d: b%d %s +%lld strides %s\n", a, k->acc[a].buf,
+                gj_rt_dtype_name(k->acc[a].dtype), (long long)k->acc[a].offset, sh);
+    }
+    for (int e = 0; e < k->n_ex; e++) {
+        const gj_jit_expr *x = &k->ex[e];
+        if (x->kind == GJ_JIT_E_LOAD)
+            fprintf(f, "    e%d = load a%d\n", e, x->access);
+        else if (x->kind == GJ_JIT_E_CONST)
+            fprintf(f, "    e%d = const %.17g %s\n", e, x->cval, gj_rt_dtype_name(x->dtype));
+        else {
+            fprintf(f, "    e%d = %s(", e, gj_rt_prim_name(x->inst.prim));
+            for (int q = 0; q < x->inst.n_in && q < 3; q++)
+                fprintf(f, "%se%d", q ? ", " : "", x->args[q]);
+            fprintf(f, ") %s\n", gj_rt_dtype_name(x->dtype));
+        }
+    }
+    for (int q = 0; q < k->n_st; q++)
+        fprintf(f, "    a%d %s e%d\n", k->st[q].access,
+                !k->st[q].reduce ? "=" : k->st[q].max ? "max=" : "+=", k->st[q].expr);
 }
 
 void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
@@ -381,33 +459,6 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
                     (long long)m->K, m->nb, grp);
             continue;
         }
-        const gj_jit_kernel *k = &st->k;
-        gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->dims);
-        fprintf(f, "  instr %d: kernel %s over %s red=0x%x rows=%lld block=%lld grain=%lld", s,
-                k->name, sh, (unsigned)k->red, (long long)k->rows, (long long)k->block,
-                (long long)k->grain);
-        if (k->run_dims > 1) fprintf(f, " run=%d dims", k->run_dims);
-        fprintf(f, "\n");
-        for (int a = 0; a < k->n_acc; a++) {
-            gj_rt_fmt_shape(sh, sizeof sh, k->nd, k->acc[a].strides);
-            fprintf(f, "    a%d: b%d %s +%lld strides %s\n", a, k->acc[a].buf,
-                    gj_rt_dtype_name(k->acc[a].dtype), (long long)k->acc[a].offset, sh);
-        }
-        for (int e = 0; e < k->n_ex; e++) {
-            const gj_jit_expr *x = &k->ex[e];
-            if (x->kind == GJ_JIT_E_LOAD)
-                fprintf(f, "    e%d = load a%d\n", e, x->access);
-            else if (x->kind == GJ_JIT_E_CONST)
-                fprintf(f, "    e%d = const %.17g %s\n", e, x->cval, gj_rt_dtype_name(x->dtype));
-            else {
-                fprintf(f, "    e%d = %s(", e, gj_rt_prim_name(x->inst.prim));
-                for (int q = 0; q < x->inst.n_in && q < 3; q++)
-                    fprintf(f, "%se%d", q ? ", " : "", x->args[q]);
-                fprintf(f, ") %s\n", gj_rt_dtype_name(x->dtype));
-            }
-        }
-        for (int q = 0; q < k->n_st; q++)
-            fprintf(f, "    a%d %s e%d\n", k->st[q].access,
-                    !k->st[q].reduce ? "=" : k->st[q].max ? "max=" : "+=", k->st[q].expr);
+        print_kernel(f, s, &st->k);
     }
 }

@@ -128,6 +128,15 @@ typedef struct gj_jit_kernel {
      * disk cache records so that a later process finds it again */
     bool shared;
     char lent[96];
+    /* An attention kernel (attn = GJ_P_ATTN_FWD or GJ_P_ATTN_BWD, else 0):
+     * no accesses, expressions or stores; its function runs units [row
+     * begin, row end) of runtime/attention.h's algorithm over its buffers
+     * (param_buf: forward q k v out lse, backward q k v o go lse gq gk gv
+     * ws) with the geometry of its integer table ints[GJ_ATTN_NI]
+     * (attention.h), which lowering makes constants of the code unless the
+     * kernel is generic. attn_dtype: q's dtype. */
+    int attn;
+    gj_dtype attn_dtype;
 } gj_jit_kernel;
 
 /* The column block of an outer-mode kernel with reduce stores is at most
@@ -348,6 +357,13 @@ int gj_jit_generic_signature(const gj_jit_plan *p, wbuf *b);
  * which a generic kernel does not build into its code (sizes reach them:
  * a mean's 1/N, the shapes of the ops they came from; lower.c). */
 static inline void wbuf_kernel_code(wbuf *b, const gj_jit_kernel *k, bool generic) {
+    if (k->attn) { /* (written only for attention kernels: other kernels' bytes are as before) */
+        wbuf_i64(b, -(int64_t)k->attn);
+        wbuf_i64(b, k->attn_dtype);
+        wbuf_i64(b, k->n_ints);
+        if (!generic)
+            for (int i = 0; i < k->n_ints; i++) wbuf_i64(b, k->ints[i]);
+    }
     wbuf_i64(b, k->n_ex);
     for (int e = 0; e < k->n_ex; e++) {
         const gj_jit_expr *x = &k->ex[e];

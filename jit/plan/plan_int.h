@@ -36,6 +36,7 @@
 #define GJ_JIT_PLAN_INT_H
 
 #include "jit/plan/plan.h"
+#include "runtime/attention_table.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -99,8 +100,19 @@ typedef enum pinstr_kind {
     PS_INDEX = 4,   /* gather / scatter-add of rows */
     PS_HOOK = 5,    /* a tensor hook call */
     PS_CALL = 6,    /* a custom op's backward call */
-    PS_FOLD = 7     /* an im2col / col2im */
+    PS_FOLD = 7,    /* an im2col / col2im */
+    PS_ATTN = 8     /* a fused attention forward or backward: a kernel of its own */
 } pinstr_kind;
+
+/* A fused attention instruction while planning (plan.h, gj_jit_kernel.attn). */
+typedef struct pattn {
+    int prim;
+    gj_dtype dtype;
+    int bufs[10];
+    int n_bufs;
+    int64_t units;
+    int64_t gi[GJ_ATTN_NI];
+} pattn;
 
 typedef struct pinstr {
     pinstr_kind kind;
@@ -127,6 +139,8 @@ typedef struct planner {
     int n_cl, cap_cl;
     gj_jit_fold *fds;
     int n_fd, cap_fd;
+    pattn *ats;
+    int n_at, cap_at;
     int last_hook_instr; /* -1, or the pinstr of the latest hook or custom call */
     pinstr *ps;
     int n_ps, cap_ps;

@@ -712,6 +712,85 @@ static int plan_fold(planner *pl, int i) {
     return 0;
 }
 
+/* An attention operand: a real buffer read in place through its view when
+ * the last dim is contiguous (a head's slice of a fused qkv product), else
+ * a contiguous copy. Sets *buf, the element offset and the strides over
+ * (b, h, t). 0 or -1. */
+static int attn_operand(planner *pl, int v, int i, int *buf, int64_t *off, int64_t *st) {
+    const gj_rt_meta *m = vmeta(pl, v);
+    vinfo *x = &pl->vi[v];
+    if (x->kind == V_FUSED && materialize(pl, v) != 0) return -1;
+    if (x->kind != V_CONST && x->buf >= 0 && !buf_virtual(&pl->p->bufs[x->buf]) &&
+        (m->shape[3] <= 1 || x->strides[3] == 1)) {
+        *buf = x->buf;
+        *off = x->offset;
+        for (int d = 0; d < 3; d++) st[d] = x->strides[d];
+        return 0;
+    }
+    if (contiguous_operand(pl, v, i, buf) != 0) return -1;
+    int64_t cs[GJ_MAX_DIMS];
+    contig_strides(4, m->shape, cs);
+    *off = 0;
+    for (int d = 0; d < 3; d++) st[d] = cs[d];
+    return 0;
+}
+
+/* ATTN_FWD / ATTN_BWD: one attention kernel (plan.h, gj_jit_kernel.attn)
+ * over q, k, v (and o, go, lse) read in place, writing new contiguous
+ * outputs (and, backward, its workspace, a temporary of this instruction
+ * alone). Dropout inside attention is not lowered: its stream is the
+ * run's, which only DROPOUT_MASK instructions take today. */
+static int plan_attn(planner *pl, int i) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    bool fwd = n->inst.prim == GJ_P_ATTN_FWD;
+    if (n->inst.scalar2 > 0) return gj_jit_pl_no_lowering(pl, n, "with dropout");
+    pattn at;
+    memset(&at, 0, sizeof at);
+    at.prim = n->inst.prim;
+    const gj_rt_meta *q = vmeta(pl, n->in[0]), *k = vmeta(pl, n->in[1]), *v = vmeta(pl, n->in[2]);
+    at.dtype = q->dtype;
+    int64_t *gi = at.gi;
+    gi[GJ_ATTN_GI_B] = q->shape[0];
+    gi[GJ_ATTN_GI_H] = q->shape[1];
+    gi[GJ_ATTN_GI_T] = q->shape[2];
+    gi[GJ_ATTN_GI_S] = k->shape[2];
+    gi[GJ_ATTN_GI_D] = q->shape[3];
+    gi[GJ_ATTN_GI_E] = v->shape[3];
+    gi[GJ_ATTN_GI_CAUSAL] = n->inst.keepdim;
+    memcpy(&gi[GJ_ATTN_GI_SCALE], &n->inst.scalar, sizeof(double));
+    memcpy(&gi[GJ_ATTN_GI_P], &n->inst.scalar2, sizeof(double));
+    int strided = fwd ? 3 : 5; /* q k v (o go): in place where their rows are contiguous */
+    for (int a = 0; a < strided; a++)
+        if (attn_operand(pl, n->in[a], i, &at.bufs[a], &gi[GJ_ATTN_GI_OFF + a],
+                         &gi[GJ_ATTN_GI_QS + 3 * a]) != 0)
+            return -1;
+    if (!fwd && contiguous_operand(pl, n->in[5], i, &at.bufs[5]) != 0) return -1; /* lse */
+    int first_out = fwd ? 3 : 6, n_out = fwd ? 2 : 3;
+    for (int o = 0; o < n_out; o++) {
+        const gj_rt_meta *om = vmeta(pl, n->out[o]);
+        at.bufs[first_out + o] =
+            gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
+        if (at.bufs[first_out + o] < 0) return gj_jit_pl_oom(pl);
+    }
+    at.n_bufs = first_out + n_out;
+    at.units = gj_attn_units_of(fwd, gi[GJ_ATTN_GI_B], gi[GJ_ATTN_GI_H], gi[GJ_ATTN_GI_T]);
+    if (!fwd) { /* the workspace: accumulators of every (b, h) unit */
+        int64_t ws = at.units * gj_attn_ws_of(gi[GJ_ATTN_GI_T], gi[GJ_ATTN_GI_D], gi[GJ_ATTN_GI_E]);
+        at.bufs[at.n_bufs] = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1,
+                                               at.dtype == GJ_F64 ? GJ_F64 : GJ_F32, ws);
+        if (at.bufs[at.n_bufs++] < 0) return gj_jit_pl_oom(pl);
+    }
+    if (gj_jit_grow((void **)&pl->ats, pl->n_at, &pl->cap_at, sizeof *pl->ats) != 0) return gj_jit_pl_oom(pl);
+    int sid = new_pinstr(pl, PS_ATTN, pl->n_at, 2 * (int64_t)i + 1);
+    if (sid < 0) return gj_jit_pl_oom(pl);
+    pl->ats[pl->n_at++] = at;
+    for (int a = 0; a < first_out; a++)
+        if (add_dep(pl, sid, pl->p->bufs[at.bufs[a]].writer) != 0) return gj_jit_pl_oom(pl);
+    for (int o = 0; o < n_out; o++) instr_output(pl, sid, at.bufs[first_out + o], n->out[o]);
+    if (!fwd) pl->p->bufs[at.bufs[at.n_bufs - 1]].writer = sid;
+    return 0;
+}
+
 /* A tensor hook call (node.hook >= 0): the input as a contiguous buffer, a
  * new contiguous temporary for the value flowing on, one hook instruction after
  * the previous hook instruction (the engine's order of hook calls). */
@@ -954,6 +1033,13 @@ static bool instr_reads_buf(const planner *pl, int s, int b) {
     case PS_MATMUL: return pl->mms[x->idx].a_buf == b || pl->mms[x->idx].b_buf == b;
     case PS_INDEX: return pl->ixs[x->idx].src_buf == b || pl->ixs[x->idx].idx_buf == b;
     case PS_FOLD: return pl->fds[x->idx].src_buf == b;
+    case PS_ATTN: {
+        const pattn *at = &pl->ats[x->idx];
+        int n_in = at->prim == GJ_P_ATTN_FWD ? 3 : 6;
+        for (int k = 0; k < n_in; k++)
+            if (at->bufs[k] == b) return true;
+        return false;
+    }
     case PS_HOOK: return pl->hks[x->idx].src_buf == b;
     case PS_CALL:
         for (int k = 0; k < pl->cls[x->idx].n_in; k++)
@@ -1069,5 +1155,6 @@ int gj_jit_pl_node(planner *pl, int i) {
     if (pr == GJ_P_PAD || pr == GJ_P_CAT) return plan_pad_cat(pl, i);
     if (pr == GJ_P_GATHER_ROWS || pr == GJ_P_SCATTER_ADD_ROWS) return plan_index(pl, i);
     if (pr == GJ_P_IM2COL || pr == GJ_P_COL2IM) return plan_fold(pl, i);
+    if (pr == GJ_P_ATTN_FWD || pr == GJ_P_ATTN_BWD) return plan_attn(pl, i);
     return gj_jit_pl_no_lowering(pl, n, NULL);
 }

@@ -66,6 +66,14 @@ static void instr_bufs(const gj_jit_instr *st, int *r, int *nr, int *w, int *nw,
         GJ_ADD(w, nw, st->fd.out_buf);
         break;
     case GJ_JIT_INSTR_KERNEL:
+        if (st->k.attn) { /* its inputs, then its outputs and workspace */
+            int n_in = st->k.attn == GJ_P_ATTN_FWD ? 3 : 6;
+            for (int q = 0; q < st->k.n_params; q++) {
+                if (q < n_in) GJ_ADD(r, nr, st->k.param_buf[q]);
+                else GJ_ADD(w, nw, st->k.param_buf[q]);
+            }
+            break;
+        }
         for (int e = 0; e < st->k.n_ex; e++)
             if (st->k.ex[e].kind == GJ_JIT_E_LOAD) GJ_ADD(r, nr, st->k.acc[st->k.ex[e].access].buf);
         for (int q = 0; q < st->k.n_st; q++) GJ_ADD(w, nw, st->k.acc[st->k.st[q].access].buf);

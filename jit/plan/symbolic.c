@@ -46,6 +46,7 @@ static int64_t const_bits(gj_dtype dt, double v) {
 }
 
 static int fill_kernel(gj_jit_kernel *k) {
+    if (k->attn) return 0; /* an attention kernel's table is its geometry already */
     int n = gj_jit_kint_count(k);
     int64_t *t = gj_rt_realloc(k->ints, (size_t)n * sizeof *t);
     if (!t) return -1;
@@ -111,6 +112,8 @@ int gj_jit_plan_make_specific(gj_jit_plan *p) {
     for (int s = 0; s < p->n_instrs; s++) {
         gj_jit_kernel *k = &p->instrs[s].k;
         if (p->instrs[s].kind != GJ_JIT_INSTR_KERNEL || k->generic) continue;
+        snprintf(k->name, sizeof k->name, "k%d", s);
+        if (k->attn) continue; /* (its table stays: lowering takes its constants) */
         gj_rt_free(k->ints);
         k->ints = NULL;
         k->n_ints = 0;
