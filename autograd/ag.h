@@ -301,6 +301,7 @@ extern const gj_ag_opdef gj_ag_op_conv2d, gj_ag_op_max_pool2d, gj_ag_op_avg_pool
 /* The fused ops (ops_fused.c, its header lists the attributes): scaled
  * dot-product attention. */
 extern const gj_ag_opdef gj_ag_op_sdpa;
+extern const gj_ag_opdef gj_ag_op_lce;
 
 /* ------------------------------------ checkpoint regions (helper ckpt) */
 /* Activation checkpointing (autograd/checkpoint.c, public gj_checkpoint).

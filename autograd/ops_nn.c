@@ -94,7 +94,7 @@ static int layer_norm_fwd(gj_ag_builder *b, gj_ag_fctx *ctx, const gj_ag_attrs *
                           gj_val *const *in, gj_val **outs) {
     bool has_w = a->i[0] != 0, has_b = a->i[1] != 0;
     gj_rt_inst inst = {.prim = GJ_P_LN_FWD, .n_in = 1, .scalar = a->f[0]};
-    gj_val *r[3] = {NULL, NULL, NULL};
+    gj_val *r[GJ_RT_MAX_OUTPUTS] = {NULL};
     if (b->emit(b, &inst, in, r) != 3)
         return -1;
     gj_val *y = r[0];
@@ -149,7 +149,7 @@ const gj_ag_opdef gj_ag_op_layer_norm = {"layer_norm", layer_norm_fwd, layer_nor
 static int cross_entropy_fwd(gj_ag_builder *b, gj_ag_fctx *ctx, const gj_ag_attrs *a, int n_in,
                              gj_val *const *in, gj_val **outs) {
     gj_rt_inst inst = {.prim = GJ_P_CE_FWD, .n_in = 2};
-    gj_val *r[3] = {NULL, NULL, NULL};
+    gj_val *r[GJ_RT_MAX_OUTPUTS] = {NULL};
     if (b->emit(b, &inst, in, r) != 2)
         return -1;
     outs[0] = r[0];

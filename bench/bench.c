@@ -676,7 +676,8 @@ static void usage(FILE *f) {
                "  --compare torch: one side-by-side table, then R (default 5) rounds "
                "alternating gradjit and PyTorch, median ratio\n"
                "  workloads: W1 W2 W3 W4 W4n W5 F1 G1 (all), G2 (GPT-2 124M), F1b G1b G2b (F1, G1, "
-               "G2 in bf16 mixed precision) only when named; "
+               "G2 in bf16 mixed precision), G3 G3b (G1's model at B 1, T 1024, f32 and bf16), "
+               "G1u (G1 with attention and the head op by op) only when named; "
                "FILE \"-\": no file\n");
 }
 

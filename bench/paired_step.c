@@ -15,7 +15,10 @@
  * batch would keep its shapes. A pair's ratio is eager / compiled step
  * time (> 1: compiled faster), ABBA: eager first in even pairs. Warm-up
  * steps (the compiled side's first one traces and compiles) are not timed;
- * the row says when a timed compiled step compiled or ran eagerly.
+ * the row says when a timed compiled step compiled or ran eagerly. Each
+ * side's memory is the largest peak of tensor bytes of its timed steps
+ * above what was live when the step began (its activations, gradients and
+ * temporaries; the model state of both sides is live throughout).
  *
  * The step's bound, a lower bound on this machine's time for the step:
  *   GEMM FLOPs of the forward and the backward at the f32 peak
@@ -73,6 +76,7 @@ typedef struct step_result {
     bool same_bits;     /* the two sides' parameters and last losses */
     double loss_f32, loss_bf16; /* bf16_pair: each side's last loss */
     bool leak;
+    double peak_mib[2];  /* each side's largest step peak above what was live at its start */
 } step_result;
 
 /* The step function of a side: the workload's forward on its own inputs,
@@ -268,8 +272,15 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
     for (int i = 0; i < pairs; i++) {
         for (int j = 0; j < 2; j++) {
             int m = (i & 1) ? 1 - j : j; /* ABBA: E C | C E | E C ... */
+            int64_t at = live_bytes();
+            gj_mem_reset_peak();
             if (side_run_as(m ? &k : &e, m, &ms[m], r->error, sizeof r->error) != 0)
                 goto done;
+            gj_mem pk;
+            gj_mem_stats(&pk);
+            double mib = (double)(pk.peak_bytes - at) / (1024.0 * 1024.0);
+            if (mib > r->peak_mib[m])
+                r->peak_mib[m] = mib;
         }
         em[i] = ms[0];
         cm[i] = ms[1];
@@ -324,9 +335,9 @@ done:
 }
 
 static void print_header(void) {
-    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %8s %8s  %s\n", "id", "name", "pairs",
-           "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd", "GFLOP",
-           "MB", "GB/s", "checks");
+    printf("%-4s %-13s %5s %20s %10s %10s %9s %9s %8s %8s %8s %15s  %s\n", "id", "name",
+           "pairs", "eager/compiled [IQR]", "eager ms", "comp. ms", "bound ms", "comp/bnd",
+           "GFLOP", "MB", "GB/s", "step MiB e/c", "checks");
 }
 
 static void print_row(const step_result *r) {
@@ -360,10 +371,12 @@ static void print_row(const step_result *r) {
         snprintf(check, sizeof check, "ok, %s", r->same_bits ? "the same bits" : "other bits (two providers)");
     else
         snprintf(check, sizeof check, "ok, eager's bits");
-    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8.2f %8.1f %8.0f  %s%s\n",
+    char peaks[40];
+    snprintf(peaks, sizeof peaks, "%.0f/%.0f", r->peak_mib[0], r->peak_mib[1]);
+    printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8.2f %8.1f %8.0f %15s  %s%s\n",
            r->wl->id, r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms,
            r->compiled_ms, bound, rel, r->fwd_gflop + r->bwd_gflop, r->in_mb + r->state_mb,
-           r->rw_gbs, check,
+           r->rw_gbs, peaks, check,
            r->beaten ? ", BOUND BEATEN" : r->rechecked ? ", bound measured twice" : "");
     if (!r->beaten)
         return;
@@ -426,6 +439,8 @@ static int write_json(const char *path, const step_result *res, int n, const ben
             json_num(f, "fwd_gflop", r->fwd_gflop);
             json_num(f, "bwd_gflop", r->bwd_gflop);
             json_num(f, "bytes_mb", r->in_mb + r->state_mb);
+            json_num(f, "eager_step_peak_mib", r->peak_mib[0]);
+            json_num(f, "compiled_step_peak_mib", r->peak_mib[1]);
             fprintf(f, ", \"timed_fallbacks\": %lld, \"same_bits\": %s", r->timed_fallbacks,
                     r->same_bits ? "true" : "false");
         }

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * workloads.c - W1..W5, F1, G1 and G2 of docs/benchmarks.md with
+ * workloads.c - W1..W5, F1, G1, G2 and G3 of docs/benchmarks.md with
  * exactly those shapes, against the public API (gradjit.h) only; G1 and G2
  * are examples/gpt2_model.h's GPT-2 (llm.c's), with GPT-2's random
  * initialisation and tokens from a local text.
@@ -369,77 +369,106 @@ static int w5_after_backward(bench_state *s) {
     return rc;
 }
 
-/* ----------------------------------------------------------- G1, G2 */
+/* ------------------------------------------------------- G1, G2, G3 */
 
-/* GPT-2 as llm.c defines it (examples/gpt2_model.h), B 4, T 64, GPT-2's
- * random initialisation (seed BENCH_SEED), vocabulary 50257 padded to
+/* GPT-2 as llm.c defines it (examples/gpt2_model.h), B 4, T 64 (G3: B 1,
+ * T 1024; G1u: attention and the head op by op), GPT-2's random initialisation (seed BENCH_SEED), vocabulary 50257 padded to
  * 50304. The tokens are the bytes of a local text (Debian's base-files
  * installs it everywhere; torch_ref.py reads the same bytes): tokens[i] =
  * byte i, targets[i] = byte i + 1. */
-enum { G_B = 4, G_T = 64, G_V = 50257, G_VP = 50304, G_MAXT = 1024 };
+enum { G_B = 4, G_T = 64, G_V = 50257, G_VP = 50304, G_MAXT = 1024, G3_T = 1024 };
 #define G_TEXT "/usr/share/common-licenses/GPL-3"
 #define G_LR 1e-4 /* llm.c's AdamW: lr 1e-4, betas 0.9/0.999, eps 1e-8, no decay */
+
+/* The model's batch and sequence length (G3: B 1, T 1024; else G_B, G_T). */
+typedef struct g_model {
+    gpt2 m;
+    int64_t B, T;
+} g_model;
 
 static void g_model_free(void *m) {
     if (!m)
         return;
-    gpt2_free(m);
+    gpt2_free(&((g_model *)m)->m);
     free(m);
 }
 
-static int g_setup(bench_state *s, int layers, int channels, int heads) {
+static int g_setup(bench_state *s, int layers, int channels, int heads, int64_t B, int64_t T,
+                   bool unfused) {
     gj_llmc_config cfg = {.max_seq_len = G_MAXT, .vocab_size = G_V, .num_layers = layers,
                           .num_heads = heads, .channels = channels, .padded_vocab_size = G_VP};
-    gpt2 *m = calloc(1, sizeof *m);
+    g_model *gm = calloc(1, sizeof *gm);
     gj_tensor *file[GJ_LLMC_N_PARAMS];
-    if (!m)
+    if (!gm)
         return -1;
-    s->model = m;
+    gpt2 *m = &gm->m;
+    gm->B = B;
+    gm->T = T;
+    m->unfused = unfused;
+    s->model = gm;
     s->model_free = g_model_free;
-    if (gpt2_init_params(&cfg, BENCH_SEED, file) != 0 || gpt2_init_from(m, &cfg, file) != 0 ||
-        gpt2_set_seq_len(m, G_T) != 0)
+    if (gpt2_init_params(&cfg, BENCH_SEED, file) != 0 || gpt2_init_from(m, &cfg, file) != 0)
+        return -1;
+    m->unfused = unfused;
+    if (gpt2_set_seq_len(m, T) != 0)
         return -1;
     for (int k = 0; k < m->n_leaves; k++)
         if (add_param(s, m->leaf[k]) != 0)
             return -1;
-    unsigned char text[G_B * G_T + 1];
-    FILE *f = fopen(G_TEXT, "rb");
-    size_t got = f ? fread(text, 1, sizeof text, f) : 0;
+    int64_t n = B * T, shape[2] = {B, T};
+    unsigned char *text = malloc((size_t)n + 1);
+    int64_t *x = malloc((size_t)n * sizeof *x), *y = malloc((size_t)n * sizeof *y);
+    FILE *f = text && x && y ? fopen(G_TEXT, "rb") : NULL;
+    size_t got = f ? fread(text, 1, (size_t)n + 1, f) : 0;
     if (f)
         fclose(f);
-    if (got != sizeof text) {
-        fprintf(stderr, "bench: G1/G2 read their tokens from " G_TEXT " (Debian's base-files), "
-                        "which holds fewer than %zu bytes or cannot be read\n", sizeof text);
+    if (got == (size_t)n + 1) {
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = text[i];
+            y[i] = text[i + 1];
+        }
+        s->in[0] = own(s, gj_from_data(GJ_I64, 2, shape, x)); /* tokens (B, T) */
+        s->in[1] = own(s, gj_from_data(GJ_I64, 2, shape, y)); /* targets (B, T) */
+    } else {
+        fprintf(stderr, "bench: G1/G2/G3 read their tokens from " G_TEXT " (Debian's "
+                        "base-files), which holds fewer than %lld bytes or cannot be read\n",
+                (long long)n + 1);
+    }
+    free(text), free(x), free(y);
+    if (got != (size_t)n + 1)
         return -1;
-    }
-    int64_t x[G_B * G_T], y[G_B * G_T], shape[2] = {G_B, G_T};
-    for (int i = 0; i < G_B * G_T; i++) {
-        x[i] = text[i];
-        y[i] = text[i + 1];
-    }
-    s->in[0] = own(s, gj_from_data(GJ_I64, 2, shape, x)); /* tokens (B, T) */
-    s->in[1] = own(s, gj_from_data(GJ_I64, 2, shape, y)); /* targets (B, T) */
     s->n_in = 2;
     s->opt = gj_adamw_new(s->n_params, s->params, G_LR, 0.9, 0.999, 1e-8, 0.0);
     return s->in[0] && s->in[1] && s->opt ? 0 : -1;
 }
 
-static int g1_setup(bench_state *s) { return g_setup(s, 6, 384, 6); }
-static int g2_setup(bench_state *s) { return g_setup(s, 12, 768, 12); }
+static int g1_setup(bench_state *s) { return g_setup(s, 6, 384, 6, G_B, G_T, false); }
+static int g2_setup(bench_state *s) { return g_setup(s, 12, 768, 12, G_B, G_T, false); }
+static int g3_setup(bench_state *s) { return g_setup(s, 6, 384, 6, 1, G3_T, false); }
+static int g1u_setup(bench_state *s) { return g_setup(s, 6, 384, 6, G_B, G_T, true); }
 
-static gj_tensor *g_forward(bench_state *s) { return gpt2_loss(s->model, s->n_in, s->in); }
+static gj_tensor *g_forward(bench_state *s) {
+    return gpt2_loss(&((g_model *)s->model)->m, s->n_in, s->in);
+}
 
 /* Untimed, as W5's SGD: the model trains as llm.c's (the PyTorch side too). */
 static int g_after_backward(bench_state *s) { return gj_optim_step(s->opt); }
 
 /* Per layer: qkv, attention projection, fc, fc projection over B*T rows
- * (12 C^2 per row), and q k^T and att v (2 T C per row); then the tied head
- * (C x Vp per row). */
+ * (12 C^2 per row), and q k^T and att v over the keys the causal mask
+ * keeps ((T + 1) / 2 per query on average, 2 C each); then the tied head
+ * (C x Vp per row). The fused ops do work the compiled backward's GEMM
+ * count (paired_step.c) does not see, so it is counted here: the fused
+ * attention's backward (its four block products: twice the forward's)
+ * and the fused head's two gradient GEMMs, which its forward runs (its
+ * GEMMs stop at V). */
 static double g_flops(const bench_state *s) {
-    const gpt2 *m = s->model;
-    double bt = (double)G_B * G_T, c = m->cfg.channels;
-    return m->cfg.num_layers * (2.0 * bt * 12.0 * c * c + 2.0 * 2.0 * bt * G_T * c) +
-           2.0 * bt * c * m->cfg.padded_vocab_size;
+    const g_model *gm = s->model;
+    const gpt2 *m = &gm->m;
+    double bt = (double)gm->B * gm->T, c = m->cfg.channels, keys = (gm->T + 1) / 2.0;
+    double attn = 2.0 * 2.0 * bt * keys * c * (m->unfused ? 1.0 : 3.0);
+    double head = 2.0 * bt * c * (m->unfused ? m->cfg.padded_vocab_size : 3.0 * m->cfg.vocab_size);
+    return m->cfg.num_layers * (2.0 * bt * 12.0 * c * c + attn) + head;
 }
 
 /* ----------------------------------------------------------- registry */
@@ -473,6 +502,13 @@ const bench_workload bench_workloads[] = {
      g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_BF16},
     {"G2b", "gpt2-124M-bf16", "G2 in bf16 mixed precision (autocast)", "AdamW untimed", g2_setup,
      g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_BF16},
+    {"G3", "gpt2-d6-T1024", "G1's model at B1 T1024 (fused attention and head)", "AdamW untimed",
+     g3_setup, g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_F32},
+    {"G3b", "gpt2-d6-T1024-bf16", "G3 in bf16 mixed precision (autocast)", "AdamW untimed",
+     g3_setup, g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL, true, GJ_BF16},
+    {"G1u", "gpt2-d6-unfused", "G1 with attention and head op by op (T x T, logits)",
+     "AdamW untimed", g1u_setup, g_forward, g_after_backward, false, g_flops, G_LR, 0.0, NULL,
+     true, GJ_F32},
 };
 const int bench_n_workloads = (int)(sizeof bench_workloads / sizeof bench_workloads[0]);
 

@@ -17,6 +17,11 @@
  *     x   = x + gelu_tanh(LN(x; ln2w, ln2b) fcw^T + fcb) fcprojw^T + fcprojb
  *   logits = LN(x; lnfw, lnfb) wte^T  (tied, padded)             (B, T, Vp)
  *   loss = mean cross-entropy of logits[..., 0:V] against targets
+ * By default attention is gj_scaled_dot_product_attention and the loss
+ * gj_linear_cross_entropy over wte[0:V] (the same function; neither the
+ * T x T scores nor the logits are ever held); with `unfused` set the
+ * formula is written out op by op (matmul, masked_fill, softmax, matmul;
+ * linear, narrow, cross_entropy), as llm.c computes it.
  * LayerNorm eps 1e-5 (llm.c's). The padded logit columns [V, Vp) are cut
  * off with gj_narrow before the loss, so they take no part in it, exactly
  * as llm.c's softmax and cross-entropy loop only over [0, V): wte's padded
@@ -58,8 +63,9 @@ typedef struct gpt2 {
     gj_tensor *file[GJ_LLMC_N_PARAMS]; /* llm.c's tensors: owned, no grad */
     gj_tensor **leaf;                  /* [n_leaves] trainable views: owned */
     int n_leaves;                      /* 2 + 12 L + 2 */
-    gj_tensor *mask;                   /* (T, T): 1 above the diagonal; owned */
-    int64_t mask_T;
+    gj_tensor *mask;                   /* unfused: (T, T), 1 above the diagonal; owned */
+    int64_t mask_T;                    /* the sequence length of gpt2_set_seq_len */
+    bool unfused;                      /* the op-by-op formula (set before gpt2_set_seq_len) */
 } gpt2;
 
 /* Index into leaf[] of llm.c tensor i (0..15) at layer l (ignored for wte,
@@ -257,7 +263,10 @@ static inline int gpt2_set_seq_len(gpt2 *m, int64_t T) {
                 (long long)T, m->cfg.max_seq_len);
         return -1;
     }
-    if (m->mask && m->mask_T == T)
+    if (m->mask_T == T && (m->mask || !m->unfused))
+        return 0;
+    m->mask_T = T;
+    if (!m->unfused)
         return 0;
     float *v = malloc((size_t)(T * T) * sizeof *v);
     if (!v)
@@ -286,18 +295,30 @@ static inline gj_tensor *gpt2_heads(const gpt2 *m, gj_tensor *qkv, int idx, int6
     return h ? gj_permute(h, perm) : NULL;          /* (B, NH, T, hs) */
 }
 
-/* Logits (B, T, Vp) of tokens (B, T) i64 (borrowed), T == the mask's
- * length. Scope-owned new reference, or NULL. */
-static inline gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
+/* Causal self-attention of q, k, v (B, NH, T, hs). */
+static inline gj_tensor *gpt2_attention(gpt2 *m, gj_tensor *q, gj_tensor *k, gj_tensor *v) {
+    double scale = 1.0 / sqrt((double)gj_tensor_shape(q)[3]);
+    if (!m->unfused)
+        return gj_scaled_dot_product_attention(q, k, v, true, scale, 0.0, false);
+    gj_tensor *kt = gj_transpose(k, 2, 3);                     /* (B, NH, hs, T) */
+    gj_tensor *att = kt ? gj_matmul(q, kt) : NULL;             /* (B, NH, T, T) */
+    att = att ? gj_mul_scalar(att, scale) : NULL;
+    att = att ? gj_masked_fill(att, m->mask, -INFINITY) : NULL;
+    att = att ? gj_softmax(att, -1) : NULL;
+    return att ? gj_matmul(att, v) : NULL;                     /* (B, NH, T, hs) */
+}
+
+/* The final layer norm's output (B, T, C) of tokens (B, T) i64 (borrowed),
+ * T the length of gpt2_set_seq_len. Scope-owned new reference, or NULL. */
+static inline gj_tensor *gpt2_hidden(gpt2 *m, gj_tensor *tokens) {
     static const int perm[4] = {0, 2, 1, 3};
     const int64_t *ts = gj_tensor_shape(tokens);
-    if (gj_tensor_ndim(tokens) != 2 || !m->mask || ts[1] != m->mask_T) {
+    if (gj_tensor_ndim(tokens) != 2 || ts[1] != m->mask_T || (m->unfused && !m->mask)) {
         fprintf(stderr, "gpt2: tokens must be (B, T) with T the length of gpt2_set_seq_len\n");
         return NULL;
     }
-    int64_t B = ts[0], T = ts[1], C = m->cfg.channels, NH = m->cfg.num_heads;
+    int64_t B = ts[0], T = ts[1], C = m->cfg.channels;
     int64_t cs[3] = {B, T, C};
-    double scale = 1.0 / sqrt((double)(C / NH));
     gj_tensor *pos = gj_narrow(m->leaf[1], 0, 0, T);                 /* (T, C) */
     gj_tensor *x = pos ? gj_embedding(m->leaf[0], tokens) : NULL;    /* (B, T, C) */
     x = x ? gj_add(x, pos) : NULL;
@@ -308,12 +329,7 @@ static inline gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
         gj_tensor *q = qkv ? gpt2_heads(m, qkv, 0, B, T) : NULL;  /* (B, NH, T, hs) */
         gj_tensor *k = q ? gpt2_heads(m, qkv, 1, B, T) : NULL;
         gj_tensor *v = k ? gpt2_heads(m, qkv, 2, B, T) : NULL;
-        gj_tensor *kt = v ? gj_transpose(k, 2, 3) : NULL;         /* (B, NH, hs, T) */
-        gj_tensor *att = kt ? gj_matmul(q, kt) : NULL;            /* (B, NH, T, T) */
-        att = att ? gj_mul_scalar(att, scale) : NULL;
-        att = att ? gj_masked_fill(att, m->mask, -INFINITY) : NULL;
-        att = att ? gj_softmax(att, -1) : NULL;
-        gj_tensor *y = att ? gj_matmul(att, v) : NULL;            /* (B, NH, T, hs) */
+        gj_tensor *y = v ? gpt2_attention(m, q, k, v) : NULL;    /* (B, NH, T, hs) */
         y = y ? gj_permute(y, perm) : NULL;                       /* (B, T, NH, hs) */
         y = y ? gj_reshape(y, 3, cs) : NULL;                      /* (B, T, C) */
         y = y ? gj_linear(y, p[4], p[5]) : NULL;
@@ -325,7 +341,13 @@ static inline gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
         x = h ? gj_add(x, h) : NULL;
     }
     gj_tensor **f = m->leaf + 2 + GPT2_PER_LAYER * m->cfg.num_layers; /* lnfw, lnfb */
-    x = x ? gj_layer_norm(x, f[0], f[1], GPT2_LN_EPS) : NULL;
+    return x ? gj_layer_norm(x, f[0], f[1], GPT2_LN_EPS) : NULL;
+}
+
+/* Logits (B, T, Vp) of tokens (B, T) i64 (borrowed). Scope-owned new
+ * reference, or NULL. */
+static inline gj_tensor *gpt2_logits(gpt2 *m, gj_tensor *tokens) {
+    gj_tensor *x = gpt2_hidden(m, tokens);
     return x ? gj_linear(x, m->leaf[0], NULL) : NULL; /* (B, T, Vp) */
 }
 
@@ -341,6 +363,11 @@ static inline gj_tensor *gpt2_loss(void *ctx, int n_in, gj_tensor *const *in) {
     }
     const int64_t *ts = gj_tensor_shape(in[0]);
     int64_t BT = ts[0] * ts[1], ls[2] = {BT, m->cfg.padded_vocab_size};
+    if (!m->unfused) { /* the head over wte's first V rows, fused */
+        gj_tensor *x = gpt2_hidden(m, in[0]);                 /* (B, T, C) */
+        gj_tensor *w = x ? gj_narrow(m->leaf[0], 0, 0, m->cfg.vocab_size) : NULL; /* (V, C) */
+        return w ? gj_linear_cross_entropy(x, w, NULL, in[1], -1) : NULL;
+    }
     gj_tensor *logits = gpt2_logits(m, in[0]);               /* (B, T, Vp) */
     logits = logits ? gj_reshape(logits, 2, ls) : NULL;      /* (B T, Vp) */
     logits = logits ? gj_narrow(logits, 1, 0, m->cfg.vocab_size) : NULL; /* (B T, V) */

@@ -291,6 +291,7 @@ typedef struct model {
     int64_t V, T;
     gj_tensor *pos_ids;   /* [T] i64: 0 .. T-1 (made once: a step function's constant) */
     gj_tensor *mask;      /* [T, T] causal mask, 1 where key j > query i (made once) */
+    bool unfused;         /* --unfused: attention and the loss op by op */
 } model;
 
 #define N_PARAMS (2 + 12 * N_LAYER + 4)
@@ -395,7 +396,8 @@ static gj_tensor *heads(gj_tensor *qkv, int idx, int64_t B, int64_t t) {
 }
 
 /* One pre-norm causal block (W3): x [B, t, C] -> [B, t, C]; mask [t, t]. */
-static gj_tensor *block_forward(block *b, gj_tensor *x, gj_tensor *mask, int64_t B, int64_t t) {
+static gj_tensor *block_forward(block *b, gj_tensor *x, gj_tensor *mask, int64_t B, int64_t t,
+                                bool unfused) {
     static const int perm[4] = {0, 2, 1, 3};
     int64_t cs[3] = {B, t, N_EMBD};
     gj_tensor *a = gj_layer_norm_forward(&b->ln1, x);        /* [B, t, C] */
@@ -405,12 +407,18 @@ static gj_tensor *block_forward(block *b, gj_tensor *x, gj_tensor *mask, int64_t
     gj_tensor *q = heads(qkv, 0, B, t), *k = heads(qkv, 1, B, t), *v = heads(qkv, 2, B, t);
     if (!q || !k || !v)
         return NULL;
-    gj_tensor *kt = gj_transpose(k, 2, 3);                 /* [B, H, hd, t] */
-    gj_tensor *att = kt ? gj_matmul(q, kt) : NULL;         /* [B, H, t, t] */
-    att = att ? gj_mul_scalar(att, 1.0 / sqrt((double)(N_EMBD / N_HEAD))) : NULL;
-    att = att ? gj_masked_fill(att, mask, -1e9) : NULL;
-    att = att ? gj_softmax(att, -1) : NULL;
-    gj_tensor *y = att ? gj_matmul(att, v) : NULL;         /* [B, H, t, hd] */
+    double scale = 1.0 / sqrt((double)(N_EMBD / N_HEAD));
+    gj_tensor *y;                                          /* [B, H, t, hd] */
+    if (!unfused) {                                        /* never holds [t, t] */
+        y = gj_scaled_dot_product_attention(q, k, v, true, scale, 0.0, false);
+    } else {
+        gj_tensor *kt = gj_transpose(k, 2, 3);             /* [B, H, hd, t] */
+        gj_tensor *att = kt ? gj_matmul(q, kt) : NULL;     /* [B, H, t, t] */
+        att = att ? gj_mul_scalar(att, scale) : NULL;
+        att = att ? gj_masked_fill(att, mask, -1e9) : NULL;
+        att = att ? gj_softmax(att, -1) : NULL;
+        y = att ? gj_matmul(att, v) : NULL;
+    }
     y = y ? gj_permute(y, perm) : NULL;                    /* [B, t, H, hd] */
     y = y ? gj_reshape(y, 3, cs) : NULL;                   /* [B, t, C] */
     y = y ? gj_linear_forward(&b->proj, y) : NULL;
@@ -421,10 +429,10 @@ static gj_tensor *block_forward(block *b, gj_tensor *x, gj_tensor *mask, int64_t
     return f ? gj_add(h, f) : NULL;
 }
 
-/* Logits [B, t, V] of token ids idx [B, t] i64 (borrowed), t <= T: the
- * model's position ids and causal mask cut to t. Scope-owned new
- * reference, or NULL with gj_last_error() set. */
-static gj_tensor *model_logits(model *m, gj_tensor *idx) {
+/* The final layer norm's output [B, t, C] of token ids idx [B, t] i64
+ * (borrowed), t <= T: the model's position ids and causal mask cut to t.
+ * Scope-owned new reference, or NULL with gj_last_error() set. */
+static gj_tensor *model_hidden(model *m, gj_tensor *idx) {
     int64_t B = gj_tensor_shape(idx)[0], t = gj_tensor_shape(idx)[1];
     gj_tensor *pt = t == m->T ? m->pos_ids : gj_narrow(m->pos_ids, 0, 0, t); /* [t] */
     gj_tensor *mask = t == m->T ? m->mask : gj_narrow(gj_narrow(m->mask, 0, 0, t), 1, 0, t);
@@ -432,8 +440,13 @@ static gj_tensor *model_logits(model *m, gj_tensor *idx) {
                                        gj_embedding_forward(&m->pos, pt))  /* [t, C] */
                               : NULL;
     for (int l = 0; l < N_LAYER && x; l++)
-        x = block_forward(&m->blk[l], x, mask, B, t);
-    x = x ? gj_layer_norm_forward(&m->lnf, x) : NULL;
+        x = block_forward(&m->blk[l], x, mask, B, t, m->unfused);
+    return x ? gj_layer_norm_forward(&m->lnf, x) : NULL;
+}
+
+/* Logits [B, t, V] of token ids idx [B, t]. Scope-owned, or NULL. */
+static gj_tensor *model_logits(model *m, gj_tensor *idx) {
+    gj_tensor *x = model_hidden(m, idx);
     return x ? gj_linear_forward(&m->head, x) : NULL; /* [B, t, V] */
 }
 
@@ -446,6 +459,11 @@ static gj_tensor *lm_loss(void *ctx, int n_in, gj_tensor *const *in) {
     (void)n_in;
     const int64_t *xs = gj_tensor_shape(in[0]);
     int64_t ls[2] = {xs[0] * xs[1], m->V};
+    if (!m->unfused) { /* the head fused with the loss: no [B*T, V] logits */
+        gj_tensor *x = model_hidden(m, in[0]);
+        x = x ? gj_reshape(x, 2, (int64_t[]){ls[0], N_EMBD}) : NULL; /* [B*T, C] */
+        return x ? gj_linear_cross_entropy(x, m->head.weight, m->head.bias, in[1], -1) : NULL;
+    }
     gj_tensor *logits = model_logits(m, in[0]);
     logits = logits ? gj_reshape(logits, 2, ls) : NULL; /* [B*T, V] */
     return logits ? gj_cross_entropy(logits, in[1]) : NULL;
@@ -464,6 +482,7 @@ static gj_tensor *model_loss(model *m, const int64_t *x, const int64_t *y, int64
 typedef struct opts {
     train_flags f; /* f.epochs: epochs over the text instead of --steps (0: --steps) */
     bool vary_ctx;
+    bool unfused; /* attention and the loss op by op */
     int64_t steps;
     int ctx, sample;
     double temperature;
@@ -591,6 +610,7 @@ static int lm_init(train_run *r) {
     gj_tensor *params[N_PARAMS];
     if (model_init(&t->m, c->vocab, o->ctx) != 0)
         return -1;
+    t->m.unfused = o->unfused;
     model_params(&t->m, params);
     if (!(r->opt = gj_adamw_new(N_PARAMS, params, o->f.lr, 0.9, 0.999, 1e-8, 0.01)))
         return -1;
@@ -791,6 +811,10 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 "epochs over the text instead of --steps (0: use --steps)"),
         ARG_OPT("batch", ARG_INT, &f->batch, 1, 4096, "sequences per batch"),
         ARG_OPT("ctx", ARG_INT, &o->ctx, 2, 1024, "context length (characters)"),
+        ARG_OPT("seq", ARG_INT, &o->ctx, 2, 1024, "the same as --ctx"),
+        ARG_OPT("unfused", ARG_FLAG, &o->unfused, 0, 0,
+                "attention and the loss op by op ([t, t] scores, [B*t, V] logits) instead of "
+                "the fused gj_scaled_dot_product_attention and gj_linear_cross_entropy"),
         ARG_OPT("vary-ctx", ARG_FLAG, &o->vary_ctx, 0, 0,
                 "draw each training step's context length in [ctx/4, ctx]"),
         TRAIN_ARG_LR(f),

@@ -357,6 +357,23 @@ GJ_API gj_tensor *gj_dropout(gj_tensor *x, double p, bool train);
 GJ_API gj_tensor *gj_scaled_dot_product_attention(gj_tensor *q, gj_tensor *k, gj_tensor *v,
                                                   bool causal, double scale, double dropout_p,
                                                   bool train);
+/* Linear cross-entropy, fused: the mean over rows of
+ * gj_cross_entropy(h weight^T + bias, labels), for h [..., C], weight
+ * [V, C], bias [V] or NULL and labels (i64) of h's leading shape, each in
+ * [0, V) or equal to ignore_index (such rows add nothing and are not
+ * counted in the mean; all rows ignored gives NaN, as a mean of nothing).
+ * Never holds the rows x V logits: rows go in chunks whose logits take at
+ * most 64 MiB, each made by one GEMM and turned in place into its
+ * gradient. When a gradient is wanted (grad mode on and an argument that
+ * requires it) the forward computes the gradients of h, weight and bias
+ * for a unit upstream gradient and keeps them (the size of h, weight and
+ * bias) until the backward scales them by the gradient that arrives:
+ * three GEMMs of the unfused head's size, none recomputed. f32, bf16 (f32
+ * logits and statistics; under gj_set_autocast h, weight and bias are
+ * taken in bf16; the loss is f32) or f64 (loss f64). Eager and compiled
+ * paths compute the same bits. */
+GJ_API gj_tensor *gj_linear_cross_entropy(gj_tensor *h, gj_tensor *weight, gj_tensor *bias,
+                                          gj_tensor *labels, int64_t ignore_index);
 /* cond (any dtype, nonzero = true) broadcast with a and b. */
 GJ_API gj_tensor *gj_where(gj_tensor *cond, gj_tensor *a, gj_tensor *b);
 /* x with value where mask is nonzero. */

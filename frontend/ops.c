@@ -793,6 +793,65 @@ gj_tensor *gj_cross_entropy(gj_tensor *logits, gj_tensor *labels) {
     return fe_apply1(op, &gj_ag_op_cross_entropy, &a, 2, in);
 }
 
+/* Shapes of gj_linear_cross_entropy: h [..., C], weight [V, C], labels
+ * h's leading shape, bias [V] or none; *n = the rows. */
+static bool lce_shapes(const char *op, const gj_tensor *h, const gj_tensor *w, const gj_tensor *b,
+                       const gj_tensor *labels, int64_t *n) {
+    bool ok = h->ndim >= 1 && w->ndim == 2 && labels->ndim == h->ndim - 1 &&
+              w->shape[1] == h->shape[h->ndim - 1] && (!b || (b->ndim == 1 && b->shape[0] == w->shape[0]));
+    int64_t rows = 1;
+    for (int d = 0; ok && d < labels->ndim; d++) {
+        ok = labels->shape[d] == h->shape[d];
+        rows *= h->shape[d];
+    }
+    ok = ok && rows >= 1 && w->shape[0] >= 1 && w->shape[1] >= 1;
+    if (!ok) {
+        char sh[160], sw[160], sl[160], sb[160] = "none";
+        if (b)
+            gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
+        gj_rt_set_error("%s: expected h [..., C], weight [V, C], labels of h's leading shape and "
+                        "bias [V] or NULL, with at least one row; got h %s %s, weight %s %s, "
+                        "labels %s %s, bias %s", op,
+                        gj_rt_fmt_shape(sh, sizeof sh, h->ndim, h->shape), gj_rt_dtype_name(h->dtype),
+                        gj_rt_fmt_shape(sw, sizeof sw, w->ndim, w->shape), gj_rt_dtype_name(w->dtype),
+                        gj_rt_fmt_shape(sl, sizeof sl, labels->ndim, labels->shape),
+                        gj_rt_dtype_name(labels->dtype), sb);
+        return false;
+    }
+    *n = rows;
+    return true;
+}
+
+gj_tensor *gj_linear_cross_entropy(gj_tensor *h, gj_tensor *weight, gj_tensor *bias,
+                                   gj_tensor *labels, int64_t ignore_index) {
+    const char *op = "gj_linear_cross_entropy";
+    gj_tensor *t[3] = {h, weight, bias};
+    if (!fe_check_float(h, op, "h") || !fe_check_float(weight, op, "weight") ||
+        (bias && !fe_check_float(bias, op, "bias")) || !fe_check(labels, op, "labels") ||
+        !fe_autocast(op, FE_AC_LOW, 3, t))
+        return gj_fe_fail();
+    h = t[0], weight = t[1], bias = t[2];
+    int64_t n = 0;
+    if (!fe_same_dtype(h, weight, op, "h", "weight") ||
+        (bias && !fe_same_dtype(h, bias, op, "h", "bias")) ||
+        !lce_shapes(op, h, weight, bias, labels, &n) ||
+        !gj_rt_check_labels(op, "labels", labels, weight->shape[0], ignore_index, true))
+        return gj_fe_fail();
+    gj_tensor *in[4] = {h, weight, labels, bias};
+    if (h->ndim != 2) {
+        in[0] = gj_reshape(h, 2, (int64_t[]){n, h->shape[h->ndim - 1]});
+        in[2] = gj_reshape(labels, 1, &n);
+        if (!in[0] || !in[2])
+            return gj_fe_fail();
+    }
+    gj_ag_attrs a = {0};
+    a.ni = 2;
+    a.i[0] = ignore_index;
+    a.i[1] = gj_is_grad_enabled() &&
+             (gj_requires_grad(h) || gj_requires_grad(weight) || (bias && gj_requires_grad(bias)));
+    return fe_apply1(op, &gj_ag_op_lce, &a, bias ? 4 : 3, in);
+}
+
 gj_tensor *gj_embedding(gj_tensor *table, gj_tensor *idx) {
     const char *op = "gj_embedding";
     if (!fe_check_float(table, op, "table") || !fe_check(idx, op, "idx"))

@@ -124,9 +124,20 @@ int gj_rt_k_col2im(const gj_rt_inst *inst, gj_tensor *cols, gj_tensor *out);
 /* kernels_composite.c. SOFTMAX .. CE_BWD over the last axis; outs as
  * inferred (LN_FWD: xhat, mean, rstd; CE_FWD: loss, lse). */
 int gj_rt_k_composite(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
+/* One cross-entropy row of K logits x (f32 or f64, dt), in place, as
+ * CE_FWD and CE_BWD compute it: *term = lse - x[label]; with grad, x
+ * becomes (softmax(x) - onehot(label)) * scale. label < 0: an ignored row
+ * (term 0; with grad, x zeroed). */
+void gj_rt_k_ce_row(gj_dtype dt, void *x, int64_t K, int64_t label, double scale, bool grad,
+                    double *term);
+/* CE_FWD's sum of per-row terms (8 lanes in double, combined in the fixed tree). */
+double gj_rt_k_ce_sum_terms(const double *terms, int64_t n);
 
 /* kernels_attention.c. ATTN_FWD: outs o, lse; ATTN_BWD: outs gq, gk, gv
  * (every output written whole). */
 int gj_rt_k_attention(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
+
+/* kernels_lce.c. LCE_FWD: outs loss (, gh, gw (, gb)), written whole. */
+int gj_rt_k_lce(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs);
 
 #endif /* GJ_RT_KERNELS_H */

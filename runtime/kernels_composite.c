@@ -173,6 +173,12 @@
         for (int64_t i = 0; i < K; i++)                                                         \
             gx[i] = EXP(x[i] - lse) * scale;                                                    \
         gx[label] -= scale;                                                                     \
+    }                                                                                           \
+    /* x = (exp(x - lse) - onehot(label)) * scale, in place (ce_bwd_row's formula). */          \
+    GJ_K_CLONES static void ce_grad_row_##SFX(T *x, T lse, int64_t label, T scale, int64_t K) { \
+        for (int64_t i = 0; i < K; i++)                                                         \
+            x[i] = EXP(x[i] - lse) * scale;                                                     \
+        x[label] -= scale;                                                                      \
     }
 
 GJ_K_ROWS(f, float, gj_m_exp_f, gj_m_log_f)
@@ -332,15 +338,7 @@ static int gj_k_comp_run(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor
         /* the rows' terms summed as every SUM kernel sums a run: 8 lanes
          * (position mod 8, the tail from lane 0), combined pairwise; the
          * compiled decomposition's row-then-total sum is this order too */
-        double l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t r = 0;
-        for (; r + 8 <= R; r += 8)
-            for (int k = 0; k < 8; k++)
-                l[k] += terms[r + k];
-        for (int k = 0; r < R; r++, k++)
-            l[k] += terms[r];
-        double s = 0.0 + (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])));
-        gj_rt_k_store(c.o0, x->dtype, 0, s / (double)R);
+        gj_rt_k_store(c.o0, x->dtype, 0, gj_rt_k_ce_sum_terms(terms, R) / (double)R);
     }
     rc = 0;
 done:
@@ -349,6 +347,36 @@ done:
     for (int i = 0; i < 4; i++)
         gj_rt_tensor_release(ci[i]);
     return rc;
+}
+
+double gj_rt_k_ce_sum_terms(const double *terms, int64_t n) {
+    double l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t r = 0;
+    for (; r + 8 <= n; r += 8)
+        for (int k = 0; k < 8; k++)
+            l[k] += terms[r + k];
+    for (int k = 0; r < n; r++, k++)
+        l[k] += terms[r];
+    return 0.0 + (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])));
+}
+
+void gj_rt_k_ce_row(gj_dtype dt, void *x, int64_t K, int64_t label, double scale, bool grad,
+                    double *term) {
+    if (label < 0) {
+        *term = 0.0;
+        if (grad)
+            memset(x, 0, (size_t)K * (dt == GJ_F64 ? sizeof(double) : sizeof(float)));
+        return;
+    }
+    if (dt == GJ_F64) {
+        double lse = ce_fwd_row_d(x, label, K, term);
+        if (grad)
+            ce_grad_row_d(x, lse, label, scale, K);
+    } else {
+        float lse = (float)ce_fwd_row_f(x, label, K, term);
+        if (grad)
+            ce_grad_row_f(x, lse, label, (float)scale, K);
+    }
 }
 
 int gj_rt_k_composite(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {

@@ -130,6 +130,9 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     case GJ_P_ATTN_FWD: case GJ_P_ATTN_BWD:
         rc = gj_rt_k_attention(inst, in, outs);
         break;
+    case GJ_P_LCE_FWD:
+        rc = gj_rt_k_lce(inst, in, outs);
+        break;
     case GJ_P_IM2COL:
         rc = gj_rt_k_im2col(inst, in[0], outs[0]);
         break;

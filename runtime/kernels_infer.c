@@ -43,6 +43,7 @@ static const char *const g_lower[GJ_P_COUNT] = {
     [GJ_P_LN_BWD] = "ln_bwd", [GJ_P_CE_FWD] = "ce_fwd", [GJ_P_CE_BWD] = "ce_bwd",
     [GJ_P_IOTA] = "iota", [GJ_P_IM2COL] = "im2col", [GJ_P_COL2IM] = "col2im",
     [GJ_P_ATTN_FWD] = "attn_fwd", [GJ_P_ATTN_BWD] = "attn_bwd",
+    [GJ_P_LCE_FWD] = "lce_fwd",
 };
 
 const char *gj_rt_prim_name(gj_rt_prim p) {
@@ -125,7 +126,7 @@ static int gj_rt_k_arity(gj_rt_prim p) {
         return 6;
     case GJ_P_FILL: case GJ_P_DROPOUT_MASK: case GJ_P_IOTA:
         return 0;
-    case GJ_P_CAT:
+    case GJ_P_CAT: case GJ_P_LCE_FWD:
         return -1;
     default:
         return 1;
@@ -578,6 +579,8 @@ int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out) {
     }
     case GJ_P_ATTN_FWD: case GJ_P_ATTN_BWD:
         return gj_rt_attn_infer(inst, in, out);
+    case GJ_P_LCE_FWD:
+        return gj_rt_lce_infer(inst, in, out);
     default:
         break;
     }
@@ -648,4 +651,42 @@ int gj_rt_attn_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *o
     out[1] = *k;
     out[2] = *v;
     return 3;
+}
+
+/* LCE_FWD: h [N, C], w [V, C], labels [N] (i64), optional b [V]. */
+int gj_rt_lce_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out) {
+    char sh[160], sw[160], sl[160], sb[160] = "none";
+    const char *name = gj_rt_prim_name(inst->prim);
+    if (inst->n_in != 3 && inst->n_in != 4) {
+        gj_rt_set_error("%s: takes 3 or 4 inputs (h, w, labels, bias), got %d", name, inst->n_in);
+        return -1;
+    }
+    const gj_rt_meta *h = &in[0], *w = &in[1], *lab = &in[2], *b = inst->n_in == 4 ? &in[3] : NULL;
+    gj_rt_fmt_shape(sh, sizeof sh, h->ndim, h->shape);
+    gj_rt_fmt_shape(sw, sizeof sw, w->ndim, w->shape);
+    gj_rt_fmt_shape(sl, sizeof sl, lab->ndim, lab->shape);
+    if (b) gj_rt_fmt_shape(sb, sizeof sb, b->ndim, b->shape);
+    gj_dtype dt = h->dtype;
+    bool ok = gj_rt_k_is_float(dt) && w->dtype == dt && lab->dtype == GJ_I64 &&
+              (!b || b->dtype == dt) && h->ndim == 2 && w->ndim == 2 && lab->ndim == 1 &&
+              (!b || b->ndim == 1);
+    ok = ok && w->shape[1] == h->shape[1] && lab->shape[0] == h->shape[0] &&
+         (!b || b->shape[0] == w->shape[0]) && h->shape[0] >= 1 && h->shape[1] >= 1 &&
+         w->shape[0] >= 1;
+    if (!ok) {
+        gj_rt_set_error("%s: expected h [N, C] and weight [V, C] of one float dtype, labels [N] "
+                        "i64 and bias [V] or none, N, C, V >= 1; got h %s %s, weight %s %s, "
+                        "labels %s %s, bias %s %s", name, sh, gj_rt_dtype_name(dt), sw,
+                        gj_rt_dtype_name(w->dtype), sl, gj_rt_dtype_name(lab->dtype), sb,
+                        b ? gj_rt_dtype_name(b->dtype) : "");
+        return -1;
+    }
+    gj_rt_k_set_meta(&out[0], dt == GJ_F64 ? GJ_F64 : GJ_F32, 0, NULL);
+    if (!inst->keepdim)
+        return 1;
+    out[1] = *h;
+    out[2] = *w;
+    if (b)
+        out[3] = *b;
+    return b ? 4 : 3;
 }

@@ -268,6 +268,10 @@ uint64_t gj_rt_rng_reseeds(void);
  * error) otherwise. The eager ops that index with values (cross-entropy
  * labels, embedding rows) and the compiled step call the same check. */
 bool gj_rt_check_indices(const char *op, const char *arg, const gj_tensor *idx, int64_t bound);
+/* The same, where with has_ignore the value `ignore` is also accepted
+ * (linear cross-entropy's ignored label). */
+bool gj_rt_check_labels(const char *op, const char *arg, const gj_tensor *idx, int64_t bound,
+                        int64_t ignore, bool has_ignore);
 
 /* -------------------------------------------------------- thread pool */
 

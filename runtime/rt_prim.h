@@ -65,7 +65,9 @@
     X(COL2IM)  /* cols[N,C,kh,kw,OH,OW] -> [N,C,H=start,W=len], overlaps summed */   \
     /* fused attention (runtime/attention.h), appended */                            \
     X(ATTN_FWD) /* q[B,H,T,D], k[B,H,S,D], v[B,H,S,E] -> o[B,H,T,E], lse[B,H,T] */    \
-    X(ATTN_BWD) /* (q, k, v, o, go, lse) -> gq, gk, gv */
+    X(ATTN_BWD) /* (q, k, v, o, go, lse) -> gq, gk, gv */                             \
+    /* fused linear cross-entropy (kernels_lce.c), appended */                        \
+    X(LCE_FWD) /* (h[N,C], w[V,C], labels[N] (, b[V])) -> loss[] (, gh, gw (, gb)) */
 
 typedef enum gj_rt_prim {
 #define GJ_RT_PRIM_ENUM(name) GJ_P_##name,
@@ -78,7 +80,7 @@ const char *gj_rt_prim_name(gj_rt_prim p);
 
 #define GJ_RT_MAX_INPUTS 16 /* CAT takes at most this many */
 #define GJ_RT_ATTN_DMAX 128 /* ATTN_*: the largest head size (attention.h's GJ_ATTN_DMAX) */
-#define GJ_RT_MAX_OUTPUTS 3
+#define GJ_RT_MAX_OUTPUTS 4 /* LCE_FWD with a bias */
 
 /* One instruction: the primitive and its attributes (unused fields zero). */
 typedef struct gj_rt_inst {
@@ -96,6 +98,8 @@ typedef struct gj_rt_inst {
     int64_t len;     /* SLICE: length taken; PAD: output length; SCATTER_ADD_ROWS: V */
     uint64_t seed, rng_offset; /* DROPOUT_MASK, ATTN_*'s dropout */
     double scalar2;  /* ATTN_*: dropout p (scalar: the scale; keepdim: causal) */
+                     /* LCE_FWD: start = the ignored label, keepdim = also the
+                        gradients for a unit upstream gradient */
     int ndim;        /* RESHAPE/EXPAND/FILL/DROPOUT_MASK target, PERMUTE rank;
                         IM2COL/COL2IM: 8, the window geometry in shape[] */
     int64_t shape[GJ_MAX_DIMS];
@@ -125,6 +129,29 @@ void gj_rt_meta_of(const gj_tensor *t, gj_rt_meta *out);
 int gj_rt_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
 /* gj_rt_infer's rule for ATTN_FWD / ATTN_BWD (inputs already counted). */
 int gj_rt_attn_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
+/* gj_rt_infer's rule for LCE_FWD. */
+int gj_rt_lce_infer(const gj_rt_inst *inst, const gj_rt_meta *in, gj_rt_meta *out);
+
+/* LCE_FWD on dense row-major arrays (kernels_lce.c): the eager kernel's
+ * core, which a compiled program calls with its buffers (the same bits).
+ * h [N, C], w [V, C] and b [V] (or NULL) share dtype dt (f32, bf16, f64);
+ * labels [N] lie in [0, V) or equal `ignore`. Writes *loss (f32, f64 for
+ * f64): the mean over the rows not ignored of cross_entropy(h w^T + b);
+ * with gh non-NULL also gh [N, C], gw [V, C] and, with b, gb [V] (dtype
+ * dt): its gradients for a unit upstream gradient. 0, or -1 with an error
+ * (a label out of range, out of memory) before anything is written. */
+typedef struct gj_rt_lce {
+    gj_dtype dt;
+    int64_t N, C, V, ignore;
+    const void *h, *w, *b;
+    const int64_t *labels;
+    void *loss, *gh, *gw, *gb;
+} gj_rt_lce;
+int gj_rt_lce_run(const gj_rt_lce *a);
+/* The rows of one chunk (a function of N and V alone). */
+int64_t gj_rt_lce_chunk_rows(int64_t N, int64_t V);
+/* Test switch: the logits of a chunk at most this many bytes (0: the default). */
+void gj_rt_lce_test_chunk_bytes(int64_t bytes);
 
 /* Runs inst on real tensors. outs must have room for GJ_RT_MAX_OUTPUTS
  * entries (all are cleared first); outs[k] receive new references (movement

@@ -58,6 +58,11 @@ static inline int64_t gj_rt_f_to_i64(double x) {
 /* ----------------------------------------------------------- validation */
 
 bool gj_rt_check_indices(const char *op, const char *arg, const gj_tensor *idx, int64_t bound) {
+    return gj_rt_check_labels(op, arg, idx, bound, -1, false);
+}
+
+bool gj_rt_check_labels(const char *op, const char *arg, const gj_tensor *idx, int64_t bound,
+                        int64_t ignore, bool has_ignore) {
     if (idx->dtype != GJ_I64) {
         gj_rt_set_error("%s: %s must be an i64 tensor, got %s", op, arg,
                         gj_rt_dtype_name(idx->dtype));
@@ -76,9 +81,12 @@ bool gj_rt_check_indices(const char *op, const char *arg, const gj_tensor *idx, 
             }
         }
         int64_t v = base[off];
-        if (v < 0 || v >= bound) {
-            gj_rt_set_error("%s: %s[%lld] = %lld is out of range [0, %lld)", op, arg,
-                            (long long)i, (long long)v, (long long)bound);
+        if ((v < 0 || v >= bound) && !(has_ignore && v == ignore)) {
+            char ig[64] = "";
+            if (has_ignore)
+                snprintf(ig, sizeof ig, " and is not the ignored label %lld", (long long)ignore);
+            gj_rt_set_error("%s: %s[%lld] = %lld is out of range [0, %lld)%s", op, arg,
+                            (long long)i, (long long)v, (long long)bound, ig);
             return false;
         }
     }

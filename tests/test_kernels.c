@@ -605,7 +605,7 @@ static void test_sum_max(void **state) {
     gj_rt_tensor_release(y);
     gj_rt_inst im = inst_of(GJ_P_MAX, 1);
     im.axes = 1;
-    gj_tensor *outs[3];
+    gj_tensor *outs[GJ_RT_MAX_OUTPUTS];
     assert_int_equal(gj_rt_exec(&im, &e, outs), -1);
     GJT_ASSERT_ERROR("max");
     assert_null(outs[0]);
@@ -910,7 +910,7 @@ static void test_gather_scatter(void **state) {
     double bad[3] = {1, 7, 2};
     int64_t b3[1] = {3};
     gj_tensor *idx = mk_data(GJ_I64, 1, b3, bad);
-    gj_tensor *outs[3];
+    gj_tensor *outs[GJ_RT_MAX_OUTPUTS];
     gj_rt_inst g = inst_of(GJ_P_GATHER_ROWS, 2);
     gj_tensor *ins[2] = {tab, idx};
     assert_int_equal(gj_rt_exec(&g, ins, outs), -1);
@@ -1016,7 +1016,7 @@ static void test_layer_norm(void **state) {
                 gj_tensor *x = mk(dt, nd, sh, L, -2, 3);
                 gj_rt_inst in = inst_of(GJ_P_LN_FWD, 1);
                 in.scalar = 1e-5;
-                gj_tensor *outs[3];
+                gj_tensor *outs[GJ_RT_MAX_OUTPUTS];
                 assert_int_equal(gj_rt_exec(&in, &x, outs), 3);
                 int64_t n = x->numel, R = n / C;
                 int64_t ssh[3];
@@ -1102,7 +1102,7 @@ static void test_cross_entropy(void **state) {
             for (int L = 0; L < L_COUNT; L++) {
                 gj_tensor *x = mk(dt, 2, NK[si], L, -5, 5);
                 gj_tensor *lab = mk(GJ_I64, 1, &N, L_CONTIG, 0, (double)K);
-                gj_tensor *ins[2] = {x, lab}, *outs[3];
+                gj_tensor *ins[2] = {x, lab}, *outs[GJ_RT_MAX_OUTPUTS];
                 gj_rt_inst in = inst_of(GJ_P_CE_FWD, 2);
                 assert_int_equal(gj_rt_exec(&in, ins, outs), 2);
                 assert_int_equal(outs[0]->ndim, 0);
@@ -1160,7 +1160,7 @@ static void test_cross_entropy(void **state) {
     int64_t sh[2] = {3, 4}, n3 = 3;
     gj_tensor *x = mk(GJ_F32, 2, sh, L_CONTIG, 0, 1);
     gj_tensor *lab = mk_data(GJ_I64, 1, &n3, (double[]){0, 4, 1});
-    gj_tensor *ins[2] = {x, lab}, *outs[3];
+    gj_tensor *ins[2] = {x, lab}, *outs[GJ_RT_MAX_OUTPUTS];
     gj_rt_inst in = inst_of(GJ_P_CE_FWD, 2);
     assert_int_equal(gj_rt_exec(&in, ins, outs), -1);
     GJT_ASSERT_ERROR("ce_fwd");
@@ -1198,7 +1198,7 @@ static gj_rt_meta meta(gj_dtype dt, int nd, const int64_t *sh) {
 /* Asserts gj_rt_infer rejects inst with an error naming the primitive and
  * containing `also` (if not NULL). */
 static void expect_bad(const gj_rt_inst *inst, const gj_rt_meta *in, const char *also) {
-    gj_rt_meta out[3];
+    gj_rt_meta out[GJ_RT_MAX_OUTPUTS];
     gj_clear_error();
     if (gj_rt_infer(inst, in, out) != -1) {
         print_error("%s: expected a shape/dtype error\n", gj_rt_prim_name(inst->prim));
@@ -1318,7 +1318,7 @@ static void test_infer_errors(void **state) {
 
     /* exec reports infer errors too, with nothing allocated */
     gj_tensor *t = mk(GJ_F32, 2, s23, L_CONTIG, 0, 1), *t4 = mk(GJ_F32, 1, s4, L_CONTIG, 0, 1);
-    gj_tensor *outs[3];
+    gj_tensor *outs[GJ_RT_MAX_OUTPUTS];
     gj_tensor *bin[2] = {t, t4};
     assert_int_equal(gj_rt_exec(&b, bin, outs), -1);
     GJT_ASSERT_ERROR("add");
@@ -1344,7 +1344,7 @@ static void test_exec_oom(void **state) {
     gj_rt_inst ln = inst_of(GJ_P_LN_FWD, 1);
     const gj_rt_inst *insts[2] = {&mm, &ln};
     for (int k = 0; k < 2; k++) {
-        gj_tensor *ins[2] = {x, y}, *outs[3];
+        gj_tensor *ins[2] = {x, y}, *outs[GJ_RT_MAX_OUTPUTS];
         for (int64_t n = 1; n < 40; n++) {
             int64_t live = gjt_live_bytes();
             gj_rt_alloc_fail_at(n);

@@ -3,7 +3,7 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC10"                     magic and format version (bumped whenever
+ *   "GJJITC11"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index instructions, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
@@ -12,7 +12,8 @@
  *                                  07: generic (symbolic) plans;
  *                                  08: hook and custom call instructions, lent kernels;
  *                                  09: generic kernels in plans that are not;
- *                                  10: bf16 GEMMs as wide products of bf16 operands)
+ *                                  10: bf16 GEMMs as wide products of bf16 operands;
+ *                                  11: attention kernels, linear cross-entropy instructions)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -85,7 +86,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '0'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '1'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -310,7 +311,7 @@ static uint64_t layout_signature(void) {
                     sizeof(gj_rt_meta),    sizeof(gj_jit_input),  sizeof(gj_jit_output),
                     sizeof(gj_jit_index),  GJ_MAX_DIMS,           (uint64_t)GJ_P_COUNT,
                     sizeof(gj_jit_fold),   sizeof(gj_jit_hook_instr), sizeof(gj_jit_call_instr),
-                    sizeof(gj_jit_hookref)};
+                    sizeof(gj_jit_hookref), sizeof(gj_jit_lce)};
     uint64_t h[2];
     gj_jit_hash128(s, sizeof s, h);
     return h[0];
@@ -392,6 +393,13 @@ static void put_fold(wbuf *b, const gj_jit_fold *x) {
                      w->sw, w->ph, w->pw, w->dh, w->dw, w->OH, w->OW};
     for (int k = 0; k < 14; k++) wbuf_i64(b, g[k]);
     wbuf_f64(b, x->pad);
+}
+
+static void put_lce(wbuf *b, const gj_jit_lce *x) {
+    int64_t v[20] = {x->dtype, x->grad, x->N, x->C, x->V, x->ignore, x->h_buf, x->w_buf,
+                     x->lab_buf, x->b_buf, x->h_off, x->w_off, x->lab_off, x->b_off,
+                     x->out_buf[0], x->out_buf[1], x->out_buf[2], x->out_buf[3]};
+    for (int k = 0; k < 18; k++) wbuf_i64(b, v[k]);
 }
 
 static void put_hook_instr(wbuf *b, const gj_jit_hook_instr *x) {
@@ -482,6 +490,7 @@ static void put_plan(wbuf *b, const gj_jit_program *pr) {
         if (st->kind == GJ_JIT_INSTR_MATMUL) put_matmul(b, &st->mm);
         else if (st->kind == GJ_JIT_INSTR_INDEX) put_index(b, &st->ix);
         else if (st->kind == GJ_JIT_INSTR_FOLD) put_fold(b, &st->fd);
+        else if (st->kind == GJ_JIT_INSTR_LCE) put_lce(b, &st->lc);
         else if (st->kind == GJ_JIT_INSTR_HOOK) put_hook_instr(b, &st->hk);
         else if (st->kind == GJ_JIT_INSTR_CALL) put_call_instr(b, &st->cs);
         else put_kernel(b, &st->k);
@@ -516,7 +525,8 @@ static bool disk_able(const gj_jit_program *pr) {
     for (int s = 0; s < pr->plan.n_instrs; s++) {
         gj_jit_instr_kind k = pr->plan.instrs[s].kind;
         if (k != GJ_JIT_INSTR_KERNEL && k != GJ_JIT_INSTR_MATMUL && k != GJ_JIT_INSTR_INDEX &&
-            k != GJ_JIT_INSTR_FOLD && k != GJ_JIT_INSTR_HOOK && k != GJ_JIT_INSTR_CALL)
+            k != GJ_JIT_INSTR_FOLD && k != GJ_JIT_INSTR_HOOK && k != GJ_JIT_INSTR_CALL &&
+            k != GJ_JIT_INSTR_LCE)
             return false;
     }
     return true;

@@ -31,6 +31,9 @@ int gj_jit_plan_memory(gj_jit_plan *p) {
         } else if (st->kind == GJ_JIT_INSTR_FOLD) {
             touch(p, st->fd.src_buf, s);
             touch(p, st->fd.out_buf, s);
+        } else if (st->kind == GJ_JIT_INSTR_LCE) {
+            int b[8], nb = gj_jit_lce_bufs(&st->lc, b);
+            for (int k = 0; k < nb; k++) touch(p, b[k], s);
         } else if (st->kind == GJ_JIT_INSTR_HOOK) {
             touch(p, st->hk.src_buf, s);
             touch(p, st->hk.out_buf, s);

@@ -211,6 +211,11 @@ static int pb_instrs(building *b) {
             st->fd = pl->fds[ps->idx];
             continue;
         }
+        if (ps->kind == PS_LCE) {
+            st->kind = GJ_JIT_INSTR_LCE;
+            st->lc = pl->lcs[ps->idx];
+            continue;
+        }
         if (ps->kind == PS_ATTN) {
             st->kind = GJ_JIT_INSTR_KERNEL;
             if (attn_kernel(&pl->ats[ps->idx], &st->k) != 0) return gj_jit_pl_oom(pl);
@@ -273,6 +278,7 @@ static void pb_free(building *b) {
     gj_rt_free(pl->cls);
     gj_rt_free(pl->fds);
     gj_rt_free(pl->ats);
+    gj_rt_free(pl->lcs);
     for (int t = 0; t < pl->n_ps; t++) gj_rt_free(pl->ps[t].deps);
     gj_rt_free(pl->ps);
     gj_rt_free(pl->stack);
@@ -423,6 +429,16 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
             gj_rt_fmt_shape(sh, sizeof sh, st->hk.meta.ndim, st->hk.meta.shape);
             fprintf(f, "  instr %d: b%d = hook #%d(b%d) %s %s\n", s, st->hk.out_buf, st->hk.hook,
                     st->hk.src_buf, gj_rt_dtype_name(st->hk.meta.dtype), sh);
+            continue;
+        }
+        if (st->kind == GJ_JIT_INSTR_LCE) {
+            const gj_jit_lce *x = &st->lc;
+            fprintf(f, "  instr %d: b%d = linear_cross_entropy(b%d+%lld, b%d+%lld, b%d+%lld, b%d+%lld) "
+                    "%s N=%lld C=%lld V=%lld ignore=%lld grads=b%d,b%d,b%d\n", s, x->out_buf[0],
+                    x->h_buf, (long long)x->h_off, x->w_buf, (long long)x->w_off, x->lab_buf,
+                    (long long)x->lab_off, x->b_buf, (long long)x->b_off, gj_rt_dtype_name(x->dtype),
+                    (long long)x->N, (long long)x->C, (long long)x->V, (long long)x->ignore,
+                    x->out_buf[1], x->out_buf[2], x->out_buf[3]);
             continue;
         }
         if (st->kind == GJ_JIT_INSTR_FOLD) {

@@ -211,6 +211,31 @@ typedef struct gj_jit_fold {
     double pad; /* IM2COL: the value outside the image */
 } gj_jit_fold;
 
+/* LCE_FWD, run by the runtime's own core (gj_rt_lce_run, the eager
+ * kernel's code: the same chunks, GEMMs and sums, so the same bits). h
+ * [N, C], w [V, C], labels [N] (i64) and b [V] are dense in their buffers
+ * from element offsets *_off (b_buf -1: no bias); out_buf: the loss (a 0-d
+ * temporary) and, with grad, gh, gw and gb (-1 without a bias), new
+ * contiguous temporaries. */
+typedef struct gj_jit_lce {
+    gj_dtype dtype;
+    bool grad;
+    int64_t N, C, V, ignore;
+    int h_buf, w_buf, lab_buf, b_buf;
+    int64_t h_off, w_off, lab_off, b_off;
+    int out_buf[4];
+} gj_jit_lce;
+
+/* The buffers of x (inputs, then outputs) into b[0..8); returns how many. */
+static inline int gj_jit_lce_bufs(const gj_jit_lce *x, int b[8]) {
+    int n = 0, in[4] = {x->h_buf, x->w_buf, x->lab_buf, x->b_buf};
+    for (int k = 0; k < 4; k++)
+        if (in[k] >= 0) b[n++] = in[k];
+    for (int k = 0; k < 4; k++)
+        if (x->out_buf[k] >= 0) b[n++] = x->out_buf[k];
+    return n;
+}
+
 /* An opaque call of tensor hook #hook (the program's hook table): the
  * run-time callback gets src_buf (contiguous, of meta) and writes the value
  * flowing on to out_buf (contiguous, same meta). Hook instructions run in the
@@ -246,7 +271,8 @@ typedef enum gj_jit_instr_kind {
     GJ_JIT_INSTR_INDEX = 2,
     GJ_JIT_INSTR_HOOK = 3,
     GJ_JIT_INSTR_CALL = 4,
-    GJ_JIT_INSTR_FOLD = 5
+    GJ_JIT_INSTR_FOLD = 5,
+    GJ_JIT_INSTR_LCE = 6
 } gj_jit_instr_kind;
 
 typedef struct gj_jit_instr {
@@ -259,6 +285,7 @@ typedef struct gj_jit_instr {
     gj_jit_hook_instr hk;
     gj_jit_call_instr cs;
     gj_jit_fold fd;
+    gj_jit_lce lc;
 } gj_jit_instr;
 
 typedef struct gj_jit_plan {

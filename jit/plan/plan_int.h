@@ -101,7 +101,8 @@ typedef enum pinstr_kind {
     PS_HOOK = 5,    /* a tensor hook call */
     PS_CALL = 6,    /* a custom op's backward call */
     PS_FOLD = 7,    /* an im2col / col2im */
-    PS_ATTN = 8     /* a fused attention forward or backward: a kernel of its own */
+    PS_ATTN = 8,    /* a fused attention forward or backward: a kernel of its own */
+    PS_LCE = 9      /* a fused linear cross-entropy: a runtime call */
 } pinstr_kind;
 
 /* A fused attention instruction while planning (plan.h, gj_jit_kernel.attn). */
@@ -141,6 +142,8 @@ typedef struct planner {
     int n_fd, cap_fd;
     pattn *ats;
     int n_at, cap_at;
+    gj_jit_lce *lcs;
+    int n_lc, cap_lc;
     int last_hook_instr; /* -1, or the pinstr of the latest hook or custom call */
     pinstr *ps;
     int n_ps, cap_ps;

@@ -628,6 +628,27 @@ static int contiguous_operand(planner *pl, int v, int i, int *buf) {
     return 0;
 }
 
+/* An operand read dense in place: a real buffer whose view is row-major
+ * contiguous from some element offset, else a contiguous copy. 0 or -1. */
+static int dense_operand(planner *pl, int v, int i, int *buf, int64_t *off) {
+    const gj_rt_meta *m = vmeta(pl, v);
+    vinfo *x = &pl->vi[v];
+    if (x->kind == V_FUSED && materialize(pl, v) != 0) return -1;
+    bool ok = x->kind != V_CONST && x->buf >= 0 && !buf_virtual(&pl->p->bufs[x->buf]);
+    if (ok) {
+        int64_t cs[GJ_MAX_DIMS];
+        contig_strides(m->ndim, m->shape, cs);
+        for (int k = 0; k < m->ndim && ok; k++)
+            if (m->shape[k] > 1 && x->strides[k] != cs[k]) ok = false;
+    }
+    *off = ok ? x->offset : 0;
+    if (ok) {
+        *buf = x->buf;
+        return 0;
+    }
+    return contiguous_operand(pl, v, i, buf);
+}
+
 /* GATHER_ROWS (table[V, D] viewed in place when it is a real buffer) and
  * SCATTER_ADD_ROWS (src contiguous): one index instruction each (plan.h). */
 static int plan_index(planner *pl, int i) {
@@ -788,6 +809,43 @@ static int plan_attn(planner *pl, int i) {
         if (add_dep(pl, sid, pl->p->bufs[at.bufs[a]].writer) != 0) return gj_jit_pl_oom(pl);
     for (int o = 0; o < n_out; o++) instr_output(pl, sid, at.bufs[first_out + o], n->out[o]);
     if (!fwd) pl->p->bufs[at.bufs[at.n_bufs - 1]].writer = sid;
+    return 0;
+}
+
+/* LCE_FWD: one linear cross-entropy instruction (plan.h, gj_jit_lce)
+ * reading h, w, labels (and b) in place where they are dense, writing
+ * new contiguous temporaries: the loss and, with gradients, gh, gw (, gb). */
+static int plan_lce(planner *pl, int i) {
+    const gj_jit_node *n = &pl->g->nodes[i];
+    const gj_rt_meta *h = vmeta(pl, n->in[0]), *w = vmeta(pl, n->in[1]);
+    gj_jit_lce lc;
+    memset(&lc, 0, sizeof lc);
+    lc.dtype = h->dtype;
+    lc.grad = n->inst.keepdim;
+    lc.N = h->shape[0];
+    lc.C = h->shape[1];
+    lc.V = w->shape[0];
+    lc.ignore = n->inst.start;
+    lc.b_buf = -1;
+    int *ib[4] = {&lc.h_buf, &lc.w_buf, &lc.lab_buf, &lc.b_buf};
+    int64_t *io[4] = {&lc.h_off, &lc.w_off, &lc.lab_off, &lc.b_off};
+    for (int a = 0; a < n->inst.n_in; a++)
+        if (dense_operand(pl, n->in[a], i, ib[a], io[a]) != 0) return -1;
+    int n_out = !lc.grad ? 1 : n->inst.n_in == 4 ? 4 : 3;
+    for (int o = 0; o < 4; o++) {
+        lc.out_buf[o] = -1;
+        if (o >= n_out) continue;
+        const gj_rt_meta *om = vmeta(pl, n->out[o]);
+        lc.out_buf[o] = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
+        if (lc.out_buf[o] < 0) return gj_jit_pl_oom(pl);
+    }
+    if (gj_jit_grow((void **)&pl->lcs, pl->n_lc, &pl->cap_lc, sizeof *pl->lcs) != 0) return gj_jit_pl_oom(pl);
+    int sid = new_pinstr(pl, PS_LCE, pl->n_lc, 2 * (int64_t)i + 1);
+    if (sid < 0) return gj_jit_pl_oom(pl);
+    pl->lcs[pl->n_lc++] = lc;
+    for (int a = 0; a < n->inst.n_in; a++)
+        if (add_dep(pl, sid, pl->p->bufs[*ib[a]].writer) != 0) return gj_jit_pl_oom(pl);
+    for (int o = 0; o < n_out; o++) instr_output(pl, sid, lc.out_buf[o], n->out[o]);
     return 0;
 }
 
@@ -1040,6 +1098,10 @@ static bool instr_reads_buf(const planner *pl, int s, int b) {
             if (at->bufs[k] == b) return true;
         return false;
     }
+    case PS_LCE: {
+        const gj_jit_lce *lc = &pl->lcs[x->idx];
+        return lc->h_buf == b || lc->w_buf == b || lc->lab_buf == b || lc->b_buf == b;
+    }
     case PS_HOOK: return pl->hks[x->idx].src_buf == b;
     case PS_CALL:
         for (int k = 0; k < pl->cls[x->idx].n_in; k++)
@@ -1156,5 +1218,6 @@ int gj_jit_pl_node(planner *pl, int i) {
     if (pr == GJ_P_GATHER_ROWS || pr == GJ_P_SCATTER_ADD_ROWS) return plan_index(pl, i);
     if (pr == GJ_P_IM2COL || pr == GJ_P_COL2IM) return plan_fold(pl, i);
     if (pr == GJ_P_ATTN_FWD || pr == GJ_P_ATTN_BWD) return plan_attn(pl, i);
+    if (pr == GJ_P_LCE_FWD) return plan_lce(pl, i);
     return gj_jit_pl_no_lowering(pl, n, NULL);
 }

@@ -65,6 +65,14 @@ static void instr_bufs(const gj_jit_instr *st, int *r, int *nr, int *w, int *nw,
         GJ_ADD(r, nr, st->fd.src_buf);
         GJ_ADD(w, nw, st->fd.out_buf);
         break;
+    case GJ_JIT_INSTR_LCE:
+        GJ_ADD(r, nr, st->lc.h_buf);
+        GJ_ADD(r, nr, st->lc.w_buf);
+        GJ_ADD(r, nr, st->lc.lab_buf);
+        if (st->lc.b_buf >= 0) GJ_ADD(r, nr, st->lc.b_buf);
+        for (int k = 0; k < 4; k++)
+            if (st->lc.out_buf[k] >= 0) GJ_ADD(w, nw, st->lc.out_buf[k]);
+        break;
     case GJ_JIT_INSTR_KERNEL:
         if (st->k.attn) { /* its inputs, then its outputs and workspace */
             int n_in = st->k.attn == GJ_P_ATTN_FWD ? 3 : 6;
@@ -169,6 +177,11 @@ static void mem_eval(const gj_jit_plan *p, sched_mem *m) {
             mem_use(m, st->fd.src_buf, s);
             mem_use(m, st->fd.out_buf, s);
             break;
+        case GJ_JIT_INSTR_LCE: {
+            int b[8], nb = gj_jit_lce_bufs(&st->lc, b);
+            for (int k = 0; k < nb; k++) mem_use(m, b[k], s);
+            break;
+        }
         case GJ_JIT_INSTR_HOOK:
             mem_use(m, st->hk.src_buf, s);
             mem_use(m, st->hk.out_buf, s);

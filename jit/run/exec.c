@@ -307,6 +307,11 @@ static int instr_bufs(const gj_jit_instr *st, int *b, int cap) {
     case GJ_JIT_INSTR_MATMUL: ADD(st->mm.a_buf); ADD(st->mm.b_buf); ADD(st->mm.c_buf); break;
     case GJ_JIT_INSTR_INDEX: ADD(st->ix.src_buf); ADD(st->ix.idx_buf); ADD(st->ix.out_buf); break;
     case GJ_JIT_INSTR_FOLD: ADD(st->fd.src_buf); ADD(st->fd.out_buf); break;
+    case GJ_JIT_INSTR_LCE: {
+        int lb[8], nb = gj_jit_lce_bufs(&st->lc, lb);
+        for (int k = 0; k < nb; k++) ADD(lb[k]);
+        break;
+    }
     case GJ_JIT_INSTR_HOOK: ADD(st->hk.src_buf); ADD(st->hk.out_buf); break;
     case GJ_JIT_INSTR_CALL:
         for (int k = 0; k < st->cs.n_in; k++) ADD(st->cs.src_buf[k]);
@@ -336,6 +341,24 @@ static int ex_fetch(exec_run *x, int s, int e) {
     return 0;
 }
 
+/* A linear cross-entropy instruction: the eager kernel's core on the
+ * program's buffers. 0 or -1 (a label out of range, OOM; error set). */
+static int run_lce(const gj_jit_lce *x, void **bp) {
+    size_t es = gj_rt_dtype_size(x->dtype);
+    gj_rt_lce a = {.dt = x->dtype, .N = x->N, .C = x->C, .V = x->V, .ignore = x->ignore,
+                   .h = (const char *)bp[x->h_buf] + x->h_off * (int64_t)es,
+                   .w = (const char *)bp[x->w_buf] + x->w_off * (int64_t)es,
+                   .labels = (const int64_t *)bp[x->lab_buf] + x->lab_off,
+                   .b = x->b_buf >= 0 ? (const char *)bp[x->b_buf] + x->b_off * (int64_t)es : NULL,
+                   .loss = bp[x->out_buf[0]]};
+    if (x->grad) {
+        a.gh = bp[x->out_buf[1]];
+        a.gw = bp[x->out_buf[2]];
+        a.gb = x->out_buf[3] >= 0 ? bp[x->out_buf[3]] : NULL;
+    }
+    return gj_rt_lce_run(&a);
+}
+
 /* Runs instructions s .. e-1 (e > s + 1: a group of GEMMs). 0, -1 (error
  * set), or what a hook or custom call returned. */
 static int ex_instr(exec_run *x, int s, int e) {
@@ -355,6 +378,8 @@ static int ex_instr(exec_run *x, int s, int e) {
         } else if (gj_rt_col2im_run(&f->win, f->dtype, src, f->src_st, bp[f->out_buf]) != 0) {
             return -1;
         }
+    } else if (st->kind == GJ_JIT_INSTR_LCE) {
+        if (run_lce(&st->lc, bp) != 0) return -1;
     } else if (st->kind == GJ_JIT_INSTR_CALL) {
         if (!x->call) {
             gj_rt_set_error("compiled backward: a custom call step without a runner");
@@ -387,6 +412,7 @@ static void ex_prof(const exec_run *x, int s, int e, double t0) {
     const char *what = st->kind == GJ_JIT_INSTR_MATMUL  ? "gemm"
                        : st->kind == GJ_JIT_INSTR_HOOK  ? "hook"
                        : st->kind == GJ_JIT_INSTR_CALL  ? "custom"
+                       : st->kind == GJ_JIT_INSTR_LCE   ? "linear_cross_entropy"
                        : st->kind == GJ_JIT_INSTR_FOLD  ? (st->fd.col2im ? "col2im"
                                                                         : "im2col")
                        : st->kind == GJ_JIT_INSTR_INDEX ? (st->ix.scatter ? "scatter"
