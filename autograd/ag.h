@@ -607,10 +607,15 @@ static inline gj_dtype gj_ag_opt_dtype(gj_dtype dt) { return dt == GJ_F64 ? GJ_F
  * any float dtype) and state[k] (contiguous, in T; NULL where unused), in
  * place: the formula interpreted chunk by chunk with the eager kernels'
  * loops (gj_rt_ew_dense), one pass over memory, split over the pool. Bumps
- * nothing. 0, or -1 with the error set (the formula uses a primitive the
- * interpreter lacks: nothing written). */
+ * nothing. *zero_state (may be NULL: none): bit k says state[k]'s bytes
+ * are undefined and stand for zeros (a state made for this first update):
+ * the update reads zeros instead and is the state's first writer (the same
+ * bits as with zero-filled state); a state the formula does not write is
+ * zero-filled. On success every bit is cleared. 0, or -1 with the error set
+ * (the formula uses a primitive the interpreter lacks: nothing written,
+ * the bits unchanged). */
 int gj_ag_opt_apply(const gj_ag_optdef *def, uint32_t s, const double *h, gj_tensor *p,
-                    const gj_tensor *g, gj_tensor *const *state);
+                    const gj_tensor *g, gj_tensor *const *state, unsigned *zero_state);
 
 /* ---------------------------------------- the trace of a step (trace.c) */
 /* While a training step's function runs eagerly under gj_ag_trace_begin,

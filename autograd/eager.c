@@ -123,7 +123,7 @@ static int eager_accumulate(gj_ag_builder *b, gj_tensor *leaf, gj_val *gv) {
         if (exclusive) {
             ng = gj_rt_tensor_alias(g);
         } else {
-            ng = gj_rt_tensor_new(leaf->dtype, leaf->ndim, leaf->shape);
+            ng = gj_rt_tensor_empty(leaf->dtype, leaf->ndim, leaf->shape); /* (copied over) */
             if (ng && gj_rt_copy_into(ng, g) != 0) {
                 gj_rt_tensor_release(ng);
                 ng = NULL;

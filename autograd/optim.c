@@ -23,6 +23,10 @@
  *     chunking or the thread count.
  *   - A formula that uses anything but elementwise primitives, casts and
  *     0-d fills is refused before anything is written.
+ *   - A state known to be zero (a first update: the caller's zero_state
+ *     bits) is not read: its chunk buffer is filled with +0, the value a
+ *     zero-filled tensor would load, so the bits are the same, and the
+ *     update is the state's first writer.
  */
 #include "ag.h"
 #include "../runtime/gj_math.h"
@@ -161,6 +165,7 @@ typedef struct opt_run {
     const gj_tensor *g;
     gj_tensor *const *state;
     gj_dtype T;
+    unsigned zero_state; /* bit k: state[k] stands for zeros (not read) */
 } opt_run;
 
 /* buf of value id in a range's scratch. */
@@ -234,7 +239,9 @@ static void run_op(const opt_tape *t, const opt_op *o, char *scratch, int m) {
 static void load_input(const opt_run *r, const opt_val *v, void *dst, int64_t i0, int m) {
     if (v->input == OPT_IN_P) load(dst, v->ct, gj_rt_data_ptr(r->p), r->p->dtype, i0, m);
     else if (v->input == OPT_IN_G) load(dst, v->ct, gj_rt_data_ptr(r->g), r->g->dtype, i0, m);
-    else {
+    else if (r->zero_state & (1u << (v->input - OPT_IN_STATE))) {
+        memset(dst, 0, (size_t)m * gj_rt_dtype_size(v->ct)); /* +0, as zeroed memory loads */
+    } else {
         const gj_tensor *s = r->state[v->input - OPT_IN_STATE];
         load(dst, v->ct, gj_rt_data_ptr(s), s->dtype, i0, m);
     }
@@ -273,7 +280,7 @@ static void opt_range(void *ctx, int64_t begin, int64_t end) {
 }
 
 int gj_ag_opt_apply(const gj_ag_optdef *def, uint32_t s, const double *h, gj_tensor *p,
-                    const gj_tensor *g, gj_tensor *const *state) {
+                    const gj_tensor *g, gj_tensor *const *state, unsigned *zero_state) {
     opt_tape *t = gj_rt_calloc(1, sizeof *t);
     if (!t) return -1;
     int rc = -1;
@@ -299,7 +306,7 @@ int gj_ag_opt_apply(const gj_ag_optdef *def, uint32_t s, const double *h, gj_ten
                             t->why[0] ? t->why : "failed");
         goto done;
     }
-    opt_run r = {t, id_of(p_new), {-1, -1}, h, p, g, state, T};
+    opt_run r = {t, id_of(p_new), {-1, -1}, h, p, g, state, T, 0};
     for (int k = 0; k < def->n_state; k++)
         if (sv[k]) r.state_new[k] = s_new[k] ? id_of(s_new[k]) : -1;
     for (int i = 0; i < t->n_op; i++) { /* every loop exists for its type */
@@ -315,7 +322,16 @@ int gj_ag_opt_apply(const gj_ag_optdef *def, uint32_t s, const double *h, gj_ten
             goto done;
         }
     }
+    for (int k = 0; zero_state && k < def->n_state; k++) {
+        if (!(*zero_state & (1u << k)) || !state[k]) continue;
+        if (sv[k] && r.state_new[k] >= 0)
+            r.zero_state |= 1u << k; /* written below: its first writer */
+        else
+            gj_rt_zero_fill(gj_rt_data_ptr(state[k]),
+                            (size_t)state[k]->numel * gj_rt_dtype_size(state[k]->dtype));
+    }
     gj_rt_parallel_for(p->numel, 1 << 14, opt_range, &r);
+    if (zero_state) *zero_state = 0;
     rc = 0;
 done:
     gj_rt_free(t);

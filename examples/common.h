@@ -204,10 +204,38 @@ typedef struct stepper {
 
 /* What one step took, ms: the whole step (fn, backward, update, zero_grad);
  * in the split modes also fn alone and the backward (with `between`);
- * NaN where not measured. */
+ * NaN where not measured. w: what it paid beyond running, the difference
+ * of gj_warmup_stats around it (print_warmup prints it). */
 typedef struct step_times {
     double fwd_ms, bwd_ms, step_ms;
+    gj_warmup_stats w;
 } step_times;
+
+/* The difference b - a of two gj_warmup_stats (page_kib: b's). */
+static inline gj_warmup_stats warmup_diff(const gj_warmup_stats *a, const gj_warmup_stats *b) {
+    gj_warmup_stats d = *b;
+    d.compile_ms -= a->compile_ms;
+    d.gemm_choice_ms -= a->gemm_choice_ms;
+    d.gemm_measured -= a->gemm_measured;
+    d.new_bytes -= a->new_bytes;
+    d.huge_bytes -= a->huge_bytes;
+    d.zeroed_bytes -= a->zeroed_bytes;
+    d.zero_skipped_bytes -= a->zero_skipped_bytes;
+    return d;
+}
+
+/* One of the first steps: "<tag> step N paid: compile C ms, GEMM choices
+ * G ms (k shapes measured), running R ms; new memory M MiB in 2 MiB pages":
+ * the step's ms split into making compiled programs, choosing GEMM
+ * providers and the rest (running, first touches of new memory included). */
+static inline void print_warmup(const char *tag, int64_t step, double ms, const gj_warmup_stats *w) {
+    double run = ms - w->compile_ms - w->gemm_choice_ms;
+    printf("%s%sstep %lld paid %.0f ms: compile %.0f ms, GEMM choices %.0f ms (%lld shape%s "
+           "measured), running %.0f ms; new memory %.0f MiB in %s pages\n",
+           tag ? tag : "", tag ? " " : "", (long long)step, ms, w->compile_ms, w->gemm_choice_ms,
+           (long long)w->gemm_measured, w->gemm_measured == 1 ? "" : "s", run > 0 ? run : 0.0,
+           (double)w->new_bytes / 1048576.0, w->page_kib >= 2048 ? "2 MiB" : "4 KiB");
+}
 
 /* A stepper running fn(ctx, ...) with opt in the given mode (fn, ctx and
  * opt borrowed for its life), under the calling thread's autocast setting
@@ -258,11 +286,15 @@ static inline int stepper_run(stepper *s, int n_in, gj_tensor *const *in, gj_ten
                               step_times *t) {
     *loss = NULL;
     t->fwd_ms = t->bwd_ms = NAN;
+    gj_warmup_stats w0, w1;
+    gj_warmup_stats_get(&w0);
     if (s->step) {
         gj_set_compiled_autograd(false);
         double t0 = now_s();
         int rc = gj_step_run(s->step, n_in, in, loss);
         t->step_ms = (now_s() - t0) * 1e3;
+        gj_warmup_stats_get(&w1);
+        t->w = warmup_diff(&w0, &w1);
         return rc;
     }
     gj_set_compiled_autograd(s->mode == STEP_SPLIT_CA);
@@ -280,6 +312,8 @@ static inline int stepper_run(stepper *s, int n_in, gj_tensor *const *in, gj_ten
     t->fwd_ms = (t1 - t0) * 1e3;
     t->bwd_ms = (t2 - t1) * 1e3;
     t->step_ms = (t3 - t0) * 1e3;
+    gj_warmup_stats_get(&w1);
+    t->w = warmup_diff(&w0, &w1);
     return rc == 0 ? 0 : -1;
 }
 

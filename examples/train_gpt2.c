@@ -36,8 +36,11 @@
  * the real vocabulary), backward, AdamW as llm.c's gpt2_update (lr 1e-4,
  * betas 0.9/0.999, eps 1e-8, no weight decay: llm.c's float constants),
  * and "step %d: train loss %f (took %f ms)" (batch, forward, backward and
- * update, as llm.c times it). After the last step this program adds a
- * summary (mean step time, peak tensor memory) that llm.c does not print.
+ * update, as llm.c times it). After each of the first two steps this
+ * program adds "gradjit: step N paid ...": the step's time split into
+ * compile, GEMM choices and running, and the new memory it touched; after
+ * the last step a summary (mean step time, peak tensor memory). llm.c
+ * prints neither.
  *
  * The step's forward is gpt2_loss of gpt2_model.h: one function from the
  * step's inputs (tokens, targets) to the loss, with the optimizer apart. It
@@ -704,15 +707,22 @@ static int train(const opts *o, step_mode mode) {
             goto gj_fail;
         if (o->zero == 3 && look && gj_ddp_gather(r.ddp) != 0)
             goto gj_fail;
+        gj_warmup_stats w0, w1;
+        gj_warmup_stats_get(&w0);
         double t0 = now_s(), loss;
         if (train_step(&r, &loss) != 0)
             goto gj_fail;
         double ms = (now_s() - t0) * 1e3;
+        gj_warmup_stats_get(&w1);
         if (s > start) {
             r.total_ms += ms;
             r.step_ms[r.timed++] = ms;
         }
         printf("step %d: train loss %f (took %f ms)\n", (int)s, loss, ms);
+        if (s < start + 2) { /* what the first steps paid (a line llm.c does not print) */
+            gj_warmup_stats w = warmup_diff(&w0, &w1);
+            print_warmup("gradjit:", s, ms, &w);
+        }
         fflush(stdout);
     }
     gj_mem mem;

@@ -958,6 +958,12 @@ static inline int train_run_one(const train_def *d, step_mode m, train_run **out
             done++;
             if (train_run_step(r, &tm) != 0)
                 return 1;
+            if (done <= 2 && !f->quiet) { /* what the first steps paid */
+                char tg[64];
+                snprintf(tg, sizeof tg, "[%s]", r->tag);
+                progress_clear(f, 100);
+                print_warmup(tg, r->step - 1, tm.step_ms, &tm.w);
+            }
             train_progress(r, NULL, e, b);
             if (d->step_report)
                 d->step_report(r, NULL);

@@ -141,6 +141,32 @@ GJ_API void gj_mem_reset_peak(void);
  * default; GRADJIT_MEM_LIMIT_MB=N sets N MiB at start). 0, or -1 with an
  * error (negative). */
 GJ_API int gj_set_mem_limit(int64_t bytes);
+/* Huge pages for large tensor blocks (docs/guide.md, "Memory"): blocks of
+ * 2 MiB and more are 2 MiB-aligned mappings advised for the kernel's
+ * transparent huge pages (where /sys/kernel/mm/transparent_hugepage/enabled
+ * is `always` or `madvise`), so touching one costs a fault per 2 MiB
+ * instead of per 4 KiB. On by default; GRADJIT_HUGEPAGES=0 turns it off at
+ * start, this call at any time (blocks mapped from then on). */
+GJ_API void gj_set_hugepages(bool on);
+
+/* What the first steps of a training run pay beyond a steady step, as
+ * counters since the process started (never reset; take the difference
+ * around a step). A trainer prints them after its first steps. */
+typedef struct gj_warmup_stats {
+    double compile_ms;      /* making compiled programs for new keys (compiled autograd and
+                               compiled steps): capture, plan, loading from the cache
+                               directory or compiling */
+    double gemm_choice_ms;  /* choosing the GEMM provider of new shapes: reading the cache
+                               directory's choices, measuring both providers */
+    int64_t gemm_measured;  /* GEMM shapes measured in this process */
+    int64_t new_bytes;      /* bytes of large blocks (2 MiB and more) taken new from the
+                               system: zero, and paid for in page faults when first touched */
+    int64_t huge_bytes;     /* of which advised for transparent huge pages */
+    int64_t zeroed_bytes;   /* bytes of tensor memory gradjit zero-filled */
+    int64_t zero_skipped_bytes; /* zero fills not written: the memory was new, so zero */
+    int page_kib;           /* the page size large blocks ask for: 2048 (huge pages) or 4 */
+} gj_warmup_stats;
+GJ_API void gj_warmup_stats_get(gj_warmup_stats *out);
 
 /* ------------------------------------------------------------- tensors */
 

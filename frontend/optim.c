@@ -119,16 +119,30 @@ gj_optim *gj_lion_new(int n_params, gj_tensor *const *params, double lr, double 
 
 /* -------------------------------------------------------------- step */
 
-/* A new zeroed state tensor for parameter p (in the rule's compute type). */
+/* A new state tensor for parameter p (in the rule's compute type), its
+ * bytes undefined: zeros by its first writer (see opt_make_state). */
 static gj_tensor *opt_state(const gj_tensor *p) {
-    return gj_rt_tensor_new(gj_ag_opt_dtype(p->dtype), p->ndim, p->shape);
+    return gj_rt_tensor_empty(gj_ag_opt_dtype(p->dtype), p->ndim, p->shape);
 }
 
-/* Parameter q's missing state tensors for structure s. 0 or -1. */
-static int opt_make_state(const gj_optim *o, opt_param *q, uint32_t s) {
-    for (int i = 0; i < o->def->n_state; i++)
-        if (o->def->uses_state(s, i) && !q->s[i] && !(q->s[i] = opt_state(q->p))) return -1;
+/* Parameter q's missing state tensors for structure s; bit i of *zero set
+ * for each one made: it stands for zeros until the update writes it
+ * (gj_ag_opt_apply), or opt_settle zero-fills it. 0 or -1. */
+static int opt_make_state(const gj_optim *o, opt_param *q, uint32_t s, unsigned *zero) {
+    for (int i = 0; i < o->def->n_state; i++) {
+        if (!o->def->uses_state(s, i) || q->s[i]) continue;
+        if (!(q->s[i] = opt_state(q->p))) return -1;
+        *zero |= 1u << i;
+    }
     return 0;
+}
+
+/* Zero-fills q's state tensors named by zero (made, never written). */
+static void opt_settle(opt_param *q, unsigned zero) {
+    for (int i = 0; i < GJ_AG_OPT_MAX_STATE; i++)
+        if ((zero & (1u << i)) && q->s[i])
+            gj_rt_zero_fill(gj_rt_data_ptr(q->s[i]),
+                            (size_t)q->s[i]->numel * gj_rt_dtype_size(q->s[i]->dtype));
 }
 
 int gj_optim_step(gj_optim *o) {
@@ -141,7 +155,8 @@ int gj_optim_step(gj_optim *o) {
     uint32_t s = def->structure(o->cfg);
     int rc = -1;
     gj_tensor **grads = gj_rt_calloc((size_t)o->n, sizeof *grads); /* contiguous, owned */
-    if (!grads) goto done;
+    unsigned *zero = gj_rt_calloc((size_t)o->n + 1, sizeof *zero); /* state made now, unwritten */
+    if (!grads || !zero) goto done;
     /* Pass 1: validate, make grads contiguous, allocate missing state. */
     for (int k = 0; k < o->n; k++) {
         opt_param *q = &o->ps[k];
@@ -158,7 +173,8 @@ int gj_optim_step(gj_optim *o) {
                             gj_rt_fmt_shape(sg, sizeof sg, g->ndim, g->shape));
             goto done;
         }
-        if (!(grads[k] = gj_rt_contiguous(g)) || opt_make_state(o, q, s) != 0) goto done;
+        if (!(grads[k] = gj_rt_contiguous(g)) || opt_make_state(o, q, s, &zero[k]) != 0)
+            goto done;
     }
     /* Pass 2: update. */
     for (int k = 0; k < o->n; k++) {
@@ -166,16 +182,19 @@ int gj_optim_step(gj_optim *o) {
         if (!grads[k]) continue;
         double h[GJ_AG_OPT_MAX_HYPER];
         def->hyper(o->cfg, q->step + 1, h);
-        if (gj_ag_opt_apply(def, s, h, q->p, grads[k], q->s) != 0) goto done;
+        if (gj_ag_opt_apply(def, s, h, q->p, grads[k], q->s, &zero[k]) != 0) goto done;
         if (def->counts_steps) q->step++;
         gj_rt_bump_version(q->p);
     }
     rc = 0;
 done:
+    for (int k = 0; zero && k < o->n; k++) /* (a failed step: the state it made is zero) */
+        if (zero[k]) opt_settle(&o->ps[k], zero[k]);
     if (grads)
         for (int k = 0; k < o->n; k++)
             if (grads[k]) gj_rt_tensor_release(grads[k]);
     gj_rt_free(grads);
+    gj_rt_free(zero);
     return rc;
 }
 

@@ -240,6 +240,22 @@ void gj_step_free(gj_step *s) {
     gj_rt_free(s);
 }
 
+void gj_warmup_stats_get(gj_warmup_stats *out) {
+    if (!out) return;
+    memset(out, 0, sizeof *out);
+    out->compile_ms = gj_jit_making_ms();
+    gj_rt_gemm_stats g;
+    gj_rt_gemm_get_stats(&g);
+    out->gemm_choice_ms = g.decide_ms;
+    out->gemm_measured = g.measured;
+    gj_rt_page_stats_t pg;
+    gj_rt_page_stats(&pg);
+    out->new_bytes = pg.mapped_bytes;
+    out->huge_bytes = pg.advised_bytes;
+    out->page_kib = pg.hugepages ? 2048 : 4;
+    gj_rt_zero_stats(&out->zeroed_bytes, &out->zero_skipped_bytes);
+}
+
 void gj_step_stats(gj_ca_stats *out) {
     if (!out) return;
     gj_jit_cstep_stats(out);

@@ -242,6 +242,10 @@ int gj_jit_cstep_variants(const gj_jit_cstep *s, int64_t *bytes);
  * is counted with gj_jit_cstep_note_fallback. */
 void gj_jit_cstep_stats(gj_ca_stats *out);
 void gj_jit_cstep_reset_stats(void);
+/* Milliseconds spent making programs for new keys (capture, plan, binding,
+ * loading from disk or compiling), compiled autograd and compiled steps,
+ * since the process started (no reset). */
+double gj_jit_making_ms(void);
 void gj_jit_cstep_note_fallback(gj_ca_reason reason, const char *detail, bool first);
 /* A step that ran (and was counted) turns eager from its next run for
  * reason: the last fallback's message and its one print, no count. */

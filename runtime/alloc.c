@@ -17,12 +17,22 @@
  *   - Data blocks come from the caching allocator (alloc_cache.c): a freed
  *     block is kept for reuse by a later request of its size class, so
  *     live_bytes counts bytes in use by tensors, not bytes held from libc.
+ *   - Known zero: a block new from the system (a large block's fresh
+ *     mapping) is zero. gj_rt_alloc_data_zero zero-fills only blocks that
+ *     are not (zeroed_bytes counts what it wrote, zero_skipped_bytes what it
+ *     did not need to); gj_rt_data_fresh(p) tells whether p is the block
+ *     this thread's last gj_rt_alloc_data* call handed out and that block
+ *     was fresh -- valid until someone writes into it, which is the caller's
+ *     to know (it asks right after an allocation no one has written yet).
  */
 #include "runtime/rt.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define GJ_RT_DATA_ALIGN 64
+#define GJ_RT_ZERO_SPLIT ((size_t)4 << 20) /* zero fills this big go over the pool */
+#define GJ_RT_ZERO_CHUNK ((size_t)1 << 20)
 
 static atomic_llong g_live_bytes;
 static atomic_llong g_peak_bytes;
@@ -30,6 +40,9 @@ static atomic_llong g_n_data;
 static atomic_llong g_alloc_count; /* attempts, both paths */
 static atomic_llong g_fail_target; /* 0: off; else attempt number that fails */
 static atomic_llong g_count_mark;  /* g_alloc_count at the last fail_at call */
+static atomic_llong g_zeroed;       /* bytes gj_rt_alloc_data_zero / gj_rt_zero_fill wrote */
+static atomic_llong g_zero_skipped; /* bytes it did not write: fresh from the system */
+static _Thread_local void *t_fresh; /* this thread's last data block if it was fresh */
 
 /* Counts one allocation attempt; true if this attempt must fail. */
 static bool gj_rt_alloc_attempt(void) {
@@ -106,9 +119,14 @@ static void gj_rt_bump_peak(long long live) {
     }
 }
 
-/* 64-byte aligned block of at least nbytes (contents undefined); NULL with
- * an error on failure. nbytes 0 returns a valid minimal block. */
-void *gj_rt_alloc_data(size_t nbytes) {
+/* 64-byte aligned block of at least nbytes (contents undefined; zero when
+ * *fresh, if fresh is not NULL); NULL with an error on failure. nbytes 0
+ * returns a valid minimal block. */
+void *gj_rt_alloc_data_fresh(size_t nbytes, bool *fresh) {
+    bool f = false;
+    t_fresh = NULL;
+    if (fresh)
+        *fresh = false;
     if (gj_rt_alloc_attempt()) {
         gj_rt_oom(nbytes);
         return NULL;
@@ -118,7 +136,7 @@ void *gj_rt_alloc_data(size_t nbytes) {
         return NULL;
     }
     bool over_limit;
-    void *p = gj_rt_cache_alloc(nbytes, &over_limit); /* alloc_cache.c: cached or new */
+    void *p = gj_rt_cache_alloc(nbytes, &over_limit, &f); /* alloc_cache.c: cached or new */
     if (!p) {
         if (!over_limit) /* (past the memory limit the error names it) */
             gj_rt_oom(nbytes);
@@ -127,7 +145,56 @@ void *gj_rt_alloc_data(size_t nbytes) {
     long long live = atomic_fetch_add(&g_live_bytes, (long long)nbytes) + (long long)nbytes;
     gj_rt_bump_peak(live);
     atomic_fetch_add(&g_n_data, 1);
+    if (f)
+        t_fresh = p;
+    if (fresh)
+        *fresh = f;
     return p;
+}
+
+void *gj_rt_alloc_data(size_t nbytes) { return gj_rt_alloc_data_fresh(nbytes, NULL); }
+
+bool gj_rt_data_fresh(const void *p) { return p && p == t_fresh; }
+
+static void zero_range(void *ctx, int64_t b, int64_t e) {
+    const size_t *z = ctx; /* {address, bytes} */
+    char *p = (char *)(uintptr_t)z[0];
+    size_t lo = (size_t)b * GJ_RT_ZERO_CHUNK, hi = (size_t)e * GJ_RT_ZERO_CHUNK;
+    if (hi > z[1])
+        hi = z[1];
+    memset(p + lo, 0, hi - lo);
+}
+
+void gj_rt_zero_fill(void *p, size_t nbytes) {
+    if (!p || nbytes == 0)
+        return;
+    atomic_fetch_add(&g_zeroed, (long long)nbytes);
+    if (nbytes < GJ_RT_ZERO_SPLIT) {
+        memset(p, 0, nbytes);
+        return;
+    }
+    size_t z[2] = {(size_t)(uintptr_t)p, nbytes};
+    gj_rt_parallel_for((int64_t)((nbytes + GJ_RT_ZERO_CHUNK - 1) / GJ_RT_ZERO_CHUNK), 1, zero_range,
+                       z);
+}
+
+void gj_rt_zero_skipped(size_t nbytes) { atomic_fetch_add(&g_zero_skipped, (long long)nbytes); }
+
+/* As gj_rt_alloc_data, but the first nbytes are zero: written only when the
+ * block is not fresh from the system. */
+void *gj_rt_alloc_data_zero(size_t nbytes) {
+    bool fresh;
+    void *p = gj_rt_alloc_data_fresh(nbytes, &fresh);
+    if (p && fresh)
+        gj_rt_zero_skipped(nbytes);
+    else if (p)
+        gj_rt_zero_fill(p, nbytes);
+    return p;
+}
+
+void gj_rt_zero_stats(int64_t *zeroed, int64_t *skipped) {
+    *zeroed = atomic_load(&g_zeroed);
+    *skipped = atomic_load(&g_zero_skipped);
 }
 
 /* nbytes must be the size passed to gj_rt_alloc_data. NULL is ignored. */

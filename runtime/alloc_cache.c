@@ -31,6 +31,14 @@
  *   - Cached blocks are poisoned under AddressSanitizer, so a use after free
  *     of tensor bytes is still reported; they stay reachable from g_free (no
  *     leak report) and are returned to libc at exit.
+ *   - First touch: a block whose class is HUGE_MIN (2 MiB) or more is its
+ *     own anonymous mapping, 2 MiB-aligned, advised MADV_HUGEPAGE when the
+ *     kernel offers transparent huge pages and GRADJIT_HUGEPAGES is on
+ *     (MADV_NOHUGEPAGE when it is off), unmapped when it leaves the cache;
+ *     smaller blocks come from aligned_alloc. Whether a block is a mapping
+ *     follows from its class alone, so every path that frees one knows how.
+ *     A new mapping is zero and untouched: gj_rt_cache_alloc says so
+ *     (*fresh), and the zero-filling allocation (alloc.c) skips its memset.
  */
 #include "runtime/rt.h"
 
@@ -38,6 +46,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define GJ_ASAN 1
@@ -60,6 +69,8 @@
 #define N_SMALL (SMALL_LIMIT / ALIGN)      /* classes 64 .. 1 MiB */
 #define N_CLASSES (N_SMALL + 4 * 44)       /* plus 4 per octave up to 2^64 */
 #define DEFAULT_LIMIT_MB 2048
+#define HUGE_MIN ((size_t)2 << 20)          /* blocks this big: mappings of 2 MiB pages */
+#define PAGE_4K ((size_t)4096)
 
 typedef struct free_node {
     void *p;
@@ -106,6 +117,13 @@ static size_t class_of(size_t n, int *idx) {
     return c;
 }
 
+/* The block size of class idx (class_of's inverse). */
+static size_t class_size(int idx) {
+    if (idx < (int)N_SMALL) return (size_t)(idx + 1) * ALIGN;
+    int r = idx - (int)N_SMALL, k = 20 + r / 4, sub = r % 4;
+    return ((size_t)1 << k) + (size_t)(sub + 1) * ((size_t)1 << (k - 2));
+}
+
 static int64_t limit_bytes(void) {
     if (g_limit < 0) {
         int64_t env = gj_rt_env_alloc_cache();
@@ -123,13 +141,108 @@ static size_t ptr_slot(const void *p, size_t n) {
     return (size_t)(x & (n - 1));
 }
 
+/* ------------------------------------------------------ large blocks */
+
+static pthread_once_t g_thp_once = PTHREAD_ONCE_INIT;
+static int g_thp_mode; /* GJ_RT_THP_*: what the kernel offers */
+static atomic_llong g_mapped_bytes;  /* large blocks mapped (new, zero) since start */
+static atomic_llong g_advised_bytes; /* of which advised MADV_HUGEPAGE */
+static atomic_llong g_n_mapped;      /* large blocks mapped since start */
+static atomic_int g_thp_override = -1; /* tests: -1 the kernel's mode, else a GJ_RT_THP_* */
+
+/* /sys/kernel/mm/transparent_hugepage/enabled: "[always]", "[madvise]" or
+ * "[never]" (absent: none, as on kernels built without THP). */
+static void thp_read(void) {
+    g_thp_mode = GJ_RT_THP_NONE;
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return;
+    char buf[128] = {0};
+    if (fgets(buf, sizeof buf, f)) {
+        if (strstr(buf, "[always]")) g_thp_mode = GJ_RT_THP_ALWAYS;
+        else if (strstr(buf, "[madvise]")) g_thp_mode = GJ_RT_THP_MADVISE;
+        else if (strstr(buf, "[never]")) g_thp_mode = GJ_RT_THP_NEVER;
+    }
+    fclose(f);
+}
+
+int gj_rt_thp_mode(void) {
+    pthread_once(&g_thp_once, thp_read);
+    int o = atomic_load(&g_thp_override);
+    return o >= 0 ? o : g_thp_mode;
+}
+
+void gj_rt_thp_simulate(int mode) { atomic_store(&g_thp_override, mode); }
+
+static atomic_int g_huge_set = -1; /* gj_set_hugepages: -1 not called, else 0 / 1 */
+
+bool gj_rt_hugepages_on(void) {
+    int v = atomic_load(&g_huge_set);
+    return v >= 0 ? v != 0 : gj_rt_env_hugepages();
+}
+
+void gj_set_hugepages(bool on) { atomic_store(&g_huge_set, on ? 1 : 0); }
+
+/* Whether new large blocks are advised for huge pages. */
+static bool thp_wanted(void) {
+    int m = gj_rt_thp_mode();
+    return gj_rt_hugepages_on() && (m == GJ_RT_THP_ALWAYS || m == GJ_RT_THP_MADVISE);
+}
+
+static size_t map_len(size_t c) { return (c + PAGE_4K - 1) & ~(PAGE_4K - 1); }
+
+/* A new block of class size c (64-byte aligned; a large one 2 MiB-aligned
+ * and zero: *fresh). NULL when the system has no memory. */
+static void *block_new(size_t c, bool *fresh) {
+    *fresh = false;
+    if (c < HUGE_MIN) return aligned_alloc(ALIGN, c);
+    size_t len = map_len(c), span = len + HUGE_MIN - PAGE_4K; /* room to align the start */
+    if (span < len) return NULL;
+    char *r = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) return NULL;
+    uintptr_t a = ((uintptr_t)r + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1);
+    size_t head = (size_t)(a - (uintptr_t)r), tail = span - head - len;
+    if (head) munmap(r, head);
+    if (tail) munmap((char *)a + len, tail);
+    void *p = (void *)a;
+    atomic_fetch_add(&g_mapped_bytes, (long long)len);
+    atomic_fetch_add(&g_n_mapped, 1);
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+    if (thp_wanted()) {
+        if (madvise(p, len, MADV_HUGEPAGE) == 0) atomic_fetch_add(&g_advised_bytes, (long long)len);
+    } else if (gj_rt_thp_mode() == GJ_RT_THP_ALWAYS) {
+        (void)madvise(p, len, MADV_NOHUGEPAGE); /* GRADJIT_HUGEPAGES=0 under "always" */
+    }
+#endif
+    *fresh = true;
+    return p;
+}
+
+/* Returns block p of class size c to the system. */
+static void block_release(void *p, size_t c) {
+    if (c < HUGE_MIN) {
+        free(p);
+        return;
+    }
+    UNPOISON(p, c);
+    munmap(p, map_len(c));
+}
+
+void gj_rt_page_stats(gj_rt_page_stats_t *out) {
+    out->thp_mode = gj_rt_thp_mode();
+    out->hugepages = thp_wanted();
+    out->large_min = (int64_t)HUGE_MIN;
+    out->mapped_bytes = atomic_load(&g_mapped_bytes);
+    out->advised_bytes = atomic_load(&g_advised_bytes);
+    out->n_mapped = atomic_load(&g_n_mapped);
+}
+
 /* Puts block p of class idx (size c) in its free list, or frees it when
  * the cache is full or a list node cannot be had. Lock held. */
 static void cache_put_locked(void *p, size_t c, int idx) {
     free_node *fn = NULL;
     if (g_cached_bytes + (int64_t)c <= limit_bytes()) fn = malloc(sizeof *fn);
     if (!fn) {
-        free(p);
+        block_release(p, c);
         g_held_bytes -= (int64_t)c;
         return;
     }
@@ -179,10 +292,12 @@ void gj_rt_cache_poll(void) {
 static void release_locked(void) {
     g_held_bytes -= g_cached_bytes;
     for (int i = 0; i < (int)N_CLASSES; i++) {
+        size_t c = 0;
         while (g_free[i]) {
             free_node *fn = g_free[i];
             g_free[i] = fn->next;
-            free(fn->p);
+            if (c == 0) c = class_size(i);
+            block_release(fn->p, c);
             free(fn);
         }
     }
@@ -261,8 +376,9 @@ static bool held_take_locked(size_t c) {
 /* A block of nbytes' class: the most recently cached one, else a new one
  * (after releasing the cache if libc has no memory left). NULL on OOM
  * (*over_limit set when the memory limit refused it). */
-void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit) {
+void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit, bool *fresh) {
     *over_limit = false;
+    *fresh = false;
     int idx;
     size_t c = class_of(nbytes, &idx);
     pthread_mutex_lock(&g_mu);
@@ -290,10 +406,10 @@ void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit) {
                         (double)c / 1048576.0);
         return NULL;
     }
-    void *p = aligned_alloc(ALIGN, c);
+    void *p = block_new(c, fresh);
     if (!p) {
         gj_rt_alloc_release_cache();
-        p = aligned_alloc(ALIGN, c);
+        p = block_new(c, fresh);
     }
     if (!p) {
         pthread_mutex_lock(&g_mu);

@@ -157,6 +157,7 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* deciding, the file
 static gj_gemm_table g_choices;
 static atomic_llong g_n_blas, g_n_dnnl, g_n_bf16, g_n_measured, g_n_loaded;
 static atomic_llong g_sample_macs; /* the largest sample timed */
+static atomic_llong g_decide_ns;   /* time in decisions: reading the file, measuring */
 static char *g_dir_override;       /* gj_rt_gemm_set_cache_dir (owned), under g_lock */
 static int g_dir_mode = -1;        /* -1 the cache directory's setting, 0 none, 1 override */
 static atomic_int g_default_measures = -1; /* -1: not known yet */
@@ -544,7 +545,9 @@ int gj_rt_gemm_pick(const gj_rt_gemm_call *c, int64_t M, int64_t N, const void *
         if (!e)
             ch = GJ_GEMM_USE_OPENBLAS; /* the table is full: nothing recorded */
         else if ((ch = atomic_load(&e->choice)) == GJ_GEMM_NONE) {
+            double t0 = now_ns();
             decide(e, c, M, N, A, B, C);
+            atomic_fetch_add(&g_decide_ns, (long long)(now_ns() - t0));
             ch = atomic_load(&e->choice);
         }
         pthread_mutex_unlock(&g_lock);
@@ -577,6 +580,7 @@ void gj_rt_gemm_get_stats(gj_rt_gemm_stats *s) {
     s->loaded = atomic_load(&g_n_loaded);
     s->refused = gj_rt_onednn_refused();
     s->sample_macs = atomic_load(&g_sample_macs);
+    s->decide_ms = (double)atomic_load(&g_decide_ns) / 1e6;
     pthread_mutex_lock(&g_lock);
     s->entries = g_choices.n;
     pthread_mutex_unlock(&g_lock);
@@ -593,6 +597,7 @@ void gj_rt_gemm_provider_reset(void) {
     atomic_store(&g_n_measured, 0);
     atomic_store(&g_n_loaded, 0);
     atomic_store(&g_sample_macs, 0);
+    atomic_store(&g_decide_ns, 0);
     pthread_mutex_unlock(&g_lock);
     gj_rt_onednn_reset();
 }

@@ -59,6 +59,20 @@ void *gj_rt_malloc_aligned(size_t align, size_t n);
 /* Tensor data: 64-byte aligned, counted in live/peak bytes. */
 void *gj_rt_alloc_data(size_t nbytes);
 void gj_rt_free_data(void *p, size_t nbytes);
+/* alloc.c, memory that is known zero: gj_rt_alloc_data_fresh sets *fresh
+ * when the block is new from the system (zero, untouched); _zero returns
+ * zeroed bytes, zero-filling only a block that is not fresh;
+ * gj_rt_data_fresh(p): p is the block the calling thread's last
+ * gj_rt_alloc_data* call handed out, and it was fresh (ask before anything
+ * writes into it); gj_rt_zero_fill zeroes p (large blocks on the pool's
+ * threads) and counts it; gj_rt_zero_skipped counts a zero fill not needed.
+ * gj_rt_zero_stats: bytes zero-filled, bytes whose fill was skipped. */
+void *gj_rt_alloc_data_fresh(size_t nbytes, bool *fresh);
+void *gj_rt_alloc_data_zero(size_t nbytes);
+bool gj_rt_data_fresh(const void *p);
+void gj_rt_zero_fill(void *p, size_t nbytes);
+void gj_rt_zero_skipped(size_t nbytes);
+void gj_rt_zero_stats(int64_t *zeroed, int64_t *skipped);
 /* Test switch: the n-th allocation from now on (1 = the next) fails;
  * 0 disables. Returns how many allocations happened since the last call. */
 int64_t gj_rt_alloc_fail_at(int64_t n);
@@ -432,6 +446,7 @@ typedef struct gj_rt_gemm_stats {
     int64_t refused;                        /* block shapes oneDNN refused */
     int64_t entries;                        /* shapes in the table */
     int64_t sample_macs;                    /* the largest sample a decision timed */
+    double decide_ms; /* time deciding new shapes: reading the choices file, measuring */
 } gj_rt_gemm_stats;
 void gj_rt_gemm_get_stats(gj_rt_gemm_stats *s);
 /* Tests: forgets every choice and primitive and zeroes the counters (no
@@ -464,7 +479,25 @@ extern const size_t gj_rt_attn_bc_size;
  * no error set, or past the memory limit: *over_limit set, and an error
  * naming the limit); gj_rt_cache_free takes it back (cached, deferred
  * while a recorded stream has not passed, or freed). */
-void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit);
+void *gj_rt_cache_alloc(size_t nbytes, bool *over_limit, bool *fresh);
+/* Large blocks (alloc_cache.c, "first touch"): what the kernel offers for
+ * transparent huge pages (a test may pretend another mode with
+ * gj_rt_thp_simulate, -1 to stop), whether new large blocks are advised for
+ * them (GRADJIT_HUGEPAGES or gj_set_hugepages, and the kernel), and the
+ * counters of large blocks mapped since start. */
+enum { GJ_RT_THP_NONE, GJ_RT_THP_NEVER, GJ_RT_THP_MADVISE, GJ_RT_THP_ALWAYS };
+int gj_rt_thp_mode(void);
+void gj_rt_thp_simulate(int mode);
+bool gj_rt_hugepages_on(void); /* the setting (not the kernel) */
+typedef struct gj_rt_page_stats_t {
+    int thp_mode;          /* GJ_RT_THP_* */
+    bool hugepages;        /* new large blocks are advised MADV_HUGEPAGE */
+    int64_t large_min;     /* the smallest large block (2 MiB) */
+    int64_t mapped_bytes;  /* large blocks mapped since start (fresh, zero) */
+    int64_t advised_bytes; /* of which advised MADV_HUGEPAGE */
+    int64_t n_mapped;      /* large blocks mapped */
+} gj_rt_page_stats_t;
+void gj_rt_page_stats(gj_rt_page_stats_t *out);
 /* The memory limit on the bytes held for tensors (0: none; the default is
  * GRADJIT_MEM_LIMIT_MB). 0, or -1 with an error (negative). */
 int gj_rt_set_mem_limit(int64_t bytes);

@@ -13,23 +13,15 @@
  */
 #include "runtime/rt.h"
 
-#include <string.h>
 
 /* New storage, refcount 1, zeroed (new reference). NULL with error on OOM. */
-gj_rt_storage *gj_rt_storage_new(size_t nbytes) {
-    gj_rt_storage *s = gj_rt_storage_new_uninit(nbytes);
-    if (s)
-        memset(s->data, 0, nbytes);
-    return s;
-}
-
-/* As gj_rt_storage_new, but the bytes are left undefined (for outputs that
- * a kernel overwrites entirely). */
-gj_rt_storage *gj_rt_storage_new_uninit(size_t nbytes) {
+/* Memory fresh from the system is zero already: it is not written here
+ * (gj_rt_alloc_data_zero). */
+static gj_rt_storage *storage_make(size_t nbytes, bool zero) {
     gj_rt_storage *s = gj_rt_malloc(sizeof *s);
     if (!s)
         return NULL;
-    s->data = gj_rt_alloc_data(nbytes);
+    s->data = zero ? gj_rt_alloc_data_zero(nbytes) : gj_rt_alloc_data(nbytes);
     if (!s->data)
         goto fail;
     atomic_init(&s->refcount, 1);
@@ -44,6 +36,12 @@ fail:
     gj_rt_free(s);
     return NULL;
 }
+
+gj_rt_storage *gj_rt_storage_new(size_t nbytes) { return storage_make(nbytes, true); }
+
+/* As gj_rt_storage_new, but the bytes are left undefined (for outputs that
+ * a kernel overwrites entirely). */
+gj_rt_storage *gj_rt_storage_new_uninit(size_t nbytes) { return storage_make(nbytes, false); }
 
 void gj_rt_storage_retain(gj_rt_storage *s) {
     if (s)

@@ -48,6 +48,9 @@ double gj_jit_now_ms(void);
 void gj_jit_count_run(gj_jit_path path, gj_jit_made how, double run_ms);
 /* Time spent compiling (counted even when the call then falls back). */
 void gj_jit_count_compile_ms(gj_jit_path path, double ms);
+/* Time spent making programs for new keys (capture, plan, binding, disk
+ * load or compile), both paths, since start: never reset. */
+void gj_jit_count_making_ms(double ms);
 /* Entries evicted from the memory or disk cache (counted for backwards). */
 void gj_jit_count_evictions(int64_t mem, int64_t disk);
 

@@ -55,6 +55,16 @@ void gj_jit_count_compile_ms(gj_jit_path path, double ms) {
     pthread_mutex_unlock(&g_stats_lock);
 }
 
+static _Atomic double g_making_ms; /* gj_jit_making_ms: never reset */
+
+void gj_jit_count_making_ms(double ms) {
+    double old = atomic_load(&g_making_ms);
+    while (!atomic_compare_exchange_weak(&g_making_ms, &old, old + ms)) {
+    }
+}
+
+double gj_jit_making_ms(void) { return atomic_load(&g_making_ms); }
+
 void gj_jit_count_evictions(int64_t mem, int64_t disk) {
     pthread_mutex_lock(&g_stats_lock);
     g_stats[GJ_JIT_PATH_BACKWARD].mem_evictions += mem;

@@ -70,9 +70,32 @@ static int by_ms(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* The memory's page size: large tensor blocks in 2 MiB pages or 4 KiB, and
+ * what the first touches cost (blocks new from the system, zero fills
+ * written and skipped). */
+static void log_pages(void) {
+    static const char *mode[] = {"absent", "never", "madvise", "always"};
+    gj_rt_page_stats_t pg;
+    gj_rt_page_stats(&pg);
+    int64_t zeroed, skipped;
+    gj_rt_zero_stats(&zeroed, &skipped);
+    const char *why = pg.hugepages ? "transparent huge pages"
+                      : !gj_rt_hugepages_on() ? "GRADJIT_HUGEPAGES=0"
+                                              : "the kernel offers no transparent huge pages";
+    fprintf(stderr,
+            "[gradjit prof] memory: page size %s for tensor blocks of %lld MiB and more (%s; "
+            "the kernel's mode: %s); %.1f MiB of such blocks mapped new (%.1f MiB advised), "
+            "%.1f MiB zero-filled, %.1f MiB of zero fills skipped (new memory is zero)\n",
+            pg.hugepages ? "2 MiB" : "4 KiB", (long long)(pg.large_min >> 20), why,
+            pg.thp_mode >= 0 && pg.thp_mode < 4 ? mode[pg.thp_mode] : "?",
+            (double)pg.mapped_bytes / 1048576.0, (double)pg.advised_bytes / 1048576.0,
+            (double)zeroed / 1048576.0, (double)skipped / 1048576.0);
+}
+
 void gj_jit_log_prof_summary(void) {
     unsigned fl = gj_jit_log_flags();
     if (!(fl & GJ_JIT_LOG_PROF)) return;
+    log_pages();
     pthread_mutex_lock(&g_sum_lock);
     if (g_backwards == 0) {
         fprintf(stderr, "[gradjit prof] summary: no compiled backward ran from a cached "

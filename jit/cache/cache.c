@@ -633,6 +633,7 @@ static int make_program(const gj_jit_key *w, const gj_jit_source *src, gj_jit_go
     if (rc == MK_ON) rc = mk_from_disk(&m);
     if (rc == MK_ON) rc = mk_bind_kernels(&m);
     if (rc == MK_ON) rc = mk_compile(&m);
+    gj_jit_count_making_ms(gj_jit_now_ms() - m.t0);
     *report = m.report;
     return rc;
 }
