@@ -71,6 +71,7 @@ typedef struct bench_opts {
     bool step;     /* --step: the pairs are whole steps (gj_step), eager / compiled */
     bool gemm_pair; /* --gemm-pair (with --step): compiled steps, OpenBLAS / the per-shape choice */
     bool bf16_pair; /* --bf16-pair (with --step): compiled steps, f32 / bf16 mixed precision */
+    bool budget_pair; /* --budget-pair (with --step): compiled steps, no budget / half the peak */
     const char *gemm; /* --gemm P: pin the GEMM provider (openblas, onednn, auto) */
     int rounds; /* --compare torch: rounds alternating the two sides (>= 1) */
 } bench_opts;
@@ -668,7 +669,10 @@ static void usage(FILE *f) {
                "                     with --step --gemm-pair: compiled steps with OpenBLAS "
                "pinned / with the GEMM provider chosen per shape (auto);\n"
                "                     with --step --bf16-pair: compiled steps in f32 / in bf16 "
-               "mixed precision (autocast)\n"
+               "mixed precision (autocast);\n"
+               "                     with --step --budget-pair: compiled steps without / with a "
+               "memory budget of the planned peak less half the kept activations "
+               "(gj_step_opts.mem_budget), peaks printed\n"
                "  --gemm default|openblas|onednn|auto: the GEMM provider of the whole run (default: "
                "GRADJIT_GEMM, else the default: each f32 GEMM shape measured once, the faster of "
                "oneDNN and OpenBLAS, where a cache directory keeps the choices, OpenBLAS where "
@@ -748,6 +752,10 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
         }
         if (!strcmp(a, "--bf16-pair")) { /* takes no value */
             o->bf16_pair = true;
+            continue;
+        }
+        if (!strcmp(a, "--budget-pair")) { /* takes no value */
+            o->budget_pair = true;
             continue;
         }
         if (!v) {
@@ -858,6 +866,11 @@ static int parse_opts(int argc, char **argv, bench_opts *o) {
     if (o->bf16_pair && (!o->step || o->gemm_pair || o->ddp)) {
         fprintf(stderr, "gradjit-bench: --bf16-pair goes with --paired N --step (and not "
                         "--gemm-pair or --ddp)\n");
+        return -1;
+    }
+    if (o->budget_pair && (!o->step || o->gemm_pair || o->bf16_pair || o->ddp)) {
+        fprintf(stderr, "gradjit-bench: --budget-pair goes with --paired N --step (and not "
+                        "--gemm-pair, --bf16-pair or --ddp)\n");
         return -1;
     }
     if (o->compare_torch && !o->json_path)
@@ -1044,7 +1057,7 @@ int main(int argc, char **argv) {
     }
     if (o.pairs > 0 && o.step)
         return bench_step_main(o.workloads, o.pairs, o.warmup, o.json_path, cpu, o.gemm_pair,
-                               o.bf16_pair);
+                               o.bf16_pair, o.budget_pair);
     if (o.pairs > 0)
         return paired_main(&o, cpu, &info);
     print_header(cpu, &info, &o);

@@ -235,10 +235,12 @@ int bench_ddp_step_main(unsigned workloads, int rounds, const char *cpu, int zer
  * workload interleaved ABBA, with the step's bound; gemm_pair: both sides
  * compiled, the first with OpenBLAS pinned, the second with the GEMM
  * provider chosen per shape; bf16_pair: both sides compiled, the first in
- * f32, the second in bf16 mixed precision. JSON to json_path (NULL: none).
- * 0, or 1 if a workload failed. */
+ * f32, the second in bf16 mixed precision; budget_pair: both sides
+ * compiled, the second under a memory budget of the first's planned peak
+ * less half its kept activations (each side's measured peak printed). JSON to json_path (NULL:
+ * none). 0, or 1 if a workload failed. */
 int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
-                    const char *cpu, bool gemm_pair, bool bf16_pair);
+                    const char *cpu, bool gemm_pair, bool bf16_pair, bool budget_pair);
 
 /* The bandwidth of `threads` threads over a working set of `bytes`
  * (ceiling.c): what bytes that fit a cache level move at. GB/s: *read_gbs

@@ -76,11 +76,19 @@ typedef struct step_result {
     bool same_bits;     /* the two sides' parameters and last losses */
     double loss_f32, loss_bf16; /* bf16_pair: each side's last loss */
     bool leak;
-    double peak_mib[2];  /* each side's largest step peak above what was live at its start */
+    /* per side, the most tensor bytes a timed step added (the runtime's
+     * peak counter around it: activations, gradients, temporaries); with
+     * budget_pair also its program's memory */
+    int64_t step_peak[2];
+    gj_step_memory mem[2];
 } step_result;
 
 /* The step function of a side: the workload's forward on its own inputs,
  * which are the step's in[0..n_in) (the same tensors). */
+/* The opts.mem_budget of the sides bench_side_init makes (--budget-pair
+ * sets it around its budgeted side's; 0 otherwise). */
+static size_t g_init_budget;
+
 static gj_tensor *step_fn(void *ctx, int n_in, gj_tensor *const *in) {
     bench_side *d = ctx;
     (void)n_in;
@@ -115,7 +123,8 @@ int bench_side_init(bench_side *d, const bench_workload *wl, bool eager, gj_pg *
     }
     gj_tensor *const *mine = d->s.params; /* (ZeRO: the optimizer over this rank's shards) */
     int n = zero ? gj_ddp_shards(d->ddp, &mine) : d->s.n_params;
-    gj_step_opts so = {.eager = eager, .ddp = d->ddp, .autocast = wl->autocast};
+    gj_step_opts so = {.eager = eager, .ddp = d->ddp, .autocast = wl->autocast,
+                       .mem_budget = g_init_budget};
     d->opt = n > 0 ? gj_adamw_new(n, mine, wl->step_lr, 0.9, 0.999, 1e-8, wl->step_wd) : NULL;
     d->step = d->opt ? gj_step_new(step_fn, d, d->opt, &so) : NULL;
     if (!d->step) {
@@ -219,14 +228,38 @@ static bool step_beaten(const step_result *r) {
  * 1 with the per-shape choice (GJ_GEMM_AUTO), set before each run.
  * bf16_pair: both sides compiled; side 0 the workload in f32, side 1 the
  * same in bf16 mixed precision (its autocast). */
-static bool g_gemm_pair, g_bf16_pair;
+static bool g_gemm_pair, g_bf16_pair, g_budget_pair;
+static int64_t g_side_peak[2]; /* the most bytes a step of side m added */
 
 static int side_run_as(bench_side *d, int m, double *ms, char *err, size_t cap) {
     if (g_gemm_pair && gj_set_gemm_provider(m ? GJ_GEMM_AUTO : GJ_GEMM_OPENBLAS) != 0) {
         snprintf(err, cap, "%s", gj_last_error());
         return -1;
     }
-    return bench_side_run(d, ms, err, cap);
+    gj_mem m0, m1;
+    gj_mem_stats(&m0);
+    gj_mem_reset_peak();
+    int rc = bench_side_run(d, ms, err, cap);
+    gj_mem_stats(&m1);
+    if (m1.peak_bytes - m0.live_bytes > g_side_peak[m])
+        g_side_peak[m] = m1.peak_bytes - m0.live_bytes;
+    return rc;
+}
+
+/* budget_pair: side 1's budget is side 0's planned peak less half the
+ * activations it keeps for the backward (read after two steps of side 0):
+ * half the activations. 0, or -1 with err. */
+static int budget_of(bench_side *e, size_t *budget, char *err, size_t cap) {
+    double ms;
+    gj_step_memory mem;
+    if (side_run_as(e, 0, &ms, err, cap) != 0 || side_run_as(e, 0, &ms, err, cap) != 0)
+        return -1;
+    if (gj_step_memory_stats(e->step, &mem) != 0) {
+        snprintf(err, cap, "%s", gj_last_error());
+        return -1;
+    }
+    *budget = (size_t)(mem.planned_peak_bytes - mem.saved_bytes / 2);
+    return 0;
 }
 
 static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceiling *c,
@@ -255,11 +288,17 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
         w1.autocast = GJ_BF16;
     }
     r->bf16 = w1.autocast == GJ_BF16;
-    bool both_compiled = g_gemm_pair || g_bf16_pair;
+    bool both_compiled = g_gemm_pair || g_bf16_pair || g_budget_pair;
     if (bench_side_init(&e, &w0, !both_compiled, NULL, 0, r->error, sizeof r->error) != 0)
         goto done;
     ie = true;
-    if (bench_side_init(&k, &w1, false, NULL, 0, r->error, sizeof r->error) != 0)
+    size_t budget = 0;
+    if (g_budget_pair && budget_of(&e, &budget, r->error, sizeof r->error) != 0)
+        goto done;
+    g_init_budget = budget;
+    int ki = bench_side_init(&k, &w1, false, NULL, 0, r->error, sizeof r->error);
+    g_init_budget = 0;
+    if (ki != 0)
         goto done;
     ik = true;
     double ms[2];
@@ -269,18 +308,12 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
             goto done;
     gj_ca_stats warm, end;
     gj_step_stats(&warm);
+    g_side_peak[0] = g_side_peak[1] = 0;
     for (int i = 0; i < pairs; i++) {
         for (int j = 0; j < 2; j++) {
             int m = (i & 1) ? 1 - j : j; /* ABBA: E C | C E | E C ... */
-            int64_t at = live_bytes();
-            gj_mem_reset_peak();
             if (side_run_as(m ? &k : &e, m, &ms[m], r->error, sizeof r->error) != 0)
                 goto done;
-            gj_mem pk;
-            gj_mem_stats(&pk);
-            double mib = (double)(pk.peak_bytes - at) / (1024.0 * 1024.0);
-            if (mib > r->peak_mib[m])
-                r->peak_mib[m] = mib;
         }
         em[i] = ms[0];
         cm[i] = ms[1];
@@ -302,6 +335,13 @@ static void step_run(const bench_workload *wl, int pairs, int warmup, bench_ceil
     r->same_bits = e.loss == k.loss && bench_same_params(&e.s, &k.s);
     r->loss_f32 = e.loss;
     r->loss_bf16 = k.loss;
+    r->step_peak[0] = g_side_peak[0];
+    r->step_peak[1] = g_side_peak[1];
+    if (g_budget_pair && (gj_step_memory_stats(e.step, &r->mem[0]) != 0 ||
+                          gj_step_memory_stats(k.step, &r->mem[1]) != 0)) {
+        snprintf(r->error, sizeof r->error, "%s", gj_last_error());
+        goto done;
+    }
 
     /* the bound */
     double params = 0, in = 0;
@@ -359,7 +399,8 @@ static void print_row(const step_result *r) {
                  r->fallback);
     else if (r->timed_compiles)
         snprintf(check, sizeof check, "compiles in timed steps");
-    else if (r->timed_steps != (g_gemm_pair || g_bf16_pair ? 2 : 1) * (int64_t)r->pairs)
+    else if (r->timed_steps !=
+             (g_gemm_pair || g_bf16_pair || g_budget_pair ? 2 : 1) * (int64_t)r->pairs)
         snprintf(check, sizeof check, "compiled step not engaged");
     else if (!r->same_bits && !g_gemm_pair && !g_bf16_pair)
         snprintf(check, sizeof check, "DIFFERENT bits from eager");
@@ -372,7 +413,8 @@ static void print_row(const step_result *r) {
     else
         snprintf(check, sizeof check, "ok, eager's bits");
     char peaks[40];
-    snprintf(peaks, sizeof peaks, "%.0f/%.0f", r->peak_mib[0], r->peak_mib[1]);
+    snprintf(peaks, sizeof peaks, "%.0f/%.0f", r->step_peak[0] / 1048576.0,
+             r->step_peak[1] / 1048576.0);
     printf("%-4s %-13s %5d %6.3fx [%.2f-%.2f] %10.3f %10.3f %9s %9s %8.2f %8.1f %8.0f %15s  %s%s\n",
            r->wl->id, r->wl->name, r->pairs, r->ratio_med, r->ratio_q1, r->ratio_q3, r->eager_ms,
            r->compiled_ms, bound, rel, r->fwd_gflop + r->bwd_gflop, r->in_mb + r->state_mb,
@@ -439,8 +481,8 @@ static int write_json(const char *path, const step_result *res, int n, const ben
             json_num(f, "fwd_gflop", r->fwd_gflop);
             json_num(f, "bwd_gflop", r->bwd_gflop);
             json_num(f, "bytes_mb", r->in_mb + r->state_mb);
-            json_num(f, "eager_step_peak_mib", r->peak_mib[0]);
-            json_num(f, "compiled_step_peak_mib", r->peak_mib[1]);
+            json_num(f, "eager_step_peak_mib", r->step_peak[0] / 1048576.0);
+            json_num(f, "compiled_step_peak_mib", r->step_peak[1] / 1048576.0);
             fprintf(f, ", \"timed_fallbacks\": %lld, \"same_bits\": %s", r->timed_fallbacks,
                     r->same_bits ? "true" : "false");
         }
@@ -451,11 +493,12 @@ static int write_json(const char *path, const step_result *res, int n, const ben
 }
 
 int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_path,
-                    const char *cpu, bool gemm_pair, bool bf16_pair) {
+                    const char *cpu, bool gemm_pair, bool bf16_pair, bool budget_pair) {
     gj_info info;
     gj_get_info(&info);
     g_gemm_pair = gemm_pair;
     g_bf16_pair = bf16_pair;
+    g_budget_pair = budget_pair;
     printf("gradjit %s | CPU: %s | threads: %d | BLAS core: %s\n", info.version, cpu,
            info.num_threads, info.blas_core ? info.blas_core : "?");
     printf("%d pairs (ABBA) after %d warm-up steps per side; a step = forward, backward and "
@@ -473,6 +516,14 @@ int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_
                "f32, the \"comp.\" column the same step in bf16 mixed precision (autocast: "
                "GEMMs and activations in bf16, f32 master parameters and AdamW state); ratio = "
                "f32 / bf16 (> 1: bf16 faster); the bound is the bf16 step's\n");
+    if (budget_pair)
+        printf("--budget-pair: both sides are compiled steps; the \"eager\" column is the step "
+               "without a memory budget, the \"comp.\" column the step under a budget of the "
+               "first's planned peak of temporaries less half the activations it keeps for the "
+               "backward (gj_step_opts.mem_budget: activations recomputed in the backward); ratio = unbudgeted / budgeted (< 1: the budget "
+               "costs time); both keep the eager step's bits. Under each row: each side's "
+               "planned peak, its measured peak (tensor bytes a step adds) and what it "
+               "recomputes\n");
     bench_ceiling c;
     bench_ceiling_measure(&c, info.num_threads);
     bench_fma_peak_print(&c, "at start");
@@ -490,6 +541,15 @@ int bench_step_main(unsigned workloads, int pairs, int warmup, const char *json_
             continue;
         step_run(&bench_workloads[w], pairs, warmup, &c, &res[n]);
         print_row(&res[n]);
+        if (budget_pair && res[n].ok)
+            for (int m = 0; m < 2; m++)
+                printf("     %s: budget %.2f MiB, planned peak %.2f MiB, measured peak %.2f MiB, "
+                       "kept for the backward %.2f MiB, %lld values recomputed (%.3f GFLOP)\n",
+                       m ? "budgeted" : "unbudgeted", res[n].mem[m].budget_bytes / 1048576.0,
+                       res[n].mem[m].planned_peak_bytes / 1048576.0,
+                       res[n].step_peak[m] / 1048576.0, res[n].mem[m].saved_bytes / 1048576.0,
+                       (long long)res[n].mem[m].recomputed_values,
+                       res[n].mem[m].recompute_flops * 1e-9);
         fflush(stdout);
         failed |= !res[n].skipped &&
                   (!res[n].ok || (!res[n].same_bits && !gemm_pair && !bf16_pair) || res[n].leak);

@@ -237,6 +237,10 @@ static inline void print_warmup(const char *tag, int64_t step, double ms, const 
            (double)w->new_bytes / 1048576.0, w->page_kib >= 2048 ? "2 MiB" : "4 KiB");
 }
 
+/* The compiled steps' memory budget in bytes (gj_step_opts.mem_budget;
+ * train_gpt2 --memory-budget). 0: none (or GRADJIT_STEP_MEM_BUDGET_MB). */
+static size_t stepper_mem_budget;
+
 /* A stepper running fn(ctx, ...) with opt in the given mode (fn, ctx and
  * opt borrowed for its life), under the calling thread's autocast setting
  * (gj_step's opts.autocast; the split modes call fn under it). 0, or -1
@@ -245,7 +249,8 @@ static inline int stepper_init(stepper *s, step_mode mode, gj_step_fn fn, void *
                                gj_optim *opt) {
     *s = (stepper){.mode = mode, .fn = fn, .ctx = ctx, .opt = opt};
     if (step_mode_split(mode)) return 0;
-    gj_step_opts so = {.eager = mode == STEP_EAGER, .autocast = gj_get_autocast()};
+    gj_step_opts so = {.eager = mode == STEP_EAGER, .autocast = gj_get_autocast(),
+                       .mem_budget = stepper_mem_budget};
     return (s->step = gj_step_new(fn, ctx, opt, &so)) ? 0 : -1;
 }
 
@@ -268,7 +273,8 @@ static inline int stepper_set_ddp(stepper *s, gj_ddp *d) {
         return 0;
     }
     gj_step_free(s->step);
-    gj_step_opts so = {.eager = s->mode == STEP_EAGER, .ddp = d, .autocast = gj_get_autocast()};
+    gj_step_opts so = {.eager = s->mode == STEP_EAGER, .ddp = d, .autocast = gj_get_autocast(),
+                       .mem_budget = stepper_mem_budget};
     return (s->step = gj_step_new(s->fn, s->ctx, s->opt, &so)) ? 0 : -1;
 }
 

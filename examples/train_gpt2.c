@@ -107,6 +107,7 @@ typedef struct opts {
     const char *model, *train, *val, *tokenizer;
     int seq, sample;
     bool unfused; /* --unfused: attention and the head op by op */
+    int memory_budget; /* --memory-budget MiB (0: none) */
     int64_t steps;
     bool shuffle, sample_given;
     bool ddp;       /* data parallel over the MPI ranks of mpirun */
@@ -607,6 +608,7 @@ static int train(const opts *o, step_mode mode) {
         goto done;
     }
     r.m.unfused = o->unfused;
+    stepper_mem_budget = (size_t)o->memory_budget << 20;
     if (gpt2_set_seq_len(&r.m, o->seq) != 0)
         goto gj_fail;
     printf("[GPT-2]\nmax_seq_len: %d\nvocab_size: %d\npadded_vocab_size: %d\nnum_layers: %d\n"
@@ -769,6 +771,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
         ARG_OPT("batch", ARG_INT, &f->batch, 1, 65536, "sequences per batch (B)"),
         ARG_OPT("seq", ARG_INT, &o->seq, 1, 1 << 20, "tokens per sequence (T)"),
         ARG_OPT("steps", ARG_I64, &o->steps, 1, 1e12, "training steps (llm.c: 0 to 40)"),
+        ARG_OPT("memory-budget", ARG_INT, &o->memory_budget, 0, 1 << 30,
+                "MiB the compiled step's activations, gradients and temporaries may hold at "
+                "once: values the backward reads are recomputed instead of kept (0: none)"),
         ARG_OPT("unfused", ARG_FLAG, &o->unfused, 0, 0,
                 "attention and the loss op by op (T x T scores, B T x V logits) instead of "
                 "the fused gj_scaled_dot_product_attention and gj_linear_cross_entropy"),

@@ -65,6 +65,9 @@ void gj_fe_set_compiled(bool on);
 /* GRADJIT_STEP_CHECK=N, read now: N (>= 1), or 0 when unset or not a
  * count (then reported on stderr). */
 int gj_fe_step_check_env(void);
+/* GRADJIT_STEP_MEM_BUDGET_MB=N (N >= 1 MiB): the step's memory budget in
+ * bytes; 0 when unset or empty, or (with a warning) when it does not parse. */
+size_t gj_fe_step_budget_env(void);
 
 /* Counts a backward in gj_ca_stats (compiled_autograd.c). */
 void gj_fe_count_backward(void);

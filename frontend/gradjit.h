@@ -974,6 +974,21 @@ typedef struct gj_step_opts {
                         runs, eager or traced; parameters and optimizer state
                         stay as they are (f32 masters). GJ_F32 (0): off, even
                         when the calling thread has autocast on */
+    size_t mem_budget; /* > 0: the most bytes the compiled step's temporaries
+                        (activations kept for the backward, gradients, workspaces;
+                        not parameters, optimizer state or inputs) may hold at
+                        once. The program is planned under it: forward values the
+                        backward reads are recomputed in the backward instead of
+                        kept, cheapest per byte first (elementwise, then
+                        reductions and norms, then attention, GEMMs last), with
+                        the same kernels in the same order, so the step keeps
+                        the eager step's bits. A checkpoint region's own policy
+                        is never overridden. A budget the planner cannot meet
+                        fails the run that compiles (the first run, and the
+                        first of each new shape: -1, nothing updated) with an
+                        error naming the smallest peak it reaches. 0:
+                        GRADJIT_STEP_MEM_BUDGET_MB (MiB) if set, else none.
+                        Refused for an eval step; an eager step ignores it */
 } gj_step_opts;
 /* opts NULL: all false (0). fn and ctx are borrowed for the step's life; so is
  * opt, whose parameters are the step's. NULL with an error. */
@@ -998,6 +1013,19 @@ GJ_API void gj_step_free(gj_step *s);
  * "step: "). */
 GJ_API void gj_step_stats(gj_ca_stats *out);
 GJ_API void gj_step_reset_stats(void);
+/* The memory of one step's compiled program (the variant its last
+ * compiled run ran or compiled): */
+typedef struct gj_step_memory {
+    int64_t planned_peak_bytes; /* the most temporary bytes alive at once by its plan */
+    int64_t saved_bytes;        /* forward values its backward reads (kept for it) */
+    double recompute_flops;     /* FLOPs the backward spends recomputing forward values
+                                   (0 without a budget, or when none was needed) */
+    int64_t recomputed_values;  /* forward values recomputed */
+    int64_t budget_bytes;       /* the budget it was planned under (0: none) */
+} gj_step_memory;
+/* 0, or -1 with an error (s or out NULL; no compiled program yet: an eager
+ * step, or before the first run). */
+GJ_API int gj_step_memory_stats(const gj_step *s, gj_step_memory *out);
 
 /* ------------------------------------- runtime effects (helper "hooks") */
 /* Hooks, streams, set_, custom ops and anomaly mode: the runtime effects

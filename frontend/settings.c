@@ -9,6 +9,8 @@
  *     flag; gj_set_compiled_autograd, called before or after, wins.
  *   - GRADJIT_STEP_CHECK is read at each gj_step_new whose opts leave
  *     check_every 0, so it applies to the steps made after it is set.
+ *   - GRADJIT_STEP_MEM_BUDGET_MB is read at each gj_step_new whose opts
+ *     leave mem_budget 0, like the check.
  *   - A value that does not parse is reported on stderr and the default
  *     used: once per process for the flag, at each read for the check.
  */
@@ -60,5 +62,17 @@ int gj_fe_step_check_env(void) {
     long n = strtol(e, &end, 10);
     if (*end == '\0' && n > 0 && n <= INT32_MAX) return (int)n;
     fprintf(stderr, "gradjit: GRADJIT_STEP_CHECK=%s is not a count >= 1: ignored\n", e);
+    return 0;
+}
+
+size_t gj_fe_step_budget_env(void) {
+    const char *e = getenv("GRADJIT_STEP_MEM_BUDGET_MB");
+    if (!e || !*e) return 0;
+    char *end = NULL;
+    long long n = strtoll(e, &end, 10);
+    if (*end == '\0' && n > 0 && (unsigned long long)n <= (SIZE_MAX >> 21))
+        return (size_t)n << 20;
+    fprintf(stderr, "gradjit: GRADJIT_STEP_MEM_BUDGET_MB=%s is not a size in MiB >= 1: ignored\n",
+            e);
     return 0;
 }

@@ -185,6 +185,17 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
         return NULL;
     }
     if (o.check_every == 0) o.check_every = gj_fe_step_check_env(); /* GRADJIT_STEP_CHECK=N */
+    if (o.eval && o.mem_budget > 0) {
+        gj_rt_set_error("%s: opts.mem_budget is %zu bytes, but an eval step has no backward to "
+                        "plan activations for (leave it 0)", op, o.mem_budget);
+        return NULL;
+    }
+    if (o.mem_budget > (SIZE_MAX >> 1)) {
+        gj_rt_set_error("%s: opts.mem_budget of %zu bytes is no size (a negative number cast?)",
+                        op, o.mem_budget);
+        return NULL;
+    }
+    if (o.mem_budget == 0 && !o.eval) o.mem_budget = gj_fe_step_budget_env();
     if (o.autocast != GJ_F32 && o.autocast != GJ_BF16) {
         gj_rt_set_error("%s: opts.autocast must be GJ_F32 (off) or GJ_BF16, got %d", op,
                         (int)o.autocast);
@@ -262,6 +273,23 @@ void gj_step_stats(gj_ca_stats *out) {
 }
 
 void gj_step_reset_stats(void) { gj_jit_cstep_reset_stats(); }
+
+int gj_step_memory_stats(const gj_step *s, gj_step_memory *out) {
+    if (!s || !out) {
+        gj_rt_set_error("gj_step_memory_stats: %s is NULL", !s ? "the step" : "out");
+        return -1;
+    }
+    gj_jit_step_mem m;
+    if (gj_jit_cstep_memory(s->jit, &m) != 0) {
+        gj_rt_set_error("gj_step_memory_stats: the step has no compiled program yet (%s)",
+                        s->o.eager ? "opts.eager: every run is eager"
+                                   : "its first run compiles it, or its runs are eager");
+        return -1;
+    }
+    *out = (gj_step_memory){m.peak_bytes, m.saved_bytes, m.recompute_flops, m.recomputed,
+                            m.budget_bytes};
+    return 0;
+}
 
 /* The optimizer as the compiler sees it for this run. */
 static void describe(gj_step *s, gj_jit_opt *jo) {
@@ -415,7 +443,8 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
             gj_jit_opt jo;
             describe(s, &jo);
             gj_jit_step_call call = {n_in, in, &jo, s->variant, s->o.keep_grads, s->o.eval,
-                                     s->o.check_every > 0, s->red, s->red_of};
+                                     s->o.check_every > 0, s->red, s->red_of,
+                                     s->o.mem_budget};
             gj_ca_reason code;
             char jwhy[300];
             if (gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy) < 0)
@@ -565,7 +594,7 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     gj_jit_opt jo;
     describe(s, &jo);
     gj_jit_step_call call = {n_in, in, &jo, variant, s->o.keep_grads, s->o.eval,
-                             s->o.check_every > 0, s->red, s->red_of};
+                             s->o.check_every > 0, s->red, s->red_of, s->o.mem_budget};
     s->compiled_runs++;
     if (s->o.check_every > 0 && s->compiled_runs % s->o.check_every == 0 &&
         check_trace(s, &call) != 0)

@@ -186,6 +186,8 @@ typedef struct gj_jit_step_call {
     bool keep_grads, eval, keep_text;
     const gj_jit_reducer *red; /* NULL, or the reducer between backward and update */
     const int *red_of;         /* with red: per parameter of opt, its index in red or -1 */
+    size_t mem_budget;         /* > 0: the most temporary bytes the program may hold at once
+                                  (plan/remat.c); 0: none */
 } gj_jit_step_call;
 
 /* After the traced (eager) forward of a step, before its backward: makes
@@ -236,6 +238,17 @@ int gj_jit_cstep_check(gj_jit_cstep *s, const gj_ag_trace *tr, gj_tensor *loss,
 /* How many variants s holds, and the bytes of their programs: at most the
  * memory cache's limit (gj_jit_mem_limit) beyond the most recent one. */
 int gj_jit_cstep_variants(const gj_jit_cstep *s, int64_t *bytes);
+
+/* The memory of the program of s's last prepared or run variant. */
+typedef struct gj_jit_step_mem {
+    int64_t peak_bytes;      /* its plan's peak of temporaries */
+    int64_t saved_bytes;     /* forward values its backward reads */
+    double recompute_flops;  /* FLOPs its backward spends computing forward values again */
+    int64_t recomputed;      /* values recomputed */
+    int64_t budget_bytes;    /* the budget it was planned under (0: none) */
+} gj_jit_step_mem;
+/* 0, or 1 when s has no compiled variant yet (nothing written). */
+int gj_jit_cstep_memory(const gj_jit_cstep *s, gj_jit_step_mem *out);
 
 /* The compiled step's counters (`backwards`: steps run) and their reset;
  * a fallback decided outside jit/ (an untraceable function, anomaly mode)

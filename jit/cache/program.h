@@ -40,6 +40,11 @@ typedef struct gj_jit_program {
      * cache.c copies it from the capture. NULL, 0 for a backward. */
     int *ret;
     int n_ret;
+    /* A step's program: what plan/remat.c's stats say of its graph (the
+     * source's finish sets them; 0 otherwise) and the budget it met */
+    int64_t saved_bytes, recomputed;
+    double recompute_flops;
+    int64_t budget;
     int refs;    /* cache.c: the cache's reference + runs in progress */
     uint64_t id; /* cache.c: unique in the process, never reused */
 } gj_jit_program;

@@ -81,10 +81,20 @@ typedef struct gj_jit_node {
     int n_out;
     int out[GJ_RT_MAX_OUTPUTS];
     /* CSE merges only nodes of one phase: a training step's forward is
-     * phase 0 and its backward phase 1, so a value a checkpoint region
+     * phase 0 and its backward phase 1 (a memory budget's recomputations
+     * 2 and up, one phase per place they run, plan/remat.c), so a value a checkpoint region
      * recomputes in the backward is never replaced by the forward's (which
      * would keep it alive across the step, against the region's policy) */
     int phase;
+    /* A training step's memory budget (plan/remat.c): remat marks a forward
+     * node computed again in the backward (phase 1) instead of keeping its
+     * value; apart marks a node after the forward (phase 1) that the
+     * planner never fuses into a kernel with forward nodes (set on every
+     * such node of a budgeted graph: a backward value computed in the
+     * forward would be kept across the step, out of the budget's reach);
+     * pinned marks a forward op of a checkpoint region, whose values the
+     * region's policy keeps or recomputes and the budget never touches */
+    bool remat, apart, pinned;
 } gj_jit_node;
 
 typedef struct gj_jit_value {
@@ -173,6 +183,17 @@ bool gj_jit_prim_is_movement(gj_rt_prim p);    /* RESHAPE, PERMUTE, EXPAND, SLIC
  * MATMUL becomes CAST(f32) of both operands, an f32 MATMUL and a CAST back
  * to bf16 (the eager kernel's numerics). 0 or -1 (OOM). */
 int gj_jit_pass_cse_dce(gj_jit_graph *g);
+
+/* Graph rebuilds (passes.c), for the passes that make a new graph from an
+ * old one: every input of g in order, with role and strides (their new ids
+ * into newid); node n of g with its inputs renamed to args, keeping its
+ * origin, phase and marks (its outputs' new ids into newid); then g's
+ * outputs (renamed through newid) and hook table, ng replacing g (ng left
+ * empty; g unchanged on failure). Each 0 or -1 (OOM). */
+int gj_jit_graph_copy_inputs(gj_jit_graph *ng, const gj_jit_graph *g, int *newid);
+int gj_jit_graph_copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node *n,
+                           const int *args, int *newid);
+int gj_jit_graph_finish_rebuild(gj_jit_graph *g, gj_jit_graph *ng, const int *newid);
 
 /* Sums of PADs: ADD trees whose leaves are single-use PADs of pieces into
  * disjoint ranges of one axis (the backward of several narrows of one

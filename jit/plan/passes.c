@@ -15,7 +15,7 @@
 
 /* Starts a rebuild: every input of g, in order and with its role and
  * strides, into ng; their new ids into newid. 0 or -1. */
-static int copy_inputs(gj_jit_graph *ng, const gj_jit_graph *g, int *newid) {
+int gj_jit_graph_copy_inputs(gj_jit_graph *ng, const gj_jit_graph *g, int *newid) {
     for (int k = 0; k < g->n_inputs; k++) {
         const gj_jit_input *in = &g->inputs[k];
         int v = gj_jit_graph_add_input(ng, &g->values[in->value].meta, in->role, in->node,
@@ -30,8 +30,8 @@ static int copy_inputs(gj_jit_graph *ng, const gj_jit_graph *g, int *newid) {
 /* Appends node n of the old graph to ng with its inputs renamed to args,
  * keeping its origin (rt_node, hook), and records the new ids of its
  * outputs in newid. 0 or -1. */
-static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node *n,
-                     const int *args, int *newid) {
+int gj_jit_graph_copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node *n,
+                           const int *args, int *newid) {
     int outs[GJ_RT_MAX_OUTPUTS];
     if (n->custom >= 0) { /* an opaque call: its output metas are its own */
         gj_rt_meta om[GJ_RT_MAX_OUTPUTS];
@@ -40,6 +40,9 @@ static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node 
                                     n->inst.n_in, args, n->n_out, om, outs) < 0)
             return -1;
         ng->nodes[ng->n_nodes - 1].custom_fwd = n->custom_fwd;
+        ng->nodes[ng->n_nodes - 1].phase = n->phase;
+        ng->nodes[ng->n_nodes - 1].pinned = n->pinned;
+        ng->nodes[ng->n_nodes - 1].apart = n->apart;
         for (int k = 0; k < n->n_out; k++) newid[n->out[k]] = outs[k];
         return 0;
     }
@@ -49,13 +52,16 @@ static int copy_node(gj_jit_graph *ng, const gj_jit_graph *g, const gj_jit_node 
     ng->nodes[ng->n_nodes - 1].rt_tape = n->rt_tape;
     ng->nodes[ng->n_nodes - 1].hook = n->hook;
     ng->nodes[ng->n_nodes - 1].phase = n->phase;
+    ng->nodes[ng->n_nodes - 1].remat = n->remat;
+    ng->nodes[ng->n_nodes - 1].apart = n->apart;
+    ng->nodes[ng->n_nodes - 1].pinned = n->pinned;
     for (int k = 0; k < no && k < n->n_out; k++) newid[n->out[k]] = outs[k];
     return 0;
 }
 
 /* Ends a rebuild: ng gets g's outputs (renamed through newid) and hook
  * table, then replaces g (ng is left empty). 0 or -1 (g unchanged). */
-static int finish_rebuild(gj_jit_graph *g, gj_jit_graph *ng, const int *newid) {
+int gj_jit_graph_finish_rebuild(gj_jit_graph *g, gj_jit_graph *ng, const int *newid) {
     for (int o = 0; o < g->n_outputs; o++) {
         const gj_jit_output *out = &g->outputs[o];
         if (gj_jit_graph_add_output(ng, newid[out->value], out->acc_node, out->grad_input) != 0)
@@ -90,13 +96,20 @@ static uint64_t node_hash(const gj_rt_inst *in, const int *args) {
  * operands (f32, gj_rt_bgemm's blocks), rounded once to bf16 by a CAST that
  * fuses into the kernel reading it. Appends the nodes to ng; *out receives
  * the result. 0 or -1 (OOM). */
-static int legal_bf16_matmul(gj_jit_graph *ng, const gj_rt_inst *mm, const int *args, int *out) {
-    gj_rt_inst wide = *mm;
+static int legal_bf16_matmul(gj_jit_graph *ng, const gj_jit_node *mm, const int *args, int *out) {
+    gj_rt_inst wide = mm->inst;
     wide.wide = true;
     gj_rt_inst down = {.prim = GJ_P_CAST, .n_in = 1, .dtype = GJ_BF16};
     int r;
     if (gj_jit_graph_add_node(ng, &wide, args, &r) < 0) return -1;
-    return gj_jit_graph_add_node(ng, &down, &r, out) < 0 ? -1 : 0;
+    if (gj_jit_graph_add_node(ng, &down, &r, out) < 0) return -1;
+    for (int k = 1; k <= 2; k++) { /* both of the matmul's phase and marks */
+        ng->nodes[ng->n_nodes - k].phase = mm->phase;
+        ng->nodes[ng->n_nodes - k].remat = mm->remat;
+        ng->nodes[ng->n_nodes - k].apart = mm->apart;
+        ng->nodes[ng->n_nodes - k].pinned = mm->pinned;
+    }
+    return 0;
 }
 
 int gj_jit_pass_cse_dce(gj_jit_graph *g) {
@@ -150,19 +163,19 @@ int gj_jit_pass_cse_dce(gj_jit_graph *g) {
     }
     /* rebuild: inputs first (same order), then live nodes */
     for (int v = 0; v < nv; v++) newid[v] = -1;
-    if (copy_inputs(&ng, g, newid) != 0) goto done;
+    if (gj_jit_graph_copy_inputs(&ng, g, newid) != 0) goto done;
     for (int i = 0; i < nn; i++) {
         if (!live_n[i]) continue;
         const gj_jit_node *n = &g->nodes[i];
         int args[GJ_RT_MAX_INPUTS];
         for (int k = 0; k < n->inst.n_in; k++) args[k] = newid[n->in[k]];
         if (n->inst.prim == GJ_P_MATMUL && g->values[n->out[0]].meta.dtype == GJ_BF16) {
-            if (legal_bf16_matmul(&ng, &n->inst, args, &newid[n->out[0]]) != 0) goto done;
+            if (legal_bf16_matmul(&ng, n, args, &newid[n->out[0]]) != 0) goto done;
             continue;
         }
-        if (copy_node(&ng, g, n, args, newid) != 0) goto done;
+        if (gj_jit_graph_copy_node(&ng, g, n, args, newid) != 0) goto done;
     }
-    if (finish_rebuild(g, &ng, newid) != 0) goto done;
+    if (gj_jit_graph_finish_rebuild(g, &ng, newid) != 0) goto done;
     rc = 0;
 done:
     gj_jit_graph_free(&ng);
@@ -233,7 +246,7 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
         for (int k = 0; k < g->nodes[i].inst.n_in; k++) uses[g->nodes[i].in[k]]++;
     for (int o = 0; o < g->n_outputs; o++) uses[g->outputs[o].value] += 2; /* never inner */
     for (int v = 0; v < nv; v++) newid[v] = -1;
-    if (copy_inputs(&ng, g, newid) != 0) goto done;
+    if (gj_jit_graph_copy_inputs(&ng, g, newid) != 0) goto done;
     for (int i = 0; i < g->n_nodes; i++) {
         const gj_jit_node *n = &g->nodes[i];
         int args[GJ_RT_MAX_INPUTS];
@@ -301,9 +314,9 @@ int gj_jit_pass_pad_sums(gj_jit_graph *g, bool *changed) {
             continue;
         }
         for (int k = 0; k < n->inst.n_in; k++) args[k] = newid[n->in[k]];
-        if (copy_node(&ng, g, n, args, newid) != 0) goto done;
+        if (gj_jit_graph_copy_node(&ng, g, n, args, newid) != 0) goto done;
     }
-    if (finish_rebuild(g, &ng, newid) != 0) goto done;
+    if (gj_jit_graph_finish_rebuild(g, &ng, newid) != 0) goto done;
     rc = 0;
 done:
     gj_jit_graph_free(&ng);

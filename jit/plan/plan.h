@@ -350,6 +350,30 @@ int gj_jit_plan_build(const gj_jit_graph *g, gj_jit_plan *p, char *why, size_t w
 void gj_jit_plan_free(gj_jit_plan *p);
 void gj_jit_plan_print(const gj_jit_plan *p, FILE *f);
 
+/* --------------------------------- a step's memory budget (remat.c) */
+
+typedef struct gj_jit_remat {
+    size_t budget;   /* in: the most temporary bytes alive at once (> 0) */
+    size_t peak;     /* out: the planned peak of the graph left in g */
+    size_t min_peak; /* out: the smallest planned peak any choice tried reached */
+    int n_dropped;   /* out: saved forward values now recomputed in the backward */
+} gj_jit_remat;
+
+/* Runs the graph passes on g (as gj_jit_program_plan does), then, when its
+ * planned peak of temporaries is over out->budget, rewrites g to
+ * recompute saved forward values in the backward (remat.c's contract),
+ * cheapest first, as few as its trials find fit. 0 (g fits: rewritten or as it
+ * was), 1 (nothing the pass can choose fits: g is as after the passes,
+ * out->min_peak the smallest peak reached) or -1 (why[] set: out of
+ * memory, or the plan failed as gj_jit_plan_build does). */
+int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_cap);
+/* What g (after its passes) keeps and recomputes: the bytes of the
+ * forward values its backward reads (each base once; generators, which
+ * have no memory, not counted), the FLOPs of its recomputed nodes and how
+ * many values they make (views and generators not counted). saved_bytes
+ * is 0 when out of memory. */
+void gj_jit_remat_stats(const gj_jit_graph *g, int64_t *saved_bytes, double *flops, int64_t *n);
+
 /* Test switch: while prim >= 0, the planner has "no lowering" for that
  * primitive (every primitive of the foundation has one; this is how the
  * tests reach the GJ_CA_NO_LOWERING fallback). -1 turns it off. */

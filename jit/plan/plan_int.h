@@ -88,6 +88,11 @@ typedef struct pgroup {
      * elementwise values, so that they need no buffer) */
     int *recomp;
     int n_recomp, cap_recomp;
+    /* members of the forward (phase 0) / kept apart from it under a step's
+     * memory budget (ir.h, apart): a group never holds both, or a
+     * backward value or a recomputation would run in the forward and be
+     * kept across the step (plan_nodes.c) */
+    bool has_fwd, has_apart;
 } pgroup;
 
 /* An instruction while planning: a group or a matmul, with its dependencies. */

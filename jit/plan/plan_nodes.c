@@ -212,10 +212,20 @@ static int new_group(planner *pl, int ndim, const int64_t *shape, int first, int
     return pl->n_groups++;
 }
 
-static int group_add(pgroup *G, int node) {
+static int group_add(planner *pl, pgroup *G, int node) {
     if (gj_jit_grow((void **)&G->nodes, G->n, &G->cap, sizeof *G->nodes) != 0) return -1;
     G->nodes[G->n++] = node;
+    const gj_jit_node *n = &pl->g->nodes[node];
+    G->has_fwd |= n->phase == 0;
+    G->has_apart |= n->apart;
     return 0;
+}
+
+/* Whether node n may not join group G: a node kept apart from the forward
+ * (a budgeted step's backward and recomputations, plan/remat.c) never
+ * shares a kernel with it. */
+static bool remat_apart(const pgroup *G, const gj_jit_node *n) {
+    return (n->apart && G->has_fwd) || (n->phase == 0 && G->has_apart);
 }
 
 /* A copy group over shape (nd, shape) writing value src (or, src < 0, the
@@ -286,7 +296,8 @@ static bool inputs_allow(planner *pl, int gi, int n_in, const int *in) {
 /* May elementwise node n join group gi? */
 static bool can_join(planner *pl, int gi, const gj_jit_node *n, const gj_rt_meta *om) {
     const pgroup *G = &pl->groups[gi];
-    if (G->is_copy || !same_shape(G->ndim, G->shape, om->ndim, om->shape)) return false;
+    if (G->is_copy || !same_shape(G->ndim, G->shape, om->ndim, om->shape) || remat_apart(G, n))
+        return false;
     return inputs_allow(pl, gi, n->inst.n_in, n->in);
 }
 
@@ -297,7 +308,8 @@ static bool can_join(planner *pl, int gi, const gj_jit_node *n, const gj_rt_meta
 static int merge_groups(planner *pl, int a, int b) {
     pgroup *A = &pl->groups[a], *B = &pl->groups[b];
     if (a == b || A->dead || B->dead || A->is_copy || B->is_copy ||
-        !same_shape(A->ndim, A->shape, B->ndim, B->shape))
+        !same_shape(A->ndim, A->shape, B->ndim, B->shape) || (A->has_fwd && B->has_apart) ||
+        (A->has_apart && B->has_fwd))
         return 0;
     if (A->has_red && B->has_red &&
         (A->red_axes != B->red_axes || !same_red_order(&A->ord, &B->ord)))
@@ -325,6 +337,8 @@ static int merge_groups(planner *pl, int a, int b) {
     B->nodes = NULL;
     B->n = B->cap = 0;
     B->dead = true;
+    A->has_fwd |= B->has_fwd;
+    A->has_apart |= B->has_apart;
     for (int k = 0; k < B->n_recomp; k++) { /* what B computed again, A now does */
         if (recomputes(pl, a, B->recomp[k])) continue;
         if (gj_jit_grow((void **)&A->recomp, A->n_recomp, &A->cap_recomp, sizeof *A->recomp) != 0)
@@ -402,6 +416,8 @@ static int plan_elementwise(planner *pl, int i) {
         gi = new_group(pl, om->ndim, om->shape, i, 2 * (int64_t)i + 1);
         if (gi < 0) return gj_jit_pl_oom(pl);
     }
+    pl->groups[gi].has_fwd |= n->phase == 0; /* (before the merges below) */
+    pl->groups[gi].has_apart |= n->apart;
     /* operands computed by other, independent groups over the same space:
      * merge those groups into this one instead of materialising, unless an
      * input of n is produced by an instruction depending on that group */
@@ -424,7 +440,7 @@ static int plan_elementwise(planner *pl, int i) {
             return -1;
     }
     if (group_reads(pl, gi, n->inst.n_in, n->in) != 0) return -1;
-    if (group_add(&pl->groups[gi], i) != 0) return gj_jit_pl_oom(pl);
+    if (group_add(pl, &pl->groups[gi], i) != 0) return gj_jit_pl_oom(pl);
     vinfo *o = &pl->vi[n->out[0]];
     o->kind = V_FUSED;
     o->group = gi;
@@ -460,12 +476,13 @@ static int plan_reduce(planner *pl, int i) {
         const pgroup *G = &pl->groups[xi->group];
         if (same_shape(G->ndim, G->shape, xm->ndim, xm->shape) &&
             (!G->has_red || (G->red_axes == axes && same_red_order(&G->ord, &ord))) &&
-            !G->is_copy)
+            !G->is_copy && !remat_apart(G, n))
             gi = xi->group;
     }
     for (int c = pl->n_groups - 1; c >= 0 && c >= pl->n_groups - 16 && gi < 0; c--) {
         const pgroup *G = &pl->groups[c];
-        if (fusable && !G->dead && !G->is_copy && G->has_red && G->red_axes == axes &&
+        if (fusable && !G->dead && !G->is_copy && !remat_apart(G, n) && G->has_red &&
+            G->red_axes == axes &&
             same_red_order(&G->ord, &ord) && same_shape(G->ndim, G->shape, xm->ndim, xm->shape) &&
             inputs_allow(pl, c, 1, &x))
             gi = c;
@@ -480,7 +497,7 @@ static int plan_reduce(planner *pl, int i) {
     G->has_red = true;
     G->red_axes = axes;
     G->ord = ord;
-    if (group_add(G, i) != 0) return gj_jit_pl_oom(pl);
+    if (group_add(pl, G, i) != 0) return gj_jit_pl_oom(pl);
     int b = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_TEMP, -1, om->dtype, numel_of(om->ndim, om->shape));
     if (b < 0) return gj_jit_pl_oom(pl);
     pl->p->bufs[b].writer = G->instr;

@@ -241,9 +241,11 @@ static int replay_entry(scap *c, int j) {
         if (v < 0) return -1;
         in[i] = gj_jit_rec_val(v);
     }
-    int n_saved = 0;
+    int n_saved = 0, n0 = c->r.cap->g.n_nodes;
     int n = gj_ag_forward_vals(b, e->op, &e->attrs, e->n_in, in, out, &n_saved, saved);
     c->cur_entry = -1;
+    if (e->ckpt || e->in_region) /* a region's op: its policy, not the budget, decides */
+        for (int i = n0; i < c->r.cap->g.n_nodes; i++) c->r.cap->g.nodes[i].pinned = true;
     if (n != e->n_out) {
         fail(c, false, "replaying op %s of the step: %s", e->op->name,
              n < 0 ? gj_last_error() : "another number of outputs");

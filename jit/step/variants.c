@@ -89,6 +89,8 @@ struct gj_jit_cstep {
     gj_ca_reason trip_code;
     bool trip_permanent;
     char trip_why[sizeof ((gj_jit_runctx *)0)->why];
+    gj_jit_step_mem mem; /* of the last variant prepared or run (has_mem) */
+    bool has_mem;
 };
 
 gj_jit_cstep *gj_jit_cstep_new(void) { return gj_rt_calloc(1, sizeof(gj_jit_cstep)); }
@@ -322,6 +324,8 @@ static void step_text(gj_jit_text *t, const gj_ag_trace *tr, int loss_slot, cons
         call->eval,
         tr->n_inputs, o->n, sizes ? (unsigned long long)(tr->rng1 - tr->rng0) : 0ull,
         (unsigned long long)call->variant);
+    if (call->mem_budget > 0) /* (no line without one: the keys of today's steps) */
+        gj_jit_text_put(t, "budget %llu\n", (unsigned long long)call->mem_budget);
     if (call->red) {
         gj_jit_text_put(t, "reducer %016llx n %d of", (unsigned long long)call->red->layout,
                         call->red->n);
@@ -395,13 +399,42 @@ typedef struct step_src {
     const gj_jit_walk *w;
     gj_jit_capture cap;
     bool captured;
+    size_t budget;     /* the memory budget (0: none) */
+    bool over;         /* the budget cannot be met: the run fails with over_why */
+    char over_why[300];
 } step_src;
+
+static double mib(size_t b) { return (double)b / (1024.0 * 1024.0); }
+
+/* Under a memory budget, the captured graph rewritten to fit it
+ * (plan/remat.c). 0; 1 (s->over: it cannot fit); -1 (why[] set). */
+static int step_budget(step_src *s, char *why, size_t why_cap) {
+    gj_jit_remat rm = {.budget = s->budget};
+    int rc = gj_jit_pass_remat(&s->cap.g, &rm, why, why_cap);
+    if (rc == 1) {
+        s->over = true;
+        snprintf(s->over_why, sizeof s->over_why,
+                 "gj_step_run: the memory budget of %llu bytes (%.1f MiB) cannot be met: the "
+                 "smallest peak the planner reaches is %llu bytes (%.1f MiB) of the step's "
+                 "temporaries (opts.mem_budget, GRADJIT_STEP_MEM_BUDGET_MB)",
+                 (unsigned long long)s->budget, mib(s->budget), (unsigned long long)rm.min_peak,
+                 mib(rm.min_peak));
+        snprintf(why, why_cap, "%s", s->over_why);
+    }
+    return rc;
+}
 
 static gj_jit_graph *step_capture(void *ctx, char *why, size_t why_cap, gj_ca_reason *code,
                                   bool *permanent) {
     step_src *s = ctx;
     s->captured = true;
-    if (gj_jit_capture_step(&s->cap, s->w, &s->spec) == 0) return &s->cap.g;
+    if (gj_jit_capture_step(&s->cap, s->w, &s->spec) == 0) {
+        if (s->budget == 0 || s->spec.eval) return &s->cap.g;
+        if (step_budget(s, why, why_cap) == 0) return &s->cap.g;
+        *code = GJ_CA_OTHER;
+        *permanent = false;
+        return NULL;
+    }
     snprintf(why, why_cap, "%s", s->cap.reason);
     *code = s->cap.code;
     *permanent = s->cap.permanent;
@@ -436,6 +469,21 @@ static int step_finish(void *ctx, gj_jit_program *prog) {
     if (!prog->ret) return -1;
     memcpy(prog->ret, s->cap.ret, (size_t)n * sizeof *prog->ret);
     prog->n_ret = n;
+    gj_jit_remat_stats(&s->cap.g, &prog->saved_bytes, &prog->recompute_flops, &prog->recomputed);
+    prog->budget = (int64_t)s->budget;
+    return 0;
+}
+
+/* The memory of program pr as s's last (gj_jit_cstep_memory). */
+static void note_memory(gj_jit_cstep *s, const gj_jit_program *pr) {
+    s->mem = (gj_jit_step_mem){(int64_t)pr->plan.peak_temp_bytes, pr->saved_bytes,
+                               pr->recompute_flops, pr->recomputed, pr->budget};
+    s->has_mem = true;
+}
+
+int gj_jit_cstep_memory(const gj_jit_cstep *s, gj_jit_step_mem *out) {
+    if (!s || !s->has_mem) return 1;
+    *out = s->mem;
     return 0;
 }
 
@@ -672,11 +720,17 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     src.spec = (gj_jit_step_spec){tr, loss_slot, loss, opt, call->keep_grads, eval,
                                   ti.n_extra, ti.extra_t, eval ? NULL : call->red, call->red_of};
     src.w = have_walk ? &w : NULL;
+    src.budget = call->mem_budget;
     gj_jit_source source = {step_capture, step_finish, &src, GJ_JIT_PATH_STEP,
                             call->red && call->red->zero};
     gj_jit_got got = {0};
     int g = gj_jit_get_program(&key, &source, &got);
     if (g < 0) {
+        rc = -1;
+        goto out;
+    }
+    if (g != GJ_JIT_GOT && src.over) { /* an error, not a fallback: the run fails */
+        gj_rt_set_error("%s", src.over_why);
         rc = -1;
         goto out;
     }
@@ -686,6 +740,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
         if (g == GJ_JIT_FELL) rc = 2; /* counted and reported already */
         goto out;
     }
+    note_memory(st, got.prog);
     if (variant_add(st, got.prog, tr, call, &ti, &tt, have_walk ? &w : NULL) != 0) goto oom;
     gj_jit_count_run(GJ_JIT_PATH_STEP, got.made, 0.0); /* this step ran eagerly while tracing */
     rc = 0;
@@ -858,6 +913,7 @@ static int cr_select(cstep_run *r) {
     if (!r->v) return 1; /* trace again */
     r->v->last_use = r->st->runs;
     r->pr = r->v->prog;
+    note_memory(r->st, r->pr);
     if (!checks_pass(r->v, r->call)) return -1; /* (nothing ran, nothing changed) */
     return CR_ON;
 }
