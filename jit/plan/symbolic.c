@@ -23,6 +23,7 @@
 /* ------------------------------------------------------- integer tables */
 
 bool gj_jit_generic_block_ok(const gj_jit_kernel *k) {
+    if (k->attn || k->nd <= 0) return true; /* no loop nest: nothing in column blocks */
     if ((k->red >> (k->nd - 1)) & 1u) return true; /* inner mode: no column accumulators */
     for (int s = 0; s < k->n_st; s++)
         if (k->st[s].reduce) return k->block <= GJ_JIT_MAX_RED_BLOCK;
