@@ -242,29 +242,35 @@ static void test_threads_and_no_grad(void **state) {
 
 /* A small language-model head: x [B, T, C] -> tanh(linear) -> fused head
  * over a vocabulary of V with a bias, tied to an embedding of the labels
- * (the weight read by the embedding and the head, as GPT-2 ties wte). */
+ * (the weight read by the embedding and the head, as GPT-2 ties wte). With
+ * Vp > V, wte has Vp rows (llm.c's padded vocabulary) and the head reads its
+ * first V. Untied, the head alone reads wte. */
 typedef struct lm_model {
     gj_tensor *w1, *b1, *wte, *bv;
-    int64_t C, V;
+    int64_t C, V, Vp;
+    bool untied; /* no embedding: x alone enters the linear layer */
 } lm_model;
 
 static gj_tensor *lm_loss(void *ctx, int n_in, gj_tensor *const *in) {
     lm_model *m = ctx;
     (void)n_in;
-    gj_tensor *e = gj_embedding(m->wte, in[1]); /* [B, T, C] */
-    gj_tensor *h = e ? gj_add(in[0], e) : NULL;
+    gj_tensor *e = m->untied ? NULL : gj_embedding(m->wte, in[1]); /* [B, T, C] */
+    gj_tensor *h = m->untied ? in[0] : e ? gj_add(in[0], e) : NULL;
     h = h ? gj_tanh(gj_linear(h, m->w1, m->b1)) : NULL;
-    return h ? gj_linear_cross_entropy(h, m->wte, m->bv, in[2], IGNORE) : NULL;
+    gj_tensor *w = m->Vp > m->V ? gj_narrow(m->wte, 0, 0, m->V) : m->wte;
+    return h && w ? gj_linear_cross_entropy(h, w, m->bv, in[2], IGNORE) : NULL;
 }
 
-static void lm_init(lm_model *m, uint64_t seed) {
+static void lm_init(lm_model *m, uint64_t seed, int64_t V, int64_t Vp, bool untied) {
     gjt_rng r;
     gjt_rng_seed(&r, seed);
     m->C = 24;
-    m->V = 150;
+    m->V = V;
+    m->Vp = Vp;
+    m->untied = untied;
     m->w1 = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){m->C, m->C}, -0.3, 0.3);
     m->b1 = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){m->C}, -0.1, 0.1);
-    m->wte = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){m->V, m->C}, -0.3, 0.3);
+    m->wte = gjt_uniform(&r, GJ_F32, 2, (int64_t[]){m->Vp, m->C}, -0.3, 0.3);
     m->bv = gjt_uniform(&r, GJ_F32, 1, (int64_t[]){m->V}, -0.1, 0.1);
     gj_tensor *p[4] = {m->w1, m->b1, m->wte, m->bv};
     for (int i = 0; i < 4; i++) gj_set_requires_grad(p[i], true);
@@ -274,65 +280,105 @@ static void lm_free(lm_model *m) {
     gj_release(m->w1), gj_release(m->b1), gj_release(m->wte), gj_release(m->bv);
 }
 
-/* Training steps eager and compiled (gj_step, AdamW) over batch sizes that
- * change, with two chunks of rows at the larger ones: the same losses and
- * parameters, bit for bit, the compiled steps compiled. f32 and bf16. */
+/* What lm_steps reports of one run. */
+typedef struct lm_run {
+    double loss[5];
+    double *par; /* every parameter after the steps, malloc'd */
+    int64_t n_par;
+    int64_t compiles, fallbacks;
+    int64_t planned_peak; /* compiled: the last program's planned peak */
+} lm_run;
+
+/* Five AdamW training steps of the model (vocabulary V, padded to Vp,
+ * untied or not), eager or compiled, over batch sizes that change. */
+static void lm_steps(bool eager, gj_dtype autocast, int64_t V, int64_t Vp, bool untied, lm_run *out) {
+    const int64_t Bs[] = {2, 2, 3, 1, 4};
+    lm_model m;
+    lm_init(&m, 5, V, Vp, untied);
+    gj_tensor *p[4] = {m.w1, m.b1, m.wte, m.bv};
+    gj_optim *o = gj_adamw_new(4, p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
+    gj_step_opts so = {.eager = eager, .autocast = autocast};
+    gj_step *s = gj_step_new(lm_loss, &m, o, &so);
+    assert_non_null(s);
+    gj_ca_stats s0, st;
+    gj_step_stats(&s0);
+    for (int i = 0; i < 5; i++) {
+        gjt_rng r;
+        gjt_rng_seed(&r, 300 + i);
+        int64_t sh[2] = {Bs[i], 16};
+        gj_tensor *in[3] = {gjt_uniform(&r, GJ_F32, 3, (int64_t[]){Bs[i], 16, m.C}, -1, 1),
+                            labels_of(60 + i, 2, sh, m.V, false), labels_of(80 + i, 2, sh, m.V, true)};
+        gj_scope_push();
+        gj_tensor *l = NULL;
+        if (gj_step_run(s, 3, in, &l) != 0) fail_msg("step %d: %s", i, gj_last_error());
+        out->loss[i] = gj_tensor_item(l);
+        gj_scope_pop();
+        for (int k = 0; k < 3; k++) gj_release(in[k]);
+    }
+    gj_step_stats(&st);
+    out->fallbacks = st.fallbacks - s0.fallbacks;
+    out->compiles = st.compiles + st.mem_hits + st.disk_hits + st.instantiations -
+                    (s0.compiles + s0.mem_hits + s0.disk_hits + s0.instantiations);
+    gj_step_memory mm = {0};
+    out->planned_peak = !eager && gj_step_memory_stats(s, &mm) == 0 ? mm.planned_peak_bytes : -1;
+    out->n_par = 0;
+    for (int i = 0; i < 4; i++) out->n_par += gj_tensor_numel(p[i]);
+    out->par = malloc((size_t)out->n_par * sizeof(double));
+    for (int i = 0, at = 0; i < 4; at += (int)gj_tensor_numel(p[i]), i++)
+        assert_int_equal(gj_tensor_to_f64(p[i], out->par + at), 0);
+    gj_step_free(s);
+    gj_optim_free(o);
+    lm_free(&m);
+}
+
+/* Eager's and the compiled step's runs: the same losses and parameters,
+ * bit for bit, the compiled steps compiled without a fallback. */
+static void lm_expect_same(const lm_run *e, const lm_run *c, const char *what) {
+    for (int i = 0; i < 5; i++)
+        if (memcmp(&e->loss[i], &c->loss[i], sizeof(double)) != 0)
+            fail_msg("%s: losses differ at step %d (eager %.17g, compiled %.17g)", what, i,
+                     e->loss[i], c->loss[i]);
+    assert_int_equal(e->n_par, c->n_par);
+    assert_memory_equal(e->par, c->par, (size_t)e->n_par * sizeof(double));
+    assert_int_equal(c->fallbacks, 0);
+    assert_true(c->compiles >= 5);
+}
+
+/* Training steps eager and compiled (gj_step, AdamW), with two chunks of
+ * rows at the larger batches: the same bits. f32 and bf16. */
 static void test_step_bits(void **state) {
     (void)state;
-    const int64_t Bs[] = {2, 2, 3, 1, 4};
     gj_rt_lce_test_chunk_bytes(4 * 150 * 40);
     for (int ac = 0; ac < 2; ac++) {
-        double loss[2][5];
-        double *par[2];
-        int64_t n_par = 0;
-        gj_ca_stats st = {0};
-        for (int mode = 0; mode < 2; mode++) {
-            lm_model m;
-            lm_init(&m, 5);
-            gj_tensor *p[4] = {m.w1, m.b1, m.wte, m.bv};
-            gj_optim *o = gj_adamw_new(4, p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
-            gj_step_opts so = {.eager = mode == 0, .autocast = ac ? GJ_BF16 : GJ_F32};
-            gj_step *s = gj_step_new(lm_loss, &m, o, &so);
-            assert_non_null(s);
-            gj_ca_stats s0;
-            gj_step_stats(&s0);
-            for (int i = 0; i < 5; i++) {
-                gjt_rng r;
-                gjt_rng_seed(&r, 300 + i);
-                int64_t sh[2] = {Bs[i], 16};
-                gj_tensor *in[3] = {gjt_uniform(&r, GJ_F32, 3, (int64_t[]){Bs[i], 16, m.C}, -1, 1),
-                                    labels_of(60 + i, 2, sh, m.V, false),
-                                    labels_of(80 + i, 2, sh, m.V, true)};
-                gj_scope_push();
-                gj_tensor *l = NULL;
-                if (gj_step_run(s, 3, in, &l) != 0) fail_msg("step %d: %s", i, gj_last_error());
-                loss[mode][i] = gj_tensor_item(l);
-                gj_scope_pop();
-                for (int k = 0; k < 3; k++) gj_release(in[k]);
-            }
-            gj_step_stats(&st);
-            st.fallbacks -= s0.fallbacks;
-            st.compiles += st.mem_hits + st.disk_hits + st.instantiations;
-            st.compiles -= s0.compiles + s0.mem_hits + s0.disk_hits + s0.instantiations;
-            n_par = 0;
-            for (int i = 0; i < 4; i++) n_par += gj_tensor_numel(p[i]);
-            par[mode] = malloc((size_t)n_par * sizeof(double));
-            for (int i = 0, at = 0; i < 4; at += (int)gj_tensor_numel(p[i]), i++)
-                assert_int_equal(gj_tensor_to_f64(p[i], par[mode] + at), 0);
-            gj_step_free(s);
-            gj_optim_free(o);
-            lm_free(&m);
-        }
-        for (int i = 0; i < 5; i++)
-            if (memcmp(&loss[0][i], &loss[1][i], sizeof(double)) != 0)
-                fail_msg("autocast %d: losses differ at step %d (eager %.17g, compiled %.17g)", ac,
-                         i, loss[0][i], loss[1][i]);
-        assert_memory_equal(par[0], par[1], (size_t)n_par * sizeof(double));
-        assert_int_equal(st.fallbacks, 0);
-        assert_true(st.compiles >= 5);
-        free(par[0]), free(par[1]);
+        lm_run e, c;
+        lm_steps(true, ac ? GJ_BF16 : GJ_F32, 150, 150, false, &e);
+        lm_steps(false, ac ? GJ_BF16 : GJ_F32, 150, 150, false, &c);
+        lm_expect_same(&e, &c, ac ? "bf16" : "f32");
+        free(e.par), free(c.par);
     }
     gj_rt_lce_test_chunk_bytes(0);
+}
+
+/* A padded vocabulary (the head reads the first V of wte's Vp rows), tied
+ * and untied, with eager's bits; untied, the compiled step writes the head's
+ * weight gradient straight into wte's padded gradient: no second V x C
+ * buffer, so the planned peak stays within half a gradient of the unpadded
+ * model's (tied, the embedding's gradient beside it sets the peak). */
+static void test_step_padded_vocab(void **state) {
+    (void)state;
+    const int64_t V = 2000, Vp = 2048, C = 24;
+    for (int untied = 0; untied < 2; untied++) {
+        lm_run e, c, u;
+        lm_steps(true, GJ_F32, V, Vp, untied, &e);
+        lm_steps(false, GJ_F32, V, Vp, untied, &c);
+        lm_expect_same(&e, &c, untied ? "padded vocabulary, untied" : "padded vocabulary");
+        lm_steps(false, GJ_F32, V, V, untied, &u);
+        assert_true(u.planned_peak > 0 && c.planned_peak > 0);
+        if (untied && c.planned_peak >= u.planned_peak + V * C * 4 / 2)
+            fail_msg("padded: planned peak %lld bytes, unpadded %lld: a second gradient of %lld bytes",
+                     (long long)c.planned_peak, (long long)u.planned_peak, (long long)(V * C * 4));
+        free(e.par), free(c.par), free(u.par);
+    }
 }
 
 /* Compiled autograd's backward through the head: eager's gradients bit
@@ -420,7 +466,7 @@ int main(void) {
         cmocka_unit_test(test_gradcheck_f64),       cmocka_unit_test(test_against_formula),
         cmocka_unit_test(test_bf16),                cmocka_unit_test(test_threads_and_no_grad),
         cmocka_unit_test(test_bad_input),           cmocka_unit_test(test_step_bits),
-        cmocka_unit_test(test_compiled_autograd_bits),
+        cmocka_unit_test(test_step_padded_vocab),   cmocka_unit_test(test_compiled_autograd_bits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,7 +3,7 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC11"                     magic and format version (bumped whenever
+ *   "GJJITC12"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index instructions, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
@@ -13,7 +13,9 @@
  *                                  08: hook and custom call instructions, lent kernels;
  *                                  09: generic kernels in plans that are not;
  *                                  10: bf16 GEMMs as wide products of bf16 operands;
- *                                  11: attention kernels, linear cross-entropy instructions)
+ *                                  11: attention kernels, linear cross-entropy instructions;
+ *                                  12: a linear cross-entropy's outputs at offsets,
+ *                                  x * 1 planned as x, PAD fills only its gaps)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -86,7 +88,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '1'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '2'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
@@ -396,10 +398,11 @@ static void put_fold(wbuf *b, const gj_jit_fold *x) {
 }
 
 static void put_lce(wbuf *b, const gj_jit_lce *x) {
-    int64_t v[20] = {x->dtype, x->grad, x->N, x->C, x->V, x->ignore, x->h_buf, x->w_buf,
-                     x->lab_buf, x->b_buf, x->h_off, x->w_off, x->lab_off, x->b_off,
-                     x->out_buf[0], x->out_buf[1], x->out_buf[2], x->out_buf[3]};
-    for (int k = 0; k < 18; k++) wbuf_i64(b, v[k]);
+    int64_t v[] = {x->dtype, x->grad, x->N, x->C, x->V, x->ignore, x->h_buf, x->w_buf,
+                   x->lab_buf, x->b_buf, x->h_off, x->w_off, x->lab_off, x->b_off,
+                   x->out_buf[0], x->out_buf[1], x->out_buf[2], x->out_buf[3],
+                   x->out_off[0], x->out_off[1], x->out_off[2], x->out_off[3]};
+    for (size_t k = 0; k < sizeof v / sizeof v[0]; k++) wbuf_i64(b, v[k]);
 }
 
 static void put_hook_instr(wbuf *b, const gj_jit_hook_instr *x) {

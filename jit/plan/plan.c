@@ -434,11 +434,12 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f) {
         if (st->kind == GJ_JIT_INSTR_LCE) {
             const gj_jit_lce *x = &st->lc;
             fprintf(f, "  instr %d: b%d = linear_cross_entropy(b%d+%lld, b%d+%lld, b%d+%lld, b%d+%lld) "
-                    "%s N=%lld C=%lld V=%lld ignore=%lld grads=b%d,b%d,b%d\n", s, x->out_buf[0],
-                    x->h_buf, (long long)x->h_off, x->w_buf, (long long)x->w_off, x->lab_buf,
-                    (long long)x->lab_off, x->b_buf, (long long)x->b_off, gj_rt_dtype_name(x->dtype),
-                    (long long)x->N, (long long)x->C, (long long)x->V, (long long)x->ignore,
-                    x->out_buf[1], x->out_buf[2], x->out_buf[3]);
+                    "%s N=%lld C=%lld V=%lld ignore=%lld grads=b%d+%lld,b%d+%lld,b%d+%lld\n", s,
+                    x->out_buf[0], x->h_buf, (long long)x->h_off, x->w_buf, (long long)x->w_off,
+                    x->lab_buf, (long long)x->lab_off, x->b_buf, (long long)x->b_off,
+                    gj_rt_dtype_name(x->dtype), (long long)x->N, (long long)x->C, (long long)x->V,
+                    (long long)x->ignore, x->out_buf[1], (long long)x->out_off[1], x->out_buf[2],
+                    (long long)x->out_off[2], x->out_buf[3], (long long)x->out_off[3]);
             continue;
         }
         if (st->kind == GJ_JIT_INSTR_FOLD) {

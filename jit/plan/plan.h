@@ -224,6 +224,7 @@ typedef struct gj_jit_lce {
     int h_buf, w_buf, lab_buf, b_buf;
     int64_t h_off, w_off, lab_off, b_off;
     int out_buf[4];
+    int64_t out_off[4]; /* element offsets of the outputs in their buffers */
 } gj_jit_lce;
 
 /* The buffers of x (inputs, then outputs) into b[0..8); returns how many. */

@@ -265,8 +265,57 @@ static int copy_to_buffer(planner *pl, int src, int dst, gj_jit_buf_kind kind, i
     return dst;
 }
 
+/* Is value u read only through identity nodes whose outputs stay in its
+ * buffer (plan_elementwise's x * 1)? */
+static bool read_only_as_alias(planner *pl, int u) {
+    if (pl->uses[u] != 1) return false;
+    const gj_jit_graph *g = pl->g;
+    for (int j = 0; j < g->n_nodes; j++)
+        for (int k = 0; k < g->nodes[j].inst.n_in; k++)
+            if (g->nodes[j].in[k] == u) {
+                const vinfo *o = &pl->vi[g->nodes[j].out[0]];
+                return o->kind == V_VIEW && o->buf == pl->vi[u].buf;
+            }
+    return false;
+}
+
+/* Value v placed densely at offset off of buffer b, when v is the whole of a
+ * temporary a linear cross-entropy instruction writes (its weight's
+ * gradient, padded to the padded vocabulary) that nothing else reads: the
+ * instruction writes into b instead and no copy is made. Returns that
+ * instruction, or -1 (not such a value). */
+static int retarget_lce(planner *pl, int v, int b, int64_t off, const int64_t *st) {
+    vinfo *x = &pl->vi[v];
+    const gj_rt_meta *m = vmeta(pl, v);
+    if (x->kind != V_VIEW || x->buf < 0 || x->offset != 0 || pl->uses[v] != 1) return -1;
+    const gj_jit_buffer *src = &pl->p->bufs[x->buf];
+    int w = src->writer;
+    if (src->kind != GJ_JIT_BUF_TEMP || w < 0 || pl->ps[w].kind != PS_LCE ||
+        src->numel != numel_of(m->ndim, m->shape) || src->dtype != pl->p->bufs[b].dtype)
+        return -1;
+    int64_t cs[GJ_MAX_DIMS];
+    contig_strides(m->ndim, m->shape, cs);
+    for (int k = 0; k < m->ndim; k++)
+        if (m->shape[k] > 1 && (x->strides[k] != cs[k] || st[k] != cs[k])) return -1;
+    for (int u = 0; u < pl->g->n_values; u++)
+        if (u != v && pl->vi[u].kind != V_CONST && pl->vi[u].kind != V_UNSET &&
+            pl->vi[u].buf == x->buf && !read_only_as_alias(pl, u))
+            return -1;
+    gj_jit_lce *lc = &pl->lcs[pl->ps[w].idx];
+    for (int o = 1; o < 4; o++)
+        if (lc->out_buf[o] == x->buf) {
+            lc->out_buf[o] = b;
+            lc->out_off[o] = off;
+            x->buf = b;
+            x->offset = off;
+            return w;
+        }
+    return -1;
+}
+
 /* Makes value v appear in buffer b at offset off with strides st (over v's
- * shape): an unmaterialised fused value is stored there by its own group;
+ * shape): an unmaterialised fused value is stored there by its own group, a
+ * linear cross-entropy's gradient by its instruction (retarget_lce);
  * anything else is copied. Returns the writing instruction, or -1. */
 static int place_into(planner *pl, int v, int b, int64_t off, const int64_t *st, int64_t pos) {
     vinfo *x = &pl->vi[v];
@@ -277,6 +326,8 @@ static int place_into(planner *pl, int v, int b, int64_t off, const int64_t *st,
         memcpy(x->strides, st, (size_t)m->ndim * sizeof *st);
         return pl->groups[x->group].instr;
     }
+    int w = retarget_lce(pl, v, b, off, st);
+    if (w >= 0) return w;
     return copy_into(pl, v, 0.0, m->ndim, m->shape, b, off, st, pos);
 }
 
@@ -402,11 +453,48 @@ static const char *elementwise_unsupported(planner *pl, const gj_jit_node *n) {
     return NULL;
 }
 
+/* The input of elementwise node n that n's output equals bit for bit, or
+ * -1: x * 1 (MUL by a constant 1, or MUL_SCALAR 1) of the output's dtype and
+ * shape where x is a contiguous view of a temporary read by nothing else (the
+ * backward's scale of a gradient when the loss's seed is 1). x * 1 is x for
+ * every value (-0 and NaN included), and a contiguous view is what eager's
+ * fresh output would be, so later reductions take the same order. */
+static int identity_input(planner *pl, const gj_jit_node *n) {
+    gj_rt_prim p = n->inst.prim;
+    int x = -1;
+    if (p == GJ_P_MUL_SCALAR && n->inst.scalar == 1.0) {
+        x = 0;
+    } else if (p == GJ_P_MUL && n->inst.n_in == 2) {
+        gj_dtype od = vmeta(pl, n->out[0])->dtype;
+        for (int k = 0; k < 2 && x < 0; k++) {
+            const vinfo *c = &pl->vi[n->in[k]];
+            if (c->kind == V_CONST && c->cval == 1.0 && vmeta(pl, n->in[k])->dtype == od) x = 1 - k;
+        }
+    }
+    if (x < 0) return -1;
+    int v = n->in[x];
+    const gj_rt_meta *om = vmeta(pl, n->out[0]), *m = vmeta(pl, v);
+    const vinfo *xi = &pl->vi[v];
+    if (pl->uses[v] != 1 || !gj_jit_meta_equal(m, om) || xi->kind != V_VIEW || xi->buf < 0 ||
+        pl->p->bufs[xi->buf].kind != GJ_JIT_BUF_TEMP)
+        return -1;
+    int64_t cs[GJ_MAX_DIMS];
+    contig_strides(m->ndim, m->shape, cs);
+    for (int k = 0; k < m->ndim; k++)
+        if (m->shape[k] > 1 && xi->strides[k] != cs[k]) return -1;
+    return x;
+}
+
 static int plan_elementwise(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
     const gj_rt_meta *om = vmeta(pl, n->out[0]);
     const char *bad = elementwise_unsupported(pl, n);
     if (bad) return gj_jit_pl_no_lowering(pl, n, bad);
+    int same = identity_input(pl, n);
+    if (same >= 0) { /* no instruction: the output is its input */
+        pl->vi[n->out[0]] = pl->vi[n->in[same]];
+        return 0;
+    }
     int gi = -1;
     for (int k = 0; k < n->inst.n_in && gi < 0; k++) {
         const vinfo *x = &pl->vi[n->in[k]];
@@ -945,9 +1033,10 @@ static int plan_custom(planner *pl, int i) {
 }
 
 /* PAD and CAT: a new buffer whose regions are written by the producers of
- * the pieces (stored in place when they are fused values, else copied),
- * after a zero fill for PAD. A barrier instruction joins the writers, so readers
- * of the result depend on all of them. */
+ * the pieces (stored in place when they are fused values, else copied), and
+ * for PAD zero fills of the regions before and after its piece. The writers
+ * cover disjoint regions; a barrier instruction joins them, so readers of
+ * the result depend on all of them. */
 static int plan_pad_cat(planner *pl, int i) {
     const gj_jit_node *n = &pl->g->nodes[i];
     const gj_rt_meta *om = vmeta(pl, n->out[0]);
@@ -959,17 +1048,25 @@ static int plan_pad_cat(planner *pl, int i) {
     if (barrier < 0) return gj_jit_pl_oom(pl);
     int64_t cs[GJ_MAX_DIMS];
     contig_strides(om->ndim, om->shape, cs);
-    int fill = -1;
     if (n->inst.prim == GJ_P_PAD) {
-        fill = copy_into(pl, -1, 0.0, om->ndim, om->shape, b, 0, cs, 2 * (int64_t)i);
-        if (fill < 0 || add_dep(pl, barrier, fill) != 0) return -1;
+        int64_t len = vmeta(pl, n->in[0])->shape[ax], start = n->inst.start;
+        int64_t gap_at[2] = {0, start + len}, gap_len[2] = {start, om->shape[ax] - start - len};
+        for (int q = 0; q < 2; q++) {
+            if (gap_len[q] <= 0) continue;
+            int64_t gs[GJ_MAX_DIMS];
+            memcpy(gs, om->shape, sizeof gs);
+            gs[ax] = gap_len[q];
+            int fill = copy_into(pl, -1, 0.0, om->ndim, gs, b, gap_at[q] * cs[ax], cs, 2 * (int64_t)i);
+            if (fill < 0) return -1;
+            if (add_dep(pl, barrier, fill) != 0) return gj_jit_pl_oom(pl);
+        }
     }
     int64_t at = n->inst.prim == GJ_P_PAD ? n->inst.start : 0;
     for (int k = 0; k < n->inst.n_in; k++) {
         int v = n->in[k];
         int w = place_into(pl, v, b, at * cs[ax], cs, 2 * (int64_t)i);
         if (w < 0) return -1;
-        if (add_dep(pl, barrier, w) != 0 || add_dep(pl, w, fill) != 0) return gj_jit_pl_oom(pl);
+        if (add_dep(pl, barrier, w) != 0) return gj_jit_pl_oom(pl);
         at += vmeta(pl, v)->shape[ax];
     }
     pl->p->bufs[b].writer = barrier;

@@ -362,11 +362,12 @@ static int run_lce(const gj_jit_lce *x, void **bp) {
                    .labels = (const int64_t *)bp[x->lab_buf] + x->lab_off,
                    .b = x->b_buf >= 0 ? (const char *)bp[x->b_buf] + x->b_off * (int64_t)es : NULL,
                    .loss = bp[x->out_buf[0]]};
-    if (x->grad) {
-        a.gh = bp[x->out_buf[1]];
-        a.gw = bp[x->out_buf[2]];
-        a.gb = x->out_buf[3] >= 0 ? bp[x->out_buf[3]] : NULL;
-    }
+    void *out[4] = {NULL, NULL, NULL, NULL};
+    for (int k = 1; k < 4; k++)
+        if (x->grad && x->out_buf[k] >= 0) out[k] = (char *)bp[x->out_buf[k]] + x->out_off[k] * (int64_t)es;
+    a.gh = out[1];
+    a.gw = out[2];
+    a.gb = out[3];
     return gj_rt_lce_run(&a);
 }
 
