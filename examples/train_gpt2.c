@@ -687,6 +687,7 @@ static int train(const opts *o, step_mode mode) {
     counters_reset();
     gj_mem_reset_peak();
     int64_t start = r.step;
+    int64_t first_peak = 0;
     for (; r.step < o->steps; r.step++) {
         int64_t s = r.step;
         if (stop_due(s - start, o->f.stop_after)) {
@@ -716,6 +717,12 @@ static int train(const opts *o, step_mode mode) {
             goto gj_fail;
         double ms = (now_s() - t0) * 1e3;
         gj_warmup_stats_get(&w1);
+        if (s == start) { /* the first step's peak apart (a compiled step runs it eager) */
+            gj_mem m0;
+            gj_mem_stats(&m0);
+            first_peak = m0.peak_bytes;
+            gj_mem_reset_peak();
+        }
         if (s > start) {
             r.total_ms += ms;
             r.step_ms[r.timed++] = ms;
@@ -732,10 +739,12 @@ static int train(const opts *o, step_mode mode) {
     double q[3] = {NAN, NAN, NAN};
     if (r.timed)
         quartiles(r.step_ms, r.timed, q);
+    int64_t peak = mem.peak_bytes > first_peak ? mem.peak_bytes : first_peak;
     printf("gradjit: %lld steps, %.1f ms per step after the first (median %.1f), peak tensor "
-           "memory %.1f MiB (held at most %.1f MiB%s)\n",
+           "memory %.1f MiB (%.1f MiB in the steps after the first; held at most %.1f MiB%s)\n",
            (long long)(o->steps - start), r.timed ? r.total_ms / (double)r.timed : NAN, q[1],
-           (double)mem.peak_bytes / 1048576.0, (double)mem.held_peak_bytes / 1048576.0,
+           (double)peak / 1048576.0, r.timed ? (double)mem.peak_bytes / 1048576.0 : NAN,
+           (double)mem.held_peak_bytes / 1048576.0,
            mem.limit_bytes ? ", under GRADJIT_MEM_LIMIT_MB" : "");
     gj_ca_stats ca, cs;
     counters_read(&ca, &cs);
