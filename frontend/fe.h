@@ -54,6 +54,9 @@ gj_tensor *gj_fe_optim_param(const gj_optim *o, int k);
 void gj_fe_optim_describe(const gj_optim *o, struct gj_jit_opt *out, gj_tensor **s1,
                           gj_tensor **s2, double *hyper);
 void gj_fe_optim_updated(gj_optim *o, const bool *updated);
+/* Makes the state tensors named by state[k] (bit i: state tensor i of
+ * parameter k) that do not exist yet, zero-filled. 0 or -1 (OOM). */
+int gj_fe_optim_zero_state(gj_optim *o, const unsigned *state);
 
 /* ---- settings (settings.c): the front end's GRADJIT_* variables */
 

@@ -227,6 +227,18 @@ void gj_fe_optim_updated(gj_optim *o, const bool *updated) {
         if (updated[k] && o->def->counts_steps) o->ps[k].step++;
 }
 
+int gj_fe_optim_zero_state(gj_optim *o, const unsigned *state) {
+    for (int k = 0; k < o->n; k++) {
+        opt_param *q = &o->ps[k];
+        for (int i = 0; i < o->def->n_state && i < GJ_AG_OPT_MAX_STATE; i++) {
+            if (!(state[k] & (1u << i)) || q->s[i]) continue;
+            if (!(q->s[i] = opt_state(q->p))) return -1;
+            opt_settle(q, 1u << i);
+        }
+    }
+    return 0;
+}
+
 void gj_optim_zero_grad(gj_optim *o) {
     if (!o) return;
     for (int k = 0; k < o->n; k++) gj_tensor_set_grad(o->ps[k].p, NULL);

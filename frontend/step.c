@@ -399,11 +399,18 @@ static void backward_check(gj_step *s, uint64_t rs1) {
     }
 }
 
-/* The eager step; with trace, the trace records fn and the compiler makes
- * the program before the backward. The loss goes to the scope open when
- * the run started (a detached alias: no history). */
-static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out,
-                     bool trace) {
+/* How run_eager runs the step: eagerly; traced (the trace records fn and
+ * the compiler makes the program before the backward); or only its forward
+ * traced, for the program to run the step after it (a memory budget: the
+ * eager backward would hold what the budget keeps out). */
+typedef enum run_mode { RUN_EAGER = 0, RUN_TRACE, RUN_TRACE_FORWARD } run_mode;
+
+/* The eager step, as mode says. The loss goes to the scope open when the
+ * run started (a detached alias: no history). RUN_TRACE_FORWARD: *made
+ * says whether a program was made (else the step is still to run). */
+static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out,
+                        run_mode mode, bool *made) {
+    bool trace = mode != RUN_EAGER;
     int rc = -1;
     bool reducing = false;
     gj_ag_trace *tr = NULL;
@@ -444,12 +451,17 @@ static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **los
             describe(s, &jo);
             gj_jit_step_call call = {n_in, in, &jo, s->variant, s->o.keep_grads, s->o.eval,
                                      s->o.check_every > 0, s->red, s->red_of,
-                                     s->o.mem_budget};
+                                     s->o.mem_budget, false};
             gj_ca_reason code;
             char jwhy[300];
-            if (gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy) < 0)
-                goto done;
+            int pr = gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy);
+            if (pr < 0) goto done;
+            if (made) *made = pr == 0;
         }
+    }
+    if (mode == RUN_TRACE_FORWARD) { /* the forward freed unused; nothing updated */
+        rc = 0;
+        goto done;
     }
     if (!s->o.eval) {
         reducing = s->red != NULL; /* (the backward's hooks start the reducer's buckets) */
@@ -484,6 +496,11 @@ done:
     }
     if (rc == 0 && loss_out && !(*loss_out = gj_fe_own(keep))) rc = -1;
     return rc;
+}
+
+static int run_eager(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out,
+                     bool trace) {
+    return run_eager_as(s, n_in, in, loss_out, trace ? RUN_TRACE : RUN_EAGER, NULL);
 }
 
 /* Check mode: traces fn again on this run's inputs (its forward runs
@@ -594,7 +611,7 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     gj_jit_opt jo;
     describe(s, &jo);
     gj_jit_step_call call = {n_in, in, &jo, variant, s->o.keep_grads, s->o.eval,
-                             s->o.check_every > 0, s->red, s->red_of, s->o.mem_budget};
+                             s->o.check_every > 0, s->red, s->red_of, s->o.mem_budget, false};
     s->compiled_runs++;
     if (s->o.check_every > 0 && s->compiled_runs % s->o.check_every == 0 &&
         check_trace(s, &call) != 0)
@@ -604,6 +621,28 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     gj_rng_get_state(&seed, &counter);
     gj_tensor *loss = NULL;
     int r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
+    if (r == 1 && s->o.mem_budget > 0 && !s->o.eval) {
+        /* a new variant under a budget: its forward traced, then the program
+         * runs the step (the same bits), or the eager step without one */
+        bool made = false;
+        if (run_eager_as(s, n_in, in, NULL, RUN_TRACE_FORWARD, &made) != 0) return -1;
+        gj_rng_set_state(seed, counter);
+        if (!made || s->eager_only) return run_eager(s, n_in, in, loss_out, false);
+        /* the state a first update makes (zeros, as it would read them) */
+        unsigned *need = gj_rt_calloc((size_t)s->n + 1, sizeof *need);
+        if (!need) return -1;
+        gj_jit_cstep_state_read(s->jit, s->n, need);
+        int zs = gj_fe_optim_zero_state(s->opt, need);
+        gj_rt_free(need);
+        if (zs != 0) return -1;
+        describe(s, &jo); /* (the new state tensors) */
+        call.after_trace = true;
+        r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
+        if (r == 1) {
+            gj_rt_set_error("gj_step_run: internal: the program made by the trace was not selected");
+            return -1;
+        }
+    }
     if (r < 0) return -1;
     if (r == 1) return run_eager(s, n_in, in, loss_out, true); /* trace (a new variant) */
     if (r == 3) { /* user code in the program tripped a guard: nothing updated */

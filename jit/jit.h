@@ -188,6 +188,7 @@ typedef struct gj_jit_step_call {
     const int *red_of;         /* with red: per parameter of opt, its index in red or -1 */
     size_t mem_budget;         /* > 0: the most temporary bytes the program may hold at once
                                   (plan/remat.c); 0: none */
+    bool after_trace;          /* the run of a step whose trace counted it already */
 } gj_jit_step_call;
 
 /* After the traced (eager) forward of a step, before its backward: makes
@@ -224,6 +225,11 @@ int gj_jit_cstep_run(gj_jit_cstep *s, const gj_jit_step_call *call, gj_tensor **
  * program (a hook) failed (transient) or did what a program cannot follow
  * (record_stream, set_ on a tensor of the step, a .grad removed or of
  * another shape: permanent, the step should run eagerly from then on). */
+/* The optimizer state the newest variant's program reads: bit i of
+ * state[k] for state tensor i of parameter k (n_params entries). A step
+ * whose trace ran only the forward makes it (zeros) before the program's
+ * first run. */
+void gj_jit_cstep_state_read(const gj_jit_cstep *s, int n_params, unsigned *state);
 void gj_jit_cstep_last_trip(const gj_jit_cstep *s, gj_ca_reason *code, bool *permanent,
                             char *why, size_t cap);
 

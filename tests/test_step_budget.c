@@ -10,6 +10,8 @@
  * step reports what it recomputes; a budget too small fails the run with
  * the smallest peak the planner reaches, and that peak is then a budget
  * it meets; no budget (0) is today's program; bad arguments are refused.
+ * Under a budget the first run traces the forward only and runs the program
+ * it made: it holds less than the eager step does.
  */
 #include "gjtest.h"
 
@@ -155,6 +157,7 @@ typedef struct result {
     double *params;
     int64_t n_params;
     int64_t peak;       /* the most bytes a compiled run (not the first) added */
+    int64_t first_peak; /* the most bytes the first run added */
     gj_step_memory mem; /* after the last run (compiled steps) */
     int rc;             /* the first failing run's code (0: none) */
     char err[512];
@@ -203,6 +206,7 @@ static result run_ck(kind k, bool eager, size_t budget, bool ckpt) {
             break;
         }
         if (i > 0 && m1.peak_bytes - m0.live_bytes > res.peak) res.peak = m1.peak_bytes - m0.live_bytes;
+        if (i == 0) res.first_peak = m1.peak_bytes - m0.live_bytes;
         res.loss[i] = gj_tensor_item(loss);
         gj_scope_pop();
     }
@@ -249,11 +253,16 @@ static void half_budget(kind k, const char *what) {
     if (s.fallbacks) fail_msg("%s: %s", what, gj_compiled_autograd_last_fallback());
     same(what, &e, &c);
     print_message("  %s: planned peak %lld bytes unbudgeted (run %lld, saved %lld); budget %zu: "
-                  "planned %lld, run %lld, saved %lld, %lld values and %.0f FLOPs recomputed\n",
+                  "planned %lld, run %lld, saved %lld, %lld values and %.0f FLOPs recomputed; "
+                  "first run %lld (eager %lld)\n",
                   what, (long long)full.mem.planned_peak_bytes, (long long)full.peak,
                   (long long)full.mem.saved_bytes, budget, (long long)c.mem.planned_peak_bytes,
                   (long long)c.peak, (long long)c.mem.saved_bytes,
-                  (long long)c.mem.recomputed_values, c.mem.recompute_flops);
+                  (long long)c.mem.recomputed_values, c.mem.recompute_flops,
+                  (long long)c.first_peak, (long long)e.first_peak);
+    /* the first run traces the forward only and runs the program: it holds
+     * less than the eager step (whose backward the budget would not bound) */
+    assert_true(c.first_peak > 0 && c.first_peak < e.first_peak);
     assert_int_equal(c.mem.budget_bytes, (int64_t)budget);
     assert_true(c.mem.planned_peak_bytes <= (int64_t)budget);
     assert_true(c.peak > 0 && c.peak <= (int64_t)budget);

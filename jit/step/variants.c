@@ -742,7 +742,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
     }
     note_memory(st, got.prog);
     if (variant_add(st, got.prog, tr, call, &ti, &tt, have_walk ? &w : NULL) != 0) goto oom;
-    gj_jit_count_run(GJ_JIT_PATH_STEP, got.made, 0.0); /* this step ran eagerly while tracing */
+    gj_jit_count_run(GJ_JIT_PATH_STEP, got.made, 0.0); /* this step: traced (and run) */
     rc = 0;
     goto out;
 oom:
@@ -997,7 +997,8 @@ static int cr_exec(cstep_run *r) {
     if (er != 0) return er == 3 ? 3 : -1;
     const gj_jit_reducer *red = r->call->red;
     if (r->v->reduced && red->after && red->after(red->ctx) != 0) return -1;
-    gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - r->t0); /* it ran */
+    if (!r->call->after_trace) /* it ran (else its trace counted the step) */
+        gj_jit_count_run(GJ_JIT_PATH_STEP, GJ_JIT_MADE_MEM_HIT, gj_jit_now_ms() - r->t0);
     return CR_ON;
 }
 
@@ -1074,6 +1075,17 @@ int gj_jit_cstep_run(gj_jit_cstep *st, const gj_jit_step_call *call, gj_tensor *
     if (rc == CR_ON) rc = cr_results(&r);
     cr_free(&r);
     return rc;
+}
+
+void gj_jit_cstep_state_read(const gj_jit_cstep *st, int n_params, unsigned *state) {
+    for (int k = 0; k < n_params; k++) state[k] = 0;
+    if (st->n_v == 0) return;
+    const gj_jit_program *pr = st->v[st->n_v - 1].prog;
+    for (int i = 0; i < pr->n_inputs; i++) {
+        int kind = pr->inputs[i].node, k = pr->inputs[i].slot;
+        if ((kind == GJ_JIT_STEPIN_STATE1 || kind == GJ_JIT_STEPIN_STATE2) && k >= 0 && k < n_params)
+            state[k] |= 1u << (kind - GJ_JIT_STEPIN_STATE1);
+    }
 }
 
 void gj_jit_cstep_last_trip(const gj_jit_cstep *st, gj_ca_reason *code, bool *permanent,
