@@ -55,8 +55,17 @@
 
 /* Every function is inlined into its caller, so the caller's target (an
  * eager kernel's per-CPU clone, or the JIT's host) compiles it, and the
- * JIT's constants reach every loop. */
+ * JIT's constants reach every loop; the tiles' small loops are unrolled.
+ * Not in the sanitizer builds (GJ_NO_UNROLL): instrumented, that code takes
+ * the compiler many minutes. Neither changes an operation or its order:
+ * the same bits. */
+#ifdef GJ_NO_UNROLL
+#define GJ_ATTN_INLINE static inline
+#define GJ_ATTN_UNROLL
+#else
 #define GJ_ATTN_INLINE static inline __attribute__((always_inline))
+#define GJ_ATTN_UNROLL _Pragma("GCC unroll 8")
+#endif
 
 #define GJ_ATTN_BR GJ_ATTN_BLOCK /* queries per block */
 #define GJ_ATTN_BC GJ_ATTN_BLOCK /* keys per block */

@@ -41,24 +41,24 @@ GJ_ATTN_INLINE void GJ_ATTN_FN(load_rows)(GJ_ATTN_A *restrict tile, const GJ_ATT
     do {                                                                                       \
         for (; r + (R_) <= n; r += (R_)) {                                                     \
             GJ_ATTN_V c[R_][NV_];                                                              \
-            _Pragma("GCC unroll 8") for (int q = 0; q < (R_); q++)                                                     \
-                _Pragma("GCC unroll 8") for (int v = 0; v < (NV_); v++) {                                              \
+            GJ_ATTN_UNROLL for (int q = 0; q < (R_); q++)                                      \
+                GJ_ATTN_UNROLL for (int v = 0; v < (NV_); v++) {                               \
                     c[q][v] = (GJ_ATTN_V){0};                                                  \
                     if (add)                                                                   \
                         c[q][v] = *(const GJ_ATTN_VU *)(C + (r + q) * ldc + v * GJ_ATTN_VL);   \
                 }                                                                              \
             for (int64_t k = 0; k < K; k++) {                                                  \
                 GJ_ATTN_V bv[NV_];                                                             \
-                _Pragma("GCC unroll 8") for (int v = 0; v < (NV_); v++)                                                \
+                GJ_ATTN_UNROLL for (int v = 0; v < (NV_); v++)                                 \
                     bv[v] = *(const GJ_ATTN_VU *)(B + k * ldb + v * GJ_ATTN_VL);               \
-                _Pragma("GCC unroll 8") for (int q = 0; q < (R_); q++) {                                               \
+                GJ_ATTN_UNROLL for (int q = 0; q < (R_); q++) {                                \
                     GJ_ATTN_V a = A[(r + q) * ars + k * aks] - (GJ_ATTN_V){0};                 \
-                    _Pragma("GCC unroll 8") for (int v = 0; v < (NV_); v++)                                            \
+                    GJ_ATTN_UNROLL for (int v = 0; v < (NV_); v++)                             \
                         c[q][v] = GJ_ATTN_VFMA(a, bv[v], c[q][v]);                             \
                 }                                                                              \
             }                                                                                  \
-            _Pragma("GCC unroll 8") for (int q = 0; q < (R_); q++)                                                     \
-                _Pragma("GCC unroll 8") for (int v = 0; v < (NV_); v++)                                                \
+            GJ_ATTN_UNROLL for (int q = 0; q < (R_); q++)                                      \
+                GJ_ATTN_UNROLL for (int v = 0; v < (NV_); v++)                                 \
                     *(GJ_ATTN_VU *)(C + (r + q) * ldc + v * GJ_ATTN_VL) = c[q][v];             \
         }                                                                                      \
     } while (0)
