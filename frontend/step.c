@@ -400,16 +400,18 @@ static void backward_check(gj_step *s, uint64_t rs1) {
 }
 
 /* How run_eager runs the step: eagerly; traced (the trace records fn and
- * the compiler makes the program before the backward); or only its forward
- * traced, for the program to run the step after it (a memory budget: the
- * eager backward would hold what the budget keeps out). */
+ * the compiler makes the program before the backward); or traced and, when
+ * the trace made a program that runs no user code, stopped after the
+ * forward for that program to run the step (a memory budget: the eager
+ * backward would hold what the budget keeps out). */
 typedef enum run_mode { RUN_EAGER = 0, RUN_TRACE, RUN_TRACE_FORWARD } run_mode;
 
 /* The eager step, as mode says. The loss goes to the scope open when the
- * run started (a detached alias: no history). RUN_TRACE_FORWARD: *made
- * says whether a program was made (else the step is still to run). */
+ * run started (a detached alias: no history). RUN_TRACE_FORWARD: *stopped
+ * says whether it stopped after the forward (nothing updated, no loss: the
+ * program is to run the step), else the step ran whole. */
 static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out,
-                        run_mode mode, bool *made) {
+                        run_mode mode, bool *stopped) {
     bool trace = mode != RUN_EAGER;
     int rc = -1;
     bool reducing = false;
@@ -456,12 +458,12 @@ static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **
             char jwhy[300];
             int pr = gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy);
             if (pr < 0) goto done;
-            if (made) *made = pr == 0;
+            if (mode == RUN_TRACE_FORWARD && pr == 0 && gj_jit_cstep_newest_plain(s->jit)) {
+                *stopped = true; /* the forward freed unused */
+                rc = 0;
+                goto done;
+            }
         }
-    }
-    if (mode == RUN_TRACE_FORWARD) { /* the forward freed unused; nothing updated */
-        rc = 0;
-        goto done;
     }
     if (!s->o.eval) {
         reducing = s->red != NULL; /* (the backward's hooks start the reducer's buckets) */
@@ -494,7 +496,7 @@ done:
         (void)s->red->end(s->red->ctx);
         gj_rt_set_error("%s", err);
     }
-    if (rc == 0 && loss_out && !(*loss_out = gj_fe_own(keep))) rc = -1;
+    if (rc == 0 && loss_out && keep && !(*loss_out = gj_fe_own(keep))) rc = -1;
     return rc;
 }
 
@@ -623,11 +625,12 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     int r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
     if (r == 1 && s->o.mem_budget > 0 && !s->o.eval) {
         /* a new variant under a budget: its forward traced, then the program
-         * runs the step (the same bits), or the eager step without one */
-        bool made = false;
-        if (run_eager_as(s, n_in, in, NULL, RUN_TRACE_FORWARD, &made) != 0) return -1;
+         * runs the step (the same bits); or the traced step ran whole (no
+         * program, or one with user code, whose eager run the trace checks) */
+        bool stopped = false;
+        if (run_eager_as(s, n_in, in, loss_out, RUN_TRACE_FORWARD, &stopped) != 0) return -1;
+        if (!stopped) return 0;
         gj_rng_set_state(seed, counter);
-        if (!made || s->eager_only) return run_eager(s, n_in, in, loss_out, false);
         /* the state a first update makes (zeros, as it would read them) */
         unsigned *need = gj_rt_calloc((size_t)s->n + 1, sizeof *need);
         if (!need) return -1;

@@ -230,6 +230,10 @@ int gj_jit_cstep_run(gj_jit_cstep *s, const gj_jit_step_call *call, gj_tensor **
  * whose trace ran only the forward makes it (zeros) before the program's
  * first run. */
 void gj_jit_cstep_state_read(const gj_jit_cstep *s, int n_params, unsigned *state);
+/* Whether the newest variant's program runs no user code (hooks, custom
+ * ops' calls) and no reducer: the program alone can run the step whose
+ * trace made it, with nothing of the eager backward to check. */
+bool gj_jit_cstep_newest_plain(const gj_jit_cstep *s);
 void gj_jit_cstep_last_trip(const gj_jit_cstep *s, gj_ca_reason *code, bool *permanent,
                             char *why, size_t cap);
 

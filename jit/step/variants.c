@@ -1088,6 +1088,12 @@ void gj_jit_cstep_state_read(const gj_jit_cstep *st, int n_params, unsigned *sta
     }
 }
 
+bool gj_jit_cstep_newest_plain(const gj_jit_cstep *st) {
+    if (st->n_v == 0) return false;
+    const variant *v = &st->v[st->n_v - 1];
+    return !v->reduced && v->prog->n_hooks == 0 && v->prog->n_calls == 0;
+}
+
 void gj_jit_cstep_last_trip(const gj_jit_cstep *st, gj_ca_reason *code, bool *permanent,
                             char *why, size_t cap) {
     *code = st->trip_code;
