@@ -922,8 +922,11 @@ GJ_API int gj_compiled_autograd_last_program(gj_ca_program_info *out);
  * the loss (a step input or a tensor the function captures: accumulated,
  * as gj_backward does). One exception: a NaN's sign and payload bits may
  * differ (the program may fuse the operations that made it).
- * Its first run (and the first with new input shapes) runs exactly that
- * eagerly while it traces fn, and compiles; later runs run the program
+ * Its first run (and the first with new input shapes) runs fn eagerly
+ * while it traces it, and compiles, and the program runs that step's
+ * backward and update (with the eager step's bits; where the program calls
+ * hooks, custom ops or a reducer, the eager backward and update finish the
+ * first step); later runs run the program
  * without calling fn, after checking the guards of what the trace saw
  * (shapes, dtypes and layouts; which inputs, parameters and captured
  * tensors were the same tensor or shared memory; which required grad;

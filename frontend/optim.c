@@ -232,8 +232,11 @@ int gj_fe_optim_zero_state(gj_optim *o, const unsigned *state) {
         opt_param *q = &o->ps[k];
         for (int i = 0; i < o->def->n_state && i < GJ_AG_OPT_MAX_STATE; i++) {
             if (!(state[k] & (1u << i)) || q->s[i]) continue;
-            if (!(q->s[i] = opt_state(q->p))) return -1;
-            opt_settle(q, 1u << i);
+            /* zeroed storage: memory new from the system is zero already,
+             * so the program's first update is its first toucher */
+            const gj_tensor *p = q->p;
+            if (!(q->s[i] = gj_rt_tensor_new(gj_ag_opt_dtype(p->dtype), p->ndim, p->shape)))
+                return -1;
         }
     }
     return 0;

@@ -402,8 +402,10 @@ static void backward_check(gj_step *s, uint64_t rs1) {
 /* How run_eager runs the step: eagerly; traced (the trace records fn and
  * the compiler makes the program before the backward); or traced and, when
  * the trace made a program that runs no user code, stopped after the
- * forward for that program to run the step (a memory budget: the eager
- * backward would hold what the budget keeps out). */
+ * forward for that program to run the step (a training step's first run:
+ * the eager backward and update would touch a second set of buffers, in
+ * the eager engine's sizes, and hold what a memory budget keeps out; the
+ * program's run touches its own, which every later run reuses). */
 typedef enum run_mode { RUN_EAGER = 0, RUN_TRACE, RUN_TRACE_FORWARD } run_mode;
 
 /* The eager step, as mode says. The loss goes to the scope open when the
@@ -488,8 +490,10 @@ done:
     proxies_free(n_in, px);
     /* A traced run is an eager step: the blocks it freed, cached for reuse,
      * are the eager step's sizes, which the program's buffers mostly are
-     * not; returned now, the step holds no more than the eager step does */
-    if (trace) gj_rt_alloc_release_cache();
+     * not; returned now, the step holds no more than the eager step does.
+     * (Stopped after the forward, the program's run takes what it can of
+     * them first: run_after_trace.) */
+    if (trace && !(stopped && *stopped)) gj_rt_alloc_release_cache();
     if (reducing) { /* a failed backward: nothing of the reducer's left in flight */
         char err[512];
         snprintf(err, sizeof err, "%s", gj_last_error());
@@ -572,6 +576,35 @@ int gj_step_run(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out
     return gj_step_run_variant(s, 0, n_in, in, loss_out);
 }
 
+/* The first run of a program whose trace stopped after the forward: the
+ * optimizer state a first update makes (zeros, as it would read them),
+ * then the program runs the step (the caller has put the generator back
+ * where the step started), its buffers taken from the blocks the traced
+ * forward freed where their sizes allow; what it left of those goes back
+ * to the system, so the cache then holds what every later run leaves.
+ * gj_jit_cstep_run's result. */
+static int run_after_trace(gj_step *s, gj_jit_step_call *call, gj_jit_opt *jo,
+                           gj_tensor **loss) {
+    uint64_t mark = gj_rt_alloc_cache_mark(); /* the forward's blocks are older */
+    int r = -1;
+    unsigned *need = gj_rt_calloc((size_t)s->n + 1, sizeof *need);
+    if (!need) goto done;
+    gj_jit_cstep_state_read(s->jit, s->n, need);
+    int zs = gj_fe_optim_zero_state(s->opt, need);
+    gj_rt_free(need);
+    if (zs != 0) goto done;
+    describe(s, jo); /* (the new state tensors) */
+    call->after_trace = true;
+    r = gj_jit_cstep_run(s->jit, call, loss, s->updated, s->o.keep_grads ? s->grads : NULL);
+    if (r == 1) {
+        gj_rt_set_error("gj_step_run: internal: the program made by the trace was not selected");
+        r = -1;
+    }
+done:
+    gj_rt_alloc_release_cache_before(mark);
+    return r;
+}
+
 int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const *in,
                         gj_tensor **loss_out) {
     const char *op = "gj_step_run";
@@ -623,28 +656,12 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     gj_rng_get_state(&seed, &counter);
     gj_tensor *loss = NULL;
     int r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
-    if (r == 1 && s->o.mem_budget > 0 && !s->o.eval) {
-        /* a new variant under a budget: its forward traced, then the program
-         * runs the step (the same bits); or the traced step ran whole (no
-         * program, or one with user code, whose eager run the trace checks) */
+    if (r == 1 && !s->o.eval) { /* a new variant: traced, then run by its program */
         bool stopped = false;
         if (run_eager_as(s, n_in, in, loss_out, RUN_TRACE_FORWARD, &stopped) != 0) return -1;
-        if (!stopped) return 0;
+        if (!stopped) return 0; /* the traced step ran whole */
         gj_rng_set_state(seed, counter);
-        /* the state a first update makes (zeros, as it would read them) */
-        unsigned *need = gj_rt_calloc((size_t)s->n + 1, sizeof *need);
-        if (!need) return -1;
-        gj_jit_cstep_state_read(s->jit, s->n, need);
-        int zs = gj_fe_optim_zero_state(s->opt, need);
-        gj_rt_free(need);
-        if (zs != 0) return -1;
-        describe(s, &jo); /* (the new state tensors) */
-        call.after_trace = true;
-        r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
-        if (r == 1) {
-            gj_rt_set_error("gj_step_run: internal: the program made by the trace was not selected");
-            return -1;
-        }
+        r = run_after_trace(s, &call, &jo, &loss);
     }
     if (r < 0) return -1;
     if (r == 1) return run_eager(s, n_in, in, loss_out, true); /* trace (a new variant) */

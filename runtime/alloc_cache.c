@@ -39,6 +39,9 @@
  *     follows from its class alone, so every path that frees one knows how.
  *     A new mapping is zero and untouched: gj_rt_cache_alloc says so
  *     (*fresh), and the zero-filling allocation (alloc.c) skips its memset.
+ *   - Every cached block carries the era it was cached in (g_era, moved on
+ *     by gj_rt_alloc_cache_mark), so the blocks of one phase that the next
+ *     did not reuse can be returned alone (gj_rt_alloc_release_cache_before).
  */
 #include "runtime/rt.h"
 
@@ -74,6 +77,7 @@
 
 typedef struct free_node {
     void *p;
+    uint64_t era; /* g_era when it was cached */
     struct free_node *next;
 } free_node;
 
@@ -100,6 +104,7 @@ static rec **g_rtab;          /* record table: data pointer -> rec */
 static size_t g_rtab_n, g_nrec;
 static rec *g_deferred;
 static atomic_int g_n_deferred; /* read without the lock to skip polling */
+static uint64_t g_era;          /* gj_rt_alloc_cache_mark's count */
 
 /* Class of a request of n bytes: its index and block size. */
 static size_t class_of(size_t n, int *idx) {
@@ -248,6 +253,7 @@ static void cache_put_locked(void *p, size_t c, int idx) {
     }
     POISON(p, c);
     fn->p = p;
+    fn->era = g_era;
     fn->next = g_free[idx];
     g_free[idx] = fn;
     g_cached_bytes += (int64_t)c;
@@ -308,6 +314,35 @@ void gj_rt_alloc_release_cache(void) {
     pthread_mutex_lock(&g_mu);
     poll_locked();
     release_locked();
+    pthread_mutex_unlock(&g_mu);
+}
+
+uint64_t gj_rt_alloc_cache_mark(void) {
+    pthread_mutex_lock(&g_mu);
+    poll_locked();
+    uint64_t m = ++g_era;
+    pthread_mutex_unlock(&g_mu);
+    return m;
+}
+
+void gj_rt_alloc_release_cache_before(uint64_t mark) {
+    pthread_mutex_lock(&g_mu);
+    poll_locked();
+    for (int i = 0; i < (int)N_CLASSES; i++) {
+        size_t c = class_size(i);
+        for (free_node **pp = &g_free[i]; *pp;) {
+            free_node *fn = *pp;
+            if (fn->era >= mark) {
+                pp = &fn->next;
+                continue;
+            }
+            *pp = fn->next;
+            block_release(fn->p, c);
+            free(fn);
+            g_cached_bytes -= (int64_t)c;
+            g_held_bytes -= (int64_t)c;
+        }
+    }
     pthread_mutex_unlock(&g_mu);
 }
 

@@ -10,16 +10,17 @@
  *     primitives (RESHAPE of a contiguous input, PERMUTE, EXPAND, SLICE),
  *     which share the input's storage.
  *   - Outputs are allocated uninitialised (gj_rt_tensor_empty) when the
- *     kernel writes every element, zero-filled (gj_rt_tensor_new) for PAD
- *     and SCATTER_ADD_ROWS.
+ *     kernel writes every element, zero (gj_rt_tensor_new) for PAD, and
+ *     zero-filled for SCATTER_ADD_ROWS even when the block is new from the
+ *     system: the scatter writes a few rows, and the pages it left
+ *     untouched would be first touched by whichever later step reuses the
+ *     block.
  *   - On any failure every output allocated so far is released, outs[] is
  *     all NULL, the error is set, and -1 is returned.
  */
 #include "runtime/kernels.h"
 
-static bool gj_k_needs_zero(gj_rt_prim p) {
-    return p == GJ_P_PAD || p == GJ_P_SCATTER_ADD_ROWS;
-}
+static bool gj_k_needs_zero(gj_rt_prim p) { return p == GJ_P_PAD; }
 
 /* Test instrumentation: executions per primitive (relaxed counters). */
 static atomic_llong g_exec_count[GJ_P_COUNT];
@@ -85,6 +86,9 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
                                      : gj_rt_tensor_empty(om[k].dtype, om[k].ndim, om[k].shape);
         if (!outs[k])
             goto fail;
+        if (p == GJ_P_SCATTER_ADD_ROWS)
+            gj_rt_zero_fill(gj_rt_data_ptr(outs[k]),
+                            (size_t)outs[k]->numel * gj_rt_dtype_size(outs[k]->dtype));
     }
 
     int rc;

@@ -510,6 +510,11 @@ void gj_rt_cache_free(void *p, size_t nbytes);
 int64_t gj_rt_cache_bytes(void);
 /* Frees every cached block (deferred ones stay until their streams pass). */
 void gj_rt_alloc_release_cache(void);
+/* A mark of the cache's contents: blocks cached from now on are newer.
+ * gj_rt_alloc_release_cache_before returns to the system the cached blocks
+ * older than mark (those cached before it and not handed out since). */
+uint64_t gj_rt_alloc_cache_mark(void);
+void gj_rt_alloc_release_cache_before(uint64_t mark);
 /* The data block p (from gj_rt_alloc_data) is in use on stream s: when it
  * is freed, it waits for s. 0 or -1 (OOM, error set). */
 int gj_rt_cache_record_stream(void *p, gj_stream *s);

@@ -17,6 +17,11 @@
  *     parameter and state equal, bit for bit, an update run on explicitly
  *     zero-filled state; the interpreter run on state full of NaN marked
  *     as zero gives those bits too (it never reads it).
+ *   - A compiled step's first run is its program's first run: the traced
+ *     forward is eager, the program runs the backward and the update, so
+ *     the runs after it map no new memory (their buffers are the first
+ *     run's, cached), the first run's peak is not above the eager step's,
+ *     and losses and parameters equal the eager step's bit for bit.
  */
 #include "gjtest.h"
 
@@ -28,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #define MIB ((int64_t)1 << 20)
 
@@ -213,6 +219,101 @@ static void test_adamw_first_writer(void **state) {
     free(p0), free(g0);
 }
 
+/* An embedding and an MLP whose table, first weight and hidden
+ * activations are large blocks. */
+enum { FT_B = 256, FT_V = 8192, FT_IN = 512, FT_H = 2048, FT_OUT = 10, FT_STEPS = 4, FT_NP = 5 };
+
+static gj_tensor *ft_loss(void *ctx, int n_in, gj_tensor *const *in) {
+    gj_tensor *const *p = ctx;
+    (void)n_in;
+    gj_tensor *h = gj_gelu(gj_linear(gj_embedding(p[4], in[0]), p[0], p[1]));
+    return gj_cross_entropy(gj_linear(h, p[2], p[3]), in[1]);
+}
+
+static long minor_faults(void) {
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_minflt;
+}
+
+static void test_step_first_run(void **state) {
+    (void)state;
+    double loss[2][FT_STEPS];
+    int64_t peak0[2], new_later[2], zeroed0[2];
+    long faults[2][FT_STEPS];
+    gj_set_hugepages(false); /* 4 KiB pages: a page left untouched is a fault later */
+    float *fin[2];
+    int64_t nfin = 0;
+    for (int mode = 0; mode < 2; mode++) {
+        gjt_rng r;
+        gjt_rng_seed(&r, 5);
+        gj_tensor *p[FT_NP] = {gjt_uniform(&r, GJ_F32, 2, (int64_t[]){FT_H, FT_IN}, -.05, .05),
+                               gjt_uniform(&r, GJ_F32, 1, (int64_t[]){FT_H}, -.05, .05),
+                               gjt_uniform(&r, GJ_F32, 2, (int64_t[]){FT_OUT, FT_H}, -.05, .05),
+                               gjt_uniform(&r, GJ_F32, 1, (int64_t[]){FT_OUT}, -.05, .05),
+                               gjt_uniform(&r, GJ_F32, 2, (int64_t[]){FT_V, FT_IN}, -.5, .5)};
+        for (int k = 0; k < FT_NP; k++) assert_int_equal(gj_set_requires_grad(p[k], true), 0);
+        gj_optim *o = gj_adamw_new(FT_NP, p, 1e-3, 0.9, 0.999, 1e-8, 0.01);
+        gj_step_opts so = {.eager = mode == 0};
+        gj_step *s = gj_step_new(ft_loss, p, o, &so);
+        assert_non_null(s);
+        gj_mem_release_cache();
+        new_later[mode] = 0;
+        for (int i = 0; i < FT_STEPS; i++) {
+            gj_scope_push();
+            int64_t b = FT_B;
+            gj_tensor *in[2] = {gjt_labels(&r, 1, &b, FT_V), gjt_labels(&r, 1, &b, FT_OUT)};
+            gj_mem m0;
+            gj_mem_stats(&m0);
+            gj_mem_reset_peak();
+            gj_warmup_stats w0 = warm_now();
+            long f0 = minor_faults();
+            gj_tensor *l = NULL;
+            if (gj_step_run(s, 2, in, &l) != 0) fail_msg("step %d: %s", i, gj_last_error());
+            faults[mode][i] = minor_faults() - f0;
+            gj_warmup_stats w1 = warm_now();
+            gj_mem m1;
+            gj_mem_stats(&m1);
+            if (i == 0) peak0[mode] = m1.peak_bytes - m0.live_bytes;
+            if (i == 0) zeroed0[mode] = w1.zeroed_bytes - w0.zeroed_bytes;
+            if (i >= 1) new_later[mode] += w1.new_bytes - w0.new_bytes;
+            loss[mode][i] = gj_tensor_item(l);
+            gj_scope_pop();
+        }
+        if (mode == 1) {
+            gj_ca_stats c;
+            gj_step_stats(&c);
+            if (c.fallbacks) fail_msg("%s", gj_compiled_autograd_last_fallback());
+        }
+        nfin = 0;
+        for (int k = 0; k < FT_NP; k++) nfin += gj_tensor_numel(p[k]);
+        fin[mode] = malloc((size_t)nfin * sizeof(float));
+        for (int k = 0, at = 0; k < FT_NP; k++) {
+            assert_int_equal(gj_tensor_to_f32(p[k], fin[mode] + at), 0);
+            at += (int)gj_tensor_numel(p[k]);
+        }
+        gj_step_free(s);
+        gj_optim_free(o);
+        for (int k = 0; k < FT_NP; k++) gj_release(p[k]);
+    }
+    print_message("  first step's peak %lld bytes eager, %lld compiled, zero-filled %lld eager, "
+                  "%lld compiled; new bytes in later steps %lld eager, %lld compiled\n",
+                  (long long)peak0[0], (long long)peak0[1], (long long)zeroed0[0],
+                  (long long)zeroed0[1], (long long)new_later[0], (long long)new_later[1]);
+    assert_memory_equal(loss[0], loss[1], sizeof loss[0]);
+    assert_memory_equal(fin[0], fin[1], (size_t)nfin * sizeof(float));
+    print_message("  page faults per step: eager %ld %ld %ld %ld, compiled %ld %ld %ld %ld\n",
+                  faults[0][0], faults[0][1], faults[0][2], faults[0][3], faults[1][0],
+                  faults[1][1], faults[1][2], faults[1][3]);
+    assert_int_equal(new_later[1], 0);
+    assert_true(peak0[1] <= peak0[0]);
+    /* the second step touches no page the first left for it: the table's
+     * gradient (4096 pages, a few rows scattered) was touched whole */
+    for (int mode = 0; mode < 2; mode++) assert_true(faults[mode][1] <= faults[mode][2] + 512);
+    free(fin[0]);
+    free(fin[1]);
+}
+
 int main(int argc, char **argv) {
     g_self = argv[0];
     if (argc >= 2 && strcmp(argv[1], "--child-pages") == 0) {
@@ -230,6 +331,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test_teardown(test_setting_off, restore),
         cmocka_unit_test_teardown(test_env_off, restore),
         cmocka_unit_test_teardown(test_adamw_first_writer, restore),
+        cmocka_unit_test_teardown(test_step_first_run, restore),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

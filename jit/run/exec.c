@@ -187,11 +187,12 @@ static void scatter_range(void *vctx, int64_t b, int64_t e) {
     }
 }
 
-/* Runs an index instruction (plan.h). out_zero: the scatter's output is
- * known zero (new from the system, and this its first writer), so it is not
- * zeroed again. 0, or -1 with the error set (a bad index: nothing written;
- * out of memory). */
-static int run_index(const gj_jit_index *x, void *const *bp, bool out_zero) {
+/* Runs an index instruction (plan.h). A scatter zero-fills its output
+ * first, even a block new from the system: it writes a few rows, and the
+ * pages it left untouched would be first touched by the run that reuses
+ * the block, a later step, instead of this one. 0, or -1 with the error
+ * set (a bad index: nothing written; out of memory). */
+static int run_index(const gj_jit_index *x, void *const *bp) {
     const int64_t *idx = bp[x->idx_buf];
     const char *op = x->scatter ? "scatter_add_rows" : "gather_rows";
     for (int64_t i = 0; i < x->n; i++) {
@@ -211,10 +212,7 @@ static int run_index(const gj_jit_index *x, void *const *bp, bool out_zero) {
     }
     int64_t total = x->V * x->D;
     if (total <= 0) return 0; /* an empty [V, 0] or [0, D] output has no memory (NULL) */
-    if (out_zero)
-        gj_rt_zero_skipped((size_t)total * el);
-    else
-        gj_rt_zero_fill(bp[x->out_buf], (size_t)total * el);
+    gj_rt_zero_fill(bp[x->out_buf], (size_t)total * el);
     if (x->n <= 0) return 0;
     void *acc = bp[x->out_buf];
     size_t acc_bytes = 0;
@@ -243,9 +241,7 @@ static int run_index(const gj_jit_index *x, void *const *bp, bool out_zero) {
  * plan, the callers' buffers and callbacks, and the interpreter's own
  * tables: bp[b] (buffer b's memory: the caller's for inputs, outputs and
  * params, else allocated here before its first instruction and freed
- * after its last), zero[b] (bp[b] was new from the system when allocated
- * here, so zero until its first instruction writes it), ctx[] (a kernel's
- * arguments). */
+ * after its last), ctx[] (a kernel's arguments). */
 typedef struct exec_run {
     const gj_jit_plan *p;
     void *const *in;
@@ -260,7 +256,6 @@ typedef struct exec_run {
     int threads;
     bool prof, instrs_log;
     void **bp, **ctx;
-    bool *zero;
 } exec_run;
 
 /* The tables, and the buffers the caller gives. 0 or -1. */
@@ -275,8 +270,7 @@ static int ex_start(exec_run *x) {
     x->instrs_log = (lf & GJ_JIT_LOG_INSTRS) != 0;
     x->bp = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *x->bp);
     x->ctx = gj_rt_calloc((size_t)max_params + 1, sizeof *x->ctx); /* + a generic kernel's ints */
-    x->zero = gj_rt_calloc((size_t)p->n_bufs + 1, sizeof *x->zero);
-    if (!x->bp || !x->ctx || !x->zero) return -1;
+    if (!x->bp || !x->ctx) return -1;
     for (int b = 0; b < p->n_bufs; b++) {
         const gj_jit_buffer *bf = &p->bufs[b];
         if (bf->kind == GJ_JIT_BUF_INPUT) x->bp[b] = x->in[bf->index];
@@ -295,14 +289,12 @@ static int ex_alloc(exec_run *x, int *fi, int e) {
         int b = p->by_first[*fi];
         const gj_jit_buffer *bf = &p->bufs[b];
         if (bf->kind == GJ_JIT_BUF_OUTPUT) {
-            if (!x->out[bf->index]) {
+            if (!x->out[bf->index])
                 x->out[bf->index] = x->alloc ? x->alloc(x->actx, bf->index) : NULL;
-                x->zero[b] = gj_rt_data_fresh(x->out[bf->index]); /* (nothing wrote it yet) */
-            }
             if (!x->out[bf->index]) return -1;
             x->bp[b] = x->out[bf->index];
         } else if (bf->nbytes > 0) {
-            x->bp[b] = gj_rt_alloc_data_fresh(bf->nbytes, &x->zero[b]);
+            x->bp[b] = gj_rt_alloc_data(bf->nbytes);
             if (!x->bp[b]) return -1;
         }
     }
@@ -380,8 +372,7 @@ static int ex_instr(exec_run *x, int s, int e) {
     if (st->kind == GJ_JIT_INSTR_MATMUL) {
         run_matmuls(p, s, e, bp, x->threads);
     } else if (st->kind == GJ_JIT_INSTR_INDEX) {
-        int ob = st->ix.out_buf;
-        if (run_index(&st->ix, bp, x->zero[ob] && p->bufs[ob].first_instr == s) != 0) return -1;
+        if (run_index(&st->ix, bp) != 0) return -1;
     } else if (st->kind == GJ_JIT_INSTR_FOLD) {
         const gj_jit_fold *f = &st->fd;
         const char *src = (const char *)bp[f->src_buf] +
@@ -454,7 +445,7 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
                            gj_jit_custom_call call, gj_jit_progress progress,
                            gj_jit_input_fetch fetch, void *hctx) {
     exec_run x = {p, in, params, out, alloc, actx, hook, call, fetch, hctx, gj_rt_num_threads(),
-                  false, false, NULL, NULL, NULL};
+                  false, false, NULL, NULL};
     int rc = ex_start(&x);
     int fi = 0, li = 0;
     for (int s = 0, e; rc == 0 && s < p->n_instrs; s = e) {
@@ -475,13 +466,12 @@ int gj_jit_plan_exec_calls(const gj_jit_plan *p, void *const *in, const uint64_t
         if (!out[o]) rc = -1;
     }
     if (rc != 0) {
-        if ((!x.bp || !x.ctx || !x.zero) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
+        if ((!x.bp || !x.ctx) && rc < 0) gj_rt_set_error("compiled backward: out of memory");
         for (int b = 0; x.bp && b < p->n_bufs; b++)
             if (p->bufs[b].kind == GJ_JIT_BUF_TEMP && x.bp[b]) gj_rt_free_data(x.bp[b], p->bufs[b].nbytes);
     }
     gj_rt_free(x.bp);
     gj_rt_free(x.ctx);
-    gj_rt_free(x.zero);
     return rc;
 }
 
