@@ -95,6 +95,7 @@ struct sm_script {
     bool adamw, keep_grads;
     double clip;
     int check_every;
+    size_t mem_budget; /* gj_step_opts.mem_budget of the compiled run */
     /* before step i (both modes): changes the model or the inputs */
     void (*before)(const sm_script *sc, sm_model *m, int i, gj_tensor **in, bool eager);
     void *user;
@@ -111,6 +112,7 @@ typedef struct sm_result {
     int64_t n_vals[SM_MAXSTEP];
     uint64_t rng[SM_MAXSTEP];
     gj_ca_stats stats;
+    gj_step_memory mem; /* the compiled run's program (zeros: none) */
 } sm_result;
 
 static inline void sm_result_free(sm_result *r) {
@@ -138,7 +140,7 @@ static inline sm_result sm_run(sm_script *sc, const sm_model *flags, bool eager)
                             : gj_sgd_new(SM_NP, m.p, 0.1, 0.9, 0.0);
     assert_non_null(o);
     gj_step_opts so = {.eager = eager, .keep_grads = sc->keep_grads, .clip_norm = sc->clip,
-                       .check_every = sc->check_every};
+                       .check_every = sc->check_every, .mem_budget = eager ? 0 : sc->mem_budget};
     gj_step *st = gj_step_new(sm_loss, &m, o, &so);
     assert_non_null(st);
     gj_manual_seed(42);
@@ -172,6 +174,7 @@ static inline sm_result sm_run(sm_script *sc, const sm_model *flags, bool eager)
         gj_scope_pop();
     }
     gj_step_stats(&res.stats);
+    if (gj_step_memory_stats(st, &res.mem) != 0) memset(&res.mem, 0, sizeof res.mem);
     gj_step_free(st);
     gj_optim_free(o);
     for (int k = 0; k < SM_NP; k++) gj_tensor_set_grad(m.p[k], NULL);

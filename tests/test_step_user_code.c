@@ -6,7 +6,8 @@
  * removed between steps, a hook that fails, what a program cannot follow
  * (record_stream, set_ during the backward, a post hook on a leaf outside
  * the optimizer), and custom ops the step function calls (their forward
- * and backward C functions, one failing). Every case runs the same script eagerly and
+ * and backward C functions, one failing), and hooks and a custom op under a memory
+ * budget. Every case runs the same script eagerly and
  * compiled (step_model.h) and compares everything a step leaves, bit for
  * bit, and the hooks' calls; the compiled run's counters say which steps
  * ran as programs and why the others did not.
@@ -107,6 +108,7 @@ static void reset_hooks(void) {
 /* Calls the compiled run makes beyond eager's, per hook (a run stopped by
  * a failure is run again eagerly: the user code before it runs twice). */
 static int64_t g_extra[8];
+static gj_step_memory g_mem; /* the last compiled run's program */
 
 /* Runs sc both ways from fresh hooks' records; the records must agree. */
 static gj_ca_stats check_both(const char *what, sm_script *sc, const sm_model *flags) {
@@ -130,6 +132,7 @@ static gj_ca_stats check_both(const char *what, sm_script *sc, const sm_model *f
                      seen[1][k]);
     }
     gj_ca_stats s = r[1].stats;
+    g_mem = r[1].mem;
     sm_result_free(&r[0]);
     sm_result_free(&r[1]);
     return s;
@@ -412,6 +415,38 @@ static void test_custom_op_that_fails(void **st) {
     g_extra[5] = 0;
 }
 
+/* Hooks and a custom op under a memory budget just below the unbudgeted
+ * program's planned peak (this small MLP's budgeted plans reach little
+ * lower): the first step (traced, then finished by the eager backward,
+ * whose effects the trace checks when the program calls user code) and the
+ * programs after it, recomputing forward values under the budget, equal
+ * eager bit for bit and call the user code as often. */
+static void test_user_code_under_a_budget(void **st) {
+    (void)st;
+    sm_model plain = {0}, custom = {.custom = softsign_op()};
+    void (*before[3])(const sm_script *, sm_model *, int, gj_tensor **, bool) = {
+        tensor_hooks, post_hooks, count_steps};
+    const sm_model *flags[3] = {&plain, &plain, &custom};
+    for (int c = 0; c < 3; c++) {
+        sm_script sc = {.steps = 5, .batch = 64, .adamw = true, .before = before[c]};
+        (void)check_both("user code, no budget", &sc, flags[c]);
+        gj_step_memory m0 = g_mem;
+        assert_true(m0.planned_peak_bytes > 0 && m0.saved_bytes > 0);
+        sc.mem_budget = (size_t)(m0.planned_peak_bytes - 1);
+        gj_ca_stats s = check_both("user code under a budget", &sc, flags[c]);
+        print_message("  case %d: peak %lld bytes, %lld kept; budget %zu: peak %lld, %lld "
+                      "values recomputed\n",
+                      c, (long long)m0.planned_peak_bytes, (long long)m0.saved_bytes,
+                      sc.mem_budget, (long long)g_mem.planned_peak_bytes,
+                      (long long)g_mem.recomputed_values);
+        assert_int_equal(s.fallbacks, 0);
+        assert_int_equal(programs(&s), 5);
+        assert_int_equal(g_mem.budget_bytes, (int64_t)sc.mem_budget);
+        assert_true(g_mem.planned_peak_bytes <= (int64_t)sc.mem_budget);
+        assert_true(g_mem.recomputed_values > 0);
+    }
+}
+
 int main(void) {
     gjt_setup();
     const struct CMUnitTest tests[] = {
@@ -425,6 +460,7 @@ int main(void) {
         cmocka_unit_test(test_set_in_a_hook),
         cmocka_unit_test(test_custom_op_in_the_step),
         cmocka_unit_test(test_custom_op_that_fails),
+        cmocka_unit_test(test_user_code_under_a_budget),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
