@@ -1225,13 +1225,96 @@ static bool instr_reads_buf(const planner *pl, int s, int b) {
     }
 }
 
+/* Which group instructions read which value, for gj_jit_pl_outputs' many
+ * "who reads buffer b" questions (one per output and pass: a step of N
+ * layers has O(N) outputs and O(N) instructions, and asking each group
+ * through its nodes made the question quadratic; 24 layers of GPT-2 spent
+ * about 0.3 s there). A group reads b exactly when one of its node inputs
+ * (members, recomputed nodes) or its copy source is a view of b, and group
+ * membership does not change while outputs are placed; the values'
+ * buffers do (an output moved into a buffer), so the values are read at
+ * each question. Instructions added after the index (copies) and the
+ * other kinds are asked directly. */
+typedef struct group_readers {
+    int n0, n_vals;
+    int *start, *list; /* value u: group instructions list[start[u] .. start[u + 1]) */
+    int *hit, stamp;   /* per instruction: the stamp of the question it reads for */
+} group_readers;
+
+static void group_reads_each(const planner *pl, int s, void (*fn)(void *, int, int), void *c) {
+    const pgroup *G = &pl->groups[pl->ps[s].idx];
+    if (G->is_copy) {
+        if (G->copy_src >= 0) fn(c, G->copy_src, s);
+        return;
+    }
+    for (int k = 0; k < G->n + G->n_recomp; k++) {
+        int node = k < G->n ? G->nodes[k] : pl->g->values[G->recomp[k - G->n]].node;
+        if (node < 0) continue;
+        const gj_jit_node *n = &pl->g->nodes[node];
+        for (int j = 0; j < n->inst.n_in; j++) fn(c, n->in[j], s);
+    }
+}
+
+static void gr_count(void *c, int u, int s) {
+    (void)s;
+    ((group_readers *)c)->start[u + 1]++;
+}
+
+static void gr_fill(void *c, int u, int s) {
+    group_readers *r = c;
+    r->list[r->hit[u]++] = s; /* (hit: the fill cursors while building) */
+}
+
+static int group_readers_build(const planner *pl, group_readers *r) {
+    memset(r, 0, sizeof *r);
+    r->n0 = pl->n_ps;
+    r->n_vals = pl->g->n_values;
+    int cap = r->n0 > r->n_vals ? r->n0 : r->n_vals;
+    r->start = gj_rt_calloc((size_t)r->n_vals + 2, sizeof *r->start);
+    r->hit = gj_rt_calloc((size_t)cap + 1, sizeof *r->hit);
+    if (!r->start || !r->hit) return -1;
+    for (int s = 0; s < r->n0; s++)
+        if (pl->ps[s].kind == PS_GROUP) group_reads_each(pl, s, gr_count, r);
+    for (int u = 0; u < r->n_vals; u++) r->start[u + 1] += r->start[u];
+    r->list = gj_rt_calloc((size_t)r->start[r->n_vals] + 1, sizeof *r->list);
+    if (!r->list) return -1;
+    for (int u = 0; u < r->n_vals; u++) r->hit[u] = r->start[u];
+    for (int s = 0; s < r->n0; s++)
+        if (pl->ps[s].kind == PS_GROUP) group_reads_each(pl, s, gr_fill, r);
+    memset(r->hit, 0, ((size_t)cap + 1) * sizeof *r->hit);
+    return 0;
+}
+
+static void group_readers_free(group_readers *r) {
+    gj_rt_free(r->start);
+    gj_rt_free(r->list);
+    gj_rt_free(r->hit);
+}
+
+/* Marks the indexed group instructions that read buffer b now. */
+static void group_readers_ask(const planner *pl, group_readers *r, int b) {
+    r->stamp++;
+    for (int u = 0; u < r->n_vals; u++) {
+        const vinfo *x = &pl->vi[u];
+        if (x->kind != V_VIEW || x->buf != b) continue;
+        for (int i = r->start[u]; i < r->start[u + 1]; i++) r->hit[r->list[i]] = r->stamp;
+    }
+}
+
+/* instr_reads_buf(pl, s, b) after group_readers_ask(pl, r, b). */
+static bool reads_buf(const planner *pl, const group_readers *r, int s, int b) {
+    if (s < r->n0 && pl->ps[s].kind == PS_GROUP) return r->hit[s] == r->stamp;
+    return instr_reads_buf(pl, s, b);
+}
+
 /* Whether instruction w may write buffer b in place: not when another instruction that
  * reads b depends on w already (w would have to come both before and after
  * it). A training step's fused kernel can hold both a parameter's update
  * and a value that a reader of the old parameter needs. */
-static bool may_write_in_place(planner *pl, int w, int b) {
+static bool may_write_in_place(planner *pl, group_readers *r, int w, int b) {
+    group_readers_ask(pl, r, b);
     for (int s = 0; s < pl->n_ps; s++) {
-        if (s == w || pl->ps[s].kind == PS_DEAD || !instr_reads_buf(pl, s, b)) continue;
+        if (s == w || pl->ps[s].kind == PS_DEAD || !reads_buf(pl, r, s, b)) continue;
         if (depends(pl, s, w)) return false;
     }
     return true;
@@ -1240,17 +1323,28 @@ static bool may_write_in_place(planner *pl, int w, int b) {
 /* An output written in place into input buffer b (a .grad, or a training
  * step's parameter and optimizer state) overwrites what other steps read:
  * the writing instruction comes after every other instruction that reads b. 0 or -1. */
-static int after_readers(planner *pl, int b) {
+static int after_readers(planner *pl, group_readers *r, int b) {
     int w = pl->p->bufs[b].writer;
     if (w < 0) return 0;
+    group_readers_ask(pl, r, b);
     for (int s = 0; s < pl->n_ps; s++) {
-        if (s == w || pl->ps[s].kind == PS_DEAD || !instr_reads_buf(pl, s, b)) continue;
+        if (s == w || pl->ps[s].kind == PS_DEAD || !reads_buf(pl, r, s, b)) continue;
         if (add_dep(pl, w, s) != 0) return gj_jit_pl_oom(pl);
     }
     return 0;
 }
 
+static int place_outputs(planner *pl, group_readers *r);
+
 int gj_jit_pl_outputs(planner *pl) {
+    group_readers r;
+    int rc = group_readers_build(pl, &r) != 0 ? gj_jit_pl_oom(pl) : place_outputs(pl, &r);
+    group_readers_free(&r);
+    return rc;
+}
+
+/* gj_jit_pl_outputs: each output's buffer (in place where it can be). */
+static int place_outputs(planner *pl, group_readers *r) {
     const gj_jit_graph *g = pl->g;
     gj_jit_plan *p = pl->p;
     int64_t pos = 2 * (int64_t)g->n_nodes + 2;
@@ -1267,7 +1361,7 @@ int gj_jit_pl_outputs(planner *pl) {
             if (gemm_accumulate(pl, o, dst)) {
                 /* the GEMM writes .grad += a @ b itself */
             } else if (x->kind == V_FUSED && x->buf < 0 &&
-                       may_write_in_place(pl, pl->groups[x->group].instr, dst)) {
+                       may_write_in_place(pl, r, pl->groups[x->group].instr, dst)) {
                 x->buf = dst;
                 x->offset = 0;
                 contig_strides(m->ndim, m->shape, x->strides);
@@ -1277,7 +1371,7 @@ int gj_jit_pl_outputs(planner *pl) {
             }
             /* its readers first; decided output by output, so that the next
              * output's may_write_in_place sees these orderings too */
-            if (after_readers(pl, dst) != 0) return -1;
+            if (after_readers(pl, r, dst) != 0) return -1;
         } else if (x->kind == V_FUSED && x->buf < 0) {
             dst = gj_jit_pl_new_buf(pl, GJ_JIT_BUF_OUTPUT, oi, m->dtype, ne);
             if (dst < 0) return gj_jit_pl_oom(pl);
@@ -1307,7 +1401,7 @@ int gj_jit_pl_outputs(planner *pl) {
     /* again, for copies made after an output's decision that read its
      * buffer (add_dep skips the orderings already there) */
     for (int oi = 0; oi < g->n_outputs; oi++)
-        if (g->outputs[oi].grad_input >= 0 && after_readers(pl, g->outputs[oi].grad_input) != 0)
+        if (g->outputs[oi].grad_input >= 0 && after_readers(pl, r, g->outputs[oi].grad_input) != 0)
             return -1;
     return 0;
 }
