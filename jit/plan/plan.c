@@ -53,7 +53,8 @@ int gj_jit_pl_new_buf(planner *pl, gj_jit_buf_kind kind, int index, gj_dtype dt,
  * the driver's one exit). */
 typedef struct building {
     planner pl;
-    int *memo, *order;
+    gj_jit_memo memo;
+    int *order;
     bool *is_placed;
     int n_live; /* instructions not merged away */
 } building;
@@ -122,12 +123,16 @@ static int pb_order(building *b) {
     planner *pl = &b->pl;
     const gj_jit_graph *g = pl->g;
     gj_jit_plan *p = pl->p;
-    b->memo = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *b->memo);
+    b->memo.id = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *b->memo.id);
+    b->memo.set = gj_rt_malloc((size_t)(g->n_values + 1) * sizeof *b->memo.set);
+    b->memo.n_set = 0;
+    if (b->memo.id)
+        for (int v = 0; v < g->n_values; v++) b->memo.id[v] = -1;
     b->order = gj_rt_malloc((size_t)(pl->n_ps + 1) * sizeof *b->order);
     b->is_placed = gj_rt_calloc((size_t)pl->n_ps + 1, sizeof *b->is_placed);
     p->cap_instrs = pl->n_ps + 1;
     p->instrs = gj_rt_calloc((size_t)p->cap_instrs, sizeof *p->instrs);
-    if (!b->memo || !b->order || !b->is_placed || !p->instrs) return gj_jit_pl_oom(pl);
+    if (!b->memo.id || !b->memo.set || !b->order || !b->is_placed || !p->instrs) return gj_jit_pl_oom(pl);
     bool *is_placed = b->is_placed;
     b->n_live = 0;
     for (int c = 0; c < pl->n_ps; c++) {
@@ -189,7 +194,6 @@ static int attn_kernel(const pattn *at, gj_jit_kernel *k) {
  * with nothing to store is dropped. */
 static int pb_instrs(building *b) {
     planner *pl = &b->pl;
-    const gj_jit_graph *g = pl->g;
     gj_jit_plan *p = pl->p;
     for (int t = 0; t < b->n_live; t++) {
         const pinstr *ps = &pl->ps[b->order[t]];
@@ -232,8 +236,8 @@ static int pb_instrs(building *b) {
             continue;
         }
         st->kind = GJ_JIT_INSTR_KERNEL;
-        for (int v = 0; v < g->n_values; v++) b->memo[v] = -1;
-        if (gj_jit_pl_kernel(pl, ps->idx, &st->k, b->memo) != 0) {
+        gj_jit_memo_clear(&b->memo);
+        if (gj_jit_pl_kernel(pl, ps->idx, &st->k, &b->memo) != 0) {
             if (!pl->why[0])
                 snprintf(pl->why, pl->why_cap, "kernel construction failed: %s", gj_last_error());
             return -1;
@@ -284,7 +288,8 @@ static void pb_free(building *b) {
     gj_rt_free(pl->stack);
     gj_rt_free(pl->vi);
     gj_rt_free(pl->uses);
-    gj_rt_free(b->memo);
+    gj_rt_free(b->memo.id);
+    gj_rt_free(b->memo.set);
     gj_rt_free(b->order);
     gj_rt_free(b->is_placed);
 }

@@ -224,8 +224,27 @@ void gj_jit_pl_red_order(int nd, const int64_t *S, const int64_t *st, uint32_t r
 static inline bool same_red_order(const red_order *a, const red_order *b) {
     return a->n == b->n && a->run == b->run && memcmp(a->perm, b->perm, (size_t)a->n) == 0;
 }
-/* plan_kernel.c: the kernel of fused group gi, scheduled; memo[] (one per
- * graph value, all -1) caches value expressions. 0 or -1. */
-int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo);
+/* The value expressions of the kernel being built: id[v] (one per graph
+ * value, -1: none yet) and the values set, so that the next kernel resets
+ * only those (a step of N layers has O(N) kernels and O(N) values). */
+typedef struct gj_jit_memo {
+    int *id;
+    int *set; /* the values whose id[] this kernel set, n_set of them */
+    int n_set;
+} gj_jit_memo;
+
+static inline void gj_jit_memo_put(gj_jit_memo *m, int v, int id) {
+    if (m->id[v] < 0) m->set[m->n_set++] = v;
+    m->id[v] = id;
+}
+
+static inline void gj_jit_memo_clear(gj_jit_memo *m) {
+    for (int i = 0; i < m->n_set; i++) m->id[m->set[i]] = -1;
+    m->n_set = 0;
+}
+
+/* plan_kernel.c: the kernel of fused group gi, scheduled; memo (all -1 on
+ * entry) caches value expressions. 0 or -1. */
+int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, gj_jit_memo *memo);
 
 #endif /* GJ_JIT_PLAN_INT_H */

@@ -6,7 +6,7 @@
  * accumulators); then the kernel's dims are collapsed and scheduled.
  *
  * Contract: gj_jit_pl_kernel(pl, gi, k, memo) fills k for group gi from
- * the planner's value table (memo: one entry per graph value, all -1 on
+ * the planner's value table (memo: gj_jit_memo, every id -1 on
  * entry) and returns 0, or -1 on out of memory. The schedule (rows, column
  * block, number of blocks, grain) is a pure function of the kernel's dims,
  * reduction axes and stores, so a plan read back from the disk cache gets
@@ -61,10 +61,10 @@ static void broadcast_strides(const gj_rt_meta *m, const vinfo *x, int nd, const
     }
 }
 
-/* Expression of value v inside kernel k over S (memo[v] caches it). */
-static int value_expr(planner *pl, gj_jit_kernel *k, int *memo, int gi, int nd,
+/* Expression of value v inside kernel k over S (memo->id[v] caches it). */
+static int value_expr(planner *pl, gj_jit_kernel *k, gj_jit_memo *memo, int gi, int nd,
                       const int64_t *S, int v) {
-    if (memo[v] >= 0) return memo[v];
+    if (memo->id[v] >= 0) return memo->id[v];
     const vinfo *x = &pl->vi[v];
     const gj_rt_meta *m = vmeta(pl, v);
     gj_jit_expr e;
@@ -95,7 +95,7 @@ static int value_expr(planner *pl, gj_jit_kernel *k, int *memo, int gi, int nd,
         if (e.access < 0) return -1;
     }
     int id = kadd_expr(k, &e);
-    if (id >= 0) memo[v] = id;
+    if (id >= 0) gj_jit_memo_put(memo, v, id);
     return id;
 }
 
@@ -302,7 +302,7 @@ static void schedule_kernel(gj_jit_kernel *k) {
     if (k->grain < 1) k->grain = 1;
 }
 
-int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
+int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, gj_jit_memo *memo) {
     const pgroup *G = &pl->groups[gi];
     const gj_jit_graph *g = pl->g;
     memset(k, 0, sizeof *k);
@@ -332,7 +332,7 @@ int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
         const gj_jit_node *n = &g->nodes[G->nodes[t]];
         if (n->inst.prim == GJ_P_SUM || n->inst.prim == GJ_P_MAX) {
             int x = n->in[0];
-            int e = is_member_of(pl, x, gi) ? memo[x] : value_expr(pl, k, memo, gi, nd, S, x);
+            int e = is_member_of(pl, x, gi) ? memo->id[x] : value_expr(pl, k, memo, gi, nd, S, x);
             if (e < 0) return -1;
             const vinfo *o = &pl->vi[n->out[0]];
             const gj_rt_meta *om = vmeta(pl, n->out[0]);
@@ -358,13 +358,13 @@ int gj_jit_pl_kernel(planner *pl, int gi, gj_jit_kernel *k, int *memo) {
         e.dtype = vmeta(pl, n->out[0])->dtype;
         for (int a = 0; a < n->inst.n_in && a < 3; a++) {
             int v = n->in[a];
-            int id = is_member_of(pl, v, gi) ? memo[v] : value_expr(pl, k, memo, gi, nd, S, v);
+            int id = is_member_of(pl, v, gi) ? memo->id[v] : value_expr(pl, k, memo, gi, nd, S, v);
             if (id < 0) return -1;
             e.args[a] = id;
         }
         int id = kadd_expr(k, &e);
         if (id < 0) return -1;
-        memo[n->out[0]] = id;
+        gj_jit_memo_put(memo, n->out[0], id);
         const vinfo *o = &pl->vi[n->out[0]];
         if (o->buf >= 0) {
             int a = kadd_access(k, o->buf, e.dtype, o->offset, o->strides, nd);
