@@ -20,10 +20,7 @@
  *   - Known zero: a block new from the system (a large block's fresh
  *     mapping) is zero. gj_rt_alloc_data_zero zero-fills only blocks that
  *     are not (zeroed_bytes counts what it wrote, zero_skipped_bytes what it
- *     did not need to); gj_rt_data_fresh(p) tells whether p is the block
- *     this thread's last gj_rt_alloc_data* call handed out and that block
- *     was fresh -- valid until someone writes into it, which is the caller's
- *     to know (it asks right after an allocation no one has written yet).
+ *     did not need to).
  */
 #include "runtime/rt.h"
 
@@ -42,7 +39,6 @@ static atomic_llong g_fail_target; /* 0: off; else attempt number that fails */
 static atomic_llong g_count_mark;  /* g_alloc_count at the last fail_at call */
 static atomic_llong g_zeroed;       /* bytes gj_rt_alloc_data_zero / gj_rt_zero_fill wrote */
 static atomic_llong g_zero_skipped; /* bytes it did not write: fresh from the system */
-static _Thread_local void *t_fresh; /* this thread's last data block if it was fresh */
 
 /* Counts one allocation attempt; true if this attempt must fail. */
 static bool gj_rt_alloc_attempt(void) {
@@ -122,9 +118,8 @@ static void gj_rt_bump_peak(long long live) {
 /* 64-byte aligned block of at least nbytes (contents undefined; zero when
  * *fresh, if fresh is not NULL); NULL with an error on failure. nbytes 0
  * returns a valid minimal block. */
-void *gj_rt_alloc_data_fresh(size_t nbytes, bool *fresh) {
+static void *alloc_data_fresh(size_t nbytes, bool *fresh) {
     bool f = false;
-    t_fresh = NULL;
     if (fresh)
         *fresh = false;
     if (gj_rt_alloc_attempt()) {
@@ -145,16 +140,12 @@ void *gj_rt_alloc_data_fresh(size_t nbytes, bool *fresh) {
     long long live = atomic_fetch_add(&g_live_bytes, (long long)nbytes) + (long long)nbytes;
     gj_rt_bump_peak(live);
     atomic_fetch_add(&g_n_data, 1);
-    if (f)
-        t_fresh = p;
     if (fresh)
         *fresh = f;
     return p;
 }
 
-void *gj_rt_alloc_data(size_t nbytes) { return gj_rt_alloc_data_fresh(nbytes, NULL); }
-
-bool gj_rt_data_fresh(const void *p) { return p && p == t_fresh; }
+void *gj_rt_alloc_data(size_t nbytes) { return alloc_data_fresh(nbytes, NULL); }
 
 static void zero_range(void *ctx, int64_t b, int64_t e) {
     const size_t *z = ctx; /* {address, bytes} */
@@ -178,15 +169,13 @@ void gj_rt_zero_fill(void *p, size_t nbytes) {
                        z);
 }
 
-void gj_rt_zero_skipped(size_t nbytes) { atomic_fetch_add(&g_zero_skipped, (long long)nbytes); }
-
 /* As gj_rt_alloc_data, but the first nbytes are zero: written only when the
  * block is not fresh from the system. */
 void *gj_rt_alloc_data_zero(size_t nbytes) {
     bool fresh;
-    void *p = gj_rt_alloc_data_fresh(nbytes, &fresh);
+    void *p = alloc_data_fresh(nbytes, &fresh);
     if (p && fresh)
-        gj_rt_zero_skipped(nbytes);
+        atomic_fetch_add(&g_zero_skipped, (long long)nbytes);
     else if (p)
         gj_rt_zero_fill(p, nbytes);
     return p;

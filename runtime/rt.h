@@ -59,19 +59,13 @@ void *gj_rt_malloc_aligned(size_t align, size_t n);
 /* Tensor data: 64-byte aligned, counted in live/peak bytes. */
 void *gj_rt_alloc_data(size_t nbytes);
 void gj_rt_free_data(void *p, size_t nbytes);
-/* alloc.c, memory that is known zero: gj_rt_alloc_data_fresh sets *fresh
- * when the block is new from the system (zero, untouched); _zero returns
- * zeroed bytes, zero-filling only a block that is not fresh;
- * gj_rt_data_fresh(p): p is the block the calling thread's last
- * gj_rt_alloc_data* call handed out, and it was fresh (ask before anything
- * writes into it); gj_rt_zero_fill zeroes p (large blocks on the pool's
- * threads) and counts it; gj_rt_zero_skipped counts a zero fill not needed.
- * gj_rt_zero_stats: bytes zero-filled, bytes whose fill was skipped. */
-void *gj_rt_alloc_data_fresh(size_t nbytes, bool *fresh);
+/* alloc.c, memory that is known zero: gj_rt_alloc_data_zero returns
+ * zeroed bytes, zero-filling only a block that is not new from the system
+ * (a new one is zero, untouched); gj_rt_zero_fill zeroes p (large blocks on
+ * the pool's threads) and counts it. gj_rt_zero_stats: bytes zero-filled,
+ * bytes whose fill was skipped. */
 void *gj_rt_alloc_data_zero(size_t nbytes);
-bool gj_rt_data_fresh(const void *p);
 void gj_rt_zero_fill(void *p, size_t nbytes);
-void gj_rt_zero_skipped(size_t nbytes);
 void gj_rt_zero_stats(int64_t *zeroed, int64_t *skipped);
 /* Test switch: the n-th allocation from now on (1 = the next) fails;
  * 0 disables. Returns how many allocations happened since the last call. */
