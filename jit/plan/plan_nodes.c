@@ -1172,16 +1172,34 @@ static bool gemm_accumulate(planner *pl, const gj_jit_output *o, int dst) {
     return true;
 }
 
-/* Whether node i reads buffer b through one of its input values (a view of
- * b, or -- for a value its group computes again -- through that value's
- * own inputs). */
-static bool node_reads_buf(const planner *pl, int i, int b) {
-    const gj_jit_node *n = &pl->g->nodes[i];
-    for (int k = 0; k < n->inst.n_in; k++) {
-        const vinfo *u = &pl->vi[n->in[k]];
-        if (u->kind == V_VIEW && u->buf == b) return true;
+/* The values group instruction s reads, each passed to fn(c, value, s):
+ * its members' and recomputed nodes' inputs, or a copy group's source. A
+ * group reads buffer b exactly when one of them is a view of b. */
+static void group_reads_each(const planner *pl, int s, void (*fn)(void *, int, int), void *c) {
+    const pgroup *G = &pl->groups[pl->ps[s].idx];
+    if (G->is_copy) {
+        if (G->copy_src >= 0) fn(c, G->copy_src, s);
+        return;
     }
-    return false;
+    for (int k = 0; k < G->n + G->n_recomp; k++) {
+        int node = k < G->n ? G->nodes[k] : pl->g->values[G->recomp[k - G->n]].node;
+        if (node < 0) continue;
+        const gj_jit_node *n = &pl->g->nodes[node];
+        for (int j = 0; j < n->inst.n_in; j++) fn(c, n->in[j], s);
+    }
+}
+
+typedef struct view_of {
+    const planner *pl;
+    int b;
+    bool found;
+} view_of;
+
+static void note_view_of(void *c, int u, int s) {
+    (void)s;
+    view_of *q = c;
+    const vinfo *x = &q->pl->vi[u];
+    if (x->kind == V_VIEW && x->buf == q->b) q->found = true;
 }
 
 /* Whether planned instruction s reads buffer b. */
@@ -1189,18 +1207,9 @@ static bool instr_reads_buf(const planner *pl, int s, int b) {
     const pinstr *x = &pl->ps[s];
     switch (x->kind) {
     case PS_GROUP: {
-        const pgroup *G = &pl->groups[x->idx];
-        if (G->is_copy) {
-            const vinfo *u = G->copy_src >= 0 ? &pl->vi[G->copy_src] : NULL;
-            return u && u->kind == V_VIEW && u->buf == b;
-        }
-        for (int k = 0; k < G->n; k++)
-            if (node_reads_buf(pl, G->nodes[k], b)) return true;
-        for (int k = 0; k < G->n_recomp; k++) {
-            int node = pl->g->values[G->recomp[k]].node;
-            if (node >= 0 && node_reads_buf(pl, node, b)) return true;
-        }
-        return false;
+        view_of q = {pl, b, false};
+        group_reads_each(pl, s, note_view_of, &q);
+        return q.found;
     }
     case PS_MATMUL: return pl->mms[x->idx].a_buf == b || pl->mms[x->idx].b_buf == b;
     case PS_INDEX: return pl->ixs[x->idx].src_buf == b || pl->ixs[x->idx].idx_buf == b;
@@ -1234,26 +1243,13 @@ static bool instr_reads_buf(const planner *pl, int s, int b) {
  * membership does not change while outputs are placed; the values'
  * buffers do (an output moved into a buffer), so the values are read at
  * each question. Instructions added after the index (copies) and the
- * other kinds are asked directly. */
+ * other kinds are asked directly (instr_reads_buf; both go through
+ * group_reads_each). */
 typedef struct group_readers {
     int n0, n_vals;
     int *start, *list; /* value u: group instructions list[start[u] .. start[u + 1]) */
     int *hit, stamp;   /* per instruction: the stamp of the question it reads for */
 } group_readers;
-
-static void group_reads_each(const planner *pl, int s, void (*fn)(void *, int, int), void *c) {
-    const pgroup *G = &pl->groups[pl->ps[s].idx];
-    if (G->is_copy) {
-        if (G->copy_src >= 0) fn(c, G->copy_src, s);
-        return;
-    }
-    for (int k = 0; k < G->n + G->n_recomp; k++) {
-        int node = k < G->n ? G->nodes[k] : pl->g->values[G->recomp[k - G->n]].node;
-        if (node < 0) continue;
-        const gj_jit_node *n = &pl->g->nodes[node];
-        for (int j = 0; j < n->inst.n_in; j++) fn(c, n->in[j], s);
-    }
-}
 
 static void gr_count(void *c, int u, int s) {
     (void)s;
