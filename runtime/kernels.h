@@ -46,6 +46,15 @@
 #define GJ_K_CLONES
 #endif
 
+/* A helper of the cloned kernels: inlined into each clone, so it runs in
+ * the clone's vector width (an out-of-line static function is built once,
+ * for the default target). */
+#if defined(__GNUC__) || defined(__clang__)
+#define GJ_K_INLINE static inline __attribute__((always_inline))
+#else
+#define GJ_K_INLINE static inline
+#endif
+
 #define GJ_K_GRAIN 32768 /* elements per parallel task, at least */
 
 /* ----------------------------------------------------------- helpers */
@@ -120,6 +129,10 @@ int gj_rt_k_scatter_add_rows(const gj_rt_inst *inst, gj_tensor *src, gj_tensor *
  * cols any strides, out [N,C,H,W] (written whole). */
 int gj_rt_k_im2col(const gj_rt_inst *inst, gj_tensor *x, gj_tensor *out);
 int gj_rt_k_col2im(const gj_rt_inst *inst, gj_tensor *cols, gj_tensor *out);
+
+/* kernels_elementwise.c: o[0..n) = x[0..n) rounded to bf16 (gj_m_f32_to_bf16),
+ * in the CPU's vector width; on the calling thread. */
+void gj_rt_k_round_bf16(uint16_t *restrict o, const float *restrict x, int64_t n);
 
 /* kernels_composite.c. SOFTMAX .. CE_BWD over the last axis; outs as
  * inferred (LN_FWD: xhat, mean, rstd; CE_FWD: loss, lse). */

@@ -28,7 +28,7 @@
 /* --------------------------------------------------------- row kernels */
 
 #define GJ_K_ROWS(SFX, T, EXP, LOG)                                                            \
-    static inline double rsum_##SFX(const T *x, int64_t n) {                                    \
+    GJ_K_INLINE double rsum_##SFX(const T *x, int64_t n) {                                      \
         double l[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                 \
         int64_t i = 0;                                                                          \
         for (; i + 8 <= n; i += 8)                                                              \
@@ -38,7 +38,7 @@
             l[k] += (double)x[i];                                                               \
         return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));               \
     }                                                                                           \
-    static inline double rdot_##SFX(const T *x, const T *y, int64_t n) {                        \
+    GJ_K_INLINE double rdot_##SFX(const T *x, const T *y, int64_t n) {                          \
         double l[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                 \
         int64_t i = 0;                                                                          \
         for (; i + 8 <= n; i += 8)                                                              \
@@ -48,7 +48,7 @@
             l[k] += (double)x[i] * (double)y[i];                                                \
         return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));               \
     }                                                                                           \
-    static inline T rmax_##SFX(const T *x, int64_t n) {                                         \
+    GJ_K_INLINE T rmax_##SFX(const T *x, int64_t n) {                                           \
         T l[8];                                                                                 \
         for (int k = 0; k < 8; k++)                                                             \
             l[k] = (T)-__builtin_inf();                                                         \
@@ -66,7 +66,7 @@
         return m;                                                                               \
     }                                                                                           \
     /* sum_i exp(x[i] - m), through a stack tile. */                                            \
-    static inline double rsumexp_##SFX(const T *restrict x, T m, int64_t n) {                   \
+    GJ_K_INLINE double rsumexp_##SFX(const T *restrict x, T m, int64_t n) {                     \
         _Alignas(64) T buf[GJ_K_CTILE];                                                          \
         double s = 0.0;                                                                         \
         for (int64_t t = 0; t < n; t += GJ_K_CTILE) {                                           \

@@ -232,6 +232,12 @@ GJ_K_CLONES static void gj_k_store_bf16(uint16_t *restrict o, const float *restr
         o[i] = gj_m_f32_to_bf16(x[i]);
 }
 
+/* Not cloned itself: the resolver of a cloned extern function is exported
+ * whatever the visibility. */
+void gj_rt_k_round_bf16(uint16_t *restrict o, const float *restrict x, int64_t n) {
+    gj_k_store_bf16(o, x, n);
+}
+
 /* ---------------------------------------------------------------- plan */
 
 typedef struct gj_k_ew_plan {

@@ -38,7 +38,6 @@
  *     its gradient is rounded to bf16 for the two gradient GEMMs); gh, gw
  *     and gb are made in f32 and each rounded once. f64: all in double.
  */
-#include "runtime/gj_math.h"
 #include "runtime/kernels.h"
 
 #define GJ_LCE_CHUNK_BYTES ((int64_t)64 << 20)
@@ -97,12 +96,8 @@ static void lce_rows(void *ctx, int64_t b, int64_t e) {
         int64_t lab = a->labels[w->r0 + r];
         gj_rt_k_ce_row(w->ct, row, a->V, lab == a->ignore ? -1 : lab, w->scale, w->grad,
                        &w->terms[w->r0 + r]);
-        if (w->L16) {
-            const float *x = (const float *)row;
-            uint16_t *y = w->L16 + r * a->V;
-            for (int64_t j = 0; j < a->V; j++)
-                y[j] = gj_m_f32_to_bf16(x[j]);
-        }
+        if (w->L16)
+            gj_rt_k_round_bf16(w->L16 + r * a->V, (const float *)row, a->V);
     }
 }
 
@@ -140,9 +135,20 @@ static void lce_gemm(const lce_work *w, bool ta, bool tb, int64_t M, int64_t N, 
     }
 }
 
+typedef struct round_work {
+    uint16_t *dst;
+    const float *src;
+} round_work;
+
+static void round_range(void *ctx, int64_t b, int64_t e) {
+    const round_work *r = ctx;
+    gj_rt_k_round_bf16(r->dst + b, r->src + b, e - b);
+}
+
+/* dst = src rounded to bf16, on the pool. */
 static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = gj_m_f32_to_bf16(src[i]);
+    round_work r = {dst, src};
+    gj_rt_parallel_for(n, GJ_K_GRAIN, round_range, &r);
 }
 
 /* Steps 1-3 of the chunk at rows [w->r0, w->r0 + w->R). */
