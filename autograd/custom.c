@@ -525,7 +525,16 @@ static int custom_forward(gj_custom_op *op, gj_ag_builder *b, gj_ag_fctx *ctx,
         return n;
     }
     gj_tensor *tin[CUSTOM_MAX_TENSORS] = {0}, *res[CUSTOM_MAX_OUT] = {0};
-    for (int i = 0; i < n_in; i++) tin[i] = gj_ag_val_tensor(in[i]);
+    for (int i = 0; i < n_in; i++) {
+        tin[i] = gj_ag_val_tensor(in[i]);
+        if (gj_rt_is_abstract(tin[i])) { /* its C forward reads values */
+            gj_rt_set_error("custom op %s: input %d is abstract (the compiled step's first "
+                            "run traces under a memory budget without computing): its forward "
+                            "cannot run on it",
+                            op->name, i);
+            return -1;
+        }
+    }
     if (gj_ag_custom_run_forward(op, a, tin, res) != 0) return -1;
     int rc = op->n_out;
     for (int k = 0; k < op->n_out; k++) {

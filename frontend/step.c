@@ -329,13 +329,14 @@ static bool loss_ok(const gj_tensor *loss) {
  * each the way fn did; inputs with autograd meta as they are (a leaf's
  * gradient belongs to the leaf itself). NULL on OOM; free with
  * proxies_free. */
-static gj_tensor **proxies_new(int n_in, gj_tensor *const *in) {
+static gj_tensor **proxies_new(int n_in, gj_tensor *const *in, bool abstract) {
     gj_tensor **px = gj_rt_calloc((size_t)n_in + 1, sizeof *px);
     if (!px) return NULL;
     for (int k = 0; k < n_in; k++) {
         const gj_ag_tensor_meta *m = in[k]->ag;
         bool plain = !m || (!m->requires_grad && !m->node);
-        px[k] = plain ? gj_rt_tensor_alias(in[k]) : in[k];
+        px[k] = !plain ? in[k] : abstract ? gj_rt_tensor_abstract_like(in[k])
+                                          : gj_rt_tensor_alias(in[k]);
         if (!px[k]) return px; /* (proxies_free releases what was made) */
         if (!plain) gj_rt_tensor_retain(px[k]);
     }
@@ -406,21 +407,50 @@ static void backward_check(gj_step *s, uint64_t rs1) {
  * the eager backward and update would touch a second set of buffers, in
  * the eager engine's sizes, and hold what a memory budget keeps out; the
  * program's run touches its own, which every later run reuses). */
-typedef enum run_mode { RUN_EAGER = 0, RUN_TRACE, RUN_TRACE_FORWARD } run_mode;
+typedef enum run_mode { RUN_EAGER = 0, RUN_TRACE, RUN_TRACE_FORWARD, RUN_TRACE_ABSTRACT } run_mode;
+
+/* Whether this run's first trace may be abstract (RUN_TRACE_ABSTRACT,
+ * docs/architecture.md "Memory is the compiler's to plan"): a training
+ * step under a memory budget without a reducer, whose parameters have no
+ * hooks and whose inputs are plain tensors of their own (no autograd
+ * history, no memory shared with another input or a parameter, no remote
+ * or abstract bytes): what the program then reads is what the eager step
+ * would. */
+static bool abstract_ok(const gj_step *s, int n_in, gj_tensor *const *in) {
+    if (s->o.eval || !s->o.mem_budget || s->red) return false;
+    for (int p = 0; p < s->n; p++) {
+        const gj_ag_tensor_meta *m = s->params[p]->ag;
+        if (m && (m->hooks || m->post_hooks)) return false;
+    }
+    for (int k = 0; k < n_in; k++) {
+        const gj_ag_tensor_meta *m = in[k]->ag;
+        if ((m && (m->requires_grad || m->node)) || in[k]->storage->fetch) return false;
+        for (int j = 0; j < k; j++)
+            if (in[j]->storage == in[k]->storage) return false;
+        for (int p = 0; p < s->n; p++)
+            if (s->params[p]->storage == in[k]->storage) return false;
+    }
+    return true;
+}
 
 /* The eager step, as mode says. The loss goes to the scope open when the
  * run started (a detached alias: no history). RUN_TRACE_FORWARD: *stopped
  * says whether it stopped after the forward (nothing updated, no loss: the
- * program is to run the step), else the step ran whole. */
+ * program is to run the step), else the step ran whole.
+ * RUN_TRACE_ABSTRACT: the forward traced on abstract proxies of the inputs
+ * (nothing computed that depends on them); 0 with *stopped (as above), or
+ * without going on: 2 (nothing of the trace kept or counted: trace the step
+ * again, computing) or 3 (the trace made its variant, or fell back and was
+ * counted: run the step eagerly, untraced). */
 static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **loss_out,
                         run_mode mode, bool *stopped) {
-    bool trace = mode != RUN_EAGER;
+    bool trace = mode != RUN_EAGER, abstract = mode == RUN_TRACE_ABSTRACT;
     int rc = -1;
     bool reducing = false;
     gj_ag_trace *tr = NULL;
     gj_tensor *keep = NULL, **px = NULL;
     if (trace) {
-        px = proxies_new(n_in, in);
+        px = proxies_new(n_in, in, abstract);
         if (!proxies_ok(n_in, px)) {
             proxies_free(n_in, px);
             return -1;
@@ -435,9 +465,16 @@ static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **
     gj_clear_error();
     gj_dtype ac0 = gj_get_autocast();
     gj_set_autocast(s->o.autocast);
+    if (abstract) gj_rt_set_abstract(true);
     gj_tensor *loss = s->fn(s->ctx, n_in, in);
+    if (abstract) gj_rt_set_abstract(false);
     gj_set_autocast(ac0);
     if (tr) gj_ag_trace_end(tr);
+    if (abstract && !loss_ok(loss)) { /* (a value it needed, or a failure to see computing) */
+        gj_clear_error();
+        rc = 2;
+        goto done;
+    }
     if (!loss_ok(loss)) goto done;
     if (tr) {
         const char *why = tr->untraceable;
@@ -445,6 +482,10 @@ static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **
         if (!why[0] && gj_rt_record_stream_calls() != rs0)
             why = "the step function called gj_tensor_record_stream, which a compiled step "
                   "cannot replay";
+        if (why[0] && abstract) { /* judged again by a trace that computes */
+            rc = 2;
+            goto done;
+        }
         if (why[0]) { /* eager from now on */
             s->eager_only = true;
             s->why_code = GJ_CA_UNTRACEABLE;
@@ -460,9 +501,14 @@ static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **
             char jwhy[300];
             int pr = gj_jit_cstep_prepare(s->jit, tr, loss, &call, &code, jwhy, sizeof jwhy);
             if (pr < 0) goto done;
-            if (mode == RUN_TRACE_FORWARD && pr == 0 && gj_jit_cstep_newest_plain(s->jit)) {
+            bool plain = pr == 0 && gj_jit_cstep_newest_plain(s->jit);
+            if ((mode == RUN_TRACE_FORWARD || abstract) && plain) {
                 *stopped = true; /* the forward freed unused */
                 rc = 0;
+                goto done;
+            }
+            if (abstract) { /* no values for an eager backward */
+                rc = 3;
                 goto done;
             }
         }
@@ -517,7 +563,7 @@ static int check_trace(gj_step *s, const gj_jit_step_call *call) {
     uint64_t seed, counter;
     gj_rng_get_state(&seed, &counter);
     int rc = -1;
-    gj_tensor **px = proxies_new(call->n_in, call->in);
+    gj_tensor **px = proxies_new(call->n_in, call->in, false);
     if (!proxies_ok(call->n_in, px)) {
         proxies_free(call->n_in, px);
         return -1;
@@ -658,8 +704,17 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
     int r = gj_jit_cstep_run(s->jit, &call, &loss, s->updated, s->o.keep_grads ? s->grads : NULL);
     if (r == 1 && !s->o.eval) { /* a new variant: traced, then run by its program */
         bool stopped = false;
-        if (run_eager_as(s, n_in, in, loss_out, RUN_TRACE_FORWARD, &stopped) != 0) return -1;
-        if (!stopped) return 0; /* the traced step ran whole */
+        int a = abstract_ok(s, n_in, in)
+                    ? run_eager_as(s, n_in, in, loss_out, RUN_TRACE_ABSTRACT, &stopped)
+                    : 2;
+        if (a != 0) gj_rng_set_state(seed, counter); /* (what the abstract forward drew) */
+        if (a < 0) return -1;
+        if (a == 3) return run_eager(s, n_in, in, loss_out, false);
+        if (a == 2) {
+            if (run_eager_as(s, n_in, in, loss_out, RUN_TRACE_FORWARD, &stopped) != 0)
+                return -1;
+            if (!stopped) return 0; /* the traced step ran whole */
+        }
         gj_rng_set_state(seed, counter);
         r = run_after_trace(s, &call, &jo, &loss);
     }

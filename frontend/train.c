@@ -162,7 +162,10 @@ double gj_accuracy(gj_tensor *logits, gj_tensor *labels) {
         return NAN;
     }
     gj_tensor *pred = gj_argmax(logits, 1, false);
-    if (!pred) return NAN;
+    if (!pred || gj_rt_present(pred) != 0) { /* (abstract: no values) */
+        gj_release(pred);
+        return NAN;
+    }
     int64_t n = logits->shape[0], hit = 0;
     const int64_t *p = gj_rt_data_ptr(pred);
     for (int64_t i = 0; i < n; i++) hit += p[i] == (int64_t)gj_tensor_item_at(labels, i);

@@ -36,6 +36,30 @@ void gj_rt_exec_count_reset(void) {
         atomic_store_explicit(&g_exec_count[p], 0, memory_order_relaxed);
 }
 
+/* An abstract trace's primitive (an abstract input): abstract outputs of
+ * the inferred metas, nothing run. A view whose layout allows shares its
+ * input's storage, as it shares bytes otherwise. */
+static int exec_abstract(const gj_rt_inst *inst, gj_tensor *const *in, const gj_rt_meta *om,
+                         int nout, gj_tensor **outs) {
+    gj_rt_prim p = inst->prim;
+    bool view = p == GJ_P_PERMUTE || p == GJ_P_EXPAND || p == GJ_P_SLICE ||
+                (p == GJ_P_RESHAPE && gj_rt_is_contiguous(in[0]));
+    if (view && gj_rt_is_abstract(in[0])) {
+        outs[0] = gj_rt_k_view_op(inst, in[0], &om[0]);
+        return outs[0] ? 1 : -1;
+    }
+    for (int k = 0; k < nout; k++) {
+        if (!(outs[k] = gj_rt_tensor_abstract(om[k].dtype, om[k].ndim, om[k].shape))) {
+            for (int j = 0; j < k; j++) {
+                gj_rt_tensor_release(outs[j]);
+                outs[j] = NULL;
+            }
+            return -1;
+        }
+    }
+    return nout;
+}
+
 int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     if (!inst || !outs) {
         gj_rt_set_error("exec: NULL %s", inst ? "outputs array" : "instruction");
@@ -59,11 +83,14 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     }
     gj_rt_meta im[GJ_RT_MAX_INPUTS], om[GJ_RT_MAX_OUTPUTS];
     uint64_t epoch = 0;
+    bool abstract = false;
     for (int i = 0; i < n_in; i++) {
         if (!gj_rt_check_tensor(in[i], name, "input"))
             return -1;
         gj_rt_meta_of(in[i], &im[i]);
-        if (in[i]->storage->fetch) { /* remote (ZeRO stage 3): present before it is read */
+        if (gj_rt_is_abstract(in[i]) && gj_rt_abstract()) {
+            abstract = true;
+        } else if (in[i]->storage->fetch) { /* remote (ZeRO stage 3): present before it is read */
             if (!epoch)
                 epoch = gj_rt_fetch_epoch();
             if (gj_rt_storage_fetch(in[i]->storage, epoch) != 0)
@@ -73,6 +100,8 @@ int gj_rt_exec(const gj_rt_inst *inst, gj_tensor *const *in, gj_tensor **outs) {
     int nout = gj_rt_infer(inst, im, om);
     if (nout < 0)
         return -1;
+    if (abstract) /* (not counted: nothing runs) */
+        return exec_abstract(inst, in, om, nout, outs);
     atomic_fetch_add_explicit(&g_exec_count[inst->prim], 1, memory_order_relaxed);
 
     gj_rt_prim p = inst->prim;

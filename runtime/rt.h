@@ -179,6 +179,17 @@ int gj_rt_storage_fetch(gj_rt_storage *s, uint64_t epoch);
 gj_rt_storage *gj_rt_storage_new_remote(size_t nbytes,
                                         int (*fetch)(void *owner, int id, uint64_t epoch),
                                         void *owner, int id);
+/* Abstract storage: nbytes without bytes (a remote storage whose fetch
+ * fails with an error naming the abstract trace). A tensor over one is
+ * abstract: its dtype, shape and strides are real, its values do not
+ * exist. While gj_rt_set_abstract(true) holds on a thread, gj_rt_exec
+ * makes abstract outputs for a primitive with an abstract input without
+ * running it (the compiled step's abstract trace, frontend/step.c);
+ * otherwise reading one is that error. */
+gj_rt_storage *gj_rt_storage_new_abstract(size_t nbytes);
+bool gj_rt_storage_is_abstract(const gj_rt_storage *s);
+void gj_rt_set_abstract(bool on); /* this thread */
+bool gj_rt_abstract(void);
 /* A new epoch (one per eager primitive that reads remote tensors). */
 uint64_t gj_rt_fetch_epoch(void);
 void gj_rt_storage_release(gj_rt_storage *s);
@@ -333,6 +344,14 @@ int gj_rt_ew_dense(gj_rt_prim prim, gj_dtype ct, double scalar, int64_t n,
 
 /* ---------------------------------------- runtime core additions (rtcore) */
 
+/* An abstract tensor (gj_rt_storage_new_abstract): contiguous of dt and
+ * shape; or with t's dtype, shape, strides and offset over a storage of
+ * t's storage size. New reference, or NULL with an error. */
+gj_tensor *gj_rt_tensor_abstract(gj_dtype dt, int ndim, const int64_t *shape);
+gj_tensor *gj_rt_tensor_abstract_like(const gj_tensor *t);
+static inline bool gj_rt_is_abstract(const gj_tensor *t) {
+    return gj_rt_storage_is_abstract(t->storage);
+}
 /* As gj_rt_storage_new / gj_rt_tensor_new but the bytes are left undefined:
  * for outputs that a kernel overwrites entirely (saves the zero-fill pass). */
 gj_rt_storage *gj_rt_storage_new_uninit(size_t nbytes);

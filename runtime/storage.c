@@ -56,6 +56,29 @@ void gj_rt_storage_release(gj_rt_storage *s) {
     gj_rt_free(s);
 }
 
+/* ---------------------------------------------------------- abstract */
+
+static _Thread_local bool t_abstract;
+
+void gj_rt_set_abstract(bool on) { t_abstract = on; }
+bool gj_rt_abstract(void) { return t_abstract; }
+
+static int abstract_fetch(void *owner, int id, uint64_t epoch) {
+    (void)owner;
+    (void)id;
+    (void)epoch;
+    gj_rt_set_error("the tensor is abstract (a value of a step function that the compiled "
+                    "step's first run traced without computing, under a memory budget): it "
+                    "has no values to read");
+    return -1;
+}
+
+gj_rt_storage *gj_rt_storage_new_abstract(size_t nbytes) {
+    return gj_rt_storage_new_remote(nbytes, abstract_fetch, NULL, 0);
+}
+
+bool gj_rt_storage_is_abstract(const gj_rt_storage *s) { return s && s->fetch == abstract_fetch; }
+
 static atomic_ullong g_fetch_epoch;
 
 uint64_t gj_rt_fetch_epoch(void) { return atomic_fetch_add(&g_fetch_epoch, 1) + 1; }

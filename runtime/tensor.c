@@ -68,6 +68,10 @@ bool gj_rt_check_labels(const char *op, const char *arg, const gj_tensor *idx, i
                         gj_rt_dtype_name(idx->dtype));
         return false;
     }
+    if (gj_rt_is_abstract(idx) && gj_rt_abstract())
+        return true; /* (the program checks them before it starts) */
+    if (gj_rt_present(idx) != 0)
+        return false;
     const int64_t *base = (const int64_t *)gj_rt_data_ptr(idx);
     bool dense = gj_rt_is_contiguous(idx);
     for (int64_t i = 0; i < idx->numel; i++) {
@@ -279,6 +283,27 @@ gj_tensor *gj_rt_tensor_empty(gj_dtype dt, int ndim, const int64_t *shape) {
     return gj_rt_tensor_make(dt, ndim, shape, false);
 }
 
+gj_tensor *gj_rt_tensor_abstract(gj_dtype dt, int ndim, const int64_t *shape) {
+    if (!gj_rt_check_shape(ndim, shape, dt, "tensor_abstract"))
+        return NULL;
+    gj_rt_storage *s =
+        gj_rt_storage_new_abstract((size_t)gj_rt_numel(ndim, shape) * gj_rt_dtype_size(dt));
+    if (!s)
+        return NULL;
+    gj_tensor *t = gj_rt_header_new(s, dt, ndim, shape, NULL, 0);
+    gj_rt_storage_release(s);
+    return t;
+}
+
+gj_tensor *gj_rt_tensor_abstract_like(const gj_tensor *t) {
+    gj_rt_storage *s = gj_rt_storage_new_abstract(t->storage->nbytes);
+    if (!s)
+        return NULL;
+    gj_tensor *a = gj_rt_header_new(s, t->dtype, t->ndim, t->shape, t->strides, t->offset);
+    gj_rt_storage_release(s);
+    return a;
+}
+
 /* New header viewing s (borrowed; the header retains it). strides NULL
  * means contiguous. Fails (NULL, error) if the view leaves the storage. */
 gj_tensor *gj_rt_tensor_view(gj_rt_storage *s, gj_dtype dt, int ndim, const int64_t *shape,
@@ -488,6 +513,8 @@ int gj_rt_copy_into(gj_tensor *dst, const gj_tensor *src) {
     char b1[256], b2[256];
     if (!gj_rt_check_tensor(dst, "copy_into", "dst") || !gj_rt_check_tensor(src, "copy_into", "src"))
         return -1;
+    if (gj_rt_is_abstract(dst) || gj_rt_is_abstract(src)) /* no bytes to copy */
+        return gj_rt_storage_fetch(gj_rt_is_abstract(dst) ? dst->storage : src->storage, 0);
     int nd = dst->ndim, off = dst->ndim - src->ndim;
     bool ok = off >= 0;
     for (int k = 0; ok && k < src->ndim; k++)

@@ -10,8 +10,9 @@
  * step reports what it recomputes; a budget too small fails the run with
  * the smallest peak the planner reaches, and that peak is then a budget
  * it meets; no budget (0) is today's program; bad arguments are refused.
- * Under a budget the first run traces the forward only and runs the program
- * it made: it holds less than the eager step does.
+ * Under a budget the first run traces the forward abstractly (shapes, no
+ * values) and runs the program it made: it holds the program's peak, not
+ * the eager step's; a function that needs a value is traced again.
  */
 #include "gjtest.h"
 
@@ -39,6 +40,8 @@ typedef struct model {
     gj_tensor *p[MAXP];
     int np;
     bool ckpt; /* MLP: layers 1 and 2 in a gj_checkpoint region (recompute all) */
+    bool peek; /* BLOCK: reads a value of its forward (gj_tensor_item) */
+    int calls; /* of loss_fn */
 } model;
 
 static gj_tensor *param(model *m, gjt_rng *r, int ndim, const int64_t *shape, double s) {
@@ -124,6 +127,7 @@ static gj_tensor *block_loss(model *m, gj_tensor *const *in) {
         h = gj_layer_norm(x, p[2], p[3], 1e-5);
         h = gj_gelu(gj_linear(h, p[8], p[9]));
         x = gj_add(x, gj_linear(h, p[10], NULL));
+        if (m->peek && l == 0 && !isfinite(gj_tensor_item_at(x, 0))) return NULL;
     }
     gj_tensor *logits = gj_linear(x, m->p[TL * TPL], NULL);
     return gj_cross_entropy(gj_reshape(logits, 2, (int64_t[]){TB * TT, TV}), in[1]);
@@ -132,6 +136,7 @@ static gj_tensor *block_loss(model *m, gj_tensor *const *in) {
 static gj_tensor *loss_fn(void *ctx, int n_in, gj_tensor *const *in) {
     model *m = ctx;
     (void)n_in;
+    m->calls++;
     return m->k == MLP ? mlp_loss(m, in) : block_loss(m, in);
 }
 
@@ -161,7 +166,14 @@ typedef struct result {
     gj_step_memory mem; /* after the last run (compiled steps) */
     int rc;             /* the first failing run's code (0: none) */
     char err[512];
+    int first_calls;    /* of the step function in the first run */
+    int64_t state_bytes; /* AdamW's m and v (made by the first run) */
 } result;
+
+typedef struct variation {
+    bool ckpt, peek;
+    int bad_label_step; /* a label out of range in this step's input (-1: none) */
+} variation;
 
 static double *all_values(gj_tensor *const *ts, int n, int64_t *total) {
     int64_t t = 0;
@@ -179,10 +191,11 @@ static double *all_values(gj_tensor *const *ts, int n, int64_t *total) {
 
 /* NSTEP AdamW steps of model k from the same weights and data: eager, or
  * compiled under budget (0: none). Stops at the first failing run. */
-static result run_ck(kind k, bool eager, size_t budget, bool ckpt) {
+static result run_v(kind k, bool eager, size_t budget, variation v) {
     model m;
     model_init(&m, k);
-    m.ckpt = ckpt;
+    m.ckpt = v.ckpt;
+    m.peek = v.peek;
     gj_optim *o = gj_adamw_new(m.np, m.p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
     assert_non_null(o);
     gj_step_opts so = {.eager = eager, .mem_budget = budget};
@@ -194,6 +207,11 @@ static result run_ck(kind k, bool eager, size_t budget, bool ckpt) {
         gj_scope_push();
         gj_tensor *in[2], *loss = NULL;
         inputs(k, i, in);
+        if (i == v.bad_label_step) {
+            int64_t *lab = gj_tensor_data(in[1]);
+            lab[3] = k == MLP ? MO : TV;
+        }
+        int calls0 = m.calls;
         gj_mem m0, m1;
         gj_mem_stats(&m0);
         gj_mem_reset_peak();
@@ -206,18 +224,26 @@ static result run_ck(kind k, bool eager, size_t budget, bool ckpt) {
             break;
         }
         if (i > 0 && m1.peak_bytes - m0.live_bytes > res.peak) res.peak = m1.peak_bytes - m0.live_bytes;
-        if (i == 0) res.first_peak = m1.peak_bytes - m0.live_bytes;
+        if (i == 0) {
+            res.first_peak = m1.peak_bytes - m0.live_bytes;
+            res.first_calls = m.calls - calls0;
+        }
         res.loss[i] = gj_tensor_item(loss);
         gj_scope_pop();
     }
     res.params = all_values(m.p, m.np, &res.n_params);
-    if (!eager && res.rc == 0) {
+    res.state_bytes = 2 * 4 * res.n_params;
+    if (!eager && res.rc == 0 && !v.peek) { /* (peek: an eager step) */
         if (gj_step_memory_stats(st, &res.mem) != 0) fail_msg("%s", gj_last_error());
     }
     gj_step_free(st);
     gj_optim_free(o);
     model_free(&m);
     return res;
+}
+
+static result run_ck(kind k, bool eager, size_t budget, bool ckpt) {
+    return run_v(k, eager, budget, (variation){.ckpt = ckpt, .bad_label_step = -1});
 }
 
 static result run(kind k, bool eager, size_t budget) { return run_ck(k, eager, budget, false); }
@@ -272,6 +298,62 @@ static void half_budget(kind k, const char *what) {
     free(e.params);
     free(full.params);
     free(c.params);
+}
+
+/* Under a budget the first run traces its forward abstractly (shapes, no
+ * values): the step function runs once, nothing of the forward is held
+ * beyond the program's own peak, and the bits are eager's. A function
+ * that reads a value of its forward is traced again computing (it runs
+ * twice in the first run) and stays what it was without a budget: an
+ * untraceable step, eager from then on. A label out of range in the first
+ * step is refused with the eager step's message, nothing updated. */
+static void test_first_trace_abstract(void **st) {
+    (void)st;
+    gj_compiled_autograd_set_quiet(true);
+    result e = run(BLOCK, true, 0);
+    result full = run(BLOCK, false, 0);
+    size_t budget = (size_t)full.mem.planned_peak_bytes / 2;
+    gj_step_reset_stats();
+    result c = run(BLOCK, false, budget);
+    same("abstract first trace", &e, &c);
+    gj_ca_stats s;
+    gj_step_stats(&s);
+    assert_int_equal(s.fallbacks, 0);
+    assert_int_equal(s.compiles + s.mem_hits + s.disk_hits, NSTEP); /* (each run the program) */
+    print_message("  first run: %lld bytes added (AdamW state %lld, later runs' peak %lld; "
+                  "eager's first step %lld, unbudgeted compiled %lld), %d call(s) of the step "
+                  "function\n",
+                  (long long)c.first_peak, (long long)c.state_bytes, (long long)c.peak,
+                  (long long)e.first_peak, (long long)full.first_peak, c.first_calls);
+    assert_int_equal(c.first_calls, 1);
+    assert_int_equal(full.first_calls, 1);
+    /* the first run holds the program's peak and the state it makes, no
+     * activation of a traced forward */
+    assert_true(c.first_peak <= c.peak + c.state_bytes + 65536);
+    /* a function that reads a value: traced again computing, then eager */
+    result pe = run_v(BLOCK, true, 0, (variation){.peek = true, .bad_label_step = -1});
+    gj_step_reset_stats();
+    result pc = run_v(BLOCK, false, budget, (variation){.peek = true, .bad_label_step = -1});
+    same("a step function that reads a value", &pe, &pc);
+    gj_step_stats(&s);
+    assert_int_equal(s.compiles + s.mem_hits + s.disk_hits, 0);
+    assert_int_equal(s.fallbacks, NSTEP); /* (untraceable: as without a budget) */
+    assert_int_equal(pc.first_calls, 2);
+    /* a label out of range in the first step: eager's error, nothing updated */
+    result le = run_v(BLOCK, true, 0, (variation){.bad_label_step = 0});
+    result lc = run_v(BLOCK, false, budget, (variation){.bad_label_step = 0});
+    assert_int_equal(le.rc, -1);
+    assert_int_equal(lc.rc, -1);
+    if (strcmp(le.err, lc.err) != 0) fail_msg("eager: %s\ncompiled: %s", le.err, lc.err);
+    assert_int_equal(lc.n_params, le.n_params);
+    assert_memory_equal(lc.params, le.params, (size_t)le.n_params * sizeof *le.params);
+    free(e.params);
+    free(full.params);
+    free(c.params);
+    free(pe.params);
+    free(pc.params);
+    free(le.params);
+    free(lc.params);
 }
 
 static void test_mlp_half_budget(void **st) {
@@ -421,6 +503,7 @@ int main(void) {
         cmocka_unit_test(test_budget_too_small),
         cmocka_unit_test(test_checkpoint_region),
         cmocka_unit_test(test_no_budget_unchanged),
+        cmocka_unit_test(test_first_trace_abstract),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
