@@ -254,6 +254,25 @@ static inline int stepper_init(stepper *s, step_mode mode, gj_step_fn fn, void *
     return (s->step = gj_step_new(fn, ctx, opt, &so)) ? 0 : -1;
 }
 
+/* A compiled step's program memory (gj_step_memory_stats): "<tag>
+ * program: planned peak P MiB of temporaries, K MiB kept for the
+ * backward, N values recomputed (F GFLOP)[, budget B MiB]". Nothing for
+ * the other modes or before the program exists. */
+static inline void stepper_print_memory(const stepper *s, const char *tag) {
+    gj_step_memory m;
+    if (s->mode != STEP_COMPILED || !s->step || gj_step_memory_stats(s->step, &m) != 0) {
+        gj_clear_error();
+        return;
+    }
+    printf("%s%sprogram: planned peak %.1f MiB of temporaries, %.1f MiB kept for the backward, "
+           "%lld values recomputed (%.1f GFLOP)",
+           tag ? tag : "", tag ? " " : "", (double)m.planned_peak_bytes / 1048576.0,
+           (double)m.saved_bytes / 1048576.0, (long long)m.recomputed_values,
+           m.recompute_flops * 1e-9);
+    if (m.budget_bytes) printf(", budget %.1f MiB", (double)m.budget_bytes / 1048576.0);
+    printf("\n");
+}
+
 static inline int stepper_ddp_wait(void *ddp) { return gj_ddp_wait(ddp); }
 static inline int stepper_ddp_gather(void *ddp) { return gj_ddp_gather(ddp); }
 

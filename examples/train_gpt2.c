@@ -746,6 +746,7 @@ static int train(const opts *o, step_mode mode) {
            (double)peak / 1048576.0, r.timed ? (double)mem.peak_bytes / 1048576.0 : NAN,
            (double)mem.held_peak_bytes / 1048576.0,
            mem.limit_bytes ? ", under GRADJIT_MEM_LIMIT_MB" : "");
+    stepper_print_memory(&r.st, "gradjit:");
     gj_ca_stats ca, cs;
     counters_read(&ca, &cs);
     print_counters(mode, &ca, &cs);
