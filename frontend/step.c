@@ -642,10 +642,6 @@ static int run_after_trace(gj_step *s, gj_jit_step_call *call, gj_jit_opt *jo,
     describe(s, jo); /* (the new state tensors) */
     call->after_trace = true;
     r = gj_jit_cstep_run(s->jit, call, loss, s->updated, s->o.keep_grads ? s->grads : NULL);
-    if (r == 1) {
-        gj_rt_set_error("gj_step_run: internal: the program made by the trace was not selected");
-        r = -1;
-    }
 done:
     gj_rt_alloc_release_cache_before(mark);
     return r;
@@ -710,13 +706,28 @@ int gj_step_run_variant(gj_step *s, uint64_t variant, int n_in, gj_tensor *const
         if (a != 0) gj_rng_set_state(seed, counter); /* (what the abstract forward drew) */
         if (a < 0) return -1;
         if (a == 3) return run_eager(s, n_in, in, loss_out, false);
+        if (a == 0) {
+            gj_rng_set_state(seed, counter);
+            r = run_after_trace(s, &call, &jo, &loss);
+            /* Not selected: the abstract inputs hid an aliasing of the real
+             * ones (with a constant of the function) that the guards see;
+             * nothing ran. Traced again computing. */
+            a = r == 1 ? 2 : 0;
+            stopped = false;
+        }
         if (a == 2) {
+            gj_rng_set_state(seed, counter);
             if (run_eager_as(s, n_in, in, loss_out, RUN_TRACE_FORWARD, &stopped) != 0)
                 return -1;
             if (!stopped) return 0; /* the traced step ran whole */
+            gj_rng_set_state(seed, counter);
+            r = run_after_trace(s, &call, &jo, &loss);
         }
-        gj_rng_set_state(seed, counter);
-        r = run_after_trace(s, &call, &jo, &loss);
+        if (r == 1) {
+            gj_rt_set_error("gj_step_run: internal: the program made by the trace was not "
+                            "selected");
+            r = -1;
+        }
     }
     if (r < 0) return -1;
     if (r == 1) return run_eager(s, n_in, in, loss_out, true); /* trace (a new variant) */
