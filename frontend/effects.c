@@ -17,18 +17,58 @@
 
 static void use_frontend_scopes(void) { gj_fe_use_scopes(); }
 
+/* The hooks registered during this thread's abstract first trace. */
+static _Thread_local struct {
+    bool on;
+    int n, cap;
+    int64_t *h;
+} g_abstract_hooks;
+
+void gj_fe_abstract_hooks_begin(void) {
+    g_abstract_hooks.on = true;
+    g_abstract_hooks.n = 0;
+}
+
+void gj_fe_abstract_hooks_undo(void) {
+    for (int k = g_abstract_hooks.n - 1; k >= 0; k--)
+        (void)gj_ag_hook_remove(g_abstract_hooks.h[k]); /* (gone with its tensor: nothing) */
+    gj_rt_free(g_abstract_hooks.h);
+    memset(&g_abstract_hooks, 0, sizeof g_abstract_hooks);
+}
+
+/* h (a new handle, or -1): noted when an abstract trace runs. A handle
+ * that cannot be noted is removed again: -1 with the error. */
+static int64_t noted(int64_t h, const char *op) {
+    if (h <= 0 || !g_abstract_hooks.on || !gj_rt_abstract()) return h;
+    if (g_abstract_hooks.n == g_abstract_hooks.cap) {
+        int cap = g_abstract_hooks.cap ? 2 * g_abstract_hooks.cap : 16;
+        int64_t *nh = gj_rt_realloc(g_abstract_hooks.h, (size_t)cap * sizeof *nh);
+        if (!nh) {
+            (void)gj_ag_hook_remove(h);
+            gj_rt_set_error("%s: out of memory noting the hook in the step's abstract trace", op);
+            return -1;
+        }
+        g_abstract_hooks.h = nh;
+        g_abstract_hooks.cap = cap;
+    }
+    g_abstract_hooks.h[g_abstract_hooks.n++] = h;
+    return h;
+}
+
 int64_t gj_register_hook(gj_tensor *t, gj_grad_hook_fn fn, void *user) {
     use_frontend_scopes();
     GJ_FE_TRACE_UNTRACEABLE("gj_register_hook");
-    return gj_ag_hook_register(t, GJ_AG_HOOK_TENSOR, fn, NULL, user, "gj_register_hook");
+    return noted(gj_ag_hook_register(t, GJ_AG_HOOK_TENSOR, fn, NULL, user, "gj_register_hook"),
+                 "gj_register_hook");
 }
 
 int64_t gj_register_post_accumulate_grad_hook(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
                                               void *user) {
     use_frontend_scopes();
     GJ_FE_TRACE_UNTRACEABLE("gj_register_post_accumulate_grad_hook");
-    return gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
-                               "gj_register_post_accumulate_grad_hook");
+    return noted(gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
+                                     "gj_register_post_accumulate_grad_hook"),
+                 "gj_register_post_accumulate_grad_hook");
 }
 
 int64_t gj_register_post_accumulate_grad_hook_ex(gj_tensor *leaf, gj_post_accumulate_hook_fn fn,
@@ -43,7 +83,7 @@ int64_t gj_register_post_accumulate_grad_hook_ex(gj_tensor *leaf, gj_post_accumu
     int64_t h = gj_ag_hook_register(leaf, GJ_AG_HOOK_POST_ACCUMULATE, NULL, fn, user,
                                     "gj_register_post_accumulate_grad_hook_ex");
     if (h > 0 && (flags & GJ_HOOK_NO_GRAPH_WRITES)) gj_ag_hook_set_early(h);
-    return h;
+    return noted(h, "gj_register_post_accumulate_grad_hook_ex");
 }
 
 int gj_remove_hook(int64_t handle) {

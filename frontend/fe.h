@@ -36,6 +36,11 @@ static inline gj_tensor *gj_fe_fail(void) {
                                     "cannot replay",                                           \
                                     (what));                                                   \
     } while (0)
+/* Hooks the step function registers during an abstract first trace
+ * (step.c) are noted here and removed when that trace ends: the function
+ * runs again (traced computing, or eagerly) and registers them again. */
+void gj_fe_abstract_hooks_begin(void);
+void gj_fe_abstract_hooks_undo(void);
 #define GJ_FE_TRACE_CREATED(t, deterministic, what)                                            \
     do {                                                                                       \
         if ((t) && gj_ag_trace_active()) gj_ag_trace_note_created((t), (deterministic), (what)); \
@@ -71,6 +76,10 @@ int gj_fe_step_check_env(void);
 /* GRADJIT_STEP_MEM_BUDGET_MB=N (N >= 1 MiB): the step's memory budget in
  * bytes; 0 when unset or empty, or (with a warning) when it does not parse. */
 size_t gj_fe_step_budget_env(void);
+/* GRADJIT_STEP_TRACE=computing: true (a step's first trace computes its
+ * forward); abstract, empty or unset: false; anything else false with a
+ * warning on stderr. */
+bool gj_fe_step_trace_computing_env(void);
 
 /* Counts a backward in gj_ca_stats (compiled_autograd.c). */
 void gj_fe_count_backward(void);

@@ -991,13 +991,20 @@ typedef struct gj_step_opts {
                         first of each new shape: -1, nothing updated) with an
                         error naming the smallest peak it reaches. 0:
                         GRADJIT_STEP_MEM_BUDGET_MB (MiB) if set, else none.
-                        Refused for an eval step; an eager step ignores it.
-                        Under a budget the first run of each new shape traces
-                        fn on abstract inputs (shapes, no values: nothing
-                        computed that depends on them) and the program
-                        computes the step; if fn needs a value there (a read,
-                        a custom op's forward) it is traced again computing,
-                        so it runs twice in that run */
+                        Refused for an eval step; an eager step ignores it */
+    bool trace_computing; /* The first run of each new shape traces fn on
+                        abstract inputs (shapes, no values: nothing computed
+                        that depends on them) and its program computes the
+                        whole step, the forward once; if fn needs a value
+                        there (a read, a custom op's forward) or the step
+                        cannot be compiled, it is traced again computing or
+                        run eagerly, so fn runs twice in that run. true: that
+                        run traces fn computing its forward eagerly (its
+                        activations held until the program has run), fn
+                        called once. false: GRADJIT_STEP_TRACE=computing if
+                        set, else abstract. Steps with a gj_ddp, hooked
+                        parameters or inputs that share memory or carry
+                        history always trace computing */
 } gj_step_opts;
 /* opts NULL: all false (0). fn and ctx are borrowed for the step's life; so is
  * opt, whose parameters are the step's. NULL with an error. */

@@ -11,6 +11,8 @@
  *     check_every 0, so it applies to the steps made after it is set.
  *   - GRADJIT_STEP_MEM_BUDGET_MB is read at each gj_step_new whose opts
  *     leave mem_budget 0, like the check.
+ *   - GRADJIT_STEP_TRACE is read at each gj_step_new whose opts leave
+ *     trace_computing false, like the check.
  *   - A value that does not parse is reported on stderr and the default
  *     used: once per process for the flag, at each read for the check.
  */
@@ -75,4 +77,13 @@ size_t gj_fe_step_budget_env(void) {
     fprintf(stderr, "gradjit: GRADJIT_STEP_MEM_BUDGET_MB=%s is not a size in MiB >= 1: ignored\n",
             e);
     return 0;
+}
+
+bool gj_fe_step_trace_computing_env(void) {
+    const char *e = getenv("GRADJIT_STEP_TRACE");
+    if (!e || !*e || strcasecmp(e, "abstract") == 0) return false;
+    if (strcasecmp(e, "computing") == 0) return true;
+    fprintf(stderr, "gradjit: GRADJIT_STEP_TRACE=%s is not abstract or computing: the first "
+                    "trace stays abstract\n", e);
+    return false;
 }

@@ -196,6 +196,7 @@ gj_step *gj_step_new(gj_step_fn fn, void *ctx, gj_optim *opt, const gj_step_opts
         return NULL;
     }
     if (o.mem_budget == 0 && !o.eval) o.mem_budget = gj_fe_step_budget_env();
+    if (!o.trace_computing) o.trace_computing = gj_fe_step_trace_computing_env();
     if (o.autocast != GJ_F32 && o.autocast != GJ_BF16) {
         gj_rt_set_error("%s: opts.autocast must be GJ_F32 (off) or GJ_BF16, got %d", op,
                         (int)o.autocast);
@@ -411,13 +412,13 @@ typedef enum run_mode { RUN_EAGER = 0, RUN_TRACE, RUN_TRACE_FORWARD, RUN_TRACE_A
 
 /* Whether this run's first trace may be abstract (RUN_TRACE_ABSTRACT,
  * docs/architecture.md "Memory is the compiler's to plan"): a training
- * step under a memory budget without a reducer, whose parameters have no
+ * step (unless opts.trace_computing) without a reducer, whose parameters have no
  * hooks and whose inputs are plain tensors of their own (no autograd
  * history, no memory shared with another input or a parameter, no remote
  * or abstract bytes): what the program then reads is what the eager step
  * would. */
 static bool abstract_ok(const gj_step *s, int n_in, gj_tensor *const *in) {
-    if (s->o.eval || !s->o.mem_budget || s->red) return false;
+    if (s->o.eval || s->o.trace_computing || s->red) return false;
     for (int p = 0; p < s->n; p++) {
         const gj_ag_tensor_meta *m = s->params[p]->ag;
         if (m && (m->hooks || m->post_hooks)) return false;
@@ -465,7 +466,10 @@ static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **
     gj_clear_error();
     gj_dtype ac0 = gj_get_autocast();
     gj_set_autocast(s->o.autocast);
-    if (abstract) gj_rt_set_abstract(true);
+    if (abstract) {
+        gj_fe_abstract_hooks_begin();
+        gj_rt_set_abstract(true);
+    }
     gj_tensor *loss = s->fn(s->ctx, n_in, in);
     if (abstract) gj_rt_set_abstract(false);
     gj_set_autocast(ac0);
@@ -534,6 +538,10 @@ done:
     if (s->o.eval) gj_no_grad_pop();
     gj_scope_pop();
     proxies_free(n_in, px);
+    /* Hooks fn registered there: it registers them again when it runs next
+     * (a hook makes the trace untraceable: this run never stops for the
+     * program) */
+    if (abstract) gj_fe_abstract_hooks_undo();
     /* A traced run is an eager step: the blocks it freed, cached for reuse,
      * are the eager step's sizes, which the program's buffers mostly are
      * not; returned now, the step holds no more than the eager step does.

@@ -1251,6 +1251,7 @@ static gj_tensor *fuzz_step_fn(void *ctx, int n_in, gj_tensor *const *in) {
     f->n_hk = 0;
     f->log[0] = '\0';
     f->soft = true;
+    f->failed = false; /* (a first run may call fn twice: abstract, then computing) */
     for (int i = 0; i < f->n_leaves; i++) f->pool[f->n++] = f->leaves[i];
     push(f, gj_mul(in[0], f->leaves[0]), "input*leaf0"); /* (the pool requires grad) */
     if (sc->xs & XS_ALIAS) push(f, gj_mul(in[1], f->leaves[1]), "input1*leaf1");

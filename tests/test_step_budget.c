@@ -16,6 +16,8 @@
  */
 #include "gjtest.h"
 
+#include "runtime/rt.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,11 +171,13 @@ typedef struct result {
     int rc;             /* the first failing run's code (0: none) */
     char err[512];
     int first_calls;    /* of the step function in the first run */
+    int64_t first_mm;   /* eager matrix products in the first run (gj_rt_exec) */
     int64_t state_bytes; /* AdamW's m and v (made by the first run) */
 } result;
 
 typedef struct variation {
     bool ckpt, peek, alias; /* alias: the input shares its memory with a constant */
+    bool computing;         /* gj_step_opts.trace_computing */
     int bad_label_step; /* a label out of range in this step's input (-1: none) */
 } variation;
 
@@ -200,7 +204,7 @@ static result run_v(kind k, bool eager, size_t budget, variation v) {
     m.peek = v.peek;
     gj_optim *o = gj_adamw_new(m.np, m.p, 1e-2, 0.9, 0.999, 1e-8, 0.01);
     assert_non_null(o);
-    gj_step_opts so = {.eager = eager, .mem_budget = budget};
+    gj_step_opts so = {.eager = eager, .mem_budget = budget, .trace_computing = v.computing};
     gj_step *st = gj_step_new(loss_fn, &m, o, &so);
     assert_non_null(st);
     result res;
@@ -224,6 +228,7 @@ static result run_v(kind k, bool eager, size_t budget, variation v) {
             lab[3] = k == MLP ? MO : TV;
         }
         int calls0 = m.calls;
+        int64_t mm0 = gj_rt_exec_count(GJ_P_MATMUL);
         gj_mem m0, m1;
         gj_mem_stats(&m0);
         gj_mem_reset_peak();
@@ -239,6 +244,7 @@ static result run_v(kind k, bool eager, size_t budget, variation v) {
         if (i == 0) {
             res.first_peak = m1.peak_bytes - m0.live_bytes;
             res.first_calls = m.calls - calls0;
+            res.first_mm = gj_rt_exec_count(GJ_P_MATMUL) - mm0;
         }
         res.loss[i] = gj_tensor_item(loss);
         gj_scope_pop();
@@ -326,6 +332,9 @@ static void test_first_trace_abstract(void **st) {
     gj_compiled_autograd_set_quiet(true);
     result e = run(BLOCK, true, 0);
     result full = run(BLOCK, false, 0);
+    result old = run_v(BLOCK, false, 0, (variation){.computing = true, .bad_label_step = -1});
+    same("abstract first trace, no budget", &e, &full);
+    same("first trace computing", &e, &old);
     size_t budget = (size_t)full.mem.planned_peak_bytes / 2;
     gj_step_reset_stats();
     result c = run(BLOCK, false, budget);
@@ -335,15 +344,24 @@ static void test_first_trace_abstract(void **st) {
     assert_int_equal(s.fallbacks, 0);
     assert_int_equal(s.compiles + s.mem_hits + s.disk_hits, NSTEP); /* (each run the program) */
     print_message("  first run: %lld bytes added (AdamW state %lld, later runs' peak %lld; "
-                  "eager's first step %lld, unbudgeted compiled %lld), %d call(s) of the step "
-                  "function\n",
+                  "eager's first step %lld, unbudgeted compiled %lld (%lld, later %lld, traced "
+                  "computing)), %d call(s) of the step function\n",
                   (long long)c.first_peak, (long long)c.state_bytes, (long long)c.peak,
-                  (long long)e.first_peak, (long long)full.first_peak, c.first_calls);
+                  (long long)e.first_peak, (long long)full.first_peak,
+                  (long long)old.first_peak, (long long)old.peak, c.first_calls);
     assert_int_equal(c.first_calls, 1);
     assert_int_equal(full.first_calls, 1);
+    assert_int_equal(old.first_calls, 1);
     /* the first run holds the program's peak and the state it makes, no
-     * activation of a traced forward */
+     * activation of a traced forward; with or without a budget */
     assert_true(c.first_peak <= c.peak + c.state_bytes + 65536);
+    assert_true(full.first_peak <= full.peak + full.state_bytes + 65536);
+    /* the forward computed once, by the program: no eager product on the
+     * abstract inputs; traced computing, the eager forward ran them too */
+    assert_int_equal(c.first_mm, 0);
+    assert_int_equal(full.first_mm, 0);
+    assert_true(old.first_mm > 0);
+    assert_true(e.first_mm > 0);
     /* a function that reads a value: traced again computing, then eager */
     result pe = run_v(BLOCK, true, 0, (variation){.peek = true, .bad_label_step = -1});
     gj_step_reset_stats();
@@ -371,6 +389,7 @@ static void test_first_trace_abstract(void **st) {
     assert_memory_equal(lc.params, le.params, (size_t)le.n_params * sizeof *le.params);
     free(e.params);
     free(full.params);
+    free(old.params);
     free(c.params);
     free(pe.params);
     free(pc.params);
