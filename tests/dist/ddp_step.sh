@@ -27,7 +27,8 @@ cmp "$dir/eager.csv" "$dir/compiled.csv" || fail "the losses differ: $(diff "$di
 # step's losses (both with --bf16) and never falls back
 b16e=$(run "$dir/b16e.csv" --bf16) || fail "the eager --bf16 run failed: $b16e"
 b16c=$(run "$dir/b16c.csv" --bf16 --compiled-step) || fail "the compiled --bf16 run failed: $b16c"
-echo "$b16c" | grep -q "compiled step: 234 steps, .* 0 fallbacks" || fail "the bf16 compiled step fell back"
+echo "$b16c" | grep -q "compiled step: 234 steps, .* 0 fallbacks" ||
+  fail "the bf16 compiled step fell back: $(echo "$b16c" | grep -iE 'compiled step|fallback|error' | head -4)"
 cmp "$dir/b16e.csv" "$dir/b16c.csv" || fail "bf16: the compiled step's losses differ from eager's"
 # ZeRO stage 1: the same allreduce, AdamW on each rank's shards, the shards
 # gathered: the same losses again, and each rank holds half the AdamW state
