@@ -17,17 +17,12 @@
 
 static void use_frontend_scopes(void) { gj_fe_use_scopes(); }
 
-/* The hooks registered during this thread's abstract first trace. */
+/* The hooks registered during this thread's abstract first trace (while
+ * gj_rt_abstract() holds). */
 static _Thread_local struct {
-    bool on;
     int n, cap;
     int64_t *h;
 } g_abstract_hooks;
-
-void gj_fe_abstract_hooks_begin(void) {
-    g_abstract_hooks.on = true;
-    g_abstract_hooks.n = 0;
-}
 
 void gj_fe_abstract_hooks_undo(void) {
     for (int k = g_abstract_hooks.n - 1; k >= 0; k--)
@@ -39,7 +34,7 @@ void gj_fe_abstract_hooks_undo(void) {
 /* h (a new handle, or -1): noted when an abstract trace runs. A handle
  * that cannot be noted is removed again: -1 with the error. */
 static int64_t noted(int64_t h, const char *op) {
-    if (h <= 0 || !g_abstract_hooks.on || !gj_rt_abstract()) return h;
+    if (h <= 0 || !gj_rt_abstract()) return h;
     if (g_abstract_hooks.n == g_abstract_hooks.cap) {
         int cap = g_abstract_hooks.cap ? 2 * g_abstract_hooks.cap : 16;
         int64_t *nh = gj_rt_realloc(g_abstract_hooks.h, (size_t)cap * sizeof *nh);

@@ -37,9 +37,9 @@ static inline gj_tensor *gj_fe_fail(void) {
                                     (what));                                                   \
     } while (0)
 /* Hooks the step function registers during an abstract first trace
- * (step.c) are noted here and removed when that trace ends: the function
- * runs again (traced computing, or eagerly) and registers them again. */
-void gj_fe_abstract_hooks_begin(void);
+ * (step.c; gj_rt_abstract) are noted and removed by this when that trace
+ * ends: the function runs again (traced computing, or eagerly) and
+ * registers them again. */
 void gj_fe_abstract_hooks_undo(void);
 #define GJ_FE_TRACE_CREATED(t, deterministic, what)                                            \
     do {                                                                                       \

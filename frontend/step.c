@@ -466,10 +466,7 @@ static int run_eager_as(gj_step *s, int n_in, gj_tensor *const *in, gj_tensor **
     gj_clear_error();
     gj_dtype ac0 = gj_get_autocast();
     gj_set_autocast(s->o.autocast);
-    if (abstract) {
-        gj_fe_abstract_hooks_begin();
-        gj_rt_set_abstract(true);
-    }
+    if (abstract) gj_rt_set_abstract(true);
     gj_tensor *loss = s->fn(s->ctx, n_in, in);
     if (abstract) gj_rt_set_abstract(false);
     gj_set_autocast(ac0);
