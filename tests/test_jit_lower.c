@@ -8,7 +8,9 @@
  * bit-identical; matmuls are compared with a tolerance against a double
  * reference. MAX, GATHER_ROWS, SCATTER_ADD_ROWS and bf16 MATMUL are
  * compared with the eager kernels' bytes. Also: the forced-LLVM-failure
- * switch and the "no lowering" test switch.
+ * switch, the "no lowering" test switch, and what a memory budget
+ * recomputes (plan/remat.c: a node with several saved outputs copied once,
+ * the fused head priced as its GEMMs).
  */
 #include "gjtest.h"
 
@@ -813,6 +815,135 @@ static void test_large_rows(void **st) {
     assert_int_equal(gjt_live_bytes(), live0);
 }
 
+
+/* ------------------------------------------------- memory budget (remat.c) */
+
+static int node_phase(gj_jit_graph *g, int v, int phase) {
+    g->nodes[g->values[v].node].phase = phase;
+    return v;
+}
+
+static int count_prim(const gj_jit_graph *g, gj_rt_prim p) {
+    int n = 0;
+    for (int i = 0; i < g->n_nodes; i++) n += g->nodes[i].inst.prim == p;
+    return n;
+}
+
+/* A step's graph by hand: o, lse = attention(q, k, v); y = o w; loss =
+ * sum(y) (phase 0); the backward (phase 1) reads o for w's gradient,
+ * then o and lse in attention's backward. */
+static void attn_step_graph(gj_jit_graph *g) {
+    enum { B = 1, H = 2, T = 64, D = 16, W = 256 };
+    gj_jit_graph_init(g);
+    int64_t s4[4] = {B, H, T, D};
+    int q = input(g, GJ_F32, 4, s4), k = input(g, GJ_F32, 4, s4), v = input(g, GJ_F32, 4, s4);
+    int w = input(g, GJ_F32, 2, (int64_t[]){D, W});
+    int gy = input(g, GJ_F32, 2, (int64_t[]){B * H * T, W});
+    gj_rt_inst at = {.prim = GJ_P_ATTN_FWD, .n_in = 3, .scalar = 0.25, .keepdim = true};
+    int args[6] = {q, k, v}, out[GJ_RT_MAX_OUTPUTS];
+    assert_int_equal(gj_jit_graph_add_node(g, &at, args, out), 2);
+    int o = out[0], lse = out[1];
+    gj_rt_inst rs = {.prim = GJ_P_RESHAPE, .n_in = 1, .ndim = 2, .shape = {B * H * T, D}};
+    int o2 = op(g, rs, o, -1, -1);
+    int y = op(g, (gj_rt_inst){.prim = GJ_P_MATMUL, .n_in = 2}, o2, w, -1);
+    out_new(g, sum(g, y, 3u, false));
+    int gw = node_phase(g, op(g, (gj_rt_inst){.prim = GJ_P_MATMUL, .n_in = 2, .ta = true}, o2, gy, -1), 1);
+    int go2 = node_phase(g, op(g, (gj_rt_inst){.prim = GJ_P_MATMUL, .n_in = 2, .tb = true}, gy, w, -1), 1);
+    gj_rt_inst rs4 = {.prim = GJ_P_RESHAPE, .n_in = 1, .ndim = 4, .shape = {B, H, T, D}};
+    int go = node_phase(g, op(g, rs4, go2, -1, -1), 1);
+    gj_rt_inst ab = at;
+    ab.prim = GJ_P_ATTN_BWD;
+    ab.n_in = 6;
+    int bargs[6] = {q, k, v, o, go, lse};
+    assert_int_equal(gj_jit_graph_add_node(g, &ab, bargs, out), 3);
+    node_phase(g, out[0], 1);
+    out_new(g, gw);
+    for (int i = 0; i < 3; i++) out_new(g, out[i]);
+}
+
+/* A step's graph by hand with the fused head: hh = tanh(x w1); loss, gh,
+ * gw = linear_cross_entropy(hh, wv, labels) (phase 0); the backward reads
+ * hh and gh, the update gw, and its peak is a temporary of the backward
+ * while they are held. */
+static void lce_step_graph(gj_jit_graph *g) {
+    enum { N = 64, C = 32, V = 512 };
+    gj_jit_graph_init(g);
+    int x = input(g, GJ_F32, 2, (int64_t[]){N, C});
+    int w1 = input(g, GJ_F32, 2, (int64_t[]){C, C});
+    int wv = input(g, GJ_F32, 2, (int64_t[]){V, C});
+    int lab = input(g, GJ_I64, 1, (int64_t[]){N});
+    int hh = un(g, GJ_P_TANH, op(g, (gj_rt_inst){.prim = GJ_P_MATMUL, .n_in = 2}, x, w1, -1));
+    gj_rt_inst lc = {.prim = GJ_P_LCE_FWD, .n_in = 3, .start = -100, .keepdim = true};
+    int args[3] = {hh, wv, lab}, out[GJ_RT_MAX_OUTPUTS];
+    assert_int_equal(gj_jit_graph_add_node(g, &lc, args, out), 3);
+    out_new(g, out[0]);
+    /* a large temporary of the backward while hh and the head's gradients
+     * are held: the peak a dropped value can lower */
+    int wbig = input(g, GJ_F32, 2, (int64_t[]){C, 1024});
+    int big = node_phase(g, op(g, (gj_rt_inst){.prim = GJ_P_MATMUL, .n_in = 2}, x, wbig, -1), 1);
+    out_new(g, node_phase(g, sum(g, big, 3u, false), 1));
+    int g1 = node_phase(g, bin(g, GJ_P_MUL, out[1], hh), 1);
+    out_new(g, node_phase(g, op(g, (gj_rt_inst){.prim = GJ_P_MATMUL, .n_in = 2, .ta = true}, x, g1, -1), 1));
+    out_new(g, node_phase(g, bin(g, GJ_P_ADD, wv, out[2]), 1));
+}
+
+/* Under a budget that attention's output does not fit, both of its saved
+ * outputs are recomputed by one copy of the node: attention runs once in
+ * the forward and once in the backward, not once per value. */
+static void test_remat_shared_node(void **st) {
+    (void)st;
+    char why[300];
+    gj_jit_graph g;
+    attn_step_graph(&g);
+    gj_jit_remat r = {.budget = (size_t)1 << 40};
+    assert_int_equal(gj_jit_pass_remat(&g, &r, why, sizeof why), 0);
+    assert_int_equal(r.n_dropped, 0);
+    assert_int_equal(count_prim(&g, GJ_P_ATTN_FWD), 1);
+    size_t full = r.peak;
+    gj_jit_graph_free(&g);
+    int fits = 0;
+    for (size_t budget = full - 1; budget > full / 4; budget -= 1024) {
+        attn_step_graph(&g);
+        gj_jit_remat b = {.budget = budget};
+        int rc = gj_jit_pass_remat(&g, &b, why, sizeof why);
+        assert_true(rc == 0 || rc == 1);
+        if (rc == 0) {
+            fits++;
+            assert_true(b.n_dropped >= 1 && b.peak <= budget && b.peak < full);
+            assert_int_equal(count_prim(&g, GJ_P_ATTN_FWD), 2);
+        }
+        print_message("  budget %zu of %zu: rc %d, %d dropped, peak %zu, attention nodes %d\n",
+                      budget, full, rc, b.n_dropped, b.peak, count_prim(&g, GJ_P_ATTN_FWD));
+        gj_jit_graph_free(&g);
+        if (rc == 1) break;
+    }
+    assert_true(fits > 0);
+}
+
+/* The fused head is priced as the GEMMs it runs (6 N V C FLOPs): a budget
+ * a dropped GEMM output meets never runs the head again for its
+ * gradients. */
+static void test_remat_head_last(void **st) {
+    (void)st;
+    char why[300];
+    gj_jit_graph g;
+    lce_step_graph(&g);
+    gj_jit_remat r = {.budget = (size_t)1 << 40};
+    assert_int_equal(gj_jit_pass_remat(&g, &r, why, sizeof why), 0);
+    size_t full = r.peak;
+    gj_jit_graph_free(&g);
+    lce_step_graph(&g);
+    gj_jit_remat b = {.budget = full - 1};
+    assert_int_equal(gj_jit_pass_remat(&g, &b, why, sizeof why), 0);
+    print_message("  budget %zu of %zu: %d dropped, peak %zu, head nodes %d, GEMMs %d\n",
+                  b.budget, full, b.n_dropped, b.peak, count_prim(&g, GJ_P_LCE_FWD),
+                  count_prim(&g, GJ_P_MATMUL));
+    assert_true(b.n_dropped >= 1 && b.peak < full);
+    assert_int_equal(count_prim(&g, GJ_P_LCE_FWD), 1);
+    assert_int_equal(count_prim(&g, GJ_P_MATMUL), 4); /* x w1 twice, x wbig, w1's gradient */
+    gj_jit_graph_free(&g);
+}
+
 /* A primitive without lowering (the test switch: every primitive has one),
  * and the forced LLVM failure: both fail the build with a readable,
  * permanent reason and leak nothing. */
@@ -872,6 +1003,8 @@ int main(void) {
         cmocka_unit_test(test_index),
         cmocka_unit_test(test_bf16_matmul),
         cmocka_unit_test(test_large_rows),
+        cmocka_unit_test(test_remat_shared_node),
+        cmocka_unit_test(test_remat_head_last),
         cmocka_unit_test(test_failures),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

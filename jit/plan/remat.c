@@ -18,8 +18,10 @@
  *
  * Order: by tier (the chain's costliest node: 0 elementwise, views,
  * generators and copies; 1 reductions, index and window ops; 2 fused
- * attention; 3 GEMMs), then by the FLOPs of its chain (with only it
- * dropped) per byte, then by value id. The pass plans the graph with the
+ * attention; 3 GEMMs and the fused head), then by the FLOPs of its chain
+ * per byte, then by value id, each priced with the candidates before it
+ * dropped (order_candidates); the other saved outputs of a dropped
+ * value's node are dropped with it. The pass plans the graph with the
  * first k candidates dropped: k = 0 (the backward kept apart from the
  * forward, below), then k at each tier's end until one fits, then a
  * bisection below that for the smallest k that fits. The peak is not
@@ -102,8 +104,10 @@ static double numel_d(const gj_rt_meta *m) {
 }
 
 /* FLOPs of node n: 2 M N K per GEMM, 4 T S D per attention head (half
- * under the causal mask), an element of input per reduction, an element
- * of output for the rest; views and generators none. */
+ * under the causal mask), 6 N V C for the fused head (its logits, then
+ * the gradients of h and of the weight), an element of input per
+ * reduction, an element of output for the rest; views and generators
+ * none. */
 static double node_flops(const gj_jit_graph *g, const gj_jit_node *n) {
     gj_rt_prim p = n->inst.prim;
     const gj_rt_meta *o = &g->values[n->out[0]].meta;
@@ -118,12 +122,16 @@ static double node_flops(const gj_jit_graph *g, const gj_jit_node *n) {
         double f = 4.0 * numel_d(q) * (double)k->shape[k->ndim - 2];
         return n->inst.keepdim ? f / 2.0 : f;
     }
+    if (p == GJ_P_LCE_FWD) {
+        const gj_rt_meta *h = &g->values[n->in[0]].meta, *w = &g->values[n->in[1]].meta;
+        return 6.0 * numel_d(h) * (double)w->shape[0];
+    }
     if (p == GJ_P_SUM || p == GJ_P_MAX) return numel_d(&g->values[n->in[0]].meta);
     return numel_d(o);
 }
 
 static int node_tier(gj_rt_prim p) {
-    if (p == GJ_P_MATMUL) return 3;
+    if (p == GJ_P_MATMUL || p == GJ_P_LCE_FWD) return 3;
     if (p == GJ_P_ATTN_FWD) return 2;
     if (gj_jit_prim_is_elementwise(p) || gj_jit_prim_is_movement(p) || is_generator(p) ||
         p == GJ_P_PAD || p == GJ_P_CAT)
@@ -160,7 +168,8 @@ static bool chain(remat *r, int v, double *flops, int *tier) {
     return true;
 }
 
-/* The saved values, then the candidates with their chains' cost, sorted. */
+/* The saved values, then the candidates with their chains' cost (each
+ * with only itself dropped). */
 static void find_candidates(remat *r) {
     const gj_jit_graph *g = r->g;
     for (int i = 0; i < g->n_nodes; i++) {
@@ -191,18 +200,65 @@ static void find_candidates(remat *r) {
         r->cand[r->n_cand++] = v;
     }
     memset(r->drop, 0, (size_t)g->n_values * sizeof *r->drop);
-    for (int i = 1; i < r->n_cand; i++) { /* insertion sort: tier, FLOPs per byte, id */
-        int v = r->cand[i], j = i - 1;
-        while (j >= 0) {
-            int u = r->cand[j];
-            bool after = r->tier[u] > r->tier[v] ||
-                         (r->tier[u] == r->tier[v] && r->key[u] > r->key[v]);
-            if (!after) break;
-            r->cand[j + 1] = u;
-            j--;
+}
+
+/* Whether candidate u comes before v: tier, FLOPs per byte, id. */
+static bool cand_before(const remat *r, int u, int v) {
+    if (r->tier[u] != r->tier[v]) return r->tier[u] < r->tier[v];
+    if (r->key[u] != r->key[v]) return r->key[u] < r->key[v];
+    return u < v;
+}
+
+/* The candidates in the order the budget drops them: each the first (by
+ * cand_before) with the ones before it dropped. Dropping more only
+ * lengthens chains (a chain runs through every dropped value it reads),
+ * so a candidate's tier and key never fall: a key computed earlier is a
+ * lower bound, and the first candidate whose key, computed again now, is
+ * unchanged is the next one (a lazy greedy). A value whose chain through
+ * the values before it would need one a checkpoint region did not keep
+ * leaves the list. Without this, two dropped values whose chains share
+ * an expensive node (attention, a GEMM) would each be priced as if the
+ * other were kept, and each site would compute that node again. */
+static void order_candidates(remat *r) {
+    const gj_jit_graph *g = r->g;
+    int m = 0, n = r->n_cand;
+    while (m < n) {
+        int best = m;
+        for (int i = m + 1; i < n; i++)
+            if (cand_before(r, r->cand[i], r->cand[best])) best = i;
+        int v = r->cand[best];
+        double flops = 0.0;
+        int tier = 0;
+        r->gen++;
+        r->drop[v] = true;
+        bool ok = chain(r, v, &flops, &tier);
+        double key = flops / (double)value_bytes(g, v);
+        if (ok && tier == r->tier[v] && key == r->key[v]) {
+            r->cand[best] = r->cand[m];
+            r->cand[m++] = v;
+            /* Its node's other saved outputs come with it: one copy of the
+             * node at the first site makes them all (site_copy). */
+            const gj_jit_node *nd = &g->nodes[g->values[v].node];
+            for (int o = 0; o < nd->n_out; o++)
+                for (int i = m; i < n; i++)
+                    if (r->cand[i] == nd->out[o]) {
+                        r->drop[nd->out[o]] = true;
+                        r->cand[i] = r->cand[m];
+                        r->cand[m++] = nd->out[o];
+                        break;
+                    }
+            continue;
         }
-        r->cand[j + 1] = v;
+        r->drop[v] = false;
+        if (ok) {
+            r->tier[v] = tier;
+            r->key[v] = key;
+        } else {
+            r->cand[best] = r->cand[--n];
+        }
     }
+    r->n_cand = m;
+    memset(r->drop, 0, (size_t)g->n_values * sizeof *r->drop);
 }
 
 /* The copy of forward value u in ng for the current site (made now, with
@@ -231,9 +287,14 @@ static int copy_of(remat *r, gj_jit_graph *ng, int u) {
 }
 
 /* What a backward node reads for forward value x that needs a copy: the
- * copy of x's site, made at its first read. -1 (OOM). */
+ * copy of x's site, made at its first read; an output of a node with
+ * several (attention's o and lse, the fused head's loss and gradients)
+ * shares the copy an earlier site made of that node. -1 (OOM). */
 static int site_copy(remat *r, gj_jit_graph *ng, int x) {
     if (r->top[x] >= 0) return r->top[x];
+    const gj_jit_node *n = &r->g->nodes[r->g->values[x].node];
+    if (n->n_out > 1 && r->cgen[x] >= 0) /* a sibling output's site copied the node */
+        return r->top[x] = r->clone[x];
     r->site++;
     r->top[x] = copy_of(r, ng, x);
     return r->top[x];
@@ -379,6 +440,7 @@ int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_
         goto done;
     }
     find_candidates(&r);
+    order_candidates(&r);
     if (try_k(&r, 0, &out->peak, NULL, why, why_cap) != 0) goto done;
     out->min_peak = out->peak;
     rc = 0;
