@@ -12,16 +12,23 @@
  * it meets; no budget (0) is today's program; bad arguments are refused.
  * Under a budget the first run traces the forward abstractly (shapes, no
  * values) and runs the program it made: it holds the program's peak, not
- * the eager step's; a function that needs a value is traced again.
+ * the eager step's; a function that needs a value is traced again. The
+ * budget's choice is kept in the disk cache as a hint a later plan tries
+ * first (one trial plan); a damaged hint is ignored.
  */
 #include "gjtest.h"
 
+#include "jit/jit.h"
+#include "jit/plan/plan.h" /* gj_jit_remat_trials */
 #include "runtime/rt.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { NSTEP = 5, MAXP = 48 };
 
@@ -467,6 +474,72 @@ static void test_checkpoint_region(void **st) {
     free(ok.params);
 }
 
+
+/* Flips the last byte of every file in dir (its checksum); with unlink,
+ * removes them and dir. */
+static void each_file(const char *dir, bool unlink_all) {
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    for (struct dirent *de; (de = readdir(d));) {
+        if (de->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (unlink_all) {
+            unlink(path);
+            continue;
+        }
+        int fd = open(path, O_RDWR);
+        assert_true(fd >= 0);
+        off_t end = lseek(fd, -1, SEEK_END);
+        unsigned char c = 0;
+        assert_int_equal(pread(fd, &c, 1, end), 1);
+        c ^= 0x5a;
+        assert_int_equal(pwrite(fd, &c, 1, end), 1);
+        close(fd);
+    }
+    closedir(d);
+    if (unlink_all) rmdir(dir);
+}
+
+/* The choice a budget's search made is kept in the disk cache: a later
+ * plan of the same step (another process; here, after the memory cache
+ * is cleared) makes one trial plan instead of a search, and gets the same
+ * program with eager's bits; a damaged hint is no hint (a search again). */
+static void test_budget_hint(void **st) {
+    (void)st;
+    gj_compiled_autograd_set_quiet(true);
+    char dir[] = "/tmp/gj-budget-hint-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    gj_jit_set_disk_cache(dir);
+    result e = run(BLOCK, true, 0);
+    result full = run(BLOCK, false, 0);
+    size_t budget = (size_t)full.mem.planned_peak_bytes / 2;
+    result r[3];
+    int64_t trials[3];
+    for (int i = 0; i < 3; i++) {
+        if (i == 2) each_file(dir, false);
+        gj_jit_clear_cache();
+        int64_t t0 = gj_jit_remat_trials();
+        r[i] = run(BLOCK, false, budget);
+        trials[i] = gj_jit_remat_trials() - t0;
+        same(i == 0 ? "searched" : i == 1 ? "from the hint" : "hint damaged", &e, &r[i]);
+        assert_int_equal(r[i].mem.planned_peak_bytes, r[0].mem.planned_peak_bytes);
+        assert_int_equal(r[i].mem.recomputed_values, r[0].mem.recomputed_values);
+        assert_true(r[i].mem.recomputed_values > 0);
+        free(r[i].params);
+    }
+    print_message("  trial plans: %lld searching, %lld with the hint, %lld with it damaged\n",
+                  (long long)trials[0], (long long)trials[1], (long long)trials[2]);
+    assert_true(trials[0] > 2);
+    assert_int_equal(trials[1], 1);
+    assert_int_equal(trials[2], trials[0]);
+    gj_jit_clear_cache();
+    gj_jit_default_disk_cache();
+    each_file(dir, true);
+    free(e.params);
+    free(full.params);
+}
+
 /* No budget is today's program; a budget it fits as it is changes no
  * plan and recomputes nothing; the setting gives the budget in MiB. */
 static void test_no_budget_unchanged(void **st) {
@@ -545,6 +618,7 @@ int main(void) {
         cmocka_unit_test(test_checkpoint_region),
         cmocka_unit_test(test_no_budget_unchanged),
         cmocka_unit_test(test_first_trace_abstract),
+        cmocka_unit_test(test_budget_hint),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -124,4 +124,13 @@ void gj_jit_generic_prefix(char out[48]);
 /* Registered kernels (tests). */
 int gj_jit_generic_kernels(void);
 
+/* Hints: up to GJ_DISK_HINT_MAX values a plan of key w chose (tag names
+ * what they are), for a later plan of the same key to try first; the
+ * caller verifies them (diskcache.c's file comment). Load: 0 with v[0..n) set, or
+ * -1 (none, or not usable). Save: quiet on failure (logged under
+ * GRADJIT_LOG=cache). */
+#define GJ_DISK_HINT_MAX 4
+int gj_jit_disk_hint_load(const gj_jit_key *w, const char *tag, int64_t *v, int n);
+void gj_jit_disk_hint_save(const gj_jit_key *w, const char *tag, const int64_t *v, int n);
+
 #endif /* GJ_JIT_CACHE_H */

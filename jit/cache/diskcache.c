@@ -35,6 +35,14 @@
  * signature>", its plan blob the kernel signature (plan/symbolic.c), its prefix
  * the random "gjs<32 hex>" its code was compiled with.
  * (str and blob: u64 length, then the bytes.)
+ * A hint (gj_jit_disk_hint_*) is a decision a plan took long to make,
+ * filed like an entry under the hash of "gradjit-hint v1 <tag> <key
+ * hash>" (so the limit counts and evicts it as one):
+ *   "GJJITH01", u64 layout, str library version, u64[2] key hash,
+ *   u64 n, i64 values[n], u64[2] checksum
+ * Its reader checks every field and uses the values only as a guess that
+ * the caller verifies (a memory budget's choice is planned again and
+ * taken only if it fits).
  *
  * Invariants (docs/architecture.md, "The cache trusts nothing it reads"):
  *   - The plan in a file is never parsed. A load gets the program the
@@ -999,4 +1007,84 @@ int gj_jit_disk_load_symbolic(gj_jit_program *pr, bool *found, char *why, size_t
     else rc = load_entry(&id, pr, NULL, found, why, why_cap);
     gj_rt_free(sig.p);
     return rc;
+}
+
+/* ---------------------------------------------------------------- hints */
+
+static const char g_hint_magic[8] = {'G', 'J', 'J', 'I', 'T', 'H', '0', '1'};
+
+static void hint_name(const gj_jit_key *w, const char *tag, char name[40]) {
+    char t[128];
+    int n = snprintf(t, sizeof t, "gradjit-hint v1 %s %016llx%016llx", tag,
+                     (unsigned long long)w->hash[0], (unsigned long long)w->hash[1]);
+    uint64_t h[2];
+    gj_jit_hash128(t, (size_t)n, h);
+    entry_name(name, h);
+}
+
+/* The record of n values for key w and tag (see the file comment). */
+static void hint_record(wbuf *b, const gj_jit_key *w, const int64_t *v, int n) {
+    wbuf_put(b, g_hint_magic, sizeof g_hint_magic);
+    wbuf_u64(b, layout_signature());
+    put_blob(b, GJ_VERSION_STR, strlen(GJ_VERSION_STR));
+    wbuf_put(b, w->hash, 2 * sizeof w->hash[0]);
+    wbuf_u64(b, (uint64_t)n);
+    for (int i = 0; i < n; i++) wbuf_i64(b, v[i]);
+    uint64_t h[2];
+    gj_jit_hash128(b->p, b->n, h);
+    wbuf_put(b, h, sizeof h);
+}
+
+int gj_jit_disk_hint_load(const gj_jit_key *w, const char *tag, int64_t *v, int n) {
+    const char *dir = gj_jit_disk_dir();
+    if (!dir || n < 1 || n > GJ_DISK_HINT_MAX) return -1;
+    int64_t zero[GJ_DISK_HINT_MAX] = {0};
+    wbuf want = {0};
+    hint_record(&want, w, zero, n); /* the record's size and every field but the values */
+    char why[200], name[40];
+    int dfd = open_dir(dir, false, why, sizeof why), rc = -1;
+    unsigned char *d = NULL;
+    size_t len = 0;
+    if (dfd >= 0 && !want.oom) {
+        hint_name(w, tag, name);
+        if (gj_rt_file_read(dfd, name, want.n, &d, &len, why, sizeof why) == 0 &&
+            len == want.n) {
+            size_t vo = want.n - 16 - (size_t)n * 8; /* the values' offset */
+            uint64_t h[2];
+            gj_jit_hash128(d, len - 16, h);
+            if (memcmp(d, want.p, vo) == 0 && memcmp(d + len - 16, h, 16) == 0) {
+                memcpy(v, d + vo, (size_t)n * 8);
+                rc = 0;
+            }
+        }
+    }
+    if (dfd >= 0) close(dfd);
+    gj_rt_free(d);
+    gj_rt_free(want.p);
+    return rc;
+}
+
+void gj_jit_disk_hint_save(const gj_jit_key *w, const char *tag, const int64_t *v, int n) {
+    const char *dir = gj_jit_disk_dir();
+    if (!dir || n < 1 || n > GJ_DISK_HINT_MAX) return;
+    bool log = (gj_jit_log_flags() & GJ_JIT_LOG_CACHE) != 0;
+    wbuf b = {0};
+    hint_record(&b, w, v, n);
+    char why[300] = "out of memory", name[40];
+    int dfd = b.oom ? -1 : open_dir(dir, true, why, sizeof why);
+    bool ok = false;
+    if (dfd >= 0) {
+        hint_name(w, tag, name);
+        ok = gj_rt_file_write(dfd, name, ".gjc-", 0600, b.p, b.n, false, why, sizeof why) == 0;
+        gj_jit_disk_usage u;
+        if (ok && trim_dir(dfd, dir, name, gj_jit_disk_limit(), &u, why, sizeof why) != 0 && log)
+            fprintf(stderr, "[gradjit cache] could not apply the size limit to %s: %s\n", dir,
+                    why);
+        close(dfd);
+    }
+    if (log)
+        fprintf(stderr, ok ? "[gradjit cache] saved the %s of %016llx%016llx\n"
+                           : "[gradjit cache] the %s of %016llx%016llx not saved: %s\n",
+                tag, (unsigned long long)w->hash[0], (unsigned long long)w->hash[1], why);
+    gj_rt_free(b.p);
 }

@@ -354,10 +354,14 @@ void gj_jit_plan_print(const gj_jit_plan *p, FILE *f);
 /* --------------------------------- a step's memory budget (remat.c) */
 
 typedef struct gj_jit_remat {
-    size_t budget;   /* in: the most temporary bytes alive at once (> 0) */
-    size_t peak;     /* out: the planned peak of the graph left in g */
-    size_t min_peak; /* out: the smallest planned peak any choice tried reached */
-    int n_dropped;   /* out: saved forward values now recomputed in the backward */
+    size_t budget;       /* in: the most temporary bytes alive at once (> 0) */
+    int hint_k;          /* in: n_dropped of an earlier plan of this graph (0: none) */
+    uint64_t hint_order; /* in: that plan's order */
+    size_t peak;         /* out: the planned peak of the graph left in g */
+    size_t min_peak;     /* out: the smallest planned peak any choice tried reached */
+    int n_dropped;       /* out: saved forward values now recomputed in the backward */
+    uint64_t order;      /* out: a hash of the order candidates are dropped in */
+    bool searched;       /* out: the choice was searched (not a hint, nor nothing) */
 } gj_jit_remat;
 
 /* Runs the graph passes on g (as gj_jit_program_plan does), then, when its
@@ -368,6 +372,11 @@ typedef struct gj_jit_remat {
  * out->min_peak the smallest peak reached) or -1 (why[] set: out of
  * memory, or the plan failed as gj_jit_plan_build does). */
 int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_cap);
+/* With a hint (hint_k > 0 and hint_order this graph's order) the first
+ * hint_k candidates are tried first, and taken if they fit: one trial plan
+ * instead of a search. A hint that does not fit is ignored. */
+/* The trial plans gj_jit_pass_remat made in this process (tests). */
+int64_t gj_jit_remat_trials(void);
 /* What g (after its passes) keeps and recomputes: the bytes of the
  * forward values its backward reads (each base once; generators, which
  * have no memory, not counted), the FLOPs of its recomputed nodes and how

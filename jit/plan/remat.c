@@ -335,9 +335,16 @@ static int rebuild(remat *r, int k, gj_jit_graph *ng) {
     return 0;
 }
 
+/* Trial plans made by gj_jit_pass_remat in this process (tests). */
+static _Atomic int64_t g_trials;
+
+int64_t gj_jit_remat_trials(void) { return g_trials; }
+
 /* The planned peak with the first k candidates dropped into *peak; the
- * graph into keep (when not NULL, emptied first). 0, or -1 with why[] set. */
+ * graph into keep (when not NULL, emptied first) if it fits the budget. 0,
+ * or -1 with why[] set. */
 static int try_k(remat *r, int k, size_t *peak, gj_jit_graph *keep, char *why, size_t why_cap) {
+    g_trials++;
     gj_jit_graph ng;
     gj_jit_graph_init(&ng);
     gj_jit_plan p;
@@ -360,7 +367,7 @@ static int try_k(remat *r, int k, size_t *peak, gj_jit_graph *keep, char *why, s
                     r->key[r->cand[c]], "");
     }
     gj_jit_plan_free(&p);
-    if (keep) {
+    if (keep && *peak <= r->budget) {
         gj_jit_graph_free(keep);
         *keep = ng;
     } else {
@@ -369,33 +376,48 @@ static int try_k(remat *r, int k, size_t *peak, gj_jit_graph *keep, char *why, s
     return 0;
 }
 
-/* The smallest k that fits: the first tier's end that fits, then a
- * bisection below it (down to the previous tier's end, which does not).
- * *k -1 when none fits; r's caller gets the smallest peak seen. */
-static int search(remat *r, gj_jit_remat *out, int *k_out, char *why, size_t why_cap) {
+/* The smallest k that fits, given that k = 0 does not (its peak in
+ * out->min_peak): the first tier's end that fits, then a bisection below
+ * it (down to the previous tier's end, which does not). *k_out -1 when
+ * none fits, else its graph in *best; out->min_peak the smallest peak
+ * seen. */
+static int search(remat *r, gj_jit_remat *out, int *k_out, gj_jit_graph *best, char *why,
+                  size_t why_cap) {
     int lo = 0, hi = -1;
     size_t peak = 0;
-    if (try_k(r, 0, &peak, NULL, why, why_cap) != 0) return -1; /* (the backward kept apart) */
-    if (peak < out->min_peak) out->min_peak = peak;
-    if (peak <= out->budget) hi = 0;
     for (int t = 0; t <= 3 && hi < 0; t++) {
         int end = 0;
         while (end < r->n_cand && r->tier[r->cand[end]] <= t) end++;
         if (end == lo) continue;
-        if (try_k(r, end, &peak, NULL, why, why_cap) != 0) return -1;
+        if (try_k(r, end, &peak, best, why, why_cap) != 0) return -1;
         if (peak < out->min_peak) out->min_peak = peak;
-        if (peak <= out->budget) hi = end;
-        else lo = end;
+        if (peak <= out->budget) {
+            hi = end;
+            out->peak = peak;
+        } else {
+            lo = end;
+        }
     }
     while (hi >= 0 && hi - lo > 1) {
         int mid = lo + (hi - lo) / 2;
-        if (try_k(r, mid, &peak, NULL, why, why_cap) != 0) return -1;
+        if (try_k(r, mid, &peak, best, why, why_cap) != 0) return -1;
         if (peak < out->min_peak) out->min_peak = peak;
-        if (peak <= out->budget) hi = mid;
-        else lo = mid;
+        if (peak <= out->budget) {
+            hi = mid;
+            out->peak = peak;
+        } else {
+            lo = mid;
+        }
     }
     *k_out = hi;
     return 0;
+}
+
+/* The hash of the candidates' order (what a hint's k counts in). */
+static uint64_t order_hash(const remat *r) {
+    uint64_t h[2];
+    gj_jit_hash128(r->cand, (size_t)r->n_cand * sizeof *r->cand, h);
+    return h[0] ^ (uint64_t)r->n_cand;
 }
 
 static void remat_free(remat *r) {
@@ -415,6 +437,7 @@ int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_
     why[0] = '\0';
     out->peak = out->min_peak = 0;
     out->n_dropped = 0;
+    out->searched = false;
     bool changed = false;
     if (gj_jit_pass_cse_dce(g) != 0 || gj_jit_pass_pad_sums(g, &changed) != 0 ||
         (changed && gj_jit_pass_cse_dce(g) != 0)) {
@@ -422,6 +445,8 @@ int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_
         return -1;
     }
     remat r = {.g = g, .budget = out->budget};
+    gj_jit_graph ng; /* the graph that fits */
+    gj_jit_graph_init(&ng);
     size_t nv = (size_t)g->n_values + 1;
     r.saved = gj_rt_calloc(nv, sizeof *r.saved);
     r.drop = gj_rt_calloc(nv, sizeof *r.drop);
@@ -441,11 +466,27 @@ int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_
     }
     find_candidates(&r);
     order_candidates(&r);
+    out->order = order_hash(&r);
+    bool tried = false;
+    if (out->hint_k > 0 && out->hint_k <= r.n_cand && out->hint_order == out->order) {
+        /* an earlier plan of this graph chose hint_k: one trial, if it fits */
+        size_t peak = 0;
+        if (try_k(&r, out->hint_k, &peak, &ng, why, why_cap) != 0) goto done;
+        out->min_peak = peak;
+        tried = true;
+        if (peak <= out->budget) {
+            out->peak = peak;
+            k = out->hint_k;
+            rc = 0;
+            goto take;
+        }
+    }
     if (try_k(&r, 0, &out->peak, NULL, why, why_cap) != 0) goto done;
-    out->min_peak = out->peak;
+    if (!tried || out->peak < out->min_peak) out->min_peak = out->peak;
     rc = 0;
     if (out->peak <= out->budget) goto done; /* fits as it is: g unchanged */
-    if (search(&r, out, &k, why, why_cap) != 0) {
+    out->searched = true;
+    if (search(&r, out, &k, &ng, why, why_cap) != 0) {
         rc = -1;
         goto done;
     }
@@ -453,16 +494,13 @@ int gj_jit_pass_remat(gj_jit_graph *g, gj_jit_remat *out, char *why, size_t why_
         rc = 1;
         goto done;
     }
-    gj_jit_graph ng;
-    gj_jit_graph_init(&ng);
-    if (try_k(&r, k, &out->peak, &ng, why, why_cap) != 0) {
-        rc = -1;
-        goto done;
-    }
+take:
     gj_jit_graph_free(g);
     *g = ng;
+    gj_jit_graph_init(&ng);
     out->n_dropped = k;
 done:
+    gj_jit_graph_free(&ng);
     remat_free(&r);
     return rc;
 }

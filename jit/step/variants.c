@@ -400,6 +400,7 @@ typedef struct step_src {
     gj_jit_capture cap;
     bool captured;
     size_t budget;     /* the memory budget (0: none) */
+    const gj_jit_key *key;
     bool over;         /* the budget cannot be met: the run fails with over_why */
     char over_why[300];
 } step_src;
@@ -407,10 +408,24 @@ typedef struct step_src {
 static double mib(size_t b) { return (double)b / (1024.0 * 1024.0); }
 
 /* Under a memory budget, the captured graph rewritten to fit it
- * (plan/remat.c). 0; 1 (s->over: it cannot fit); -1 (why[] set). */
+ * (plan/remat.c). The choice a search made is kept in the disk cache as
+ * a hint for the key (the candidates dropped and their order): another
+ * process planning the key tries it first, one trial plan instead of a
+ * search's dozen. 0; 1 (s->over: it cannot fit); -1 (why[] set). */
 static int step_budget(step_src *s, char *why, size_t why_cap) {
     gj_jit_remat rm = {.budget = s->budget};
+    int64_t hint[2];
+    if (gj_jit_disk_hint_load(s->key, "memory budget", hint, 2) == 0 && hint[0] > 0 &&
+        hint[0] <= INT32_MAX) {
+        rm.hint_k = (int)hint[0];
+        rm.hint_order = (uint64_t)hint[1];
+    }
     int rc = gj_jit_pass_remat(&s->cap.g, &rm, why, why_cap);
+    if (rc == 0 && rm.searched && rm.n_dropped > 0) {
+        hint[0] = rm.n_dropped;
+        hint[1] = (int64_t)rm.order;
+        gj_jit_disk_hint_save(s->key, "memory budget", hint, 2);
+    }
     if (rc == 1) {
         s->over = true;
         snprintf(s->over_why, sizeof s->over_why,
@@ -721,6 +736,7 @@ int gj_jit_cstep_prepare(gj_jit_cstep *st, const gj_ag_trace *tr, gj_tensor *los
                                   ti.n_extra, ti.extra_t, eval ? NULL : call->red, call->red_of};
     src.w = have_walk ? &w : NULL;
     src.budget = call->mem_budget;
+    src.key = &key;
     gj_jit_source source = {step_capture, step_finish, &src, GJ_JIT_PATH_STEP,
                             call->red && call->red->zero};
     gj_jit_got got = {0};
