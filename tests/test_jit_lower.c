@@ -887,6 +887,19 @@ static void lce_step_graph(gj_jit_graph *g) {
     out_new(g, node_phase(g, bin(g, GJ_P_ADD, wv, out[2]), 1));
 }
 
+/* The planned peak of make's graph without a budget (nothing dropped). */
+static size_t unbudgeted_peak(void (*make)(gj_jit_graph *)) {
+    char why[300];
+    gj_jit_graph g;
+    make(&g);
+    gj_jit_remat r = {.budget = (size_t)1 << 40};
+    assert_int_equal(gj_jit_pass_remat(&g, &r, why, sizeof why), 0);
+    assert_int_equal(r.n_dropped, 0);
+    assert_int_equal(count_prim(&g, GJ_P_ATTN_FWD) + count_prim(&g, GJ_P_LCE_FWD), 1);
+    gj_jit_graph_free(&g);
+    return r.peak;
+}
+
 /* Under a budget that attention's output does not fit, both of its saved
  * outputs are recomputed by one copy of the node: attention runs once in
  * the forward and once in the backward, not once per value. */
@@ -894,13 +907,7 @@ static void test_remat_shared_node(void **st) {
     (void)st;
     char why[300];
     gj_jit_graph g;
-    attn_step_graph(&g);
-    gj_jit_remat r = {.budget = (size_t)1 << 40};
-    assert_int_equal(gj_jit_pass_remat(&g, &r, why, sizeof why), 0);
-    assert_int_equal(r.n_dropped, 0);
-    assert_int_equal(count_prim(&g, GJ_P_ATTN_FWD), 1);
-    size_t full = r.peak;
-    gj_jit_graph_free(&g);
+    size_t full = unbudgeted_peak(attn_step_graph);
     int fits = 0;
     for (size_t budget = full - 1; budget > full / 4; budget -= 1024) {
         attn_step_graph(&g);
@@ -927,11 +934,7 @@ static void test_remat_head_last(void **st) {
     (void)st;
     char why[300];
     gj_jit_graph g;
-    lce_step_graph(&g);
-    gj_jit_remat r = {.budget = (size_t)1 << 40};
-    assert_int_equal(gj_jit_pass_remat(&g, &r, why, sizeof why), 0);
-    size_t full = r.peak;
-    gj_jit_graph_free(&g);
+    size_t full = unbudgeted_peak(lce_step_graph);
     lce_step_graph(&g);
     gj_jit_remat b = {.budget = full - 1};
     assert_int_equal(gj_jit_pass_remat(&g, &b, why, sizeof why), 0);
