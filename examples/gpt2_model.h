@@ -308,40 +308,57 @@ static inline gj_tensor *gpt2_attention(gpt2 *m, gj_tensor *q, gj_tensor *k, gj_
     return att ? gj_matmul(att, v) : NULL;                     /* (B, NH, T, hs) */
 }
 
-/* The final layer norm's output (B, T, C) of tokens (B, T) i64 (borrowed),
- * T the length of gpt2_set_seq_len. Scope-owned new reference, or NULL. */
-static inline gj_tensor *gpt2_hidden(gpt2 *m, gj_tensor *tokens) {
+/* Block l of the model on x (B, T, C): new reference, or NULL. */
+static inline gj_tensor *gpt2_block(gpt2 *m, gj_tensor *x, int l) {
     static const int perm[4] = {0, 2, 1, 3};
+    const int64_t *xs = gj_tensor_shape(x);
+    int64_t B = xs[0], T = xs[1], cs[3] = {xs[0], xs[1], xs[2]};
+    gj_tensor **p = m->leaf + 2 + GPT2_PER_LAYER * l; /* ln1w ... fcprojb of layer l */
+    gj_tensor *h = gj_layer_norm(x, p[0], p[1], GPT2_LN_EPS); /* (B, T, C) */
+    gj_tensor *qkv = h ? gj_linear(h, p[2], p[3]) : NULL;     /* (B, T, 3C) */
+    gj_tensor *q = qkv ? gpt2_heads(m, qkv, 0, B, T) : NULL;  /* (B, NH, T, hs) */
+    gj_tensor *k = q ? gpt2_heads(m, qkv, 1, B, T) : NULL;
+    gj_tensor *v = k ? gpt2_heads(m, qkv, 2, B, T) : NULL;
+    gj_tensor *y = v ? gpt2_attention(m, q, k, v) : NULL;    /* (B, NH, T, hs) */
+    y = y ? gj_permute(y, perm) : NULL;                       /* (B, T, NH, hs) */
+    y = y ? gj_reshape(y, 3, cs) : NULL;                      /* (B, T, C) */
+    y = y ? gj_linear(y, p[4], p[5]) : NULL;
+    x = y ? gj_add(x, y) : NULL;                              /* (B, T, C) */
+    h = x ? gj_layer_norm(x, p[6], p[7], GPT2_LN_EPS) : NULL;
+    h = h ? gj_linear(h, p[8], p[9]) : NULL;                  /* (B, T, 4C) */
+    h = h ? gj_gelu(h) : NULL;
+    h = h ? gj_linear(h, p[10], p[11]) : NULL;                /* (B, T, C) */
+    return h ? gj_add(x, h) : NULL;
+}
+
+/* The final layer norm's output (B, T, C) of tokens (B, T) i64 (borrowed),
+ * T the length of gpt2_set_seq_len. Each block runs in a scope of its own that keeps only its output: what
+ * the backward needs stays referenced by the autograd graph, the rest is
+ * freed block by block, so a forward under no-grad (the val loss) holds
+ * one block's temporaries at a time instead of the whole model's.
+ * Scope-owned new reference, or NULL. */
+static inline gj_tensor *gpt2_hidden(gpt2 *m, gj_tensor *tokens) {
     const int64_t *ts = gj_tensor_shape(tokens);
     if (gj_tensor_ndim(tokens) != 2 || ts[1] != m->mask_T || (m->unfused && !m->mask)) {
         fprintf(stderr, "gpt2: tokens must be (B, T) with T the length of gpt2_set_seq_len\n");
         return NULL;
     }
-    int64_t B = ts[0], T = ts[1], C = m->cfg.channels;
-    int64_t cs[3] = {B, T, C};
-    gj_tensor *pos = gj_narrow(m->leaf[1], 0, 0, T);                 /* (T, C) */
+    gj_tensor *pos = gj_narrow(m->leaf[1], 0, 0, ts[1]);             /* (T, C) */
     gj_tensor *x = pos ? gj_embedding(m->leaf[0], tokens) : NULL;    /* (B, T, C) */
     x = x ? gj_add(x, pos) : NULL;
+    gj_tensor *own = NULL; /* x when it is a block's output (ours, not the scope's) */
     for (int l = 0; l < m->cfg.num_layers && x; l++) {
-        gj_tensor **p = m->leaf + 2 + GPT2_PER_LAYER * l; /* ln1w ... fcprojb of layer l */
-        gj_tensor *h = gj_layer_norm(x, p[0], p[1], GPT2_LN_EPS); /* (B, T, C) */
-        gj_tensor *qkv = h ? gj_linear(h, p[2], p[3]) : NULL;     /* (B, T, 3C) */
-        gj_tensor *q = qkv ? gpt2_heads(m, qkv, 0, B, T) : NULL;  /* (B, NH, T, hs) */
-        gj_tensor *k = q ? gpt2_heads(m, qkv, 1, B, T) : NULL;
-        gj_tensor *v = k ? gpt2_heads(m, qkv, 2, B, T) : NULL;
-        gj_tensor *y = v ? gpt2_attention(m, q, k, v) : NULL;    /* (B, NH, T, hs) */
-        y = y ? gj_permute(y, perm) : NULL;                       /* (B, T, NH, hs) */
-        y = y ? gj_reshape(y, 3, cs) : NULL;                      /* (B, T, C) */
-        y = y ? gj_linear(y, p[4], p[5]) : NULL;
-        x = y ? gj_add(x, y) : NULL;                              /* (B, T, C) */
-        h = x ? gj_layer_norm(x, p[6], p[7], GPT2_LN_EPS) : NULL;
-        h = h ? gj_linear(h, p[8], p[9]) : NULL;                  /* (B, T, 4C) */
-        h = h ? gj_gelu(h) : NULL;
-        h = h ? gj_linear(h, p[10], p[11]) : NULL;                /* (B, T, C) */
-        x = h ? gj_add(x, h) : NULL;
+        gj_scope_push();
+        gj_tensor *y = gpt2_block(m, x, l);
+        if (y) gj_scope_keep(y);
+        gj_scope_pop();
+        if (own) gj_release(own);
+        own = x = y;
     }
     gj_tensor **f = m->leaf + 2 + GPT2_PER_LAYER * m->cfg.num_layers; /* lnfw, lnfb */
-    return x ? gj_layer_norm(x, f[0], f[1], GPT2_LN_EPS) : NULL;
+    gj_tensor *out = x ? gj_layer_norm(x, f[0], f[1], GPT2_LN_EPS) : NULL;
+    if (own) gj_release(own);
+    return out;
 }
 
 /* Logits (B, T, Vp) of tokens (B, T) i64 (borrowed). Scope-owned new
