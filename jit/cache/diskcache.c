@@ -3,7 +3,7 @@
  * diskcache.c - programs (plan + roles + object code) in the on-disk cache.
  *
  * File layout (native byte order: the host id pins the machine):
- *   "GJJITC12"                     magic and format version (bumped whenever
+ *   "GJJITC13"                     magic and format version (bumped whenever
  *                                  plan or lowering semantics change: 02 adds
  *                                  MAX stores, index instructions, f64 decompositions; 03: 512-bit kernels;
  *                                  04: the plan written field by field, see put_plan;
@@ -15,7 +15,10 @@
  *                                  10: bf16 GEMMs as wide products of bf16 operands;
  *                                  11: attention kernels, linear cross-entropy instructions;
  *                                  12: a linear cross-entropy's outputs at offsets,
- *                                  x * 1 planned as x, PAD fills only its gaps)
+ *                                  x * 1 planned as x, PAD fills only its gaps;
+ *                                  13: the attention bitcode not vectorised by
+ *                                  clang, so older entries' slower attention
+ *                                  code is compiled again)
  *   u64 layout                     sizes of the serialised structs
  *   str library version, str host id, str key, str symbol prefix
  *   blob plan                      see put_plan
@@ -96,7 +99,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '2'};
+static const char g_magic[8] = {'G', 'J', 'J', 'I', 'T', 'C', '1', '3'};
 
 /* Largest entry read: a bigger file is rejected without being read. */
 #define GJ_DISK_MAX_BYTES ((off_t)256 << 20)
